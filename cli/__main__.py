@@ -1,0 +1,5 @@
+import sys
+
+from meshplan.main import main
+
+sys.exit(main())

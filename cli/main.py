@@ -39,14 +39,18 @@ def _report(error: PlanError) -> None:
     n_err = len(error.errors)
     n_warn = len(error.diagnostics) - n_err
     paths = sorted({d.span.path for d in error.diagnostics})
-    counts = f"{n_err} error{'s' * (n_err != 1)}" + (f", {n_warn} warning{'s' * (n_warn != 1)}" if n_warn else "")
+    counts = f"{n_err} error{'s' * (n_err != 1)}" + (
+        f", {n_warn} warning{'s' * (n_warn != 1)}" if n_warn else ""
+    )
     print(f"{', '.join(paths)}: {counts}", file=sys.stderr)
 
 
 def _print_warnings(plan: Plan) -> None:
     if plan.warnings:
-        print(render_diagnostics(plan.warnings, {plan.path: plan.source}, color=_use_color(sys.stderr)),
-              file=sys.stderr)
+        print(
+            render_diagnostics(plan.warnings, {plan.path: plan.source}, color=_use_color(sys.stderr)),
+            file=sys.stderr,
+        )
 
 
 # ---------------------------------------------------------------------------- commands
@@ -109,13 +113,17 @@ def summarize(plan: Plan) -> str:
         detail += f", {len(p.cuts)} cuts" if p.cuts else ", balanced automatically"
         lines.append(f"  pipeline   {detail}")
     if d := plan.data_parallel:
-        offload = [name for name, on in (("optimizer", d.offload_optimizer), ("params", d.offload_params)) if on]
+        offload = [
+            name for name, on in (("optimizer", d.offload_optimizer), ("params", d.offload_params)) if on
+        ]
         detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {d.bucket_bytes / 1e6:g}MB"
         detail += f", offload {' + '.join(offload)}" if offload else ""
         lines.append(f"  data       {detail}")
     pr = plan.precision
     scale = "" if pr.loss_scale is None else f", loss scale {pr.loss_scale}"
-    lines.append(f"  precision  compute {pr.compute}, params {pr.params}, grads {pr.grads}, reduce {pr.reduce}{scale}")
+    lines.append(
+        f"  precision  compute {pr.compute}, params {pr.params}, grads {pr.grads}, reduce {pr.reduce}{scale}"
+    )
     if plan.train.gradient_accumulation > 1:
         lines.append(f"  train      gradient accumulation {plan.train.gradient_accumulation}")
     return "\n".join(lines)
@@ -135,9 +143,13 @@ def _positive_int(text: str) -> int:
 
 
 def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, example: str):
-    p = sub.add_parser(name, help=help, description=help,
-                       epilog="example:\n" + textwrap.indent(textwrap.dedent(example).strip(), "  "),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog="example:\n" + textwrap.indent(textwrap.dedent(example).strip(), "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.set_defaults(func=func)
     return p
 
@@ -155,21 +167,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = _add(sub, "check", cmd_check, "parse and check plans, reporting every problem with its location",
-             """
+    p = _add(
+        sub,
+        "check",
+        cmd_check,
+        "parse and check plans, reporting every problem with its location",
+        """
              meshplan check examples/llama_tp.plan
              meshplan check examples/*.plan --world-size 8
-             """)
+             """,
+    )
     p.add_argument("plans", nargs="+", metavar="PLAN", help="plan files")
-    p.add_argument("--world-size", type=_positive_int, metavar="N",
-                   help="number of processes; resolves a `*` axis and checks the mesh product")
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        metavar="N",
+        help="number of processes; resolves a `*` axis and checks the mesh product",
+    )
 
-    p = _add(sub, "fmt", cmd_fmt, "print plans in canonical form, keeping comments",
-             """
+    p = _add(
+        sub,
+        "fmt",
+        cmd_fmt,
+        "print plans in canonical form, keeping comments",
+        """
              meshplan fmt examples/llama_tp.plan
              meshplan fmt --check examples/*.plan      # exit 1 if any is not canonical
              meshplan fmt --write my.plan              # rewrite in place
-             """)
+             """,
+    )
     p.add_argument("plans", nargs="+", metavar="PLAN", help="plan files")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="only report files that are not canonical")
@@ -193,9 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug in meshplan, not a user mistake
         if os.environ.get("MESHPLAN_DEBUG"):
             raise
-        print(f"meshplan: internal error: {type(e).__name__}: {e}\n"
-              "this is a bug in meshplan; rerun with MESHPLAN_DEBUG=1 for the traceback and report it",
-              file=sys.stderr)
+        print(
+            f"meshplan: internal error: {type(e).__name__}: {e}\n"
+            "this is a bug in meshplan; rerun with MESHPLAN_DEBUG=1 for the traceback and report it",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

@@ -214,13 +214,20 @@ class _Checker:
         for stmts in by_kind.values():
             for dup in stmts[1:]:
                 word = _statement_word(dup)
-                self.error(_head_span(dup), f"`{word}` appears twice",
-                           hint=f"merge it into the first `{word}`", related=[(_head_span(stmts[0]), "first here")])
+                self.error(
+                    _head_span(dup),
+                    f"`{word}` appears twice",
+                    hint=f"merge it into the first `{word}`",
+                    related=[(_head_span(stmts[0]), "first here")],
+                )
 
         meshes = by_kind.get(ast.Mesh, [])
         if not meshes:
-            self.error(Span(self.path, 1, 1, 1, 2), "plan has no `mesh`",
-                       hint="start the plan with the device mesh, e.g. `mesh dp=*, tp=2`")
+            self.error(
+                Span(self.path, 1, 1, 1, 2),
+                "plan has no `mesh`",
+                hint="start the plan with the device mesh, e.g. `mesh dp=*, tp=2`",
+            )
             return None
         mesh = self.mesh(meshes[0])  # type: ignore[arg-type]
 
@@ -243,8 +250,11 @@ class _Checker:
         axes = []
         for ax in node.axes:
             if ax.name.text in seen:
-                self.error(ax.name.span, f"axis `{ax.name.text}` is declared twice",
-                           related=[(seen[ax.name.text].span, "first declared here")])
+                self.error(
+                    ax.name.span,
+                    f"axis `{ax.name.text}` is declared twice",
+                    related=[(seen[ax.name.text].span, "first declared here")],
+                )
                 continue
             seen[ax.name.text] = ax
             if ax.size is not None and ax.size < 1:
@@ -252,25 +262,36 @@ class _Checker:
             axes.append(Axis(ax.name.text, ax.size, ax.span))
         autos = [a for a in axes if a.size is None]
         for extra in autos[1:]:
-            self.error(extra.span, "only one axis can take its size from the world size (`*`)",
-                       hint=f"`{autos[0].name}` already does; give `{extra.name}` a number")
+            self.error(
+                extra.span,
+                "only one axis can take its size from the world size (`*`)",
+                hint=f"`{autos[0].name}` already does; give `{extra.name}` a number",
+            )
         known = math.prod(a.size for a in axes if a.size and a.size > 0)
         if self.world_size is not None:
             if autos:
                 if self.world_size % known:
-                    self.error(node.span, f"world size {self.world_size} is not divisible by the fixed axes' "
-                               f"product {known}", hint="change the axis sizes or the number of processes")
+                    self.error(
+                        node.span,
+                        f"world size {self.world_size} is not divisible by the fixed axes' product {known}",
+                        hint="change the axis sizes or the number of processes",
+                    )
                 else:
-                    axes = [Axis(a.name, self.world_size // known, a.span) if a is autos[0] else a for a in axes]
+                    axes = [
+                        Axis(a.name, self.world_size // known, a.span) if a is autos[0] else a for a in axes
+                    ]
             elif known != self.world_size:
-                self.error(node.span, f"mesh has {known} ranks but the world size is {self.world_size}",
-                           hint=f"make the axis sizes multiply to {self.world_size}, or use `*` for one axis")
+                self.error(
+                    node.span,
+                    f"mesh has {known} ranks but the world size is {self.world_size}",
+                    hint=f"make the axis sizes multiply to {self.world_size}, or use `*` for one axis",
+                )
         return MeshSpec(tuple(axes), node.span)
 
     def axis_ref(self, name: ast.Name, mesh: MeshSpec, role: str) -> str | None:
         if name.text not in mesh.names:
             guess = did_you_mean(name.text, mesh.names)
-            hint = f"did you mean `{guess}`?" if guess else f"the mesh axes are {one_of(mesh.names)}"
+            hint = f"did you mean `{guess}`?" if guess else "the mesh axes are: " + ", ".join(mesh.names)
             self.error(name.span, f"unknown mesh axis `{name.text}`", hint=hint)
             return None
         self.roles.setdefault(name.text, []).append((role, name.span))
@@ -281,18 +302,24 @@ class _Checker:
             first_role, first_span = uses[0]
             for role, span in uses[1:]:
                 if role != first_role and not any({role, first_role} <= g for g in _COMPATIBLE_ROLES):
-                    self.error(span, f"axis `{axis}` is used for {_ROLE_WORDS[role]} here but for "
-                               f"{_ROLE_WORDS[first_role]} elsewhere",
-                               hint="give each kind of parallelism its own mesh axis",
-                               related=[(first_span, f"`{axis}` used for {_ROLE_WORDS[first_role]} here")])
+                    self.error(
+                        span,
+                        f"axis `{axis}` is used for {_ROLE_WORDS[role]} here but for "
+                        f"{_ROLE_WORDS[first_role]} elsewhere",
+                        hint="give each kind of parallelism its own mesh axis",
+                        related=[(first_span, f"`{axis}` used for {_ROLE_WORDS[first_role]} here")],
+                    )
                     break
 
     def check_unused_axes(self, mesh: MeshSpec) -> None:
         for ax in mesh.axes:
             if ax.name not in self.roles and ax.size != 1:
-                self.warn(ax.span, f"axis `{ax.name}` is not used by any rule or block",
-                          hint=f"its ranks would all compute the same thing; add `data_parallel over {ax.name}` "
-                          "or set its size to 1")
+                self.warn(
+                    ax.span,
+                    f"axis `{ax.name}` is not used by any rule or block",
+                    hint=f"its ranks would all compute the same thing; add `data_parallel over {ax.name}` "
+                    "or set its size to 1",
+                )
 
     # -- modules
     def rules(self, nodes: tuple[ast.Rule, ...], mesh: MeshSpec) -> tuple[PlanRule, ...]:
@@ -302,13 +329,18 @@ class _Checker:
             action = rule.action
             kind = _KIND_OF[type(action)]
             axis = None
-            if isinstance(action, (ast.TensorParallel, ast.SequenceParallel, ast.ContextParallel, ast.ExpertParallel)):
+            if isinstance(
+                action, (ast.TensorParallel, ast.SequenceParallel, ast.ContextParallel, ast.ExpertParallel)
+            ):
                 axis = self.axis_ref(action.axis, mesh, kind)
             if isinstance(action, ast.ExpertParallel):
                 self.expert_args(action)
             if isinstance(action, ast.Checkpoint) and action.every is not None and action.every < 1:
-                self.error(action.span, "`every` must be at least 1", hint="`checkpoint every 2` checkpoints every "
-                           "second matched module")
+                self.error(
+                    action.span,
+                    "`every` must be at least 1",
+                    hint="`checkpoint every 2` checkpoints every second matched module",
+                )
             if glob is not None:
                 out.append(PlanRule(glob, action, kind, axis, rule.span, rule.pattern.span, order))
         self.duplicate_rules(out)
@@ -329,8 +361,11 @@ class _Checker:
             key = arg.name.text
             if key not in _EXPERT_ARGS:
                 guess = did_you_mean(key, _EXPERT_ARGS)
-                self.error(arg.name.span, f"unknown expert setting `{key}`",
-                           hint=f"did you mean `{guess}`?" if guess else f"expected {one_of(_EXPERT_ARGS)}")
+                self.error(
+                    arg.name.span,
+                    f"unknown expert setting `{key}`",
+                    hint=f"did you mean `{guess}`?" if guess else f"expected {one_of(_EXPERT_ARGS)}",
+                )
             elif key in seen:
                 self.error(arg.span, f"`{key}` is given twice")
             elif _EXPERT_ARGS[key] == "int" and (arg.value != int(arg.value) or arg.value < 1):
@@ -347,23 +382,32 @@ class _Checker:
             if prev is rule:
                 continue
             if prev.action == rule.action:
-                self.warn(rule.span, f"rule repeats the rule at line {prev.span.line}", hint="delete one of them")
+                self.warn(
+                    rule.span, f"rule repeats the rule at line {prev.span.line}", hint="delete one of them"
+                )
             else:
-                self.error(rule.pattern_span, f"conflicting rules for `{rule.pattern}`",
-                           hint="a module gets one placement of each kind; keep one rule",
-                           related=[(prev.span, "the other rule")])
+                self.error(
+                    rule.pattern_span,
+                    f"conflicting rules for `{rule.pattern}`",
+                    hint="a module gets one placement of each kind; keep one rule",
+                    related=[(prev.span, "the other rule")],
+                )
 
     def check_rule_consistency(self, rules: tuple[PlanRule, ...], precision: PrecisionSpec) -> None:
         tensor_axes = {r.axis for r in rules if isinstance(r.action, ast.TensorParallel)}
         for rule in rules:
             if rule.kind == "sequence" and rule.axis is not None and rule.axis not in tensor_axes:
-                self.error(rule.span, f"sequence parallelism over `{rule.axis}` needs tensor-parallel rules "
-                           f"over `{rule.axis}`",
-                           hint="sequence parallelism shards the regions between column and row splits; "
-                           f"add `column over {rule.axis}` / `row over {rule.axis}` rules")
+                self.error(
+                    rule.span,
+                    f"sequence parallelism over `{rule.axis}` needs tensor-parallel rules over `{rule.axis}`",
+                    hint="sequence parallelism shards the regions between column and row splits; "
+                    f"add `column over {rule.axis}` / `row over {rule.axis}` rules",
+                )
             if isinstance(rule.action, ast.DtypeOverride) and rule.action.dtype == precision.compute:
-                self.warn(rule.span, f"`precision {rule.action.dtype}` has no effect: compute is already "
-                          f"{precision.compute}")
+                self.warn(
+                    rule.span,
+                    f"`precision {rule.action.dtype}` has no effect: compute is already {precision.compute}",
+                )
 
     # -- settings blocks
     def settings(self, items, allowed: tuple[str, ...]) -> dict[str, ast.Setting]:
@@ -372,8 +416,12 @@ class _Checker:
             if not isinstance(item, ast.Setting):
                 continue
             if item.key in out:
-                self.error(item.span, f"`{item.key}` is set twice", hint="keep one",
-                           related=[(out[item.key].span, "first set here")])
+                self.error(
+                    item.span,
+                    f"`{item.key}` is set twice",
+                    hint="keep one",
+                    related=[(out[item.key].span, "first set here")],
+                )
                 continue
             assert item.key in allowed, item.key  # the grammar only admits these
             out[item.key] = item
@@ -391,11 +439,17 @@ class _Checker:
 
         virtual = s["virtual_stages"].value if "virtual_stages" in s else None
         if virtual is not None and schedule != "interleaved":
-            self.error(s["virtual_stages"].span, f"`virtual_stages` needs `schedule = interleaved`, not {schedule}",
-                       hint="virtual stages are the chunks each rank holds in the interleaved schedule")
+            self.error(
+                s["virtual_stages"].span,
+                f"`virtual_stages` needs `schedule = interleaved`, not {schedule}",
+                hint="virtual stages are the chunks each rank holds in the interleaved schedule",
+            )
         if schedule == "interleaved" and virtual is not None and isinstance(virtual, int) and virtual < 2:
-            self.error(s["virtual_stages"].value_span, "interleaved 1F1B needs at least 2 virtual stages per rank",
-                       hint="use `schedule = 1f1b` for one stage per rank")
+            self.error(
+                s["virtual_stages"].value_span,
+                "interleaved 1F1B needs at least 2 virtual stages per rank",
+                hint="use `schedule = 1f1b` for one stage per rank",
+            )
         if virtual is None:
             virtual = 2 if schedule == "interleaved" else 1
         assert isinstance(virtual, int)
@@ -405,13 +459,17 @@ class _Checker:
             if micro < 1:
                 self.error(s["microbatches"].value_span, "`microbatches` must be at least 1")
             elif num_stages and schedule != "gpipe" and micro < num_stages:
-                self.error(s["microbatches"].value_span,
-                           f"{schedule} needs at least as many microbatches as stages: {micro} < {num_stages}",
-                           hint=f"set `microbatches = {num_stages}` or more (more microbatches, smaller bubble)")
+                self.error(
+                    s["microbatches"].value_span,
+                    f"{schedule} needs at least as many microbatches as stages: {micro} < {num_stages}",
+                    hint=f"set `microbatches = {num_stages}` or more (more microbatches, smaller bubble)",
+                )
             elif num_stages and schedule == "interleaved" and micro % num_stages:
-                self.error(s["microbatches"].value_span,
-                           f"interleaved 1F1B needs microbatches divisible by the {num_stages} pipeline ranks",
-                           hint=f"use {micro + (-micro) % num_stages}")
+                self.error(
+                    s["microbatches"].value_span,
+                    f"interleaved 1F1B needs microbatches divisible by the {num_stages} pipeline ranks",
+                    hint=f"use {micro + (-micro) % num_stages}",
+                )
 
         cuts = tuple(i for i in node.items if isinstance(i, ast.Cut))
         seen_cuts: dict[tuple[str, str], ast.Cut] = {}
@@ -423,13 +481,23 @@ class _Checker:
         if cuts and num_stages:
             want = num_stages * virtual - 1
             if len(cuts) != want:
-                self.error(cuts[0].span, f"{len(cuts)} cut(s) make {len(cuts) + 1} stages, but `{axis}` has "
-                           f"{num_stages} rank(s)" + (f" x {virtual} virtual stages" if virtual > 1 else ""),
-                           hint=f"give {want} cut(s), or none to balance the stages automatically")
+                self.error(
+                    cuts[0].span,
+                    f"{len(cuts)} cut(s) make {len(cuts) + 1} stages, but `{axis}` has "
+                    f"{num_stages} rank(s)" + (f" x {virtual} virtual stages" if virtual > 1 else ""),
+                    hint=f"give {want} cut(s), or none to balance the stages automatically",
+                )
         if axis and num_stages == 1:
             self.warn(node.span, f"pipeline over `{axis}` of size 1 has a single stage")
-        return PipelineSpec(axis or node.axis.text, schedule, micro if isinstance(micro, int) else None, virtual, cuts,
-                            node.span, MappingProxyType(spans))
+        return PipelineSpec(
+            axis or node.axis.text,
+            schedule,
+            micro if isinstance(micro, int) else None,
+            virtual,
+            cuts,
+            node.span,
+            MappingProxyType(spans),
+        )
 
     def data_parallel(self, node: ast.DataParallelBlock | None, mesh: MeshSpec) -> DataParallelSpec | None:
         if node is None:
@@ -439,8 +507,11 @@ class _Checker:
         zero = s["zero"].value if "zero" in s else 0
         assert isinstance(zero, int)
         if not 0 <= zero <= 3:
-            self.error(s["zero"].value_span, f"ZeRO stage {zero} does not exist",
-                       hint="0: plain data parallel, 1: shard optimizer state, 2: + gradients, 3: + parameters")
+            self.error(
+                s["zero"].value_span,
+                f"ZeRO stage {zero} does not exist",
+                hint="0: plain data parallel, 1: shard optimizer state, 2: + gradients, 3: + parameters",
+            )
         bucket = s["bucket"].value if "bucket" in s else DEFAULT_BUCKET_BYTES
         assert isinstance(bucket, int)
         if bucket <= 0:
@@ -450,36 +521,68 @@ class _Checker:
         if len(set(offload)) != len(offload):
             self.error(s["offload"].value_span, "an offload target is listed twice")
         if "params" in offload and zero != 3:
-            self.error(s["offload"].value_span, "offloading parameters needs `zero = 3`",
-                       hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU")
-        return DataParallelSpec(axis or node.axis.text, zero, bucket, "optimizer" in offload, "params" in offload,
-                                node.span, MappingProxyType({k: v.span for k, v in s.items()}))
+            self.error(
+                s["offload"].value_span,
+                "offloading parameters needs `zero = 3`",
+                hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU",
+            )
+        return DataParallelSpec(
+            axis or node.axis.text,
+            zero,
+            bucket,
+            "optimizer" in offload,
+            "params" in offload,
+            node.span,
+            MappingProxyType({k: v.span for k, v in s.items()}),
+        )
 
     def precision(self, node: ast.PrecisionBlock | None) -> PrecisionSpec:
         if node is None:
             return PrecisionSpec()
         s = self.settings(node.items, ("compute", "params", "grads", "reduce", "loss_scale"))
-        get = lambda key, default: s[key].value if key in s else default  # noqa: E731
+
+        def get(key: str, default: str) -> str:
+            value = s[key].value if key in s else default
+            assert isinstance(value, str), value  # the grammar admits only dtype names here
+            return value
+
         compute = get("compute", "fp32")
         params = get("params", "fp32")
         grads = get("grads", params)
         reduce = get("reduce", grads)
         if DTYPE_BITS[params] < DTYPE_BITS[compute]:
-            self.error(s["params"].value_span, f"master weights in {params} are less precise than compute in {compute}",
-                       hint="keep `params = fp32` (the usual choice), or lower `compute`")
+            self.error(
+                s["params"].value_span,
+                f"master weights in {params} are less precise than compute in {compute}",
+                hint="keep `params = fp32` (the usual choice), or lower `compute`",
+            )
         if "params" in s and "compute" in s and {params, compute} == {"bf16", "fp16"}:
-            self.error(s["params"].value_span, f"params in {params} cannot be cast losslessly to compute in {compute}")
-        loss_scale = get("loss_scale", "dynamic" if compute == "fp16" else "none")
+            self.error(
+                s["params"].value_span,
+                f"params in {params} cannot be cast losslessly to compute in {compute}",
+            )
+        loss_scale = (
+            s["loss_scale"].value if "loss_scale" in s else ("dynamic" if compute == "fp16" else "none")
+        )
+        assert isinstance(loss_scale, (str, float)), loss_scale
         if loss_scale != "none" and compute != "fp16" and "loss_scale" in s:
-            self.error(s["loss_scale"].value_span, f"loss scaling is for fp16 compute, but compute is {compute}",
-                       hint="bf16 and fp32 have fp32's exponent range; remove `loss_scale`")
+            self.error(
+                s["loss_scale"].value_span,
+                f"loss scaling is for fp16 compute, but compute is {compute}",
+                hint="bf16 and fp32 have fp32's exponent range; remove `loss_scale`",
+            )
         if isinstance(loss_scale, float) and loss_scale <= 0:
             self.error(s["loss_scale"].value_span, "a fixed loss scale must be positive")
         if compute == "fp16" and loss_scale == "none":
-            self.warn(s["loss_scale"].span, "fp16 without loss scaling: small gradients will underflow to zero",
-                      hint="use `loss_scale = dynamic`")
+            self.warn(
+                s["loss_scale"].span,
+                "fp16 without loss scaling: small gradients will underflow to zero",
+                hint="use `loss_scale = dynamic`",
+            )
         spans = MappingProxyType({k: v.span for k, v in s.items()} | {"block": node.span})
-        return PrecisionSpec(compute, params, grads, reduce, None if loss_scale == "none" else loss_scale, spans)
+        return PrecisionSpec(
+            compute, params, grads, reduce, None if loss_scale == "none" else loss_scale, spans
+        )
 
     def train(self, node: ast.TrainBlock | None) -> TrainSpec:
         if node is None:

@@ -98,7 +98,7 @@ class _Formatter:
     def file(self, tree: ast.PlanFile) -> str:
         for i, stmt in enumerate(tree.statements):
             self.gap(stmt.span.line, "", at_block_start=(i == 0))
-            if i > 0 and self.out and self.out[-1] != "":
+            if (i > 0 or self.pending_blank) and self.out and self.out[-1] != "":
                 self.out.append("")  # statements are always separated by one blank line
             self.statement(stmt)
             self.cursor = stmt.span.end_line

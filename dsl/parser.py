@@ -16,8 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
-
+from lark.exceptions import UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 from meshplan.grammar import grammar_text
 
 from . import ast
@@ -42,8 +41,13 @@ def read_plan_text(path: str | Path) -> str:
         raise PlanFileError([Diagnostic(origin, f"cannot read plan file: {e.strerror}")]) from None
     if len(data) > MAX_PLAN_BYTES:
         raise PlanFileError(
-            [Diagnostic(origin, f"plan file is larger than {MAX_PLAN_BYTES // 1024} KiB",
-                        hint="a plan describes a layout in a few dozen lines; is this the right file?")]
+            [
+                Diagnostic(
+                    origin,
+                    f"plan file is larger than {MAX_PLAN_BYTES // 1024} KiB",
+                    hint="a plan describes a layout in a few dozen lines; is this the right file?",
+                )
+            ]
         )
     return decode_plan_bytes(data, name)
 
@@ -52,14 +56,28 @@ def decode_plan_bytes(data: bytes, name: str) -> str:
     nul = data.find(b"\x00")
     if nul >= 0:
         span = _span_of_offset(data[:nul].decode("utf-8", "replace"), name, nul)
-        raise PlanFileError([Diagnostic(span, "plan file contains a NUL byte: this looks like a binary file",
-                                        hint="a plan is UTF-8 text")])
+        raise PlanFileError(
+            [
+                Diagnostic(
+                    span,
+                    "plan file contains a NUL byte: this looks like a binary file",
+                    hint="a plan is UTF-8 text",
+                )
+            ]
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         span = _span_of_offset(data[: e.start].decode("utf-8", "replace"), name, e.start)
-        raise PlanFileError([Diagnostic(span, f"plan file is not UTF-8 text (byte 0x{data[e.start]:02x})",
-                                        hint="save the plan as UTF-8")]) from None
+        raise PlanFileError(
+            [
+                Diagnostic(
+                    span,
+                    f"plan file is not UTF-8 text (byte 0x{data[e.start]:02x})",
+                    hint="save the plan as UTF-8",
+                )
+            ]
+        ) from None
     return text.removeprefix("\ufeff")
 
 
@@ -71,8 +89,9 @@ def _span_of_offset(prefix: str, name: str, offset: int) -> Span:
 
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
-    return Lark(grammar_text(), parser="lalr", lexer="contextual", propagate_positions=True,
-                maybe_placeholders=False)
+    return Lark(
+        grammar_text(), parser="lalr", lexer="contextual", propagate_positions=True, maybe_placeholders=False
+    )
 
 
 def parse(text: str, path: str = "<plan>") -> ast.PlanFile:
@@ -93,8 +112,13 @@ def parse_recovering(text: str, path: str = "<plan>") -> tuple[ast.PlanFile, lis
         raise PlanFileError([Diagnostic(span, f"plan text is larger than {MAX_PLAN_BYTES // 1024} KiB")])
     if not text.strip() or all(not line.split("#", 1)[0].strip() for line in text.splitlines()):
         raise PlanSyntaxError(
-            [Diagnostic(Span(path, 1, 1, 1, 1), "empty plan",
-                        hint="a plan needs at least a mesh, e.g. `mesh dp=*, tp=2`")],
+            [
+                Diagnostic(
+                    Span(path, 1, 1, 1, 1),
+                    "empty plan",
+                    hint="a plan needs at least a mesh, e.g. `mesh dp=*, tp=2`",
+                )
+            ],
             {path: text},
         )
     diagnostics: list[Diagnostic] = []
@@ -112,7 +136,9 @@ def parse_recovering(text: str, path: str = "<plan>") -> tuple[ast.PlanFile, lis
                 raise
             diagnostics.append(e.orig_exc.diagnostic)
             work = _blank_lines(work, e.orig_exc.diagnostic.span.line, e.orig_exc.diagnostic.span.line)
-    diagnostics.append(Diagnostic(diagnostics[-1].span, f"too many errors; stopped after {MAX_SYNTAX_ERRORS}"))
+    diagnostics.append(
+        Diagnostic(diagnostics[-1].span, f"too many errors; stopped after {MAX_SYNTAX_ERRORS}")
+    )
     raise PlanSyntaxError(diagnostics, {path: text})
 
 
@@ -151,7 +177,9 @@ class _ToAst(Transformer):
 
     # -- file
     def start(self, meta, *statements):
-        return ast.PlanFile(self.path, tuple(statements), self._span(meta) if not meta.empty else Span(self.path, 1, 1, 1, 1))
+        return ast.PlanFile(
+            self.path, tuple(statements), self._span(meta) if not meta.empty else Span(self.path, 1, 1, 1, 1)
+        )
 
     # -- mesh
     def mesh(self, meta, *axes):
@@ -359,13 +387,12 @@ def _expected_words(expected: set[str]) -> list[str]:
 
 
 def _keywords(expected: set[str]) -> list[str]:
+    """The keywords among the expected terminals, for did-you-mean suggestions."""
     terminals = {t.name: t for t in _lark().terminals}
     out = []
     for name in expected:
         t = terminals.get(name)
-        if t is not None and t.pattern.type == "str" and t.pattern.value.isidentifier() or (
-            t is not None and t.pattern.value in ("1f1b",)
-        ):
+        if t is not None and t.pattern.type == "str" and t.pattern.value[-1:].isalnum():
             out.append(t.pattern.value)
     return out
 
@@ -381,18 +408,21 @@ def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         opener = _unclosed_brace(text)
         if opener is not None:
             line, col = opener
-            return Diagnostic(Span(path, line, col, line, col + 1), "block is never closed",
-                              hint="add a `}` on its own line at the end of the block")
+            return Diagnostic(
+                Span(path, line, col, line, col + 1),
+                "block is never closed",
+                hint="add a `}` on its own line at the end of the block",
+            )
         line = text.count("\n") or 1
         return Diagnostic(Span(path, line, 1, line, 2), "unexpected end of file")
 
-    expected = set(e.expected) if isinstance(e, UnexpectedToken) else set(e.allowed or ())
+    expected = set(e.expected) if isinstance(e, UnexpectedToken) else set(getattr(e, "allowed", None) or ())
     if isinstance(e, UnexpectedToken):
         tok = e.token
         pos = tok.start_pos or 0
         found = str(tok) if tok.type != "_NL" else ""
     else:
-        pos = e.pos_in_stream
+        pos = e.pos_in_stream or 0
         found = _word_at(text, pos)
     line, col = e.line, e.column
     width = max(1, len(found.splitlines()[0]) if found.strip() else 1)
@@ -407,10 +437,7 @@ def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
     shown = found if len(found) <= 40 else found[:37] + "..."
     message = f"unexpected `{shown}`"
     guess = did_you_mean(found, keywords) if keywords else None
-    if guess:
-        hint = f"did you mean `{guess}`?"
-    else:
-        hint = f"expected {one_of(_expected_words(expected))}"
+    hint = f"did you mean `{guess}`?" if guess else f"expected {one_of(_expected_words(expected))}"
     if {"mesh", "modules"} <= set(keywords):
         message = f"unexpected `{shown}` at the start of a statement"
         if not guess:

@@ -52,7 +52,10 @@ class Glob:
             if "**" in seg:
                 i = seg.index("**")
                 raise PatternSyntaxError(
-                    "`**` must be a whole path segment", offset + i, 2, hint="write `a.**.b`, or `*` for part of a segment"
+                    "`**` must be a whole path segment",
+                    offset + i,
+                    2,
+                    hint="write `a.**.b`, or `*` for part of a segment",
                 )
             regex, literal, chars = _segment_regex(seg, offset)
             literal_segments += literal
@@ -101,7 +104,9 @@ def _split_segments(text: str) -> list[tuple[str, int]]:
     segments.append((text[start:], start))
     for seg, offset in segments:
         if not seg:
-            raise PatternSyntaxError("empty path segment", offset, hint="segments are separated by single dots")
+            raise PatternSyntaxError(
+                "empty path segment", offset, hint="segments are separated by single dots"
+            )
     return segments
 
 
@@ -134,17 +139,26 @@ def _brace_regex(body: str, offset: int) -> str:
     if m:
         lo, hi = int(m.group(1)), int(m.group(2))
         if lo > hi:
-            raise PatternSyntaxError(f"empty range {{{body}}}: {lo} is greater than {hi}", offset, len(body) + 2,
-                                     hint=f"write {{{hi}..{lo}}}")
+            raise PatternSyntaxError(
+                f"empty range {{{body}}}: {lo} is greater than {hi}",
+                offset,
+                len(body) + 2,
+                hint=f"write {{{hi}..{lo}}}",
+            )
         if hi - lo > MAX_RANGE:
             raise PatternSyntaxError(f"range {{{body}}} is too large", offset, len(body) + 2)
         return "(?:" + "|".join(str(n) for n in range(lo, hi + 1)) + ")"
     alternatives = body.split(",")
     for alt in alternatives:
         if not alt:
-            raise PatternSyntaxError("empty alternative in braces", offset, len(body) + 2,
-                                     hint="write alternatives as `{q,k,v}`")
+            raise PatternSyntaxError(
+                "empty alternative in braces", offset, len(body) + 2, hint="write alternatives as `{q,k,v}`"
+            )
         if not _WORD.fullmatch(alt):
-            raise PatternSyntaxError(f"alternative `{alt}` is not a plain name", offset, len(body) + 2,
-                                     hint="braces hold names `{q,k,v}` or an integer range `{0..3}`")
+            raise PatternSyntaxError(
+                f"alternative `{alt}` is not a plain name",
+                offset,
+                len(body) + 2,
+                hint="braces hold names `{q,k,v}` or an integer range `{0..3}`",
+            )
     return "(?:" + "|".join(re.escape(a) for a in alternatives) + ")"

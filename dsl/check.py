@@ -151,7 +151,8 @@ def check_text(text: str, path: str = "<plan>", *, world_size: int | None = None
     if not mesh_broken:
         # Report what else is wrong with the statements that did parse; warnings would be
         # noise about the broken parts (an axis "unused" by a block that failed to parse).
-        checker = _Checker(path, world_size)
+        broken_lines = frozenset(d.span.line for d in syntax_errors)
+        checker = _Checker(path, world_size, broken_lines=broken_lines)
         checker.run(tree, text)
         diagnostics += [d for d in checker.diagnostics if d.severity == "error"]
     raise PlanSyntaxError(diagnostics, {path: text})
@@ -194,11 +195,21 @@ _EXPERT_ARGS = {"top_k": "int", "capacity_factor": "float"}
 
 
 class _Checker:
-    def __init__(self, path: str, world_size: int | None):
+    def __init__(self, path: str, world_size: int | None, *, broken_lines: frozenset[int] = frozenset()):
         self.path = path
         self.world_size = world_size
+        # Lines with syntax errors. A block holding one lost an entry to recovery, so checks
+        # that relate its entries (offload needs zero = 3) would report the loss, not the plan.
+        self.broken_lines = broken_lines
         self.diagnostics: list[Diagnostic] = []
         self.roles: dict[str, list[tuple[str, Span]]] = {}
+        self.unknown_axis_used = False
+
+    def complete(self, node: ast.Statement | None) -> bool:
+        """Whether the statement parsed without losing anything to error recovery."""
+        if node is None:
+            return True
+        return not any(node.span.line <= line <= node.span.end_line for line in self.broken_lines)
 
     def error(self, span: Span, message: str, hint: str | None = None, related=()) -> None:
         self.diagnostics.append(Diagnostic(span, message, hint, "error", tuple(related)))
@@ -239,7 +250,7 @@ class _Checker:
         precision = self.precision(first(ast.PrecisionBlock))  # type: ignore[arg-type]
         train = self.train(first(ast.TrainBlock))  # type: ignore[arg-type]
         self.check_roles()
-        self.check_rule_consistency(rules, precision)
+        self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         self.check_unused_axes(mesh)
         warnings = tuple(d for d in self.diagnostics if d.severity == "warning")
         return Plan(self.path, source, mesh, rules, pipeline, data_parallel, precision, train, warnings)
@@ -253,6 +264,7 @@ class _Checker:
                 self.error(
                     ax.name.span,
                     f"axis `{ax.name.text}` is declared twice",
+                    hint="give each mesh axis its own name",
                     related=[(seen[ax.name.text].span, "first declared here")],
                 )
                 continue
@@ -293,6 +305,7 @@ class _Checker:
             guess = did_you_mean(name.text, mesh.names)
             hint = f"did you mean `{guess}`?" if guess else "the mesh axes are: " + ", ".join(mesh.names)
             self.error(name.span, f"unknown mesh axis `{name.text}`", hint=hint)
+            self.unknown_axis_used = True
             return None
         self.roles.setdefault(name.text, []).append((role, name.span))
         return name.text
@@ -312,6 +325,8 @@ class _Checker:
                     break
 
     def check_unused_axes(self, mesh: MeshSpec) -> None:
+        if self.unknown_axis_used:
+            return  # the misspelt name was most likely meant to be one of the "unused" axes
         for ax in mesh.axes:
             if ax.name not in self.roles and ax.size != 1:
                 self.warn(
@@ -393,10 +408,17 @@ class _Checker:
                     related=[(prev.span, "the other rule")],
                 )
 
-    def check_rule_consistency(self, rules: tuple[PlanRule, ...], precision: PrecisionSpec) -> None:
+    def check_rule_consistency(
+        self, rules: tuple[PlanRule, ...], precision: PrecisionSpec, *, complete: bool
+    ) -> None:
         tensor_axes = {r.axis for r in rules if isinstance(r.action, ast.TensorParallel)}
         for rule in rules:
-            if rule.kind == "sequence" and rule.axis is not None and rule.axis not in tensor_axes:
+            if (
+                complete
+                and rule.kind == "sequence"
+                and rule.axis is not None
+                and rule.axis not in tensor_axes
+            ):
                 self.error(
                     rule.span,
                     f"sequence parallelism over `{rule.axis}` needs tensor-parallel rules over `{rule.axis}`",
@@ -438,7 +460,8 @@ class _Checker:
         num_stages = mesh.size(axis) if axis else None
 
         virtual = s["virtual_stages"].value if "virtual_stages" in s else None
-        if virtual is not None and schedule != "interleaved":
+        complete = self.complete(node)
+        if complete and virtual is not None and schedule != "interleaved":
             self.error(
                 s["virtual_stages"].span,
                 f"`virtual_stages` needs `schedule = interleaved`, not {schedule}",
@@ -458,13 +481,13 @@ class _Checker:
         if isinstance(micro, int):
             if micro < 1:
                 self.error(s["microbatches"].value_span, "`microbatches` must be at least 1")
-            elif num_stages and schedule != "gpipe" and micro < num_stages:
+            elif complete and num_stages and schedule != "gpipe" and micro < num_stages:
                 self.error(
                     s["microbatches"].value_span,
                     f"{schedule} needs at least as many microbatches as stages: {micro} < {num_stages}",
                     hint=f"set `microbatches = {num_stages}` or more (more microbatches, smaller bubble)",
                 )
-            elif num_stages and schedule == "interleaved" and micro % num_stages:
+            elif complete and num_stages and schedule == "interleaved" and micro % num_stages:
                 self.error(
                     s["microbatches"].value_span,
                     f"interleaved 1F1B needs microbatches divisible by the {num_stages} pipeline ranks",
@@ -477,13 +500,19 @@ class _Checker:
             self.glob(cut.pattern)
             prev = seen_cuts.setdefault((cut.side, cut.pattern.text), cut)
             if prev is not cut:
-                self.error(cut.span, "the same cut is given twice", related=[(prev.span, "first here")])
-        if cuts and num_stages:
+                self.error(
+                    cut.span,
+                    "the same cut is given twice",
+                    hint="delete one of them",
+                    related=[(prev.span, "first here")],
+                )
+        if complete and cuts and num_stages:
             want = num_stages * virtual - 1
-            if len(cuts) != want:
+            num_cuts = len(seen_cuts)  # a repeated cut is reported above, not counted twice
+            if num_cuts != want:
                 self.error(
                     cuts[0].span,
-                    f"{len(cuts)} cut(s) make {len(cuts) + 1} stages, but `{axis}` has "
+                    f"{num_cuts} cut(s) make {num_cuts + 1} stages, but `{axis}` has "
                     f"{num_stages} rank(s)" + (f" x {virtual} virtual stages" if virtual > 1 else ""),
                     hint=f"give {want} cut(s), or none to balance the stages automatically",
                 )
@@ -520,7 +549,7 @@ class _Checker:
         assert isinstance(offload, tuple)
         if len(set(offload)) != len(offload):
             self.error(s["offload"].value_span, "an offload target is listed twice")
-        if "params" in offload and zero != 3:
+        if self.complete(node) and "params" in offload and zero != 3:
             self.error(
                 s["offload"].value_span,
                 "offloading parameters needs `zero = 3`",
@@ -550,22 +579,24 @@ class _Checker:
         params = get("params", "fp32")
         grads = get("grads", params)
         reduce = get("reduce", grads)
-        if DTYPE_BITS[params] < DTYPE_BITS[compute]:
+        complete = self.complete(node)
+        if complete and DTYPE_BITS[params] < DTYPE_BITS[compute]:
             self.error(
                 s["params"].value_span,
                 f"master weights in {params} are less precise than compute in {compute}",
                 hint="keep `params = fp32` (the usual choice), or lower `compute`",
             )
-        if "params" in s and "compute" in s and {params, compute} == {"bf16", "fp16"}:
+        if complete and "params" in s and "compute" in s and {params, compute} == {"bf16", "fp16"}:
             self.error(
                 s["params"].value_span,
                 f"params in {params} cannot be cast losslessly to compute in {compute}",
+                hint="keep `params = fp32` (the usual choice)",
             )
         loss_scale = (
             s["loss_scale"].value if "loss_scale" in s else ("dynamic" if compute == "fp16" else "none")
         )
         assert isinstance(loss_scale, (str, float)), loss_scale
-        if loss_scale != "none" and compute != "fp16" and "loss_scale" in s:
+        if complete and loss_scale != "none" and compute != "fp16" and "loss_scale" in s:
             self.error(
                 s["loss_scale"].value_span,
                 f"loss scaling is for fp16 compute, but compute is {compute}",

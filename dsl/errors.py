@@ -121,9 +121,10 @@ def _excerpt(span: Span, source: str | None) -> list[str]:
     """The span's first line, indented, with a caret and tildes under the span."""
     if source is None:
         return []
-    text_lines = source.splitlines()
-    if not 1 <= span.line <= len(text_lines):
-        return []
+    # split as the parser counts lines: at `\n` only (`str.splitlines` also splits at `\f`, U+2028, ...)
+    text_lines = [line.removesuffix("\r") for line in source.split("\n")]
+    if not 1 <= span.line <= len(text_lines) or not text_lines[span.line - 1].strip():
+        return []  # nothing to point at (an empty file)
     text = text_lines[span.line - 1].expandtabs(1)
     if len(text) > 200:  # keep huge single-line files readable
         start = max(0, span.col - 60)

@@ -47,7 +47,8 @@ def action_text(action: ast.Action) -> str:
             inner = ", ".join(f"{a.name.text}={a.text}" for a in args)
             return f"experts over {axis.text}" + (f" ({inner})" if args else "")
         case ast.Checkpoint(mode=mode, every=every):
-            return " ".join(["checkpoint"] + ([mode] if mode else []) + ([f"every {every}"] if every else []))
+            every_text = [f"every {every}"] if every is not None else []  # keep `every 0` for the checker
+            return " ".join(["checkpoint"] + ([mode] if mode else []) + every_text)
         case ast.Device(kind=kind, index=index):
             return f"on {kind}" + (f":{index}" if index is not None else "")
         case ast.DtypeOverride(dtype=dtype):
@@ -55,10 +56,16 @@ def action_text(action: ast.Action) -> str:
     raise AssertionError(f"unknown action {action!r}")
 
 
+def _source_lines(source: str) -> list[str]:
+    """The lines as the parser numbers them: split at line feeds only, not also at the form
+    feeds and U+2028 that `str.splitlines` splits at (a comment may hold them); CR dropped."""
+    return [line.removesuffix("\r") for line in source.split("\n")]
+
+
 def _scan_comments(source: str) -> dict[int, _Comment]:
     # The language has no string literals, so `#` always starts a comment.
     out = {}
-    for lineno, line in enumerate(source.splitlines(), 1):
+    for lineno, line in enumerate(_source_lines(source), 1):
         if "#" in line:
             code, _, rest = line.partition("#")
             out[lineno] = _Comment(lineno, "#" + rest.rstrip(), not code.strip())
@@ -67,16 +74,21 @@ def _scan_comments(source: str) -> dict[int, _Comment]:
 
 class _Formatter:
     def __init__(self, source: str):
-        self.lines = source.splitlines()
+        self.lines = _source_lines(source)
         self.comments = _scan_comments(source)
         self.out: list[str] = []
         self.cursor = 0  # last source line already accounted for
         self.pending_blank = False  # the last gap ended in a blank line that is still to be written
+        self.trailing_used: set[int] = set()  # a one-line block puts several items on one line
 
     # -- helpers
     def trailing(self, line: int) -> str:
+        """The trailing comment of a source line, for the first item printed from that line."""
         c = self.comments.get(line)
-        return f"  {c.text}" if c and not c.full_line else ""
+        if not c or c.full_line or line in self.trailing_used:
+            return ""
+        self.trailing_used.add(line)
+        return f"  {c.text}"
 
     def gap(self, upto: int, indent: str, *, at_block_start: bool) -> None:
         """Emit the full-line comments (and single blank lines) between the cursor and `upto`."""
@@ -97,9 +109,13 @@ class _Formatter:
     # -- file and statements
     def file(self, tree: ast.PlanFile) -> str:
         for i, stmt in enumerate(tree.statements):
+            start = len(self.out)
             self.gap(stmt.span.line, "", at_block_start=(i == 0))
-            if (i > 0 or self.pending_blank) and self.out and self.out[-1] != "":
-                self.out.append("")  # statements are always separated by one blank line
+            if i > 0 and self.out[start : start + 1] != [""]:
+                # statements are separated by one blank line, above the comments that lead into one
+                self.out.insert(start, "")
+            if self.pending_blank and self.out and self.out[-1] != "":
+                self.out.append("")
             self.statement(stmt)
             self.cursor = stmt.span.end_line
         self.gap(len(self.lines) + 1, "", at_block_start=not tree.statements)

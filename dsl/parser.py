@@ -1,17 +1,22 @@
 """Plan text -> `PlanFile` syntax tree, with every syntax error of the file collected.
 
 Lark (LALR, contextual lexer) parses; a Transformer with one method per grammar
-rule builds the frozen AST while parsing, so no parse tree is kept. Lark's own
-exceptions are converted here and never reach the user.
+rule turns the parse tree into the frozen AST. Lark's own exceptions are converted
+here and never reach the user.
 
-Recovery: LALR stops at the first error. We record it, blank the offending line
-(or, if that line opens a block, the whole block) and parse again, so one run
-reports every broken line. Blanking keeps line and column numbers intact.
+Recovery: LALR stops at the first error. We record it, repair the text and parse
+again, so one run reports every broken line (`_repair`): blank the offending line
+(or, if that line opens a block, the whole block), close a block the file leaves
+open, or close a block before a statement that starts inside it. Repairs keep line
+and column numbers intact. Blocks do not nest, which makes a missing or extra brace
+easy to tell apart from a pattern's `{q,k,v}` (`_block_openers`).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,7 +68,8 @@ def decode_plan_bytes(data: bytes, name: str) -> str:
                     "plan file contains a NUL byte: this looks like a binary file",
                     hint="a plan is UTF-8 text",
                 )
-            ]
+            ],
+            {name: _excerpt_text(data, span.line)},
         )
     try:
         text = data.decode("utf-8")
@@ -76,9 +82,16 @@ def decode_plan_bytes(data: bytes, name: str) -> str:
                     f"plan file is not UTF-8 text (byte 0x{data[e.start]:02x})",
                     hint="save the plan as UTF-8",
                 )
-            ]
+            ],
+            {name: _excerpt_text(data, span.line)},
         ) from None
     return text.removeprefix("\ufeff")
+
+
+def _excerpt_text(data: bytes, line: int) -> str:
+    """Text in which line `line` is the offending line of undecodable bytes, decoded leniently."""
+    offending = data.split(b"\n", line)[line - 1]
+    return "\n" * (line - 1) + offending.decode("utf-8", "replace")
 
 
 def _span_of_offset(prefix: str, name: str, offset: int) -> Span:
@@ -87,10 +100,38 @@ def _span_of_offset(prefix: str, name: str, offset: int) -> Span:
     return Span(name, line, col, line, col + 1)
 
 
+class _SeparateWords:
+    """Lark post-lexer: adjacent words need a space, so `columnovertp` is not `column over tp`.
+
+    The contextual lexer matches a keyword wherever the parser expects one, even as the
+    start of a longer word (`meshdp=2`, `zero = 1x`); the rest of the word is an error.
+    """
+
+    always_accept = ()
+
+    def process(self, stream):
+        previous = None
+        for tok in stream:
+            if (
+                previous is not None
+                and tok.start_pos == previous.end_pos
+                and _is_word_char(str(previous)[-1:])
+                and _is_word_char(str(tok)[:1])
+            ):
+                raise UnexpectedToken(tok, set(), token_history=[previous])
+            yield tok
+            previous = tok
+
+
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     return Lark(
-        grammar_text(), parser="lalr", lexer="contextual", propagate_positions=True, maybe_placeholders=False
+        grammar_text(),
+        parser="lalr",
+        lexer="contextual",
+        postlex=_SeparateWords(),
+        propagate_positions=True,
+        maybe_placeholders=False,
     )
 
 
@@ -110,7 +151,7 @@ def parse_recovering(text: str, path: str = "<plan>") -> tuple[ast.PlanFile, lis
     if len(text.encode("utf-8", "surrogatepass")) > MAX_PLAN_BYTES:
         span = Span(path, 1, 1, 1, 1)
         raise PlanFileError([Diagnostic(span, f"plan text is larger than {MAX_PLAN_BYTES // 1024} KiB")])
-    if not text.strip() or all(not line.split("#", 1)[0].strip() for line in text.splitlines()):
+    if not text.strip() or all(not line.split("#", 1)[0].strip() for line in text.split("\n")):
         raise PlanSyntaxError(
             [
                 Diagnostic(
@@ -130,12 +171,15 @@ def parse_recovering(text: str, path: str = "<plan>") -> tuple[ast.PlanFile, lis
             return _ToAst(path, work).transform(_lark().parse(work)), diagnostics
         except UnexpectedInput as e:
             diagnostics.append(_diagnose(e, work, path))
-            work = _blank_broken_region(work, e)
+            repaired = _repair(work, e)
         except VisitError as e:  # a value the grammar admits but the AST cannot hold
             if not isinstance(e.orig_exc, _NodeError):
                 raise
             diagnostics.append(e.orig_exc.diagnostic)
-            work = _blank_lines(work, e.orig_exc.diagnostic.span.line, e.orig_exc.diagnostic.span.line)
+            repaired = _blank_statement_or_entry(work, e.orig_exc.diagnostic.span.line)
+        if repaired == work:  # recovery made no progress: report what was found rather than repeat it
+            raise PlanSyntaxError(diagnostics, {path: text})
+        work = repaired
     diagnostics.append(
         Diagnostic(diagnostics[-1].span, f"too many errors; stopped after {MAX_SYNTAX_ERRORS}")
     )
@@ -174,6 +218,12 @@ class _ToAst(Transformer):
         if len(tok) > 12:
             raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {tok[:16]}... is too large"))
         return int(tok)
+
+    def _number(self, tok: Token, what: str) -> float:
+        value = float(tok)  # NUMBER is digits with an optional fraction and exponent
+        if not math.isfinite(value):
+            raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {tok[:16]} is too large"))
+        return value
 
     # -- file
     def start(self, meta, *statements):
@@ -221,7 +271,8 @@ class _ToAst(Transformer):
         return ast.ExpertParallel(self._name(axis), tuple(args), self._span(meta))
 
     def expert_arg(self, meta, name, number):
-        return ast.ExpertArg(self._name(name), float(number), str(number), self._span(meta))
+        value = self._number(number, f"`{name}`")
+        return ast.ExpertArg(self._name(name), value, str(number), self._span(meta))
 
     def checkpoint(self, meta, *parts):
         mode = next((p for p in parts if isinstance(p, str) and not isinstance(p, Token)), None)
@@ -305,7 +356,7 @@ class _ToAst(Transformer):
 
     def loss_scale(self, meta, value):
         if isinstance(value, Token):
-            return self._setting(meta, "loss_scale", float(value), str(value))
+            return self._setting(meta, "loss_scale", self._number(value, "loss scale"), str(value))
         return self._setting(meta, "loss_scale", value, value)
 
     def loss_scale_dynamic(self, meta):
@@ -371,6 +422,29 @@ _TERMINAL_WORDS = {
 
 _STATEMENT_KEYWORDS = ("mesh", "modules", "pipeline", "data_parallel", "precision", "train")
 
+# The block each setting belongs in, for "`microbatches` is a `pipeline` setting".
+_SETTING_BLOCKS = {
+    "schedule": "pipeline",
+    "microbatches": "pipeline",
+    "virtual_stages": "pipeline",
+    "cut": "pipeline",
+    "zero": "data_parallel",
+    "bucket": "data_parallel",
+    "offload": "data_parallel",
+    "compute": "precision",
+    "params": "precision",
+    "grads": "precision",
+    "reduce": "precision",
+    "loss_scale": "precision",
+    "gradient_accumulation": "train",
+}
+
+# A line that starts a statement: a mesh, or a block header with its `{`.
+_MESH_LINE = re.compile(r"[ \t]*mesh[ \t]+\w+[ \t]*=")
+_BLOCK_HEADER = re.compile(r"[ \t]*(modules|pipeline|data_parallel|precision|train)\b[^{#]*\{")
+# Inside a block a `{...}` on one line is a pattern's brace group, never a block.
+_BRACE_GROUP = re.compile(r"\{[^{}]*\}")
+
 
 def _expected_words(expected: set[str]) -> list[str]:
     """Terminal names -> words a user recognizes: keywords as themselves, the rest described."""
@@ -397,106 +471,340 @@ def _keywords(expected: set[str]) -> list[str]:
     return out
 
 
+_WORD = re.compile(r"[^\s:=,{}()#]+")
+
+
 def _word_at(text: str, pos: int) -> str:
-    m = re.compile(r"[^\s:=,{}()#]+").match(text, pos)
+    m = _WORD.match(text, pos)
     return m.group(0) if m else text[pos : pos + 1]
+
+
+def _expected_at(text: str, pos: int) -> set[str]:
+    """The terminals the parser accepts at `pos`, given that everything before it parsed.
+
+    Exact, unlike the `expected` of Lark's exception: LALR merges the lookaheads of states
+    shared by several rules (`over NAME` ends a rule, a block header and `experts (...)`).
+    """
+    try:
+        parser = _lark().parse_interactive(text[:pos])
+        parser.exhaust_lexer()
+        return set(parser.accepts())
+    except UnexpectedInput:
+        return set()
+
+
+def _at_end(e: UnexpectedInput) -> bool:
+    return isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END")
+
+
+def _error_line(e: UnexpectedInput, lines: list[str]) -> int:
+    return e.line if isinstance(e.line, int) and 1 <= e.line <= len(lines) else len(lines)
+
+
+def _block_word(lines: list[str], opener: tuple[int, int]) -> str:
+    m = re.match(r"[ \t]*(\w+)", lines[opener[0] - 1])
+    return m.group(1) if m else "block"
+
+
+def _describe_char(ch: str) -> str:
+    return f"`{ch}` (U+{ord(ch):04X})" if ch.isprintable() else f"U+{ord(ch):04X}"
 
 
 def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
     """Turn a Lark exception into a located diagnostic with a useful hint."""
-    if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
-        opener = _unclosed_brace(text)
-        if opener is not None:
-            line, col = opener
-            return Diagnostic(
-                Span(path, line, col, line, col + 1),
-                "block is never closed",
-                hint="add a `}` on its own line at the end of the block",
-            )
-        line = text.count("\n") or 1
-        return Diagnostic(Span(path, line, 1, line, 2), "unexpected end of file")
+    lines = text.split("\n")
+    openers = _block_openers(lines)
+    if _at_end(e):
+        return _end_of_file(path, lines, openers[-1])
+    lineno = _error_line(e, lines)
+    opener = openers[lineno - 1]
+    if opener is not None:
+        misplaced = _statement_in_block(path, lines, lineno, opener) or _misplaced_setting(
+            path, lines, lineno, opener
+        )
+        if misplaced is not None:
+            return misplaced
 
-    expected = set(e.expected) if isinstance(e, UnexpectedToken) else set(getattr(e, "allowed", None) or ())
-    if isinstance(e, UnexpectedToken):
-        tok = e.token
-        pos = tok.start_pos or 0
-        found = str(tok) if tok.type != "_NL" else ""
-    else:
-        pos = e.pos_in_stream or 0
-        found = _word_at(text, pos)
-    line, col = e.line, e.column
-    width = max(1, len(found.splitlines()[0]) if found.strip() else 1)
-    span = Span(path, line, col, line, col + width)
+    word = _offending_word(e, text)
+    bad_char = _bad_character(path, text, word)
+    if bad_char is not None:
+        return bad_char
+    previous = word.previous
+    group = _unclosed_group(str(previous)) if previous is not None and previous.type == "PATTERN" else None
+    if previous is not None and group is not None:
+        line, start = previous.line or 1, (previous.column or 1) + group
+        return Diagnostic(
+            Span(path, line, start, line, start + 1),
+            "unclosed `{` in module pattern",
+            hint="braces hold alternatives `{a,b}` or a range `{0..3}`, with no spaces inside",
+        )
 
-    keywords = _keywords(expected)
+    found, expected = word.text, word.expected
+    span = Span(path, word.line, word.col, word.line, word.col + max(1, len(found)))
     if not found.strip():
-        message = "line ends too early"
-        hint = f"expected {one_of(_expected_words(expected))}"
-        return Diagnostic(span, message, hint=hint)
-
+        return Diagnostic(span, "line ends too early", hint=f"expected {one_of(_expected_words(expected))}")
+    keywords = _keywords(expected)
     shown = found if len(found) <= 40 else found[:37] + "..."
     message = f"unexpected `{shown}`"
     guess = did_you_mean(found, keywords) if keywords else None
     hint = f"did you mean `{guess}`?" if guess else f"expected {one_of(_expected_words(expected))}"
-    if {"mesh", "modules"} <= set(keywords):
-        message = f"unexpected `{shown}` at the start of a statement"
-        if not guess:
-            hint = f"a statement starts with {one_of(f'`{k}`' for k in _STATEMENT_KEYWORDS)}"
-    if "{" in found and "PATTERN" in expected:
-        message = f"malformed module pattern `{shown}`"
-        hint = "braces hold alternatives `{a,b}` or a range `{0..3}`, and must be closed"
+    if {"mesh", "modules"} <= set(keywords):  # at the start of a statement
+        if found == "}":
+            message, hint = "unmatched `}`", "no block is open here; delete it"
+        else:
+            message = f"unexpected `{shown}` at the start of a statement"
+            if found in _SETTING_BLOCKS:
+                hint = f"`{found}` is a setting: put it inside a `{_SETTING_BLOCKS[found]}` block"
+            elif not guess:
+                hint = f"a statement starts with {one_of(f'`{k}`' for k in _STATEMENT_KEYWORDS)}"
     return Diagnostic(span, message, hint=hint)
 
 
-def _unclosed_brace(text: str) -> tuple[int, int] | None:
-    """Line and column of the last `{` opening a block that is never closed."""
-    stack: list[tuple[int, int]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        code = line.split("#", 1)[0]
-        for m in re.finditer(r"\{[^{}\s:#]*\}|[{}]", code):  # pattern braces match whole
-            tok = m.group(0)
-            if tok == "{":
-                stack.append((lineno, m.start() + 1))
-            elif tok == "}" and stack:
-                stack.pop()
-    return stack[-1] if stack else None
+@dataclass(frozen=True)
+class _Word:
+    """What the parser tripped over: a whole word where it can tell, and what it expected there."""
+
+    pos: int
+    line: int
+    col: int
+    text: str  # "" at the end of a line
+    expected: set[str]
+    previous: Token | None  # the token before, where Lark reports it
 
 
-def _blank_broken_region(text: str, e: UnexpectedInput) -> str:
-    """Blank the line of the error so the next parse gets past it.
+def _offending_word(e: UnexpectedInput, text: str) -> _Word:
+    previous = (getattr(e, "token_history", None) or [None])[-1]
+    if not isinstance(e, UnexpectedToken):  # the lexer found no token at all here
+        pos = e.pos_in_stream or 0
+        expected = _expected_at(text, pos) or set(getattr(e, "allowed", None) or ())
+        return _Word(pos, e.line, e.column, _word_at(text, pos), expected, previous)
+    tok = e.token
+    pos = tok.start_pos or 0
+    if tok.type == "_NL":
+        return _Word(pos, e.line, e.column, "", _expected_at(text, pos) or set(e.expected), previous)
+    if (
+        previous is not None
+        and previous.end_pos == pos
+        and _is_word_char(str(previous)[-1:])
+        and _is_word_char(str(tok)[:1])
+    ):
+        # a keyword or number glued to what follows (`1f1b_interleaved`, `zero = 1x`): the
+        # whole word is wrong, so report it against what was expected where it starts
+        pos = previous.start_pos or 0
+        return _Word(pos, previous.line, previous.column, _word_at(text, pos), _expected_at(text, pos), None)
+    # `2bucket` lexes as `2` then `bucket`; show the whole word
+    found = _word_at(text, pos) if _is_word_char(str(tok)[:1]) else str(tok)
+    return _Word(pos, e.line, e.column, found, _expected_at(text, pos) or set(e.expected), previous)
 
-    A line that opens a block is blanked with the whole block: its entries cannot be
-    read without knowing what block they are in. A line that closes a block keeps
-    its `}` so the enclosing block still ends where the user ended it.
+
+def _bad_character(path: str, text: str, word: _Word) -> Diagnostic | None:
+    """A character no plan can contain, in or right after the word the parser tripped over."""
+    for offset in range(min(len(word.text), 200) + 1):
+        ch = text[word.pos + offset : word.pos + offset + 1]
+        col = word.col + offset
+        span = Span(path, word.line, col, word.line, col + 1)
+        if ch == "\r" and text[word.pos + offset + 1 : word.pos + offset + 2] != "\n":
+            return Diagnostic(
+                span,
+                "unexpected carriage return (U+000D) without a line feed",
+                hint="save the plan with LF (or CRLF) line endings",
+            )
+        if ch and not (ch.isascii() and ch.isprintable()) and ch not in " \t\r\n":
+            return Diagnostic(
+                span,
+                f"unexpected character {_describe_char(ch)}",
+                hint="outside comments a plan is ASCII: names and module paths are letters, digits and `_`",
+            )
+    return None
+
+
+def _end_of_file(path: str, lines: list[str], opener: tuple[int, int] | None) -> Diagnostic:
+    if opener is not None:
+        line, col = opener
+        return Diagnostic(
+            Span(path, line, col, line, col + 1),
+            f"`{_block_word(lines, opener)}` block is never closed",
+            hint="add a `}` on its own line at the end of the block",
+        )
+    line = max(1, len(lines) - 1)
+    return Diagnostic(Span(path, line, 1, line, 2), "unexpected end of file")
+
+
+def _misplaced_setting(
+    path: str, lines: list[str], lineno: int, opener: tuple[int, int]
+) -> Diagnostic | None:
+    """`microbatches = 4` inside `data_parallel`: name the block it belongs in."""
+    m = re.match(r"[ \t]*(\w+)[ \t]*=", lines[lineno - 1])
+    block = _block_word(lines, opener)
+    if not m or m.group(1) not in _SETTING_BLOCKS or _SETTING_BLOCKS[m.group(1)] == block:
+        return None
+    key, col = m.group(1), m.start(1) + 1
+    return Diagnostic(
+        Span(path, lineno, col, lineno, col + len(key)),
+        f"`{key}` does not belong in the `{block}` block",
+        hint=f"`{key}` is a `{_SETTING_BLOCKS[key]}` setting",
+    )
+
+
+def _is_word_char(ch: str) -> bool:
+    return len(ch) == 1 and (ch.isascii() and (ch.isalnum() or ch == "_"))
+
+
+def _unclosed_group(pattern: str) -> int | None:
+    """Index of a `{` in a pattern token that is never closed, if any."""
+    depth_at = None
+    for i, ch in enumerate(pattern):
+        if ch == "{":
+            depth_at = i
+        elif ch == "}":
+            depth_at = None
+    return depth_at
+
+
+def _statement_in_block(
+    path: str, lines: list[str], lineno: int, opener: tuple[int, int]
+) -> Diagnostic | None:
+    """A statement on a line inside a block: blocks do not nest, so a `}` is missing or misplaced."""
+    text = lines[lineno - 1]
+    block = _block_word(lines, opener)
+    opens_here = (
+        Span(path, opener[0], opener[1], opener[0], opener[1] + 1),
+        f"the `{block}` block opens here",
+    )
+    header = _BLOCK_HEADER.match(text)
+    if header:
+        word = header.group(1)
+        col = header.start(1) + 1
+        span = Span(path, lineno, col, lineno, col + len(word))
+        if _nested_block_end(lines, lineno) is not None:
+            return Diagnostic(
+                span,
+                f"`{word}` block is inside the `{block}` block",
+                hint=f"blocks do not nest: move `{word}` out, after the `}}` that closes `{block}`",
+                related=(opens_here,),
+            )
+        return Diagnostic(
+            span,
+            f"missing `}}` to close the `{block}` block before `{word}`",
+            hint=f"add a `}}` on its own line before line {lineno}",
+            related=(opens_here,),
+        )
+    if _MESH_LINE.match(text):
+        col = text.index("mesh") + 1
+        return Diagnostic(
+            Span(path, lineno, col, lineno, col + 4),
+            f"`mesh` cannot appear inside the `{block}` block",
+            hint="statements go at the top level; move it above the block",
+        )
+    return None
+
+
+def _nested_block_end(lines: list[str], lineno: int) -> int | None:
+    """For a block header on `lineno` inside another block: the last line of the inner block,
+    if the outer block is closed after it (the user nested blocks), else None (a `}` is missing)."""
+    inner = _block_openers(lines[lineno - 1 :])
+    end = next((j for j in range(1, len(inner)) if inner[j] is None), None)
+    if end is None:
+        return None
+    last = lineno - 1 + end
+    outer = _block_openers(lines[last:], inside=(lineno, 1))
+    for k in range(len(outer) - 1):
+        if outer[k + 1] is None:
+            return last  # the outer block closes on line last + k + 1
+        if _BLOCK_HEADER.match(lines[last + k]) or _MESH_LINE.match(lines[last + k]):
+            return None  # the next statement comes first: the outer block was never closed
+    return None
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+def _block_openers(
+    lines: list[str], *, inside: tuple[int, int] | None = None
+) -> list[tuple[int, int] | None]:
+    """For each line, where it starts: inside the block opened at (line, col), or at the top level (None).
+
+    One entry per line and a last one for the end of the text. Blocks do not nest, so at the
+    top level any `{` opens a block; inside one, a `{...}` on one line is a pattern's brace
+    group and a lone `}` closes the block. Comments are skipped. `inside`: the lines start
+    inside the block opened there.
     """
-    if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
-        return text + "}\n" * 20  # close what is open; the loop stops on what comes next
+    state = inside
+    out: list[tuple[int, int] | None] = []
+    for lineno, line in enumerate(lines, 1):
+        out.append(state)
+        code = line.split("#", 1)[0]
+        col = 0
+        while col < len(code):
+            ch = code[col]
+            if state is None and ch == "{":
+                state = (lineno, col + 1)
+            elif state is not None and ch == "{":
+                group = _BRACE_GROUP.match(code, col)
+                if group:
+                    col = group.end()
+                    continue
+            elif state is not None and ch == "}":
+                state = None
+            col += 1
+    out.append(state)
+    return out
+
+
+def _repair(text: str, e: UnexpectedInput) -> str:
+    """Change the text so that the next parse gets past this error; line and column numbers stay.
+
+    - The file ends inside a block: close it.
+    - A block inside a block: blank it if the outer block is closed after it; otherwise a `}`
+      is missing, so close the outer block on the line before.
+    - Anything else: blank the line, or more, see `_blank_statement_or_entry`.
+    """
     lines = text.split("\n")
-    first = e.line if e.line and e.line > 0 else len(lines)
-    if isinstance(e, UnexpectedToken) and e.token.type == "_NL":
-        first = e.token.line  # a newline token starts at the end of the broken line
-    net = _brace_balance(lines[first - 1])
-    if net > 0:
-        depth, last = 0, len(lines)
-        for i in range(first - 1, len(lines)):
-            depth += _brace_balance(lines[i])
-            if depth <= 0:
-                last = i + 1
-                break
-        return _blank_lines(text, first, last)
-    blanked = _blank_lines(text, first, first).split("\n")
-    if net < 0:
-        blanked[first - 1] = "}" * -net
-    return "\n".join(blanked)
+    openers = _block_openers(lines)
+    if _at_end(e):
+        # only a block can be left open at the end, and blocks do not nest
+        return text + "}\n" if openers[-1] is not None else text
+    lineno = _error_line(e, lines)
+    if openers[lineno - 1] is not None and _BLOCK_HEADER.match(lines[lineno - 1]):
+        nested_end = _nested_block_end(lines, lineno)
+        if nested_end is not None:
+            return _blank_lines(text, lineno, nested_end)
+        before = lines[lineno - 2].split("#", 1)[0].rstrip()
+        lines[lineno - 2] = before + " }"
+        return "\n".join(lines)
+    return _blank_statement_or_entry(text, lineno)
 
 
-def _brace_balance(line: str) -> int:
-    """Block braces opened minus closed on a line; pattern braces like `{q,k}` do not count."""
-    code = re.sub(_PATTERN_BRACES, "", line.split("#", 1)[0])
-    return code.count("{") - code.count("}")
+def _blank_statement_or_entry(text: str, lineno: int) -> str:
+    """Blank a broken line so the next parse gets past it.
+
+    A statement that opens a block is blanked with its whole block: the entries cannot be
+    read without knowing what block they are in. A block entry whose line also closes the
+    block keeps a `}`, so the block still ends where the user ended it.
+    """
+    lines = text.split("\n")
+    openers = _block_openers(lines)
+    if openers[lineno - 1] is None:
+        last = next((j for j in range(lineno, len(lines) + 1) if openers[j] is None), len(lines))
+        if last == lineno and lines[lineno - 1].split("#", 1)[0].strip().strip("}"):
+            last = _orphaned_block_end(lines, lineno) or lineno
+        return _blank_lines(text, lineno, last)
+    closes_block = openers[lineno] is None
+    lines[lineno - 1] = "}" if closes_block else ""
+    return "\n".join(lines)
 
 
-_PATTERN_BRACES = re.compile(r"\{[^{}\s:#]*\}")
+def _orphaned_block_end(lines: list[str], lineno: int) -> int | None:
+    """After a broken top-level line that opens no block (`data_parallel over dp` without its
+    `{`): if indented non-statement lines follow, up to a lone `}` or the end of the file, they
+    were meant as its block; the last line of them. Reporting each of them would be noise."""
+    for j in range(lineno, len(lines)):
+        code = lines[j].split("#", 1)[0]
+        if code.strip() == "}":
+            return j + 1
+        if code.strip() and (not code[0].isspace() or _BLOCK_HEADER.match(code) or _MESH_LINE.match(code)):
+            return None
+    return len(lines)
 
 
 def _blank_lines(text: str, first: int, last: int) -> str:

@@ -1,0 +1,479 @@
+"""Load a user's model and capture it as an fx graph with torch.export.
+
+Two steps, kept apart so that tests and the Python API can skip the first:
+
+    source = load_model("examples/models/llama.py:build")
+    captured = capture(source.model, source.args, source.kwargs)
+
+`load_model` runs only the file (or imports only the module) that the spec names and
+calls its factory with no arguments; a plan never runs code.
+
+`capture` uses `torch.export.export(..., strict=False)`. Since PyTorch 2.6 it returns
+the training IR: non-functional ATen before autograd and before decompositions, so
+`aten.linear` and `aten.scaled_dot_product_attention` survive, the graph still reads
+like the model, and `program.module()` trains (parameters stay `nn.Parameter`s).
+Non-strict mode traces with real Python, which is what Hugging Face models need.
+
+Plan rules name module paths (`layers.*.mlp.up_proj`), so each call_function node is
+tagged with the module that produced it, spelled as `model.named_modules()` spells it:
+`node.meta["meshplan.module"] == "layers.0.mlp.up_proj"`; "" is the root module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+
+from .errors import CaptureError, ModelLoadError
+
+# node.meta key holding the path of the innermost module that produced the node.
+MODULE_PATH_KEY = "meshplan.module"
+
+_SPEC_HINT = "write the model as path/to/file.py:factory or package.module:factory, e.g. examples/models/llama.py:build"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model built from a `--model` spec, with inputs to capture it with.
+
+    `args` and `kwargs` are what `capture` passes to the model's forward; for a
+    training graph they include the labels, so the captured output is the loss.
+    """
+
+    spec: str
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """What the planner needs to know about a parameter or buffer without holding the tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    # Other names of the same tensor: tied weights (e.g. `lm_head.weight` for `wte.weight`).
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured model: the exported program plus the module facts that plan rules refer to."""
+
+    program: ExportedProgram
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    # name of each call_function node of the top-level graph -> module path ("" is the root)
+    node_modules: dict[str, str]
+    # every `model.named_modules()` path, in that order, with the module's class
+    modules: dict[str, type[nn.Module]]
+    # parameters and buffers by canonical name (the first of `named_parameters()`)
+    parameters: dict[str, ParamInfo]
+    buffers: dict[str, ParamInfo]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.program.graph_module
+
+    def parameter(self, name: str) -> ParamInfo:
+        """The parameter called `name` or one of its tied aliases.
+
+        Export gives each name of a tied weight its own placeholder (`p_wte_weight` and
+        `p_lm_head_weight`), so a graph's parameter names can be aliases.
+        """
+        if name in self.parameters:
+            return self.parameters[name]
+        for info in self.parameters.values():
+            if name in info.aliases:
+                return info
+        raise KeyError(name)
+
+    def nodes_under(self, path: str) -> list[fx.Node]:
+        """Top-level call_function nodes produced by module `path` or by modules inside it."""
+        return [
+            node
+            for node in self.graph_module.graph.nodes
+            if node.name in self.node_modules and _is_within(self.node_modules[node.name], path)
+        ]
+
+
+# --- loading -------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> ModelSource:
+    """Build the model a `--model` spec names and make example inputs for it.
+
+    `spec` is `path/to/file.py:factory` or `package.module:factory`. The factory is
+    called with no arguments and must return an `nn.Module`. Inputs come from the
+    module's `example_inputs()` if it defines one, else are random token ids when the
+    model has a `config.vocab_size` (Hugging Face models and the examples have one).
+    """
+    target, factory_name = _split_spec(spec)
+    module = _run_file(target) if _names_a_file(target) else _import_module(target)
+    # Where the user's code lives, to point error messages at its lines.
+    origin = getattr(module, "__file__", None) or target
+    factory = _find_factory(module, factory_name, target)
+    model = _call_factory(factory, spec, origin)
+    args, kwargs = _make_inputs(module, model, spec, origin)
+    return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    # rpartition keeps a Windows drive letter ("C:\\m.py:build") in the target.
+    target, colon, factory_name = spec.strip().rpartition(":")
+    if not colon or not target or not factory_name:
+        raise ModelLoadError(f"model spec {spec!r} does not name a factory", hint=_SPEC_HINT)
+    if not factory_name.isidentifier():
+        raise ModelLoadError(
+            f"model spec {spec!r}: factory name {factory_name!r} is not a Python identifier",
+            hint=_SPEC_HINT,
+        )
+    return target, factory_name
+
+
+def _names_a_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _run_file(target: str) -> ModuleType:
+    """Execute one .py file as a private module; nothing next to it is imported or put on sys.path."""
+    path = Path(target)
+    if not path.is_file():
+        where = "is a directory" if path.is_dir() else "does not exist"
+        raise ModelLoadError(
+            f"model file {target!r} {where}",
+            hint=f"the path is relative to the current directory ({Path.cwd()}); {_SPEC_HINT}",
+        )
+    resolved = path.resolve()
+    name = "_meshplan_model_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    file_spec = importlib.util.spec_from_file_location(name, resolved)
+    if file_spec is None or file_spec.loader is None:
+        raise ModelLoadError(f"cannot load {target!r} as Python", hint=_SPEC_HINT)
+    module = importlib.util.module_from_spec(file_spec)
+    # Registered while it runs: dataclasses and pickling look the module up by name.
+    sys.modules[name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[name]
+        raise ModelLoadError(
+            f"running {target!r} raised {_describe(exc)}{_location(exc, str(resolved))}",
+            hint=f"run `python {target}` to see the full traceback",
+        ) from exc
+    return module
+
+
+def _import_module(target: str) -> ModuleType:
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise ModelLoadError(f"{target!r} is neither a .py file nor a module name", hint=_SPEC_HINT)
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (target == exc.name or target.startswith(exc.name + ".")):
+            raise ModelLoadError(
+                f"no module named {target!r}",
+                hint=f"check the name and the Python environment, or give a file path; {_SPEC_HINT}",
+            ) from exc
+        raise _import_failed(target, exc) from exc
+    except (Exception, SystemExit) as exc:
+        raise _import_failed(target, exc) from exc
+
+
+def _import_failed(target: str, exc: BaseException) -> ModelLoadError:
+    return ModelLoadError(
+        f"importing {target!r} raised {_describe(exc)}",
+        hint=f"run `python -c 'import {target}'` to see the full traceback",
+    )
+
+
+def _find_factory(module: ModuleType, factory_name: str, target: str) -> Callable[[], Any]:
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise ModelLoadError(
+            f"{target!r} has no {factory_name!r}", hint=_factory_hint(module, factory_name, target)
+        )
+    if not callable(factory):
+        raise ModelLoadError(
+            f"{target}:{factory_name} is not callable: it has type {type(factory).__name__}",
+            hint=_factory_hint(module, factory_name, target),
+        )
+    return factory
+
+
+def _factory_hint(module: ModuleType, factory_name: str, target: str) -> str:
+    """Name the functions the file defines, closest to what was asked first."""
+    defined = [
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")
+    ]
+    if not defined:
+        return f"{target!r} defines no public function; add one that returns the nn.Module"
+    close = difflib.get_close_matches(factory_name, defined, n=1)
+    prefix = f"did you mean {close[0]!r}? " if close else ""
+    return prefix + "functions defined there: " + ", ".join(defined)
+
+
+def _call_factory(factory: Callable[[], Any], spec: str, origin: str) -> nn.Module:
+    try:
+        model = factory()
+    except (Exception, SystemExit) as exc:
+        raise ModelLoadError(
+            f"factory {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
+            hint="the factory is called with no arguments and must return a torch.nn.Module",
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ModelLoadError(
+            f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module",
+            hint="return the model itself, not a (model, config) pair or a class",
+        )
+    return model
+
+
+def _make_inputs(
+    module: ModuleType, model: nn.Module, spec: str, origin: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    make = getattr(module, "example_inputs", None)
+    if callable(make):
+        try:
+            inputs = make()
+        except (Exception, SystemExit) as exc:
+            raise ModelLoadError(
+                f"example_inputs() of {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
+                hint="example_inputs is called with no arguments",
+            ) from exc
+        return _as_call_inputs(inputs, spec)
+    inputs = token_inputs(model)
+    if inputs is None:
+        raise ModelLoadError(
+            f"no example inputs for {spec!r}: the module defines no example_inputs() "
+            "and the model has no config.vocab_size",
+            hint="define `example_inputs() -> tuple` next to the factory; it returns the forward's arguments",
+        )
+    return inputs
+
+
+def _as_call_inputs(inputs: object, spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A tuple or list is positional arguments, a dict keyword arguments, a tensor the one argument."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, tuple | list):
+        return tuple(inputs), {}
+    if isinstance(inputs, dict) and all(isinstance(key, str) for key in inputs):
+        return (), dict(inputs)
+    raise ModelLoadError(
+        f"example_inputs() of {spec!r} returned {type(inputs).__name__}",
+        hint="return a tuple of positional arguments or a dict of keyword arguments",
+    )
+
+
+def token_inputs(
+    model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Random token ids for a language model with `config.vocab_size`, else None.
+
+    Follows Hugging Face conventions where the forward has them: `labels` equal to
+    `input_ids` (the model shifts them itself), and `use_cache=False` because a
+    training graph has no KV cache (and torch.export cannot return `DynamicCache`).
+    """
+    config = getattr(model, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        return None
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and max_positions > 0:
+        seq = min(seq, max_positions)
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)  # (B, T)
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params:
+        return (input_ids,), {}
+    kwargs: dict[str, Any] = {"input_ids": input_ids}
+    if "labels" in params:
+        kwargs["labels"] = input_ids.clone()
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (), kwargs
+
+
+def _describe(exc: BaseException) -> str:
+    # A SyntaxError's str() repeats the location that `_location` adds.
+    text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)
+    lines = text.strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _location(exc: BaseException, filename: str) -> str:
+    """' (at file.py:12)' for the innermost frame in the user's file, so no traceback is needed."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f" (at {_display(exc.filename)}:{exc.lineno})"
+    wanted = Path(filename).resolve() if filename.endswith(".py") else None
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if wanted is not None and Path(frame.filename).resolve() == wanted
+    ]
+    return f" (at {_display(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def _display(filename: str) -> str:
+    """A path relative to the current directory when it is below it, as the user typed it."""
+    path, cwd = Path(filename).resolve(), Path.cwd().resolve()
+    return str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
+
+
+# --- capture -------------------------------------------------------------------------
+
+
+def capture(model: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Captured:
+    """Export `model` called as `model(*args, **kwargs)` and tag every node with its module path.
+
+    The model's train/eval mode is kept: in train mode dropout is part of the graph,
+    which is what a training program needs.
+    """
+    kwargs = dict(kwargs or {})
+    program = _export(model, tuple(args), kwargs)
+    paths = _ModulePaths.of(model)
+    node_modules = _tag_nodes(program.graph_module, paths)
+    return Captured(
+        program=program,
+        model=model,
+        args=tuple(args),
+        kwargs=kwargs,
+        node_modules=node_modules,
+        modules={path: type(module) for path, module in model.named_modules()},
+        parameters=_tensor_infos(model.named_parameters(remove_duplicate=False)),
+        buffers=_tensor_infos(model.named_buffers(remove_duplicate=False)),
+    )
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
+    # Before 2.6, `export` returned the inference IR and the training IR had its own name.
+    export = torch.export.export
+    if torch.__version__ < "2.6":  # pragma: no cover - the CI runs a newer torch
+        export = torch.export.export_for_training  # type: ignore[attr-defined]
+    try:
+        return export(model, args, kwargs=kwargs, strict=False)
+    except Exception as exc:
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {_describe(exc)}",
+            hint=_capture_hint(exc),
+        ) from exc
+
+
+def _capture_hint(exc: Exception) -> str:
+    if "Cache" in str(exc):
+        return "the model returns a KV cache; call it with use_cache=False (a training graph has none)"
+    return (
+        "meshplan captures with torch.export.export(model, args, kwargs, strict=False); "
+        "run that by hand to see the full error"
+    )
+
+
+@dataclass(frozen=True)
+class _ModulePaths:
+    """Resolves the module paths export writes in `nn_module_stack` to `named_modules()` paths."""
+
+    known: frozenset[str]
+    by_mangled: dict[str, str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _ModulePaths:
+        known = frozenset(path for path, _ in model.named_modules())
+        return cls(known, {_mangle(path): path for path in known})
+
+    def resolve(self, raw: str) -> str:
+        path = dotted_module_path(raw)
+        if path in self.known:
+            return path
+        # Dynamo sometimes leaves only an identifier such as "L__self___layers_0_mlp".
+        mangled = re.sub(r"^(L__self___?|self_)", "", _mangle(raw))
+        return self.by_mangled.get(mangled, path)
+
+
+def dotted_module_path(raw: str) -> str:
+    """Spell a module path from `nn_module_stack` as `named_modules()` does.
+
+    Recent torch already writes "layers.0.mlp"; older versions and strict mode have written
+    "L['self'].layers[0].mlp", "L['self']._modules['layers']._modules['0']" or
+    "getattr(L['self'].layers, '0').mlp". All of these become "layers.0.mlp".
+    """
+    text = raw
+    while (unwrapped := _GETATTR.sub(r"\1.\2", text)) != text:
+        text = unwrapped
+    text = _INDEX.sub(r".\1", text)
+    parts = [part for part in text.split(".") if part and part != "_modules"]
+    if parts[:2] == ["L", "self"]:
+        parts = parts[2:]
+    elif parts[:1] in (["L__self__"], ["self"]):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+_GETATTR = re.compile(r"getattr\((.+?),\s*['\"]([^'\"]+)['\"]\)")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def _mangle(path: str) -> str:
+    return re.sub(r"\W", "_", path)
+
+
+def _tag_nodes(gm: fx.GraphModule, paths: _ModulePaths) -> dict[str, str]:
+    """Set `MODULE_PATH_KEY` on call_function nodes, nested graphs included; map the top-level ones."""
+    for sub in gm.modules():
+        if isinstance(sub, fx.GraphModule):
+            for node in sub.graph.nodes:
+                if node.op == "call_function":
+                    node.meta[MODULE_PATH_KEY] = _innermost_module(node, paths)
+    return {node.name: node.meta[MODULE_PATH_KEY] for node in gm.graph.nodes if node.op == "call_function"}
+
+
+def _innermost_module(node: fx.Node, paths: _ModulePaths) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        # Export gives every traced op a stack; an op it adds itself belongs to the whole model.
+        return ""
+    raw_path, _type = list(stack.values())[-1]
+    return paths.resolve(raw_path)
+
+
+def _tensor_infos(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamInfo]:
+    """Group names by tensor identity: the first name is canonical, the rest are its aliases."""
+    names_by_tensor: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in named:
+        names_by_tensor.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    infos: dict[str, ParamInfo] = {}
+    for key, (first, *aliases) in names_by_tensor.items():
+        tensor = tensors[key]
+        infos[first] = ParamInfo(
+            name=first,
+            shape=tuple(tensor.shape),
+            dtype=tensor.dtype,
+            requires_grad=tensor.requires_grad,
+            aliases=tuple(aliases),
+        )
+    return infos
+
+
+def _is_within(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")

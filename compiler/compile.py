@@ -1,0 +1,257 @@
+"""The compiler pipeline: checked plan + captured model -> the SPMD program and its facts.
+
+    plan = load_plan("examples/llama_tp.plan", world_size=2)
+    source = load_model("examples/models/llama.py:build")
+    compiled = compile_plan(plan, source)
+    program = build_rank_program(compiled, source.model.state_dict(), rank=0, mesh=device_mesh)
+
+The passes run in this order, each for a reason:
+
+1. capture   torch.export, then `normalize` (flat inputs/outputs, no guard nodes).
+2. resolve   rules -> modules; unmatched and conflicting rules are reported with the
+             model's problems in one error.
+3. tensor parallel (and sequence parallel): needs resolved parameter placements;
+             it must run before any pass that reads local shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from meshplan.dsl import ast
+from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.errors import Diagnostic, PlanValidationError
+from meshplan.runtime.mesh import MeshLayout
+from torch import fx, nn
+
+from .capture import Captured, ModelSource, capture
+from .graph import keep_loss_output, normalize
+from .ledger import Ledger, build_ledger
+from .match import Resolution, resolve
+from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
+from .placement import REPLICATE, Placement, Shard
+
+
+@dataclass
+class Compiled:
+    """The result of compiling a plan for a model: one SPMD program plus what explains it."""
+
+    plan: Plan
+    layout: MeshLayout
+    captured: Captured
+    resolution: Resolution
+    graph: fx.GraphModule  # shared by every rank; parameters are materialized per rank
+    param_placements: dict[str, dict[str, Placement]]  # param/buffer name -> {axis: placement}
+    param_rules: dict[str, PlanRule]
+    tensor_axis: str | None
+    ledger: Ledger
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+
+def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = None) -> Compiled:
+    """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found."""
+    layout = _layout(plan, world_size)
+    captured = capture(source.model, source.args, source.kwargs)
+    gm = keep_loss_output(normalize(captured.program.module()))
+    resolution, diagnostics = resolve(plan, captured.modules)
+    tensor_axis, spec, more = _tensor_spec(plan, resolution, source.model, layout)
+    diagnostics += more
+    warnings: list[Diagnostic] = []
+    if not any(d.severity == "error" for d in diagnostics) and spec is not None:
+        try:
+            gm, found = tensor_parallel(gm, spec)
+            diagnostics += found
+        except TensorParallelError as e:
+            diagnostics.append(e.diagnostic)
+    errors = [d for d in diagnostics if d.severity == "error"]
+    if errors:
+        raise PlanValidationError(diagnostics, {plan.path: plan.source})
+    warnings = [d for d in diagnostics if d.severity == "warning"]
+    placements = {name: {tensor_axis: pp.placement} for name, pp in (spec.params if spec else {}).items()}
+    rules = {name: pp.rule for name, pp in (spec.params if spec else {}).items() if pp.rule is not None}
+    ledger = build_ledger(gm, layout)
+    return Compiled(plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings)
+
+
+def _layout(plan: Plan, world_size: int | None) -> MeshLayout:
+    sizes = []
+    for axis in plan.mesh.axes:
+        if axis.size is None:
+            raise PlanValidationError(
+                [
+                    Diagnostic(
+                        axis.span,
+                        f"axis `{axis.name}` is `*` but no world size was given",
+                        hint="pass --world-size N (or launch with torchrun, which sets it)",
+                    )
+                ],
+                {plan.path: plan.source},
+            )
+        sizes.append(axis.size)
+    if world_size is not None and math.prod(sizes) != world_size:
+        raise AssertionError("the checker resolves the mesh against the world size")
+    return MeshLayout(plan.mesh.names, tuple(sizes))
+
+
+_LINEAR_LIKE = (nn.Linear,)
+_EMBEDDING_LIKE = (nn.Embedding,)
+
+
+def _tensor_spec(
+    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout
+) -> tuple[str | None, TensorParallelSpec | None, list[Diagnostic]]:
+    """Parameter placements over the tensor axis, from the winning tensor rules."""
+    diagnostics: list[Diagnostic] = []
+    tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
+    axes = sorted({r.axis for r in tensor_rules if r.axis})
+    if not axes:
+        return None, None, diagnostics
+    if len(axes) > 1:
+        diagnostics.append(
+            Diagnostic(
+                tensor_rules[-1].span,
+                f"tensor rules use two axes ({', '.join(axes)}); meshplan splits tensors over one axis",
+                hint="use one tensor axis",
+            )
+        )
+        return None, None, diagnostics
+    axis = axes[0]
+    n = layout.size(axis)
+    modules = dict(model.named_modules())
+    params: dict[str, ParamPlacement] = {}
+    for path, kinds in resolution.placements.items():
+        rule = kinds.get("tensor")
+        if rule is None or not isinstance(rule.action, ast.TensorParallel):
+            continue
+        module = modules[path]
+        style = rule.action.style
+        placement = _module_placements(style, module, path, rule, n, diagnostics)
+        for pname, p in placement.items():
+            params[f"{path}.{pname}"] = ParamPlacement(p, rule)
+    diagnostics += _check_heads(plan, model, axis, n, tensor_rules)
+    seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
+    sequence_modules = {p: k["sequence"] for p, k in resolution.placements.items() if "sequence" in k}
+    spec = TensorParallelSpec(
+        axis,
+        n,
+        params,
+        sequence_parallel=bool(seq_rules),
+        sequence_modules=sequence_modules,
+        fallback_span=plan.mesh.span,
+    )
+    return axis, spec, diagnostics
+
+
+def _module_placements(
+    style: str, module: nn.Module, path: str, rule: PlanRule, n: int, diagnostics: list[Diagnostic]
+) -> dict[str, Placement]:
+    """Which parameters of the module are split, and along which dim, for a tensor rule."""
+    kind = type(module).__name__
+    if style in ("column", "row") and not isinstance(module, _LINEAR_LIKE):
+        linears = [name for name, m in module.named_modules() if name and isinstance(m, _LINEAR_LIKE)]
+        hint = (
+            f"linear layers inside it: {', '.join(linears[:8])}"
+            if linears
+            else "column and row splits apply to nn.Linear layers"
+        )
+        diagnostics.append(
+            Diagnostic(
+                rule.pattern_span, f"`{style}` needs a linear layer, but `{path}` is a {kind}", hint=hint
+            )
+        )
+        return {}
+    if style == "vocab" and not isinstance(module, _LINEAR_LIKE + _EMBEDDING_LIKE):
+        diagnostics.append(
+            Diagnostic(
+                rule.pattern_span, f"`vocab` needs an embedding or an LM head, but `{path}` is a {kind}"
+            )
+        )
+        return {}
+    weight = module.weight
+    dim = 1 if style == "row" else 0
+    if weight.shape[dim] % n:
+        what = {0: "output features", 1: "input features"}[dim] if style != "vocab" else "vocabulary size"
+        diagnostics.append(
+            Diagnostic(
+                rule.span,
+                f"`{path}` has {weight.shape[dim]} {what}, not divisible by {n} ranks over `{rule.axis}`",
+                hint="pick a tensor-parallel size that divides it",
+            )
+        )
+        return {}
+    out: dict[str, Placement] = {"weight": Shard(dim)}
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = REPLICATE if style == "row" else Shard(0)
+    return out
+
+
+def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[PlanRule]) -> list[Diagnostic]:
+    """Attention heads and kv heads must divide by the tensor-parallel size (config-based models)."""
+    config = getattr(model, "config", None)
+    out = []
+    for attr, what in (
+        ("num_attention_heads", "attention heads"),
+        ("num_key_value_heads", "key/value heads"),
+    ):
+        count = getattr(config, attr, None)
+        if isinstance(count, int) and count % n:
+            rule = next((r for r in rules if "attn" in r.pattern), rules[0])
+            out.append(
+                Diagnostic(
+                    rule.span,
+                    f"the model has {count} {what}, not divisible by {n} ranks over `{axis}`",
+                    hint=f"use a tensor-parallel size that divides {count}",
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------- per-rank programs
+
+
+def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=None) -> fx.GraphModule:
+    """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
+
+    `model` holds the full (unpartitioned) parameters and buffers; `mesh` is the
+    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
+    """
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    from meshplan.runtime.collectives import COLLECTIVES
+
+    coords = compiled.layout.coords(rank)
+    graph = compiled.graph.graph
+    root: dict[str, object] = {}
+    local_of: dict[int, nn.Parameter] = {}  # id(full tensor) -> its local parameter, keeps ties
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            name = str(node.target)
+            full = state[name]
+            placement = compiled.param_placements.get(name, {})
+            local = _local_shard(full, placement, coords, compiled.layout)
+            if isinstance(full, nn.Parameter):
+                if id(full) not in local_of:
+                    local_of[id(full)] = nn.Parameter(
+                        local.detach().clone(), requires_grad=full.requires_grad
+                    )
+                root[name] = local_of[id(full)]
+            else:
+                root[name] = local.detach().clone()
+        elif node.op == "call_module":
+            kind, _, axis = str(node.target).rpartition("_")
+            group = mesh.get_group(axis) if mesh is not None else None
+            root[str(node.target)] = COLLECTIVES[kind](group, axis)
+    gm = fx.GraphModule(root, graph)
+    return gm
+
+
+def _local_shard(
+    full: torch.Tensor, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
+) -> torch.Tensor:
+    local = full
+    for axis, p in placement.items():
+        if isinstance(p, Shard):
+            local = local.chunk(layout.size(axis), p.dim)[coords[axis]]
+    return local

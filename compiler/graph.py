@@ -1,0 +1,90 @@
+"""Helpers over captured fx graphs: cleaning what export leaves behind, and reading node facts.
+
+Facts the compiler adds live in `node.meta` under namespaced keys:
+
+    meshplan.placement   {axis: Placement} of the node's output (tensor parallel pass)
+    meshplan.rule        the PlanRule that decided it (for messages and `explain`)
+    meshplan.collective  on inserted collective nodes: kind, axis, dim, and the rule behind it
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+PLACEMENT = "meshplan.placement"
+RULE = "meshplan.rule"
+COLLECTIVE = "meshplan.collective"
+REQUIRES_GRAD = "meshplan.requires_grad"
+
+_NOISE = {
+    torch.ops.aten._assert_tensor_metadata.default,
+}
+
+
+def normalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make an exported module's graph plain: flat inputs and outputs, no guard or assert nodes.
+
+    `ExportedProgram.module()` wraps the graph in pytree (un)flattening and calls a guard
+    function on the inputs; the compiled per-rank program is called with flat tensors and
+    returns a flat tuple, so its printed code is just the computation.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if (node.op == "call_module" and node.target == "_guards_fn") or (
+            node.op == "call_function" and node.target in _NOISE and not node.users
+        ):
+            graph.erase_node(node)
+    graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    return gm
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost module the node was traced in ('' for the root)."""
+    if "meshplan.module" in node.meta:  # tagged by capture, normalized to named_modules() spelling
+        return node.meta["meshplan.module"]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def value(node: fx.Node):
+    """The FakeTensor (or tuple of them) export recorded for the node's output, if any."""
+    return node.meta.get("val")
+
+
+def is_tensor_node(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(value(node), torch.Tensor)
+
+
+def shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in value(node).shape)
+
+
+def describe(node: fx.Node) -> str:
+    """`aten.view` in `layers.0.self_attn`, for messages."""
+    target = node.target
+    name = (
+        getattr(target, "__name__", str(target)).split(".")[0] if node.op == "call_function" else str(target)
+    )
+    path = module_path(node)
+    return f"`{name}` in `{path}`" if path else f"`{name}` at the top level"
+
+
+def keep_loss_output(gm: fx.GraphModule) -> fx.GraphModule:
+    """Return only the scalar loss from a training graph (a Hugging Face output also has logits).
+
+    Other outputs would force their tensors to be made whole on every rank (an all-gather
+    of vocab-sharded logits) for nothing: training needs the loss.
+    """
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = output.args[0]
+    flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    scalars = [o for o in flat if is_tensor_node(o) and value(o).ndim == 0 and value(o).is_floating_point()]
+    if len(scalars) == 1 and len(flat) > 1:
+        output.args = ((scalars[0],),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm

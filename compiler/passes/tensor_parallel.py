@@ -1,0 +1,817 @@
+"""Tensor and sequence parallelism over one mesh axis: placements, collectives, local shapes.
+
+Requires: a normalized captured graph (`compiler.graph.normalize`) whose nodes carry
+export's `val` and `nn_module_stack`, and the plan's resolved tensor/sequence rules.
+Ensures: every tensor node has `meta["meshplan.placement"] = {axis: Placement}`; the
+collectives the placements demand are `call_module` nodes (`copy_to_tp`, `all_reduce_tp`,
+...) with `meta["meshplan.collective"]`; shape arguments of view/reshape/expand are local
+sizes; vocab-parallel embedding and loss replace their aten ops. Parameters keep global
+shapes in the graph's metadata: `lower` materializes each rank's shards.
+
+Before (one attention input, q/k/v column, o_proj row):
+
+    q = aten.linear(h, q_proj_weight); k = aten.linear(h, k_proj_weight); ...
+    q = aten.view(q, [2, 16, 4, 16])
+    out = aten.linear(attn, o_proj_weight, o_proj_bias)
+
+After (tp=2):
+
+    copy_to_tp = self.copy_to_tp(h)                      # f: one for q, k and v
+    q = aten.linear(copy_to_tp, q_proj_weight); ...       # (B, T, H/2)
+    q = aten.view(q, [2, 16, 2, 16])                      # local head count
+    out = aten.linear(attn, o_proj_weight)                # partial sums
+    all_reduce_tp = self.all_reduce_tp(out)               # g
+    out = aten.add(all_reduce_tp, o_proj_bias)            # bias once, after the reduction
+
+Placements are decided in one walk in graph order. A `Partial` is reduced right where
+it is made: all-reduce to `Replicate`, or under sequence parallelism reduce-scatter to
+`Shard(seq_dim)`, which is Megatron's choice and the analytical minimum.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from meshplan.dsl.check import PlanRule
+from meshplan.dsl.errors import Diagnostic, Span
+from meshplan.runtime.collectives import COLLECTIVES
+from torch import fx
+
+from ..graph import (
+    COLLECTIVE,
+    PLACEMENT,
+    REQUIRES_GRAD,
+    RULE,
+    describe,
+    is_tensor_node,
+    module_path,
+    shape,
+)
+from ..placement import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """A parameter's layout over the tensor axis and the rule that set it."""
+
+    placement: Placement
+    rule: PlanRule | None
+
+
+@dataclass
+class TensorParallelSpec:
+    """What the pass needs to know: the axis, its size, and each parameter's placement."""
+
+    axis: str
+    size: int
+    params: dict[str, ParamPlacement]  # "layers.0.mlp.up_proj.weight" -> placement
+    sequence_parallel: bool = False
+    seq_dim: int = 1
+    sequence_modules: dict[str, PlanRule] = field(default_factory=dict)  # module path -> `sequence` rule
+    fallback_span: Span | None = None  # where to point when no rule is near the problem
+
+
+class TensorParallelError(Exception):
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+def tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec) -> tuple[fx.GraphModule, list[Diagnostic]]:
+    """Annotate placements, insert collectives, rewrite local shapes. Returns warnings and errors."""
+    walk = _Walk(gm, spec)
+    walk.run()
+    gm.graph.lint()
+    gm.recompile()
+    return gm, walk.diagnostics
+
+
+# ---------------------------------------------------------------------------- the walk
+
+
+class _Walk:
+    def __init__(self, gm: fx.GraphModule, spec: TensorParallelSpec):
+        self.gm, self.graph, self.spec = gm, gm.graph, spec
+        self.axis, self.n = spec.axis, spec.size
+        self.diagnostics: list[Diagnostic] = []
+        self.converted: dict[tuple[fx.Node, str, int | None], fx.Node] = {}
+
+    # -- facts
+    def placement(self, node) -> Placement:
+        if not isinstance(node, fx.Node):
+            return REPLICATE
+        return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
+
+    def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
+        node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
+        if rule is not None:
+            node.meta[RULE] = rule
+
+    def requires_grad(self, node) -> bool:
+        return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
+
+    def error(
+        self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
+    ) -> None:
+        rule = rule or self.rule_near(node)
+        span = rule.span if rule else self.spec.fallback_span
+        raise TensorParallelError(Diagnostic(span, message, hint))
+
+    def rule_near(self, node: fx.Node) -> PlanRule | None:
+        for arg in node.all_input_nodes:
+            rule = arg.meta.get(RULE)
+            if rule is not None:
+                return rule
+        return None
+
+    # -- driver
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            self.mark_requires_grad(node)
+            if node.op == "placeholder":
+                self.set(node, REPLICATE)
+            elif node.op == "get_attr":
+                pp = self.spec.params.get(str(node.target))
+                self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
+            elif node.op == "call_function":
+                rule = _RULES.get(node.target)
+                if rule is None:
+                    self.default(node)
+                else:
+                    rule(self, node)
+            elif node.op == "output":
+                outs = node.args[0]
+                flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                new = [self.convert(o, REPLICATE) if is_tensor_node(o) else o for o in flat]
+                node.args = (type(outs)(new) if isinstance(outs, (list, tuple)) else new[0],)
+
+    def mark_requires_grad(self, node: fx.Node) -> None:
+        if node.op == "get_attr":
+            attr = _get_attr(self.gm, str(node.target))
+            node.meta[REQUIRES_GRAD] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
+        elif node.op == "call_function":
+            node.meta[REQUIRES_GRAD] = any(self.requires_grad(a) for a in node.all_input_nodes)
+
+    def default(self, node: fx.Node) -> None:
+        """Ops without a rule are fine on replicated inputs; anything sharded is an error."""
+        for arg in node.all_input_nodes:
+            if isinstance(self.placement(arg), Partial):
+                arg = self.use(node, arg, self.reduce_partial(arg))
+            if isinstance(self.placement(arg), Shard):
+                self.error(
+                    node,
+                    f"{describe(node)} has no sharding rule and its input is sharded over `{self.axis}`",
+                    hint="meshplan supports the ops of transformer blocks; "
+                    "replicate this module or report the op",
+                )
+        self.set(node, REPLICATE)
+
+    # -- conversions
+    def use(self, node: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
+        """Make `node` read `new` where it read `old`; returns `new`."""
+        if new is not old:
+            node.replace_input_with(old, new)
+        return new
+
+    def convert(self, arg: fx.Node, target: Placement, *, into_sharded: bool = False) -> fx.Node:
+        """A node holding `arg` in `target` placement; `into_sharded` marks use by sharded compute,
+        whose gradient w.r.t. `arg` is partial and must be summed in backward (Megatron's f)."""
+        have = self.placement(arg)
+        if isinstance(have, Partial):
+            arg = self.reduce_partial(arg)
+            have = self.placement(arg)
+        if have == target:
+            if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
+                return self.collective("copy_to", arg, None, REPLICATE)
+            return arg
+        if isinstance(have, Shard) and isinstance(target, Replicate):
+            kind = "all_gather" if into_sharded else "gather_replicated"
+            return self.collective(kind, arg, have.dim, REPLICATE)
+        if isinstance(have, Replicate) and isinstance(target, Shard):
+            return self.collective("split", arg, target.dim, target)
+        self.error(
+            arg,
+            f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
+            hint="resharding between two different dims (all-to-all) is not supported yet",
+        )
+        raise AssertionError("unreachable")
+
+    def reduce_partial(self, arg: fx.Node) -> fx.Node:
+        if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
+            return self.collective("reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim))
+        return self.collective("all_reduce", arg, None, REPLICATE)
+
+    def collective(self, kind: str, arg: fx.Node, dim: int | None, out: Placement) -> fx.Node:
+        key = (arg, kind, dim)
+        if key in self.converted:
+            return self.converted[key]
+        name = self.module_for(kind)
+        with self.graph.inserting_after(arg):
+            node = self.graph.call_module(name, (arg,) if dim is None else (arg, dim))
+        node.meta.update(
+            {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+        )
+        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": arg.meta.get(RULE)}
+        self.set(node, out, arg.meta.get(RULE))
+        self.converted[key] = node
+        return node
+
+    def module_for(self, kind: str) -> str:
+        """The name of the graph's submodule for collective `kind` on this axis, created on first use.
+
+        The compiled graph holds group-less instances; `build_rank_program` binds each
+        rank's process groups.
+        """
+        name = f"{kind}_{self.axis}"
+        if not hasattr(self.gm, name):
+            self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
+        return name
+
+    # -- shapes
+    def local_sizes(self, sizes, out: Placement) -> list:
+        """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
+        sizes = list(sizes)
+        if isinstance(out, Shard) and sizes[out.dim] != -1:
+            if sizes[out.dim] % self.n:
+                raise AssertionError("divisibility is checked when the placement is decided")
+            sizes[out.dim] = sizes[out.dim] // self.n
+        return sizes
+
+
+Rule = Callable[[_Walk, fx.Node], None]
+_RULES: dict[object, Rule] = {}
+
+
+def _get_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# ---------------------------------------------------------------------------- linear and embedding
+
+
+@register(aten.linear.default)
+def _linear(w: _Walk, node: fx.Node) -> None:
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    wp = w.placement(weight)
+    rule = weight.meta.get(RULE)
+    last = len(shape(node)) - 1
+    if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
+        w.use(node, x, w.convert(x, REPLICATE, into_sharded=True))
+        w.set(node, Shard(last), rule)
+        return
+    if isinstance(wp, Shard) and wp.dim == 1:  # row: inputs sharded, outputs partial
+        xp = w.placement(x)
+        if xp != Shard(len(shape(x)) - 1):
+            if not isinstance(xp, Replicate):
+                x_new = w.convert(x, REPLICATE)
+                w.use(node, x, x_new)
+                x = x_new
+            w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1)))
+            w.diagnostics.append(
+                Diagnostic(
+                    rule.span,
+                    f"row split `{module_path(node)}` gets a replicated input: it is split "
+                    "locally, which costs an all-gather in backward",
+                    hint="pair it with a column split before it",
+                    severity="warning",
+                )
+            )
+        if bias is not None:
+            node.args = node.args[:2]  # the bias is added once, after the reduction
+        w.set(node, PARTIAL, rule)
+        reduced = w.reduce_partial(node)
+        result = reduced
+        if bias is not None:
+            with w.graph.inserting_after(reduced):
+                result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
+            result.meta.update(
+                {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+            )
+            _elementwise(w, result)
+        for user in list(node.users):
+            if user is not reduced:
+                user.replace_input_with(node, result)
+        return
+    # replicated weight: the op is independent per row, so a shard on any dim but the last passes
+    xp = w.placement(x)
+    if isinstance(xp, Shard) and xp.dim == len(shape(x)) - 1:
+        w.use(node, x, w.convert(x, REPLICATE))
+        near = w.rule_near(node)
+        if near is not None:
+            w.diagnostics.append(
+                Diagnostic(
+                    near.span,
+                    f"column split feeds `{module_path(node)}`, which is not split: its input "
+                    "is all-gathered",
+                    hint=f"add a `row over {w.axis}` rule for `{module_path(node)}`",
+                    severity="warning",
+                )
+            )
+        xp = REPLICATE
+    if isinstance(xp, Partial):
+        xp = w.placement(w.use(node, x, w.reduce_partial(x)))
+    for p in (weight, bias):
+        if p is not None and isinstance(xp, Shard):
+            w.use(node, p, w.convert(p, REPLICATE, into_sharded=True))
+    w.set(node, xp)
+
+
+@register(aten.embedding.default)
+def _embedding(w: _Walk, node: fx.Node) -> None:
+    weight, ids = node.args[0], node.args[1]
+    wp = w.placement(weight)
+    rule = weight.meta.get(RULE)
+    if isinstance(wp, Shard) and wp.dim == 0:
+        if len(node.args) > 2 and node.args[2] not in (-1, None):
+            w.error(node, "vocab-parallel embedding does not support `padding_idx`", rule=rule)
+        with w.graph.inserting_before(node):
+            vocab = w.graph.call_module(w.module_for("vocab_embedding"), (weight, ids))
+        vocab.meta.update(node.meta)
+        vocab.meta[COLLECTIVE] = {"kind": "vocab_embedding", "axis": w.axis, "dim": None, "rule": rule}
+        node.replace_all_uses_with(vocab)
+        w.graph.erase_node(node)
+        w.set(vocab, PARTIAL, rule)
+        reduced = w.reduce_partial(vocab)
+        for user in list(vocab.users):
+            if user is not reduced:
+                user.replace_input_with(vocab, reduced)
+        return
+    if isinstance(wp, Shard):
+        w.error(
+            node, f"an embedding can only be split over its vocabulary: use `vocab over {w.axis}`", rule=rule
+        )
+    w.set(node, REPLICATE)
+
+
+@register(aten.cross_entropy_loss.default)
+def _cross_entropy(w: _Walk, node: fx.Node) -> None:
+    logits, target = node.args[0], node.args[1]
+    lp = w.placement(logits)
+    ndim = len(shape(logits))
+    if isinstance(lp, Shard) and lp.dim == ndim - 1 and ndim == 2:
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+        if weight is not None or reduction != 1 or smoothing:
+            w.error(
+                node,
+                "vocab-parallel cross-entropy supports mean reduction without class weights or "
+                "label smoothing",
+                hint="replicate the LM head instead",
+                rule=logits.meta.get(RULE),
+            )
+        with w.graph.inserting_before(node):
+            ce = w.graph.call_module(
+                w.module_for("vocab_cross_entropy"), (logits, w_target(w, target), ignore_index)
+            )
+        ce.meta.update(node.meta)
+        ce.meta[COLLECTIVE] = {
+            "kind": "vocab_cross_entropy",
+            "axis": w.axis,
+            "dim": None,
+            "rule": logits.meta.get(RULE),
+        }
+        node.replace_all_uses_with(ce)
+        w.graph.erase_node(node)
+        w.set(ce, REPLICATE, logits.meta.get(RULE))
+        return
+    w.default(node)
+
+
+def w_target(w: _Walk, target: fx.Node) -> fx.Node:
+    if isinstance(w.placement(target), Replicate):
+        return target
+    return w.convert(target, REPLICATE)
+
+
+# ---------------------------------------------------------------------------- elementwise
+
+
+_ELEMENTWISE = [
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten.pow.Tensor_Scalar,
+    aten.rsqrt.default,
+    aten.sqrt.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.relu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.dropout.default,
+    aten.alias.default,
+    aten.where.self,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.erf.default,
+    aten.reciprocal.default,
+    aten.abs.default,
+    aten.add.Scalar,
+    aten.mul.Scalar,
+    aten.sub.Scalar,
+    aten.div.Scalar,
+    aten.pow.Tensor_Tensor,
+    aten.detach.default,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.softplus.default,
+    aten.square.default,
+]
+
+
+@register(*_ELEMENTWISE)
+def _elementwise(w: _Walk, node: fx.Node) -> None:
+    out_ndim = len(shape(node))
+    tensors = [a for a in node.all_input_nodes if is_tensor_node(a)]
+    for a in tensors:
+        if isinstance(w.placement(a), Partial):
+            w.use(node, a, w.reduce_partial(a))
+    tensors = [a for a in node.all_input_nodes if is_tensor_node(a)]
+    dims = set()
+    for a in tensors:
+        p = w.placement(a)
+        if isinstance(p, Shard):
+            dims.add(p.dim + out_ndim - len(shape(a)))  # align by broadcasting from the right
+    if not dims:
+        w.set(node, REPLICATE, w.rule_near(node))
+        return
+    if len(dims) > 1:
+        w.error(node, f"{describe(node)} combines tensors sharded on different dims over `{w.axis}`")
+    (dim,) = dims
+    for a in tensors:
+        p = w.placement(a)
+        if isinstance(p, Shard):
+            continue
+        a_dim = dim - (out_ndim - len(shape(a)))
+        spans = a_dim >= 0 and shape(a)[a_dim] != 1
+        if spans:
+            w.use(node, a, w.convert(a, Shard(a_dim)))
+        elif w.requires_grad(a):
+            w.use(node, a, w.convert(a, REPLICATE, into_sharded=True))
+    w.set(node, Shard(dim), w.rule_near(node))
+
+
+@register(aten.type_as.default)
+def _type_as(w: _Walk, node: fx.Node) -> None:
+    # the second argument only supplies a dtype
+    w.set(node, w.placement(node.args[0]), w.rule_near(node))
+
+
+# ---------------------------------------------------------------------------- reductions
+
+
+@register(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
+def _reduce(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Partial):
+        x = w.use(node, x, w.reduce_partial(x))
+        p = w.placement(x)
+    ndim = len(shape(x))
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = list(range(ndim)) if dims in (None, []) else [_norm_dim(d, ndim) for d in dims]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if isinstance(p, Shard):
+        if p.dim in dims:
+            w.error(
+                node,
+                f"{describe(node)} reduces over dim {p.dim}, which is sharded over `{w.axis}`",
+                hint="this module cannot run on shards; replicate it or change the split",
+            )
+        out = p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)
+        w.set(node, Shard(out), w.rule_near(node))
+    else:
+        w.set(node, REPLICATE)
+
+
+@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+def _softmax(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    dim = _norm_dim(node.args[1], len(shape(x)))
+    if isinstance(p, Shard) and p.dim == dim:
+        w.error(node, f"{describe(node)} normalizes over dim {dim}, which is sharded over `{w.axis}`")
+    w.set(node, p if not isinstance(p, Partial) else REPLICATE, w.rule_near(node))
+
+
+@register(aten.layer_norm.default)
+def _layer_norm(w: _Walk, node: fx.Node) -> None:
+    x, normalized = node.args[0], node.args[1]
+    p = w.placement(x)
+    if isinstance(p, Partial):
+        p = w.placement(w.use(node, x, w.reduce_partial(x)))
+    ndim = len(shape(node))
+    if isinstance(p, Shard) and p.dim >= ndim - len(normalized):
+        w.error(node, f"{describe(node)} normalizes over a dim sharded over `{w.axis}`")
+    if isinstance(p, Shard):
+        for param in node.args[2:4]:
+            if isinstance(param, fx.Node) and w.requires_grad(param):
+                w.use(node, param, w.convert(param, REPLICATE, into_sharded=True))
+    w.set(node, p, w.rule_near(node))
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def _view_dim(in_shape, out_shape, dim: int) -> int | None:
+    """Where a shard on input `dim` lands after reshaping `in_shape` to `out_shape`.
+
+    Walks both shapes in groups of equal product; the shard must be the outermost
+    non-trivial dim of its group on both sides (then contiguous chunks stay contiguous).
+    Returns None when it does not.
+    """
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        gi, gj = [i], [j]
+        pi = in_shape[i] if i < len(in_shape) else 1
+        pj = out_shape[j] if j < len(out_shape) else 1
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= in_shape[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= out_shape[j]
+        if dim in gi:
+            first_in = next(k for k in gi if k < len(in_shape) and in_shape[k] != 1)
+            first_out = next((k for k in gj if k < len(out_shape) and out_shape[k] != 1), None)
+            if first_in != dim or first_out is None:
+                return None
+            return first_out
+        i += 1
+        j += 1
+    return None
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _view(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Partial):
+        x = w.use(node, x, w.reduce_partial(x))
+        p = w.placement(x)
+    if not isinstance(p, Shard):
+        w.set(node, REPLICATE)
+        return
+    out_dim = _view_dim(shape(x), shape(node), p.dim)
+    if out_dim is None or shape(node)[out_dim] % w.n:
+        w.error(
+            node,
+            f"{describe(node)} reshapes {list(shape(x))} -> {list(shape(node))}, which splits "
+            f"the dim sharded over `{w.axis}` across ranks",
+            hint=f"the sharded dim ({shape(x)[p.dim]}) must stay outermost in its group and divisible by "
+            f"{w.n} (e.g. a head count divisible by the tensor-parallel size)",
+        )
+    out = Shard(out_dim)
+    node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
+    w.set(node, out, w.rule_near(node))
+
+
+@register(aten.flatten.using_ints)
+def _flatten(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    ndim = len(shape(x))
+    start = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    end = _norm_dim(node.args[2] if len(node.args) > 2 else -1, ndim)
+    if isinstance(p, Shard):
+        if start < p.dim <= end:
+            w.error(node, f"{describe(node)} flattens a dim sharded over `{w.axis}` into an inner position")
+        out = p.dim if p.dim <= start else p.dim - (end - start)
+        w.set(node, Shard(out), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(aten.transpose.int)
+def _transpose(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        ndim = len(shape(x))
+        a, b = _norm_dim(node.args[1], ndim), _norm_dim(node.args[2], ndim)
+        w.set(node, Shard(b if p.dim == a else a if p.dim == b else p.dim), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(aten.t.default)
+def _t(w: _Walk, node: fx.Node) -> None:
+    p = w.placement(node.args[0])
+    w.set(node, Shard(1 - p.dim) if isinstance(p, Shard) else p, w.rule_near(node))
+
+
+@register(aten.permute.default)
+def _permute(w: _Walk, node: fx.Node) -> None:
+    x, order = node.args[0], node.args[1]
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        order = [_norm_dim(d, len(order)) for d in order]
+        w.set(node, Shard(order.index(p.dim)), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze(w: _Walk, node: fx.Node) -> None:
+    p = w.placement(node.args[0])
+    if isinstance(p, Shard):
+        d = _norm_dim(node.args[1], len(shape(node)))
+        w.set(node, Shard(p.dim + (d <= p.dim)), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [_norm_dim(d, len(shape(x))) for d in dims if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
+        w.set(node, Shard(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(aten.expand.default)
+def _expand(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        out = Shard(p.dim + len(shape(node)) - len(shape(x)))
+        node.args = (x, w.local_sizes(node.args[1], out), *node.args[2:])
+        w.set(node, out, w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
+@register(
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.select.int,
+    aten.chunk.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+)
+def _slice_like(w: _Walk, node: fx.Node) -> None:
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Partial):
+        p = w.placement(w.use(node, x, w.reduce_partial(x)))
+    if not isinstance(p, Shard):
+        w.set(node, p)
+        return
+    ndim = len(shape(x))
+    default_dim = 0
+    dim_arg = node.args[1] if node.target in (aten.slice.Tensor,) and len(node.args) > 1 else None
+    if node.target in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default):
+        dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    elif node.target in (aten.narrow.default, aten.select.int, aten.unbind.int):
+        dim_arg = node.args[1] if len(node.args) > 1 else 0
+    dim = _norm_dim(dim_arg if dim_arg is not None else default_dim, ndim)
+    if dim == p.dim:
+        w.error(node, f"{describe(node)} slices dim {dim}, which is sharded over `{w.axis}`")
+    out = p.dim - (node.target in (aten.select.int, aten.unbind.int) and dim < p.dim)
+    w.set(node, Shard(out), w.rule_near(node))
+
+
+@register(operator.getitem)
+def _getitem(w: _Walk, node: fx.Node) -> None:
+    w.set(node, w.placement(node.args[0]), w.rule_near(node))
+
+
+@register(aten.cat.default)
+def _cat(w: _Walk, node: fx.Node) -> None:
+    parts = node.args[0]
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(node)))
+    placements = {w.placement(p) for p in parts}
+    if len(placements) == 1:
+        (p,) = placements
+        if isinstance(p, Shard) and p.dim == dim:
+            w.error(node, f"{describe(node)} concatenates along dim {dim}, which is sharded over `{w.axis}`")
+        w.set(node, p, w.rule_near(node))
+        return
+    w.error(node, f"{describe(node)} concatenates tensors with different placements over `{w.axis}`")
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@register(aten.scaled_dot_product_attention.default)
+def _sdpa(w: _Walk, node: fx.Node) -> None:
+    q, k, v = node.args[:3]
+    ps = {w.placement(t) for t in (q, k, v)}
+    if ps == {REPLICATE}:
+        w.set(node, REPLICATE)
+        return
+    if ps != {Shard(1)}:
+        if any(isinstance(p, Shard) and p.dim == 2 for p in ps):
+            w.error(
+                node,
+                f"{describe(node)} would attend over a sequence sharded over `{w.axis}`",
+                hint="attention needs the whole sequence: use `context ring over AXIS` for long sequences",
+            )
+        w.error(
+            node,
+            f"{describe(node)}: q, k and v must all be split by heads over `{w.axis}` "
+            f"(got {', '.join(str(w.placement(t)) for t in (q, k, v))})",
+            hint="split q_proj, k_proj and v_proj with the same column rule",
+        )
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node) and shape(mask)[-3:-2] not in ((), (1,)):
+        w.use(node, mask, w.convert(mask, Shard(len(shape(mask)) - 3)))
+    w.set(node, Shard(1), w.rule_near(node))
+
+
+@register(aten.matmul.default, aten.bmm.default)
+def _matmul(w: _Walk, node: fx.Node) -> None:
+    a, b = node.args[0], node.args[1]
+    pa, pb = w.placement(a), w.placement(b)
+    if pa == pb == REPLICATE:
+        w.set(node, REPLICATE)
+        return
+    nd = len(shape(node))
+    batch_a = isinstance(pa, Shard) and pa.dim < len(shape(a)) - 2
+    batch_b = isinstance(pb, Shard) and pb.dim < len(shape(b)) - 2
+    if batch_a and batch_b:
+        out = pa.dim + nd - len(shape(a))
+        if out == pb.dim + nd - len(shape(b)):
+            w.set(node, Shard(out), w.rule_near(node))
+            return
+    w.error(
+        node,
+        f"{describe(node)} multiplies tensors placed {pa} and {pb} over `{w.axis}`",
+        hint="only batched matmuls over a shared sharded batch dim (attention heads) are supported",
+    )
+
+
+def _factory(w: _Walk, node: fx.Node) -> None:
+    w.set(node, REPLICATE)
+
+
+for _t_ in (
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.tril.default,
+    aten.triu.default,
+    aten.ones_like.default,
+    aten.zeros_like.default,
+):
+    _RULES[_t_] = _factory
+
+
+@register(aten.repeat_interleave.self_int)
+def _repeat_interleave(w: _Walk, node: fx.Node) -> None:
+    # Repeating each element in place keeps contiguous chunks contiguous, so a shard on the
+    # repeated dim stays a shard: GQA's kv-head repeat maps kv-head shards onto head shards.
+    x = node.args[0]
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim is None:
+            w.error(node, f"{describe(node)} flattens a tensor sharded over `{w.axis}`")
+    w.set(node, p, w.rule_near(node))

@@ -1,0 +1,36 @@
+"""How a tensor is laid out over one mesh axis, named as `torch.distributed.tensor` names it.
+
+Replicate()   every rank holds the whole tensor
+Shard(dim)    rank r holds the r-th of `size` equal chunks along `dim`
+Partial()     every rank holds a summand; the tensor is their sum
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    def __str__(self) -> str:
+        return "Partial()"
+
+
+Placement: TypeAlias = Replicate | Shard | Partial
+REPLICATE = Replicate()
+PARTIAL = Partial()

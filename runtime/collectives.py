@@ -1,0 +1,244 @@
+"""Autograd-correct collectives over one mesh axis, as modules a compiled graph calls.
+
+A compiled per-rank program calls these as `call_module` nodes, so its printed code
+names every collective and the axis it runs over:
+
+    copy_to_tp = self.copy_to_tp(mul_1)             # f: identity forward, all-reduce backward
+    linear = torch.ops.aten.linear.default(copy_to_tp, layers_0_self_attn_q_proj_weight)
+    ...
+    all_reduce_tp = self.all_reduce_tp(linear_3)    # g: all-reduce forward, identity backward
+
+Each forward collective has its conjugate in backward (Megatron's f/g pairs):
+
+    module                 forward                 backward
+    CopyToAxis             identity                all-reduce
+    AllReduce              all-reduce              identity
+    AllGather(dim)         all-gather on dim       reduce-scatter on dim   (before a column split)
+    GatherReplicated(dim)  all-gather on dim       take the local chunk     (for replicated consumers)
+    ReduceScatter(dim)     reduce-scatter on dim   all-gather on dim
+    Split(dim)             take the local chunk    all-gather on dim
+    VocabParallelEmbedding lookup of the local vocab rows, partial sums; the caller reduces
+    VocabParallelCrossEntropy  cross-entropy over vocab-sharded logits (3 small all-reduces)
+
+The modules hold their process group; nothing here is global state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's `x` along `dim`: (.., n, ..) -> (.., n * world, ..)."""
+    world = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+    _all_gather(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Sum over ranks, each keeping its chunk of `dim`: (.., n, ..) -> (.., n / world, ..)."""
+    world = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
+    _reduce_scatter(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(world, dim)[rank].contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, grad_is_partial):
+        ctx.dim, ctx.group, ctx.grad_is_partial = dim, group, grad_is_partial
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+        return local_chunk(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return local_chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class AxisCollective(nn.Module):
+    """Base: a collective bound to the process group of one mesh axis."""
+
+    def __init__(self, group: dist.ProcessGroup | None, axis: str):
+        super().__init__()
+        self.group = group
+        self.axis = axis
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}"
+
+
+class CopyToAxis(AxisCollective):
+    """f: a replicated tensor entering sharded compute; gradients are summed over the axis."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Copy.apply(x, self.group)
+
+
+class AllReduce(AxisCollective):
+    """g: partial sums leaving sharded compute (after a row split)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Reduce.apply(x, self.group)
+
+
+class AllGather(AxisCollective):
+    """Sequence shards -> full sequence before a column split; backward reduce-scatters."""
+
+    def forward(self, x: Tensor, dim: int) -> Tensor:
+        return _Gather.apply(x, dim, self.group, True)
+
+
+class GatherReplicated(AxisCollective):
+    """Shards -> a full tensor used by replicated compute; backward keeps the local chunk."""
+
+    def forward(self, x: Tensor, dim: int) -> Tensor:
+        return _Gather.apply(x, dim, self.group, False)
+
+
+class ReduceScatter(AxisCollective):
+    """Partial sums -> sequence shards after a row split (sequence parallelism)."""
+
+    def forward(self, x: Tensor, dim: int) -> Tensor:
+        return _ReduceScatter.apply(x, dim, self.group)
+
+
+class Split(AxisCollective):
+    """A replicated tensor -> this rank's chunk; backward all-gathers."""
+
+    def forward(self, x: Tensor, dim: int) -> Tensor:
+        return _Split.apply(x, dim, self.group)
+
+
+class VocabParallelEmbedding(AxisCollective):
+    """Embedding lookup with the vocabulary rows sharded over the axis.
+
+    Each rank holds rows [start, start + local_vocab); ids outside give zeros, so the
+    result is a partial sum that the next node reduces (all-reduce, or reduce-scatter
+    under sequence parallelism).
+    """
+
+    def forward(self, weight: Tensor, ids: Tensor) -> Tensor:
+        local_vocab = weight.shape[0]
+        start = dist.get_rank(self.group) * local_vocab
+        outside = (ids < start) | (ids >= start + local_vocab)
+        local_ids = (ids - start).masked_fill(outside, 0)
+        out = nn.functional.embedding(local_ids, weight)  # (B, T, H), zeros to be
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, H) partial over the axis
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits sharded on the last (vocab) dim, never gathering them."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        # logits: (N, V/world) this rank's vocab slice; target: (N,) global vocab ids
+        local_vocab = logits.shape[-1]
+        start = dist.get_rank(group) * local_vocab
+        ctx.input_dtype = logits.dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: fp32 math
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)  # (N, V/world)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        valid = target != ignore_index
+        outside = (target < start) | (target >= start + local_vocab) | ~valid
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, group=group)
+        losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (N,)
+        count = valid.sum().clamp(min=1)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_target, outside, valid, count)
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, outside, valid, count = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_target] -= (~outside).to(grad_logits.dtype)
+        grad_logits *= (valid.to(grad_logits.dtype) / count).unsqueeze(-1)
+        return (grad_logits * grad).to(ctx.input_dtype), None, None, None
+
+
+class VocabParallelCrossEntropy(AxisCollective):
+    def forward(self, logits: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
+        return _VocabParallelCrossEntropy.apply(logits, target, self.group, ignore_index)
+
+
+COLLECTIVES: dict[str, type[AxisCollective]] = {
+    "copy_to": CopyToAxis,
+    "all_reduce": AllReduce,
+    "all_gather": AllGather,
+    "gather_replicated": GatherReplicated,
+    "reduce_scatter": ReduceScatter,
+    "split": Split,
+    "vocab_embedding": VocabParallelEmbedding,
+    "vocab_cross_entropy": VocabParallelCrossEntropy,
+}

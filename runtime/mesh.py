@@ -1,0 +1,64 @@
+"""Device meshes: named axes over ranks, and the process group of each axis.
+
+Rank layout is row-major over the axes in plan order: the last axis varies fastest,
+as in `torch.distributed.device_mesh.init_device_mesh`. For `mesh dp=2, pp=2, tp=2`:
+
+    rank:    0  1  2  3  4  5  6  7
+    dp:      0  0  0  0  1  1  1  1
+    pp:      0  0  1  1  0  0  1  1
+    tp:      0  1  0  1  0  1  0  1
+
+so the tp groups are {0,1} {2,3} {4,5} {6,7} (neighbouring ranks: one node, fast links),
+the pp groups {0,2} {1,3} {4,6} {5,7}, and the dp groups {0,4} {1,5} {2,6} {3,7}.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Axis names and sizes, in rank-layout order."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, axis: str) -> int:
+        return self.sizes[self.names.index(axis)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> coordinate on each axis. `coords(5)` of the mesh above: dp=1, pp=0, tp=1."""
+        out = {}
+        for name, size in reversed(list(zip(self.names, self.sizes))):
+            out[name] = rank % size
+            rank //= size
+        return dict(reversed(out.items()))
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in zip(self.names, self.sizes):
+            rank = rank * size + coords.get(name, 0)
+        return rank
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """The ranks that share every coordinate with `rank` except `axis`."""
+        c = self.coords(rank)
+        return [self.rank_of({**c, axis: i}) for i in range(self.size(axis))]
+
+
+def init_mesh(layout: MeshLayout, device_type: str = "cpu") -> DeviceMesh:
+    """Build the DeviceMesh (and with it every axis's process group) on an initialized world."""
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"the mesh has {layout.world_size} ranks but {dist.get_world_size()} processes were started"
+        )
+    return init_device_mesh(device_type, layout.sizes, mesh_dim_names=layout.names)

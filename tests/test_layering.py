@@ -1,0 +1,138 @@
+"""The layering rules (STYLE.md): `dsl` imports neither torch nor `compiler` nor `runtime`;
+`runtime` imports neither `dsl` nor `compiler`; `compiler` may import both.
+
+Checked statically on every .py file under dsl/ and runtime/ (so a lazy import inside a
+function counts too), and at run time for the promise users see: `import meshplan.dsl`
+does not load torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# folder -> (its import name, the import names it must not use, with their submodules)
+RULES = {
+    "dsl": ("meshplan.dsl", ("torch", "meshplan.compiler", "meshplan.runtime", "compiler", "runtime")),
+    "runtime": ("meshplan.runtime", ("meshplan.dsl", "meshplan.compiler", "dsl", "compiler")),
+}
+
+
+def imported_modules(source: str, module: str, *, is_package: bool) -> set[str]:
+    """Every module a source file imports, relative imports resolved against `module`,
+    including `importlib.import_module("...")` / `__import__("...")` with a literal name."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                prefix = f"{base}.{node.module}" if node.module else base
+            else:
+                prefix = node.module or ""
+            names.add(prefix)
+            # `from meshplan import compiler` imports the module meshplan.compiler
+            names.update(f"{prefix}.{alias.name}" for alias in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names.add(node.args[0].value)
+    return names
+
+
+def _violations(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
+
+
+def _module_name(path: Path, folder: str, package: str) -> tuple[str, bool]:
+    rel = path.relative_to(REPO / folder).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join([package, *parts]), path.name == "__init__.py"
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_layering_static(folder: str) -> None:
+    package, forbidden = RULES[folder]
+    files = sorted((REPO / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/: the check would prove nothing"
+    problems = []
+    for path in files:
+        module, is_package = _module_name(path, folder, package)
+        names = imported_modules(path.read_text(encoding="utf-8"), module, is_package=is_package)
+        problems += [f"{path.relative_to(REPO)} imports {name}" for name in _violations(names, forbidden)]
+    assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "module", "found"),
+    [
+        ("import torch", "meshplan.dsl.parser", ["torch"]),
+        ("import torch.nn as nn", "meshplan.dsl.parser", ["torch.nn"]),
+        ("from torch import fx", "meshplan.dsl.parser", ["torch", "torch.fx"]),
+        ("def f():\n    import torch\n", "meshplan.dsl.parser", ["torch"]),
+        (
+            "from ..compiler import capture",
+            "meshplan.dsl.parser",
+            ["meshplan.compiler", "meshplan.compiler.capture"],
+        ),
+        ("from .. import runtime", "meshplan.dsl.parser", ["meshplan.runtime"]),
+        ("from meshplan import compiler", "meshplan.dsl.check", ["meshplan.compiler"]),
+        ("importlib.import_module('torch')", "meshplan.dsl.check", ["torch"]),
+        ("from . import ast", "meshplan.dsl.parser", []),
+        ("import torchvision", "meshplan.dsl.parser", []),  # a prefix of the name is not the package
+        ("from meshplan.dsl.errors import Span", "meshplan.dsl.check", []),
+    ],
+)
+def test_the_import_scanner_sees_forbidden_imports(source: str, module: str, found: list[str]) -> None:
+    """The static check is only as good as its scanner: it must see every spelling."""
+    names = imported_modules(source, module, is_package=False)
+    assert _violations(names, RULES["dsl"][1]) == found
+
+
+def test_the_scanner_resolves_relative_imports_from_packages_and_modules() -> None:
+    # in meshplan/runtime/__init__.py and in meshplan/runtime/mesh.py alike, `..` is `meshplan`
+    for module, is_package in [("meshplan.runtime", True), ("meshplan.runtime.mesh", False)]:
+        names = imported_modules("from ..dsl import parse", module, is_package=is_package)
+        assert _violations(names, RULES["runtime"][1]) == ["meshplan.dsl", "meshplan.dsl.parse"]
+    names = imported_modules("from . import mesh", "meshplan.runtime", is_package=True)
+    assert names == {"meshplan.runtime", "meshplan.runtime.mesh"}
+
+
+def test_importing_and_using_the_dsl_does_not_load_torch() -> None:
+    examples = sorted((REPO / "examples").glob("*.plan"))
+    assert examples
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import meshplan.dsl
+        from meshplan.dsl import load_plan, parse
+        from meshplan.dsl.fmt import format_plan
+        for path in {[str(p) for p in examples]!r}:
+            plan = load_plan(path)
+            text = open(path, encoding="utf-8").read()
+            format_plan(parse(text), text)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or
+                        m.startswith(("meshplan.compiler", "meshplan.runtime")))
+        print(loaded)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd="/", check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -38,14 +38,14 @@ class MeshLayout:
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> coordinate on each axis. `coords(5)` of the mesh above: dp=1, pp=0, tp=1."""
         out = {}
-        for name, size in reversed(list(zip(self.names, self.sizes))):
+        for name, size in reversed(list(zip(self.names, self.sizes, strict=True))):
             out[name] = rank % size
             rank //= size
         return dict(reversed(out.items()))
 
     def rank_of(self, coords: dict[str, int]) -> int:
         rank = 0
-        for name, size in zip(self.names, self.sizes):
+        for name, size in zip(self.names, self.sizes, strict=True):
             rank = rank * size + coords.get(name, 0)
         return rank
 

@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from meshplan.compiler.errors import CompileError
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
@@ -58,6 +59,17 @@ def _print_warnings(plan: Plan) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     status = EXIT_OK
+    if args.model is not None:
+        if len(args.plans) != 1:
+            raise UsageError("--model checks one plan at a time")
+        args.plan = args.plans[0]
+        compiled = _load_for_model(args)
+        print(summarize(compiled.plan))
+        print(
+            f"  model      {args.model}: {len(compiled.resolution.placements)} modules placed, "
+            f"{compiled.ledger.count()} collectives per step"
+        )
+        return EXIT_OK
     for path in args.plans:
         try:
             plan = load_plan(path, world_size=args.world_size)
@@ -91,6 +103,151 @@ def cmd_fmt(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(formatted)
     return status
+
+
+def _load_for_model(args: argparse.Namespace):
+    """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1."""
+    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.compile import compile_plan
+
+    world_size = args.world_size
+    if world_size is None:
+        probe = load_plan(args.plan)
+        _print_warnings(probe)
+        autos = [a.name for a in probe.mesh.axes if a.size is None]
+        if autos:
+            world_size = probe.mesh.world_size or _product(a.size for a in probe.mesh.axes if a.size)
+            print(f"note: `{autos[0]}=*` taken as 1; pass --world-size N for the real size", file=sys.stderr)
+    plan = load_plan(args.plan, world_size=world_size)
+    source = load_model(args.model)
+    compiled = compile_plan(plan, source, world_size=world_size)
+    if compiled.warnings:
+        print(
+            render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=_use_color(sys.stderr)),
+            file=sys.stderr,
+        )
+    return compiled
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from meshplan.compiler.printers import explain, ledger_table
+
+    compiled = _load_for_model(args)
+    print(explain(compiled))
+    print(ledger_table(compiled), end="")
+    return EXIT_OK
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from meshplan.compiler.artifact import write_artifact
+
+    compiled = _load_for_model(args)
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a folder")
+    files = write_artifact(compiled, out, model_spec=args.model)
+    ledger = compiled.ledger
+    print(f"compiled {args.plan} for {compiled.layout.world_size} ranks -> {out}/")
+    print(f"  {len(files)} files: {', '.join(f.name for f in files[:6])}, ...")
+    print(
+        f"  {ledger.count()} collectives per step ({ledger.count(phase='forward')} forward, "
+        f"{ledger.count(phase='backward')} backward), {ledger.total_bytes() / 1e6:.3f} MB"
+    )
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from meshplan.compiler.artifact import ArtifactError, read_artifact
+    from meshplan.compiler.printers import to_dot, to_html
+
+    folder = Path(args.folder)
+    try:
+        manifest = read_artifact(folder)
+    except ArtifactError as e:
+        raise UsageError(str(e)) from None
+    world = manifest["world_size"]
+    if not 0 <= args.rank < world:
+        raise UsageError(
+            f"--rank {args.rank} is outside the compiled world of {world} ranks (0..{world - 1})"
+        )
+    code = (folder / f"rank{args.rank}.py").read_text(encoding="utf-8")
+    title = f"{manifest['plan']}: rank {args.rank} of {world}"
+    if args.format == "text":
+        print(_highlight(code) if _use_color(sys.stdout) else code, end="")
+        print((folder / "ledger.txt").read_text(encoding="utf-8"), end="")
+        return EXIT_OK
+    records = json.loads((folder / "graph.json").read_text(encoding="utf-8"))
+    if args.format == "dot":
+        print(to_dot(records, title), end="")
+    elif args.format == "html":
+        print(to_html(code, (folder / "ledger.txt").read_text(encoding="utf-8"), title), end="")
+    elif args.format == "svg":
+        import shutil
+        import subprocess
+
+        dot = shutil.which("dot")
+        if dot is None:
+            raise UsageError(
+                "--format svg needs Graphviz's `dot` program (apt-get install graphviz); "
+                "--format dot prints the graph without it"
+            )
+        svg = subprocess.run(
+            [dot, "-Tsvg"], input=to_dot(records, title), capture_output=True, text=True, check=True
+        ).stdout
+        print(svg, end="")
+    return EXIT_OK
+
+
+def _highlight(code: str) -> str:
+    return (
+        "\n".join(
+            f"\x1b[1;31m{line}\x1b[0m" if "  # " in line and " over " in line else line
+            for line in code.splitlines()
+        )
+        + "\n"
+    )
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from meshplan.compiler.verify import VerifyConfig, verify_worker
+    from meshplan.runtime.launch import WorkerError, spawn
+
+    probe = load_plan(args.plan, world_size=args.world_size)
+    world_size = args.world_size or probe.mesh.world_size
+    if world_size is None:
+        raise UsageError("the mesh has a `*` axis: pass --world-size N")
+    load_plan(args.plan, world_size=world_size)
+    config = VerifyConfig(args.plan, args.model, steps=args.steps, lr=args.lr, dtype=args.dtype)
+    try:
+        reports = spawn(verify_worker, world_size, (config,))
+    except WorkerError as e:
+        raise UsageError(f"a rank failed while verifying:\n{e}") from None
+    print(f"verify {args.plan} on {world_size} ranks vs one device, {args.steps} AdamW steps, {args.dtype}")
+    print(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'rel diff':>9}")
+    for step in reports[0].steps:
+        print(f"{step.step:>4}  {step.loss:>12.6f}  {step.reference_loss:>12.6f}  {step.rel:>9.2e}")
+    worst_grad = max((r.max_grad_rel, r.rank) for r in reports)
+    worst_param = max((r.max_param_rel, r.rank) for r in reports)
+    loss_rel = max(r.max_loss_rel for r in reports)
+    print(
+        f"largest relative difference: loss {loss_rel:.2e}, gradients {worst_grad[0]:.2e} (rank {worst_grad[1]}), "
+        f"parameters {worst_param[0]:.2e} (rank {worst_param[1]})"
+    )
+    worst = max(reports, key=lambda r: r.max_param_rel)
+    for name, rel in sorted(worst.param_rel.items(), key=lambda kv: -kv[1])[:3]:
+        print(f"  {name}: {rel:.2e}")
+    ok = loss_rel <= args.tolerance and worst_param[0] <= args.tolerance
+    print("ok" if ok else f"FAILED: above the tolerance {args.tolerance:g}")
+    return EXIT_OK if ok else EXIT_NOT_CANONICAL
 
 
 def summarize(plan: Plan) -> str:
@@ -184,6 +341,78 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="number of processes; resolves a `*` axis and checks the mesh product",
     )
+    p.add_argument(
+        "--model", metavar="SPEC", help="also check against a model: FILE.py:factory or module:factory"
+    )
+
+    model_help = "the model: path/to/file.py:factory or package.module:factory"
+    p = _add(
+        sub,
+        "explain",
+        cmd_explain,
+        "show what each rule matched, local shapes, and where collectives come from",
+        """
+             meshplan explain examples/llama_tp.plan --model examples/models/llama.py:build
+             """,
+    )
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--world-size", type=_positive_int, metavar="N")
+
+    p = _add(
+        sub,
+        "compile",
+        cmd_compile,
+        "compile a plan for a model: per-rank code, resolved plan, collective ledger",
+        """
+             meshplan compile examples/llama_tp.plan --model examples/models/llama.py:build -o build/llama_tp
+             meshplan inspect build/llama_tp --rank 1
+             """,
+    )
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the artifact to")
+    p.add_argument("--world-size", type=_positive_int, metavar="N")
+
+    p = _add(
+        sub,
+        "inspect",
+        cmd_inspect,
+        "show one rank's compiled program with its collectives highlighted",
+        """
+             meshplan inspect build/llama_tp --rank 0
+             meshplan inspect build/llama_tp --rank 0 --format dot > rank0.dot
+             meshplan inspect build/llama_tp --rank 0 --format html > rank0.html
+             """,
+    )
+    p.add_argument("folder", metavar="DIR", help="a folder written by `meshplan compile`")
+    p.add_argument("--rank", type=int, default=0, metavar="R")
+    p.add_argument("--format", choices=("text", "dot", "svg", "html"), default="text")
+
+    p = _add(
+        sub,
+        "verify",
+        cmd_verify,
+        "run the compiled plan and the unpartitioned model side by side; report differences",
+        """
+             meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build --steps 5
+             meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build --dtype float64
+             """,
+    )
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    p.add_argument("--world-size", type=_positive_int, metavar="N")
+    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default="float32",
+        help="float64 separates real mismatches from float32 rounding",
+    )
+    p.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest relative difference accepted (exit 1 above)"
+    )
 
     p = _add(
         sub,
@@ -209,6 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except PlanError as e:
         _report(e)
+        return EXIT_USER
+    except CompileError as e:
+        print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
     except UsageError as e:
         print(f"meshplan: error: {e}", file=sys.stderr)

@@ -228,6 +228,9 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
     for node in graph.nodes:
         if node.op == "get_attr":
             name = str(node.target)
+            if name not in state:  # a nested graph (e.g. a set_grad_enabled region): shared as is
+                root[name] = _get_attr(compiled.graph, name)
+                continue
             full = state[name]
             placement = compiled.param_placements.get(name, {})
             local = _local_shard(full, placement, coords, compiled.layout)
@@ -245,6 +248,12 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
             root[str(node.target)] = COLLECTIVES[kind](group, axis)
     gm = fx.GraphModule(root, graph)
     return gm
+
+
+def _get_attr(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _local_shard(

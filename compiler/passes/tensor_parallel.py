@@ -178,22 +178,25 @@ class _Walk:
             node.replace_input_with(old, new)
         return new
 
-    def convert(self, arg: fx.Node, target: Placement, *, into_sharded: bool = False) -> fx.Node:
+    def convert(
+        self, arg: fx.Node, target: Placement, *, into_sharded: bool = False, because: PlanRule | None = None
+    ) -> fx.Node:
         """A node holding `arg` in `target` placement; `into_sharded` marks use by sharded compute,
-        whose gradient w.r.t. `arg` is partial and must be summed in backward (Megatron's f)."""
+        whose gradient w.r.t. `arg` is partial and must be summed in backward (Megatron's f).
+        `because` is the rule that demands the conversion, for the ledger and `explain`."""
         have = self.placement(arg)
         if isinstance(have, Partial):
             arg = self.reduce_partial(arg)
             have = self.placement(arg)
         if have == target:
             if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
-                return self.collective("copy_to", arg, None, REPLICATE)
+                return self.collective("copy_to", arg, None, REPLICATE, because)
             return arg
         if isinstance(have, Shard) and isinstance(target, Replicate):
             kind = "all_gather" if into_sharded else "gather_replicated"
-            return self.collective(kind, arg, have.dim, REPLICATE)
+            return self.collective(kind, arg, have.dim, REPLICATE, because)
         if isinstance(have, Replicate) and isinstance(target, Shard):
-            return self.collective("split", arg, target.dim, target)
+            return self.collective("split", arg, target.dim, target, because)
         self.error(
             arg,
             f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
@@ -202,11 +205,26 @@ class _Walk:
         raise AssertionError("unreachable")
 
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
+        """Sum a partial result right where it is made (the rule behind it made it partial)."""
+        because = arg.meta.get(RULE)
         if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
-            return self.collective("reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim))
-        return self.collective("all_reduce", arg, None, REPLICATE)
+            return self.collective(
+                "reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim), because
+            )
+        return self.collective("all_reduce", arg, None, REPLICATE, because)
 
-    def collective(self, kind: str, arg: fx.Node, dim: int | None, out: Placement) -> fx.Node:
+    def rule_for_module(self, node: fx.Node) -> PlanRule | None:
+        """The `sequence` rule of the module `node` runs in, if any (it is why the node is sharded)."""
+        path = module_path(node)
+        while path:
+            if path in self.spec.sequence_modules:
+                return self.spec.sequence_modules[path]
+            path = path.rpartition(".")[0]
+        return None
+
+    def collective(
+        self, kind: str, arg: fx.Node, dim: int | None, out: Placement, because: PlanRule | None = None
+    ) -> fx.Node:
         key = (arg, kind, dim)
         if key in self.converted:
             return self.converted[key]
@@ -216,7 +234,7 @@ class _Walk:
         node.meta.update(
             {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
         )
-        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": arg.meta.get(RULE)}
+        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
         self.set(node, out, arg.meta.get(RULE))
         self.converted[key] = node
         return node
@@ -278,17 +296,15 @@ def _linear(w: _Walk, node: fx.Node) -> None:
     rule = weight.meta.get(RULE)
     last = len(shape(node)) - 1
     if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
-        w.use(node, x, w.convert(x, REPLICATE, into_sharded=True))
+        w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
         w.set(node, Shard(last), rule)
         return
     if isinstance(wp, Shard) and wp.dim == 1:  # row: inputs sharded, outputs partial
         xp = w.placement(x)
         if xp != Shard(len(shape(x)) - 1):
             if not isinstance(xp, Replicate):
-                x_new = w.convert(x, REPLICATE)
-                w.use(node, x, x_new)
-                x = x_new
-            w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1)))
+                x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
+            w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1), because=rule))
             w.diagnostics.append(
                 Diagnostic(
                     rule.span,
@@ -478,10 +494,11 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
             continue
         a_dim = dim - (out_ndim - len(shape(a)))
         spans = a_dim >= 0 and shape(a)[a_dim] != 1
+        because = w.rule_for_module(node) or w.rule_near(node)
         if spans:
-            w.use(node, a, w.convert(a, Shard(a_dim)))
+            w.use(node, a, w.convert(a, Shard(a_dim), because=because))
         elif w.requires_grad(a):
-            w.use(node, a, w.convert(a, REPLICATE, into_sharded=True))
+            w.use(node, a, w.convert(a, REPLICATE, into_sharded=True, because=because))
     w.set(node, Shard(dim), w.rule_near(node))
 
 

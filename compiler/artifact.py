@@ -1,0 +1,79 @@
+"""The on-disk result of `meshplan compile -o DIR`, and reading it back for `inspect`.
+
+DIR/manifest.json     what was compiled: plan, model, mesh, versions
+DIR/plan.txt          the resolved plan: mesh sizes, per-parameter placements
+DIR/explain.txt       rule by rule: matched modules, local shapes, collectives
+DIR/ledger.txt        collectives per step (and ledger.json, machine-readable)
+DIR/rank{R}.py        each rank's program as readable Python, collectives marked
+DIR/graph.json        the graph with placements, for `meshplan inspect`
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from meshplan import __version__
+
+from .compile import Compiled
+from .printers import annotated_code, explain, graph_records, ledger_table
+
+
+def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    layout = compiled.layout
+    manifest = {
+        "meshplan": __version__,
+        "torch": torch.__version__,
+        "plan": compiled.plan.path,
+        "model": model_spec,
+        "mesh": dict(zip(layout.names, layout.sizes, strict=True)),
+        "world_size": layout.world_size,
+        "tensor_axis": compiled.tensor_axis,
+        "collectives_per_step": compiled.ledger.count(),
+        "bytes_per_step": compiled.ledger.total_bytes(),
+    }
+    written = {
+        "manifest.json": json.dumps(manifest, indent=2) + "\n",
+        "plan.txt": resolved_plan(compiled),
+        "explain.txt": explain(compiled),
+        "ledger.txt": ledger_table(compiled),
+        "ledger.json": json.dumps(compiled.ledger.to_json(), indent=1) + "\n",
+        "graph.json": json.dumps(graph_records(compiled), indent=1) + "\n",
+    }
+    for rank in range(layout.world_size):
+        written[f"rank{rank}.py"] = annotated_code(compiled, rank)
+    for name, text in written.items():
+        (out / name).write_text(text, encoding="utf-8")
+    return [out / name for name in written]
+
+
+def resolved_plan(compiled: Compiled) -> str:
+    layout = compiled.layout
+    lines = [
+        f"# resolved from {compiled.plan.path}",
+        "mesh " + ", ".join(f"{n}={s}" for n, s in zip(layout.names, layout.sizes, strict=True)),
+        "",
+    ]
+    params = dict(compiled.captured.model.named_parameters())
+    width = max((len(n) for n in params), default=0)
+    for name, p in params.items():
+        placement = compiled.param_placements.get(name, {})
+        where = ", ".join(f"{v} over {k}" for k, v in placement.items()) or "Replicate()"
+        lines.append(f"{name:<{width}}  {tuple(p.shape)!s:<14} {where}")
+    return "\n".join(lines) + "\n"
+
+
+class ArtifactError(ValueError):
+    """A folder that is not a meshplan compile output."""
+
+
+def read_artifact(folder: Path) -> dict:
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise ArtifactError(
+            f"{folder} is not a compiled plan (no manifest.json); run `meshplan compile ... -o "
+            f"{folder}` first"
+        )
+    return json.loads(manifest.read_text(encoding="utf-8"))

@@ -1,0 +1,229 @@
+"""What meshplan prints about a compiled plan: `explain`, the ledger table, annotated rank code.
+
+Everything here is plain text (or DOT/HTML for `inspect`), built from a `Compiled`
+or from the JSON a compile writes, so the same text appears on screen and on disk.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+from meshplan.dsl.fmt import action_text
+
+from .compile import Compiled
+from .graph import COLLECTIVE, PLACEMENT, module_path, shape
+from .placement import Shard
+
+
+def compress_paths(paths: Iterable[str]) -> list[str]:
+    """`layers.0.mlp.up_proj`, `layers.1.mlp.up_proj` -> `layers.{0..1}.mlp.up_proj`."""
+    groups: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+    for path in paths:
+        parts = path.split(".")
+        numbers = tuple(int(p) for p in parts if p.isdigit())
+        key = ".".join("#" if p.isdigit() else p for p in parts)
+        groups[key].append(numbers)
+    out = []
+    for key, numbers in groups.items():
+        if key.count("#") != 1:
+            out.extend(_fill(key, n) for n in numbers)
+            continue
+        values = sorted(n[0] for n in numbers)
+        if len(values) == 1:
+            text = str(values[0])
+        elif values == list(range(values[0], values[-1] + 1)):
+            text = f"{{{values[0]}..{values[-1]}}}"
+        else:
+            text = "{" + ",".join(map(str, values)) + "}"
+        out.append(key.replace("#", text))
+    return out
+
+
+def _fill(key: str, numbers: tuple[int, ...]) -> str:
+    it = iter(numbers)
+    return re.sub("#", lambda _: str(next(it)), key)
+
+
+def explain(compiled: Compiled) -> str:
+    """Per rule: what it matched, the local shapes it gives, and the collectives it causes."""
+    plan, res = compiled.plan, compiled.resolution
+    params = dict(compiled.captured.model.named_parameters())
+    by_rule_line: dict[int, list] = defaultdict(list)
+    for row in compiled.ledger.rows:
+        if row.rule:
+            by_rule_line[int(row.rule.rsplit(":", 1)[1])].append(row)
+    lines = [
+        f"{plan.path}: mesh "
+        + " x ".join(f"{n}={s}" for n, s in zip(compiled.layout.names, compiled.layout.sizes, strict=True))
+        + f" ({compiled.layout.world_size} ranks)",
+        "",
+    ]
+    for rule in plan.rules:
+        matched = res.matched.get(rule.order, ())
+        overridden = {p for p, _ in res.overridden.get(rule.order, ())}
+        governs = [p for p in matched if p not in overridden]
+        lines.append(f"line {rule.span.line}: {rule.pattern}: {action_text(rule.action)}")
+        if not matched:
+            lines.append("    matches nothing")
+        for path in compress_paths(governs):
+            lines.append(f"    {path}")
+        shapes = _param_shapes(compiled, rule, params)
+        for text in shapes:
+            lines.append(f"      {text}")
+        for path, winner in res.overridden.get(rule.order, ()):
+            lines.append(
+                f"    {path}: overridden by line {winner.span.line} ({winner.pattern}, more specific)"
+            )
+        rows = by_rule_line.get(rule.span.line, [])
+        if rows:
+            counts: dict[tuple[str, str], int] = defaultdict(int)
+            for r in rows:
+                counts[(r.phase, r.op)] += r.count
+            summary = ", ".join(f"{n} {op} {phase}" for (phase, op), n in sorted(counts.items()))
+            lines.append(f"    collectives per step: {summary}")
+        lines.append("")
+    replicated = _replicated_linears(compiled)
+    if replicated:
+        lines.append("replicated on every rank (no tensor rule):")
+        lines += [f"    {p}" for p in compress_paths(replicated)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
+    """`weight (128, 64) -> (64, 64) per rank, Shard(0) over tp`, once per distinct shape."""
+    seen: dict[str, None] = {}
+    for pname, rule_of in compiled.param_rules.items():
+        if rule_of is not rule or pname not in params:
+            continue
+        full = tuple(params[pname].shape)
+        for axis, p in compiled.param_placements[pname].items():
+            local = list(full)
+            if isinstance(p, Shard):
+                local[p.dim] //= compiled.layout.size(axis)
+            leaf = pname.rsplit(".", 1)[1]
+            seen.setdefault(f"{leaf} {full} -> {tuple(local)} per rank, {p} over {axis}", None)
+    return list(seen)
+
+
+def _replicated_linears(compiled: Compiled) -> list[str]:
+    res = compiled.resolution
+    out = []
+    for path, cls in compiled.captured.modules.items():
+        if cls.__name__ in ("Linear", "Embedding", "Conv1D") and res.rule_for(path, "tensor") is None:
+            out.append(path)
+    return out
+
+
+def ledger_table(compiled: Compiled) -> str:
+    """The collective ledger as a table, one line per (op, phase, axis, shape, rule)."""
+    agg: dict[tuple, list[int]] = {}
+    for r in compiled.ledger.rows:
+        key = (r.phase, r.op, r.axis, r.shape, r.rule)
+        entry = agg.setdefault(key, [0, r.bytes])
+        entry[0] += r.count
+    header = f"{'phase':<9} {'op':<15} {'axis':<5} {'shape':<16} {'bytes':>10} {'count':>6}  rule"
+    lines = [header, "-" * len(header)]
+    for (phase, op, axis, shp, rule), (count, nbytes) in sorted(
+        agg.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][4], kv[0][1])
+    ):
+        lines.append(f"{phase:<9} {op:<15} {axis:<5} {tuple(shp)!s:<16} {nbytes:>10} {count:>6}  {rule}")
+    total = compiled.ledger
+    lines.append("-" * len(header))
+    lines.append(
+        f"per step: {total.count()} collectives, {total.total_bytes() / 1e6:.3f} MB "
+        f"({total.count(phase='forward')} forward, {total.count(phase='backward')} backward)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def annotated_code(compiled: Compiled, rank: int) -> str:
+    """The rank's program as Python, each collective line marked with its op, axis and rule."""
+    coords = compiled.layout.coords(rank)
+    notes = {}
+    for node in compiled.graph.graph.nodes:
+        info = node.meta.get(COLLECTIVE)
+        if info:
+            rule = info.get("rule")
+            where = f" <- {rule.span.path}:{rule.span.line}" if rule is not None else ""
+            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {tuple(shape(node))}{where}"
+    header = [
+        f"# meshplan rank {rank} of {compiled.layout.world_size}: "
+        + ", ".join(f"{k}={v}" for k, v in coords.items()),
+        f"# plan: {compiled.plan.path}",
+        "# parameters are this rank's shards; collectives are marked on the right",
+    ]
+    body = []
+    for line in compiled.graph.code.strip("\n").splitlines():
+        m = re.match(r"\s+(\w+) = self\.\w+\(", line)
+        body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
+    return "\n".join(header) + "\n\n" + "\n".join(body) + "\n"
+
+
+def graph_records(compiled: Compiled) -> list[dict]:
+    """The graph as JSON-friendly records, for `inspect` to draw without recompiling."""
+    out = []
+    for node in compiled.graph.graph.nodes:
+        info = node.meta.get(COLLECTIVE)
+        rule = (info or {}).get("rule") or node.meta.get("meshplan.rule")
+        out.append(
+            {
+                "name": node.name,
+                "op": node.op,
+                "target": getattr(node.target, "__name__", str(node.target)),
+                "inputs": [a.name for a in node.all_input_nodes],
+                "module": module_path(node),
+                "placement": {k: str(v) for k, v in node.meta.get(PLACEMENT, {}).items()},
+                "collective": {k: v for k, v in (info or {}).items() if k != "rule"} or None,
+                "rule": f"{rule.span.path}:{rule.span.line}" if rule is not None else None,
+            }
+        )
+    return out
+
+
+def to_dot(records: list[dict], title: str) -> str:
+    """Graphviz DOT: collectives red, sharded values blue, replicated grey; parameters omitted."""
+    lines = [f'digraph "{title}" {{', '  rankdir=TB; node [shape=box, fontname="monospace", fontsize=10];']
+    shown = {r["name"] for r in records if r["op"] not in ("get_attr",)}
+    for r in records:
+        if r["name"] not in shown:
+            continue
+        placement = ", ".join(f"{k}: {v}" for k, v in r["placement"].items())
+        label = f"{r['name']}\\n{r['target']}" + (f"\\n{placement}" if placement else "")
+        if r["collective"]:
+            style = 'style=filled, fillcolor="#f4a6a6"'
+        elif "Shard" in placement:
+            style = 'style=filled, fillcolor="#b8d4f0"'
+        else:
+            style = 'style=filled, fillcolor="#eeeeee"'
+        lines.append(f'  "{r["name"]}" [label="{label}", {style}];')
+        for src in r["inputs"]:
+            if src in shown:
+                lines.append(f'  "{src}" -> "{r["name"]}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def to_html(code: str, ledger: str, title: str) -> str:
+    """A self-contained page: the rank's code with collective lines highlighted, and the ledger."""
+    rows = []
+    for line in code.splitlines():
+        escaped = html.escape(line)
+        cls = ' class="coll"' if "  # " in line and " over " in line else ""
+        rows.append(f"<span{cls}>{escaped}</span>")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+pre {{ background: #fafafa; border: 1px solid #ddd; padding: 1em; font-size: 12px; line-height: 1.35; overflow-x: auto; }}
+.coll {{ background: #fde2e2; font-weight: bold; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<h2>Collectives per step</h2>
+<pre>{html.escape(ledger)}</pre>
+<h2>Program</h2>
+<pre>{chr(10).join(rows)}</pre>
+</body></html>
+"""

@@ -95,8 +95,16 @@ def _layout(plan: Plan, world_size: int | None) -> MeshLayout:
     return MeshLayout(plan.mesh.names, tuple(sizes))
 
 
-_LINEAR_LIKE = (nn.Linear,)
 _EMBEDDING_LIKE = (nn.Embedding,)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or Hugging Face's Conv1D (GPT-2), a linear layer whose weight is stored (in, out)."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _tensor_spec(
@@ -131,6 +139,8 @@ def _tensor_spec(
         for pname, p in placement.items():
             params[f"{path}.{pname}"] = ParamPlacement(p, rule)
     diagnostics += _check_heads(plan, model, axis, n, tensor_rules)
+    diagnostics += _check_ties(model, params)
+    _share_tied_placements(model, params)
     seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
     sequence_modules = {p: k["sequence"] for p, k in resolution.placements.items() if "sequence" in k}
     spec = TensorParallelSpec(
@@ -149,8 +159,8 @@ def _module_placements(
 ) -> dict[str, Placement]:
     """Which parameters of the module are split, and along which dim, for a tensor rule."""
     kind = type(module).__name__
-    if style in ("column", "row") and not isinstance(module, _LINEAR_LIKE):
-        linears = [name for name, m in module.named_modules() if name and isinstance(m, _LINEAR_LIKE)]
+    if style in ("column", "row") and not is_linear(module):
+        linears = [name for name, m in module.named_modules() if name and is_linear(m)]
         hint = (
             f"linear layers inside it: {', '.join(linears[:8])}"
             if linears
@@ -162,7 +172,7 @@ def _module_placements(
             )
         )
         return {}
-    if style == "vocab" and not isinstance(module, _LINEAR_LIKE + _EMBEDDING_LIKE):
+    if style == "vocab" and not (is_linear(module) or isinstance(module, _EMBEDDING_LIKE)):
         diagnostics.append(
             Diagnostic(
                 rule.pattern_span, f"`vocab` needs an embedding or an LM head, but `{path}` is a {kind}"
@@ -171,8 +181,10 @@ def _module_placements(
         return {}
     weight = module.weight
     dim = 1 if style == "row" else 0
+    if _is_conv1d(module):
+        dim = 1 - dim  # the weight is stored transposed: (in, out)
     if weight.shape[dim] % n:
-        what = {0: "output features", 1: "input features"}[dim] if style != "vocab" else "vocabulary size"
+        what = {"column": "output features", "row": "input features", "vocab": "vocabulary rows"}[style]
         diagnostics.append(
             Diagnostic(
                 rule.span,
@@ -185,6 +197,45 @@ def _module_placements(
     if getattr(module, "bias", None) is not None:
         out["bias"] = REPLICATE if style == "row" else Shard(0)
     return out
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter that has more than one (tied weights), in named_parameters order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _check_ties(model: nn.Module, params: dict[str, ParamPlacement]) -> list[Diagnostic]:
+    """Tied weights are one tensor: every module that uses one must place it the same way."""
+    out = []
+    for group in _tied_groups(model):
+        placed = {name: params.get(name) for name in group}
+        kinds = {str(pp.placement) if pp else "Replicate()" for pp in placed.values()}
+        if len(kinds) > 1:
+            ruled = [(n, pp) for n, pp in placed.items() if pp is not None and pp.rule is not None]
+            first_name, first = ruled[0]
+            others = [n for n in group if n != first_name]
+            out.append(
+                Diagnostic(
+                    first.rule.span,
+                    f"`{first_name}` is tied to `{', '.join(others)}`, which is placed differently "
+                    f"({' vs '.join(sorted(kinds))})",
+                    hint=f"tied weights are one tensor: give `{'`, `'.join(n.rsplit('.', 1)[0] for n in group)}` "
+                    "the same rule (e.g. `vocab` for both the embedding and the LM head)",
+                )
+            )
+    return out
+
+
+def _share_tied_placements(model: nn.Module, params: dict[str, ParamPlacement]) -> None:
+    """Export names a tied weight by one of its names; make every name carry the placement."""
+    for group in _tied_groups(model):
+        placed = next((params[n] for n in group if n in params), None)
+        if placed is not None:
+            for name in group:
+                params.setdefault(name, placed)
 
 
 def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[PlanRule]) -> list[Diagnostic]:
@@ -233,7 +284,7 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
                 continue
             full = state[name]
             placement = compiled.param_placements.get(name, {})
-            local = _local_shard(full, placement, coords, compiled.layout)
+            local = local_shard(full, placement, coords, compiled.layout)
             if isinstance(full, nn.Parameter):
                 if id(full) not in local_of:
                     local_of[id(full)] = nn.Parameter(
@@ -256,11 +307,13 @@ def _get_attr(module: nn.Module, target: str):
     return module
 
 
-def _local_shard(
+def local_shard(
     full: torch.Tensor, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
 ) -> torch.Tensor:
+    """This rank's piece of a full tensor: for `Shard(d, blocks=k)`, its chunk of each of k blocks."""
     local = full
     for axis, p in placement.items():
         if isinstance(p, Shard):
-            local = local.chunk(layout.size(axis), p.dim)[coords[axis]]
+            n, r = layout.size(axis), coords[axis]
+            local = torch.cat([block.chunk(n, p.dim)[r] for block in local.chunk(p.blocks, p.dim)], p.dim)
     return local

@@ -20,9 +20,10 @@ class Replicate:
 @dataclass(frozen=True, slots=True)
 class Shard:
     dim: int
+    blocks: int = 1
 
     def __str__(self) -> str:
-        return f"Shard({self.dim})"
+        return f"Shard({self.dim})" if self.blocks == 1 else f"Shard({self.dim}, blocks={self.blocks})"
 
 
 @dataclass(frozen=True, slots=True)

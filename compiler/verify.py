@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .placement import Shard
-
 
 @dataclass(frozen=True)
 class VerifyConfig:
@@ -132,6 +130,8 @@ def _loss(out) -> torch.Tensor:
 
 
 def _compare(compiled, program, reference, coords, *, grads: bool) -> dict[str, float]:
+    from .compile import local_shard
+
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     out = {}
     for name, local in program.named_parameters(remove_duplicate=False):
@@ -141,9 +141,7 @@ def _compare(compiled, program, reference, coords, *, grads: bool) -> dict[str, 
         if mine is None or theirs is None:
             out[name] = 0.0 if mine is None and theirs is None else float("inf")
             continue
-        for axis, p in compiled.param_placements.get(name, {}).items():
-            if isinstance(p, Shard):
-                theirs = theirs.chunk(compiled.layout.size(axis), p.dim)[coords[axis]]
+        theirs = local_shard(theirs, compiled.param_placements.get(name, {}), coords, compiled.layout)
         out[name] = relative_difference(mine.detach(), theirs.detach())
     return out
 

@@ -188,6 +188,15 @@ class _Walk:
         if isinstance(have, Partial):
             arg = self.reduce_partial(arg)
             have = self.placement(arg)
+        if (isinstance(have, Shard) and have.blocks > 1 and have != target) or (
+            isinstance(target, Shard) and target.blocks > 1 and have != target
+        ):
+            self.error(
+                arg,
+                f"{describe(arg)} is a fused projection's output ({have}); meshplan can only split it "
+                "into its blocks",
+                hint="use the fused output only through its split into q, k and v",
+            )
         if have == target:
             if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
                 return self.collective("copy_to", arg, None, REPLICATE, because)
@@ -250,6 +259,23 @@ class _Walk:
             self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
         return name
 
+    def fuse_blocks(self, node: fx.Node, dim: int, params, *, weight_dim: int) -> int:
+        """How many equal blocks a column-split output is cut into downstream (3 for fused q/k/v).
+
+        A fused projection's output is split into q, k and v; each must be sharded by heads,
+        so every rank holds its chunk of each block. Seen here, the weight and bias take
+        `Shard(dim, blocks=k)` and `lower` cuts them that way.
+        """
+        k = _downstream_blocks(node, dim)
+        if k > 1:
+            for param, pdim in zip(params, (weight_dim, 0), strict=False):
+                if isinstance(param, fx.Node) and param.op == "get_attr":
+                    placement = Shard(pdim, k)
+                    name = str(param.target)
+                    self.spec.params[name] = ParamPlacement(placement, self.spec.params[name].rule)
+                    self.set(param, placement)
+        return k
+
     # -- shapes
     def local_sizes(self, sizes, out: Placement) -> list:
         """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
@@ -297,7 +323,8 @@ def _linear(w: _Walk, node: fx.Node) -> None:
     last = len(shape(node)) - 1
     if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
         w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
-        w.set(node, Shard(last), rule)
+        blocks = w.fuse_blocks(node, last, (weight, bias), weight_dim=0)
+        w.set(node, Shard(last, blocks), rule)
         return
     if isinstance(wp, Shard) and wp.dim == 1:  # row: inputs sharded, outputs partial
         xp = w.placement(x)
@@ -478,6 +505,7 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
             w.use(node, a, w.reduce_partial(a))
     tensors = [a for a in node.all_input_nodes if is_tensor_node(a)]
     dims = set()
+    blocks = {w.placement(a).blocks for a in tensors if isinstance(w.placement(a), Shard)}
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -485,9 +513,10 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
     if not dims:
         w.set(node, REPLICATE, w.rule_near(node))
         return
-    if len(dims) > 1:
-        w.error(node, f"{describe(node)} combines tensors sharded on different dims over `{w.axis}`")
+    if len(dims) > 1 or len(blocks) > 1:
+        w.error(node, f"{describe(node)} combines tensors sharded differently over `{w.axis}`")
     (dim,) = dims
+    (nblocks,) = blocks
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -496,10 +525,10 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
         spans = a_dim >= 0 and shape(a)[a_dim] != 1
         because = w.rule_for_module(node) or w.rule_near(node)
         if spans:
-            w.use(node, a, w.convert(a, Shard(a_dim), because=because))
+            w.use(node, a, w.convert(a, Shard(a_dim, nblocks), because=because))
         elif w.requires_grad(a):
             w.use(node, a, w.convert(a, REPLICATE, into_sharded=True, because=because))
-    w.set(node, Shard(dim), w.rule_near(node))
+    w.set(node, Shard(dim, nblocks), w.rule_near(node))
 
 
 @register(aten.type_as.default)
@@ -530,7 +559,7 @@ def _reduce(w: _Walk, node: fx.Node) -> None:
                 hint="this module cannot run on shards; replicate it or change the split",
             )
         out = p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)
-        w.set(node, Shard(out), w.rule_near(node))
+        w.set(node, Shard(out, p.blocks), w.rule_near(node))
     else:
         w.set(node, REPLICATE)
 
@@ -607,6 +636,9 @@ def _view(w: _Walk, node: fx.Node) -> None:
         w.set(node, REPLICATE)
         return
     out_dim = _view_dim(shape(x), shape(node), p.dim)
+    blocks = p.blocks
+    if out_dim is not None and blocks > 1 and shape(node)[out_dim] == blocks:
+        out_dim, blocks = out_dim + 1, 1  # (.., 3*H) -> (.., 3, heads, D): the shard is the heads dim
     if out_dim is None or shape(node)[out_dim] % w.n:
         w.error(
             node,
@@ -615,7 +647,7 @@ def _view(w: _Walk, node: fx.Node) -> None:
             hint=f"the sharded dim ({shape(x)[p.dim]}) must stay outermost in its group and divisible by "
             f"{w.n} (e.g. a head count divisible by the tensor-parallel size)",
         )
-    out = Shard(out_dim)
+    out = Shard(out_dim, blocks)
     node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
     w.set(node, out, w.rule_near(node))
 
@@ -631,7 +663,7 @@ def _flatten(w: _Walk, node: fx.Node) -> None:
         if start < p.dim <= end:
             w.error(node, f"{describe(node)} flattens a dim sharded over `{w.axis}` into an inner position")
         out = p.dim if p.dim <= start else p.dim - (end - start)
-        w.set(node, Shard(out), w.rule_near(node))
+        w.set(node, Shard(out, p.blocks), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -643,7 +675,7 @@ def _transpose(w: _Walk, node: fx.Node) -> None:
     if isinstance(p, Shard):
         ndim = len(shape(x))
         a, b = _norm_dim(node.args[1], ndim), _norm_dim(node.args[2], ndim)
-        w.set(node, Shard(b if p.dim == a else a if p.dim == b else p.dim), w.rule_near(node))
+        w.set(node, Shard(b if p.dim == a else a if p.dim == b else p.dim, p.blocks), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -651,7 +683,7 @@ def _transpose(w: _Walk, node: fx.Node) -> None:
 @register(aten.t.default)
 def _t(w: _Walk, node: fx.Node) -> None:
     p = w.placement(node.args[0])
-    w.set(node, Shard(1 - p.dim) if isinstance(p, Shard) else p, w.rule_near(node))
+    w.set(node, Shard(1 - p.dim, p.blocks) if isinstance(p, Shard) else p, w.rule_near(node))
 
 
 @register(aten.permute.default)
@@ -660,7 +692,7 @@ def _permute(w: _Walk, node: fx.Node) -> None:
     p = w.placement(x)
     if isinstance(p, Shard):
         order = [_norm_dim(d, len(order)) for d in order]
-        w.set(node, Shard(order.index(p.dim)), w.rule_near(node))
+        w.set(node, Shard(order.index(p.dim), p.blocks), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -670,7 +702,7 @@ def _unsqueeze(w: _Walk, node: fx.Node) -> None:
     p = w.placement(node.args[0])
     if isinstance(p, Shard):
         d = _norm_dim(node.args[1], len(shape(node)))
-        w.set(node, Shard(p.dim + (d <= p.dim)), w.rule_near(node))
+        w.set(node, Shard(p.dim + (d <= p.dim), p.blocks), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -682,7 +714,7 @@ def _squeeze(w: _Walk, node: fx.Node) -> None:
     if isinstance(p, Shard):
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
         dims = [_norm_dim(d, len(shape(x))) for d in dims if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
-        w.set(node, Shard(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
+        w.set(node, Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -692,7 +724,7 @@ def _expand(w: _Walk, node: fx.Node) -> None:
     x = node.args[0]
     p = w.placement(x)
     if isinstance(p, Shard):
-        out = Shard(p.dim + len(shape(node)) - len(shape(x)))
+        out = Shard(p.dim + len(shape(node)) - len(shape(x)), p.blocks)
         node.args = (x, w.local_sizes(node.args[1], out), *node.args[2:])
         w.set(node, out, w.rule_near(node))
     else:
@@ -725,9 +757,22 @@ def _slice_like(w: _Walk, node: fx.Node) -> None:
         dim_arg = node.args[1] if len(node.args) > 1 else 0
     dim = _norm_dim(dim_arg if dim_arg is not None else default_dim, ndim)
     if dim == p.dim:
+        if p.blocks > 1 and _splits_into_blocks(node, p.blocks, shape(x)[dim]):
+            if node.target is aten.split.Tensor:  # each rank splits its [q_r, k_r, v_r] into local blocks
+                node.args = (node.args[0], node.args[1] // w.n, *node.args[2:])
+            w.set(node, Shard(dim), w.rule_near(node))
+            return
         w.error(node, f"{describe(node)} slices dim {dim}, which is sharded over `{w.axis}`")
     out = p.dim - (node.target in (aten.select.int, aten.unbind.int) and dim < p.dim)
-    w.set(node, Shard(out), w.rule_near(node))
+    w.set(node, Shard(out, p.blocks), w.rule_near(node))
+
+
+def _splits_into_blocks(node: fx.Node, blocks: int, size: int) -> bool:
+    if node.target is aten.split.Tensor:
+        return isinstance(node.args[1], int) and node.args[1] * blocks == size
+    if node.target is aten.chunk.default:
+        return node.args[1] == blocks
+    return False
 
 
 @register(operator.getitem)
@@ -832,3 +877,75 @@ def _repeat_interleave(w: _Walk, node: fx.Node) -> None:
         if dim is None:
             w.error(node, f"{describe(node)} flattens a tensor sharded over `{w.axis}`")
     w.set(node, p, w.rule_near(node))
+
+
+def _downstream_blocks(node: fx.Node, dim: int) -> int:
+    """Follow views that keep `dim`'s size to a split into k equal parts along it; k, else 1."""
+    size = shape(node)[dim]
+    current, current_dim = node, dim
+    while len(current.users) == 1:
+        (user,) = current.users
+        if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            out = shape(user)
+            matches = [i for i, s in enumerate(out) if s == size]
+            if len(matches) != 1:
+                return 1
+            current, current_dim = user, matches[0]
+            continue
+        if user.target is aten.split.Tensor:
+            split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, len(shape(current)))
+            step = user.args[1]
+            if split_dim == current_dim and isinstance(step, int) and size % step == 0 and size // step > 1:
+                return size // step
+        if user.target is aten.chunk.default:
+            split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, len(shape(current)))
+            if split_dim == current_dim and size % user.args[1] == 0:
+                return int(user.args[1])
+        return 1
+    return 1
+
+
+@register(aten.addmm.default, aten.mm.default)
+def _matmul_2d(w: _Walk, node: fx.Node) -> None:
+    """`addmm(bias, x, W)` / `mm(x, W)` with W stored (in, out), as Hugging Face's Conv1D does."""
+    has_bias = node.target is aten.addmm.default
+    bias = node.args[0] if has_bias else None
+    x, weight = (node.args[1], node.args[2]) if has_bias else (node.args[0], node.args[1])
+    wp = w.placement(weight)
+    rule = weight.meta.get(RULE)
+    if isinstance(wp, Shard) and wp.dim == 1:  # column
+        w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
+        blocks = w.fuse_blocks(node, 1, (weight, bias), weight_dim=1)
+        w.set(node, Shard(1, blocks), rule)
+        return
+    if isinstance(wp, Shard) and wp.dim == 0:  # row
+        if w.placement(x) != Shard(1):
+            x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
+            w.use(node, x, w.convert(x, Shard(1), because=rule))
+        if has_bias:
+            node.target = aten.mm.default
+            node.args = (node.args[1], node.args[2])  # the bias is added once, after the reduction
+        w.set(node, PARTIAL, rule)
+        reduced = w.reduce_partial(node)
+        result = reduced
+        if bias is not None:
+            with w.graph.inserting_after(reduced):
+                result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
+            result.meta.update(
+                {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+            )
+            _elementwise(w, result)
+        for user in list(node.users):
+            if user is not reduced:
+                user.replace_input_with(node, result)
+        return
+    xp = w.placement(x)
+    if isinstance(xp, Partial):
+        xp = w.placement(w.use(node, x, w.reduce_partial(x)))
+    if isinstance(xp, Shard) and xp.dim == 1:
+        xp = w.placement(w.use(node, x, w.convert(x, REPLICATE)))
+    if isinstance(xp, Shard):
+        for p in (weight, bias):
+            if p is not None:
+                w.use(node, p, w.convert(p, REPLICATE, into_sharded=True))
+    w.set(node, xp)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from meshplan import __version__
 
 from .compile import Compiled

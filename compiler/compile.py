@@ -20,11 +20,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx, nn
+
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
 from meshplan.runtime.mesh import MeshLayout
-from torch import fx, nn
 
 from .capture import Captured, ModelSource, capture
 from .graph import keep_loss_output, normalize

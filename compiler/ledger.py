@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshplan.runtime.mesh import MeshLayout
 from torch import fx
+
+from meshplan.runtime.mesh import MeshLayout
 
 from .graph import COLLECTIVE, shape, value
 

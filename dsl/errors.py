@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 Severity = Literal["error", "warning"]
@@ -117,12 +118,17 @@ def render_diagnostic(d: Diagnostic, source: str | None, *, color: bool = False)
     return "\n".join(lines)
 
 
+@lru_cache(maxsize=4)  # every diagnostic of a file shows a line of the same source
+def _source_lines(source: str) -> tuple[str, ...]:
+    # split as the parser counts lines: at `\n` only (`str.splitlines` also splits at `\f`, U+2028, ...)
+    return tuple(line.removesuffix("\r") for line in source.split("\n"))
+
+
 def _excerpt(span: Span, source: str | None) -> list[str]:
     """The span's first line, indented, with a caret and tildes under the span."""
     if source is None:
         return []
-    # split as the parser counts lines: at `\n` only (`str.splitlines` also splits at `\f`, U+2028, ...)
-    text_lines = [line.removesuffix("\r") for line in source.split("\n")]
+    text_lines = _source_lines(source)
     if not 1 <= span.line <= len(text_lines) or not text_lines[span.line - 1].strip():
         return []  # nothing to point at (an empty file)
     text = text_lines[span.line - 1].expandtabs(1)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
 from meshplan.grammar import grammar_text
 
 from . import ast
@@ -222,7 +223,8 @@ class _ToAst(Transformer):
     def _number(self, tok: Token, what: str) -> float:
         value = float(tok)  # NUMBER is digits with an optional fraction and exponent
         if not math.isfinite(value):
-            raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {tok[:16]} is too large"))
+            shown = tok if len(tok) <= 16 else tok[:16] + "..."
+            raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {shown} is too large"))
         return value
 
     # -- file
@@ -479,14 +481,16 @@ def _word_at(text: str, pos: int) -> str:
     return m.group(0) if m else text[pos : pos + 1]
 
 
-def _expected_at(text: str, pos: int) -> set[str]:
-    """The terminals the parser accepts at `pos`, given that everything before it parsed.
+def _expected_at(text: str, pos: int, context: _Context) -> set[str]:
+    """The terminals the parser accepts at `pos`, on the line that `context` describes.
 
     Exact, unlike the `expected` of Lark's exception: LALR merges the lookaheads of states
     shared by several rules (`over NAME` ends a rule, a block header and `experts (...)`).
+    What a line accepts depends only on the line and, for a block entry, on the block's
+    header; so only those are parsed again, not the whole file.
     """
     try:
-        parser = _lark().parse_interactive(text[:pos])
+        parser = _lark().parse_interactive(context.header + text[context.line_start : pos])
         parser.exhaust_lexer()
         return set(parser.accepts())
     except UnexpectedInput:
@@ -525,7 +529,9 @@ def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         if misplaced is not None:
             return misplaced
 
-    word = _offending_word(e, text)
+    line_start = sum(len(t) + 1 for t in lines[: lineno - 1])
+    header = lines[opener[0] - 1] + "\n" if opener is not None else ""
+    word = _offending_word(e, text, _Context(line_start, header))
     bad_char = _bad_character(path, text, word)
     if bad_char is not None:
         return bad_char
@@ -561,6 +567,14 @@ def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
 
 
 @dataclass(frozen=True)
+class _Context:
+    """Where the line of an error starts, and the header of the block it is in ("" at the top level)."""
+
+    line_start: int
+    header: str
+
+
+@dataclass(frozen=True)
 class _Word:
     """What the parser tripped over: a whole word where it can tell, and what it expected there."""
 
@@ -572,16 +586,16 @@ class _Word:
     previous: Token | None  # the token before, where Lark reports it
 
 
-def _offending_word(e: UnexpectedInput, text: str) -> _Word:
+def _offending_word(e: UnexpectedInput, text: str, context: _Context) -> _Word:
     previous = (getattr(e, "token_history", None) or [None])[-1]
     if not isinstance(e, UnexpectedToken):  # the lexer found no token at all here
         pos = e.pos_in_stream or 0
-        expected = _expected_at(text, pos) or set(getattr(e, "allowed", None) or ())
+        expected = _expected_at(text, pos, context) or set(getattr(e, "allowed", None) or ())
         return _Word(pos, e.line, e.column, _word_at(text, pos), expected, previous)
     tok = e.token
     pos = tok.start_pos or 0
     if tok.type == "_NL":
-        return _Word(pos, e.line, e.column, "", _expected_at(text, pos) or set(e.expected), previous)
+        return _Word(pos, e.line, e.column, "", _expected_at(text, pos, context) or set(e.expected), previous)
     if (
         previous is not None
         and previous.end_pos == pos
@@ -591,10 +605,12 @@ def _offending_word(e: UnexpectedInput, text: str) -> _Word:
         # a keyword or number glued to what follows (`1f1b_interleaved`, `zero = 1x`): the
         # whole word is wrong, so report it against what was expected where it starts
         pos = previous.start_pos or 0
-        return _Word(pos, previous.line, previous.column, _word_at(text, pos), _expected_at(text, pos), None)
+        return _Word(
+            pos, previous.line, previous.column, _word_at(text, pos), _expected_at(text, pos, context), None
+        )
     # `2bucket` lexes as `2` then `bucket`; show the whole word
     found = _word_at(text, pos) if _is_word_char(str(tok)[:1]) else str(tok)
-    return _Word(pos, e.line, e.column, found, _expected_at(text, pos) or set(e.expected), previous)
+    return _Word(pos, e.line, e.column, found, _expected_at(text, pos, context) or set(e.expected), previous)
 
 
 def _bad_character(path: str, text: str, word: _Word) -> Diagnostic | None:
@@ -733,6 +749,8 @@ def _block_openers(
     out: list[tuple[int, int] | None] = []
     for lineno, line in enumerate(lines, 1):
         out.append(state)
+        if "{" not in line and "}" not in line:
+            continue
         code = line.split("#", 1)[0]
         col = 0
         while col < len(code):
@@ -772,18 +790,25 @@ def _repair(text: str, e: UnexpectedInput) -> str:
         before = lines[lineno - 2].split("#", 1)[0].rstrip()
         lines[lineno - 2] = before + " }"
         return "\n".join(lines)
-    return _blank_statement_or_entry(text, lineno)
+    return _blank_statement_or_entry(text, lineno, lines=lines, openers=openers)
 
 
-def _blank_statement_or_entry(text: str, lineno: int) -> str:
+def _blank_statement_or_entry(
+    text: str,
+    lineno: int,
+    *,
+    lines: list[str] | None = None,
+    openers: list[tuple[int, int] | None] | None = None,
+) -> str:
     """Blank a broken line so the next parse gets past it.
 
     A statement that opens a block is blanked with its whole block: the entries cannot be
     read without knowing what block they are in. A block entry whose line also closes the
     block keeps a `}`, so the block still ends where the user ended it.
+    `lines` and `openers`: the text's, when the caller has them already.
     """
-    lines = text.split("\n")
-    openers = _block_openers(lines)
+    lines = text.split("\n") if lines is None else list(lines)
+    openers = _block_openers(lines) if openers is None else openers
     if openers[lineno - 1] is None:
         last = next((j for j in range(lineno, len(lines) + 1) if openers[j] is None), len(lines))
         if last == lineno and lines[lineno - 1].split("#", 1)[0].strip().strip("}"):

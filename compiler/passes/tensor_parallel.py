@@ -35,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
+
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic, Span
 from meshplan.runtime.collectives import COLLECTIVES
-from torch import fx
 
 from ..graph import (
     COLLECTIVE,

@@ -6,9 +6,11 @@ import textwrap
 from pathlib import Path
 from types import ModuleType
 
-import meshplan.examples
 import pytest
 import torch
+from torch import nn
+
+import meshplan.examples
 from meshplan.compiler.capture import (
     MODULE_PATH_KEY,
     Captured,
@@ -18,7 +20,6 @@ from meshplan.compiler.capture import (
 )
 from meshplan.compiler.errors import CaptureError, ModelLoadError
 from meshplan.examples.models import gpt, llama
-from torch import nn
 
 MODELS_DIR = Path(meshplan.examples.__file__).parent / "models"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from meshplan.dsl import parse
 from meshplan.dsl.fmt import action_text, format_plan
 

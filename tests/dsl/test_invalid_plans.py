@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from meshplan.dsl.parser import MAX_PLAN_BYTES
 from meshplan.main import main
 
@@ -118,6 +119,9 @@ def _assert_compiler_shape(err: str, plan: Path, rel: str) -> None:
         assert hints in ([], [len(lines) - 1]), lines
         if hints:
             assert len(lines[-1]) > len("hint: ") + 3
+        # "unexpected X" alone does not help: say what was expected, or what was meant
+        if block.header["msg"].startswith(("unexpected", "line ends too early")):
+            assert hints, f"a syntax error without a hint: {lines[0]}"
         # every located line (the error's and each note's) is shown with a caret under its column
         i = 0
         while i < len(lines) - len(hints):

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from meshplan.dsl import PlanError, PlanFileError, PlanSyntaxError, Span, check_text, load_plan, parse
 from meshplan.dsl import ast as A
 from meshplan.dsl.parser import MAX_PLAN_BYTES, MAX_SYNTAX_ERRORS, decode_plan_bytes, parse_recovering

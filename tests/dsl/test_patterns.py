@@ -4,6 +4,7 @@ located errors of malformed patterns."""
 from __future__ import annotations
 
 import pytest
+
 from meshplan.dsl import PlanValidationError, check_text
 from meshplan.dsl.patterns import MAX_RANGE, Glob, PatternSyntaxError
 

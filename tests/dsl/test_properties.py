@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
+
 from meshplan.dsl import PlanError, PlanSyntaxError, check_text, parse
 from meshplan.dsl.fmt import format_plan
 from meshplan.dsl.parser import _lark, decode_plan_bytes

@@ -7,8 +7,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from meshplan.examples.models import gpt, llama
 from torch import nn
+
+from meshplan.examples.models import gpt, llama
 
 MODELS = [pytest.param(llama, id="llama"), pytest.param(gpt, id="gpt")]
 

@@ -1,0 +1,58 @@
+"""Model factories for compiler tests, loaded by spec like a user's file:
+`tests/compiler/factories.py:llama_tp4`. Every factory is deterministic (seeded)."""
+
+import torch
+from torch import nn
+
+from meshplan.examples.models import gpt, llama
+
+
+def llama_tp4():
+    """The example Llama with 8 heads and 4 kv heads, so it splits 4 ways."""
+    return llama.build(num_attention_heads=8, num_key_value_heads=4, intermediate_size=128)
+
+
+def llama_tp8():
+    """8 heads, 8 kv heads: splits 8 ways."""
+    return llama.build(
+        num_attention_heads=8, num_key_value_heads=8, intermediate_size=128, num_hidden_layers=2
+    )
+
+
+def gpt_small():
+    return gpt.build(num_hidden_layers=2)
+
+
+class ExplicitHeads(nn.Module):
+    """Attention that reshapes with a literal head count, as much older model code does:
+    the compiler must rewrite `view(B, T, 4, 16)` to the local head count."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4, vocab: int = 256):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.out = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)  # (B, T, H)
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, D)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def explicit_heads():
+    torch.manual_seed(0)
+    return ExplicitHeads()
+
+
+def example_inputs(batch: int = 2, seq: int = 16):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]

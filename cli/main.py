@@ -242,6 +242,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"largest relative difference: loss {loss_rel:.2e}, gradients {worst_grad[0]:.2e} (rank {worst_grad[1]}), "
         f"parameters {worst_param[0]:.2e} (rank {worst_param[1]})"
     )
+    noisy = {name: n for r in reports for name, n in r.noise_elements.items()}
+    if noisy:
+        from meshplan.compiler.printers import compress_paths
+
+        print(
+            f"left out of the parameter comparison: {sum(noisy.values())} elements whose reference gradient "
+            "is zero up to rounding (Adam moves them by noise) in " + ", ".join(compress_paths(noisy))
+        )
     worst = max(reports, key=lambda r: r.max_param_rel)
     for name, rel in sorted(worst.param_rel.items(), key=lambda kv: -kv[1])[:3]:
         print(f"  {name}: {rel:.2e}")

@@ -1,0 +1,174 @@
+"""The tensor-parallel pass in one process: what it inserts, local shapes, and its errors.
+
+Numerics are in test_tp_parity.py (gloo, several processes); here the fake process
+group lets any mesh size build and run a rank's program for shapes.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshplan.compiler.capture import ModelSource, load_model
+from meshplan.compiler.compile import build_rank_program, compile_plan, local_shard
+from meshplan.compiler.placement import Shard
+from meshplan.dsl import PlanError, check_text
+from meshplan.examples.models import gpt, llama
+from meshplan.runtime.mesh import MeshLayout, init_mesh
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+TP_RULES = """
+mesh tp={n}
+
+modules {{
+    layers.*.self_attn.{{q,k,v}}_proj: column over tp
+    layers.*.self_attn.o_proj:       row over tp
+    layers.*.mlp.{{gate,up}}_proj:     column over tp
+    layers.*.mlp.down_proj:          row over tp
+    embed_tokens:                    vocab over tp
+    lm_head:                         vocab over tp
+{extra}}}
+"""
+
+
+def compile_text(text: str, source: ModelSource):
+    return compile_plan(check_text(text, "test.plan"), source)
+
+
+@pytest.fixture(scope="module")
+def llama_tp8():
+    return load_model(f"{HERE}/factories.py:llama_tp8")
+
+
+def test_ledger_is_the_megatron_minimum_without_sequence_parallel(llama_tp8):
+    compiled = compile_text(TP_RULES.format(n=8, extra=""), llama_tp8)
+    layers = 2
+    ledger = compiled.ledger
+    # forward: one all-reduce after each row split (2 per block) and after the vocab-parallel
+    # embedding, and 3 small ones inside the vocab-parallel loss (max, sum of exp, target logit)
+    assert ledger.count("all_reduce", "forward") == 2 * layers + 1 + 3
+    # backward: one all-reduce per column group (q/k/v share one, gate/up share one) and one
+    # for the LM head's input
+    assert ledger.count("all_reduce", "backward") == 2 * layers + 1
+    assert ledger.count("all_gather") == ledger.count("reduce_scatter") == 0
+    b, t, h = 2, 16, 64
+    block_rows = [r for r in ledger.rows if r.op == "all_reduce" and r.shape == (b, t, h)]
+    assert {r.bytes for r in block_rows} == {b * t * h * 4}
+
+
+def test_sequence_parallel_swaps_all_reduce_for_gather_and_reduce_scatter(llama_tp8):
+    extra = "    layers.*.{input,post_attention}_layernorm: sequence over tp\n    norm: sequence over tp\n"
+    compiled = compile_text(TP_RULES.format(n=8, extra=extra), llama_tp8)
+    layers = 2
+    ledger = compiled.ledger
+    assert ledger.count("all_gather", "forward") == 2 * layers + 1  # before each column group and the LM head
+    assert (
+        ledger.count("reduce_scatter", "forward") == 2 * layers + 1
+    )  # after each row split and the embedding
+    assert ledger.count("reduce_scatter", "backward") == 2 * layers + 1
+    assert ledger.count("all_gather", "backward") == 2 * layers + 1
+    # the norm weights see only a sequence shard: their gradients are summed over tp
+    norms = 2 * layers + 1
+    assert ledger.count("all_reduce", "backward") == norms
+    assert ledger.count("all_reduce", "forward") == 3  # the vocab-parallel loss
+
+
+def test_q_k_v_share_one_input_collective(llama_tp8):
+    compiled = compile_text(TP_RULES.format(n=8, extra=""), llama_tp8)
+    copies = [
+        n for n in compiled.graph.graph.nodes if n.op == "call_module" and str(n.target) == "copy_to_tp"
+    ]
+    q_input = next(n for n in compiled.graph.graph.nodes if n.op == "call_function" and "linear" in n.name)
+    assert q_input.args[0] in copies
+    users = {u.args[1].target for u in q_input.args[0].users}
+    assert users == {f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
+
+
+def test_rank_program_runs_with_local_shapes_on_the_fake_process_group(llama_tp8):
+    compiled = compile_text(TP_RULES.format(n=8, extra="    norm: sequence over tp\n"), llama_tp8)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    try:
+        mesh = init_mesh(compiled.layout)
+        program = build_rank_program(compiled, llama_tp8.model, rank=3, mesh=mesh)
+        params = dict(program.named_parameters())
+        assert params["layers.0.self_attn.q_proj.weight"].shape == (8, 64)  # 8 heads x 8 dims / 8 ranks
+        assert params["layers.0.mlp.down_proj.weight"].shape == (64, 16)
+        assert params["embed_tokens.weight"].shape == (32, 64)
+        (loss,) = program(*llama_tp8.args)
+        loss.backward()
+        assert params["layers.0.mlp.gate_proj.weight"].grad.shape == (16, 64)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_shard_of_blocked_placement_takes_a_chunk_of_each_block():
+    full = torch.arange(12).reshape(1, 12)  # q: 0-3, k: 4-7, v: 8-11
+    layout = MeshLayout(("tp",), (2,))
+    local = local_shard(full, {"tp": Shard(1, blocks=3)}, {"tp": 1}, layout)
+    assert local.tolist() == [[2, 3, 6, 7, 10, 11]]
+
+
+def test_explicit_head_count_in_view_becomes_local():
+    source = load_model(f"{HERE}/factories.py:explicit_heads")
+    text = "mesh tp=2\nmodules {\n    {q,k,v}: column over tp\n    out: row over tp\n}\n"
+    compiled = compile_text(text, source)
+    views = [n for n in compiled.graph.graph.nodes if n.target is torch.ops.aten.view.default]
+    assert views and all(list(v.args[1]) == [2, 16, 2, 16] for v in views)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def errors_of(text: str, source: ModelSource) -> str:
+    with pytest.raises(PlanError) as info:
+        compile_text(text, source)
+    return str(info.value)
+
+
+@pytest.fixture(scope="module")
+def example_llama():
+    return ModelSource("llama", llama.build(), llama.example_inputs())
+
+
+def test_kv_heads_not_divisible(example_llama):
+    message = errors_of(TP_RULES.format(n=4, extra=""), example_llama)
+    assert "the model has 2 key/value heads, not divisible by 4 ranks over `tp`" in message
+    assert "test.plan:5:5" in message
+
+
+def test_column_on_a_module_that_is_not_linear(example_llama):
+    message = errors_of("mesh tp=2\nmodules {\n    layers.*.mlp: column over tp\n}\n", example_llama)
+    assert "`column` needs a linear layer, but `layers.0.mlp` is a" in message
+    assert "gate_proj, up_proj, down_proj" in message
+
+
+def test_rule_matching_nothing_lists_what_exists(example_llama):
+    message = errors_of("mesh tp=2\nmodules {\n    layers.*.mlp.w4: column over tp\n}\n", example_llama)
+    assert "rule `layers.*.mlp.w4` matches no module" in message
+    assert "modules under `layers.0.mlp` are: gate_proj, up_proj, down_proj" in message
+
+
+def test_tied_weights_placed_differently():
+    source = ModelSource("gpt", gpt.build(num_hidden_layers=1), gpt.example_inputs())
+    message = errors_of("mesh tp=2\nmodules {\n    wte: vocab over tp\n}\n", source)
+    assert "is tied to" in message and "lm_head.weight" in message
+
+
+def test_conflicting_equally_specific_rules(example_llama):
+    # both have 3 literal segments and 21 literal characters
+    text = "mesh tp=2\nmodules {\n    layers.0.self_attn.*_proj: column over tp\n    layers.*.self_attn.q_proj: row over tp\n}\n"
+    message = errors_of(text, example_llama)
+    assert "rules conflict on `layers.0.self_attn.q_proj`" in message
+
+
+def test_more_specific_rule_wins(example_llama):
+    text = TP_RULES.format(n=2, extra="    layers.0.self_attn.o_proj: replicate\n")
+    compiled = compile_text(text, example_llama)
+    assert "layers.0.self_attn.o_proj.weight" not in compiled.param_placements
+    assert compiled.param_placements["layers.1.self_attn.o_proj.weight"] == {"tp": Shard(1)}
+    # o_proj of layer 0 is replicated, so its sharded input is gathered first, with a warning
+    assert any("not split" in w.message for w in compiled.warnings)

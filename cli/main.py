@@ -258,6 +258,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_NOT_CANONICAL
 
 
+def _size(nbytes: int) -> str:
+    """25000000 -> 25MB, 16777216 -> 16MiB: the unit the plan most likely used."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
 def summarize(plan: Plan) -> str:
     """A few lines saying what a checked plan does, for `meshplan check`."""
     mesh = " x ".join(f"{a.name}={'*' if a.size is None else a.size}" for a in plan.mesh.axes)
@@ -281,7 +289,7 @@ def summarize(plan: Plan) -> str:
         offload = [
             name for name, on in (("optimizer", d.offload_optimizer), ("params", d.offload_params)) if on
         ]
-        detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {d.bucket_bytes / 1e6:g}MB"
+        detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {_size(d.bucket_bytes)}"
         detail += f", offload {' + '.join(offload)}" if offload else ""
         lines.append(f"  data       {detail}")
     pr = plan.precision

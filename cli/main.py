@@ -260,7 +260,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _size(nbytes: int) -> str:
     """25000000 -> 25MB, 16777216 -> 16MiB: the unit the plan most likely used."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+    for unit, scale in (
+        ("GiB", 2**30),
+        ("MiB", 2**20),
+        ("KiB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+    ):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return f"{nbytes}B"

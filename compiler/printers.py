@@ -23,15 +23,14 @@ def compress_paths(paths: Iterable[str]) -> list[str]:
     groups: dict[str, list[tuple[int, ...]]] = defaultdict(list)
     for path in paths:
         parts = path.split(".")
-        numbers = tuple(int(p) for p in parts if p.isdigit())
         key = ".".join("#" if p.isdigit() else p for p in parts)
-        groups[key].append(numbers)
-    out = []
-    for key, numbers in groups.items():
+        groups[key].append(tuple(int(p) for p in parts if p.isdigit()))
+    out: list[str] = []
+    for key, indices in groups.items():
         if key.count("#") != 1:
-            out.extend(_fill(key, n) for n in numbers)
+            out.extend(_fill(key, i) for i in indices)
             continue
-        values = sorted(n[0] for n in numbers)
+        values = sorted(i[0] for i in indices)
         if len(values) == 1:
             text = str(values[0])
         elif values == list(range(values[0], values[-1] + 1)):

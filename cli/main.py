@@ -107,7 +107,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 def _load_for_model(args: argparse.Namespace):
     """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1."""
-    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
 
     world_size = args.world_size
@@ -119,7 +119,7 @@ def _load_for_model(args: argparse.Namespace):
             world_size = probe.mesh.world_size or _product(a.size for a in probe.mesh.axes if a.size)
             print(f"note: `{autos[0]}=*` taken as 1; pass --world-size N for the real size", file=sys.stderr)
     plan = load_plan(args.plan, world_size=world_size)
-    source = load_model(args.model)
+    source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
     compiled = compile_plan(plan, source, world_size=world_size)
     if compiled.warnings:
         print(
@@ -334,6 +334,16 @@ def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, e
     return p
 
 
+def _add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch",
+        type=_positive_int,
+        metavar="B",
+        help="compile for this many sequences per step (default: the model's example inputs)",
+    )
+    p.add_argument("--seq", type=_positive_int, metavar="T", help="compile for this sequence length")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshplan",
@@ -381,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("--world-size", type=_positive_int, metavar="N")
+    _add_shape_arguments(p)
 
     p = _add(
         sub,
@@ -396,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the artifact to")
     p.add_argument("--world-size", type=_positive_int, metavar="N")
+    _add_shape_arguments(p)
 
     p = _add(
         sub,

@@ -477,3 +477,33 @@ def _tensor_infos(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, ParamI
 
 def _is_within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int | None = None) -> ModelSource:
+    """The same model with its token inputs reshaped to (batch, seq): the graph is compiled for
+    the shapes it will run with (per data-parallel rank, per microbatch).
+
+    Every integer tensor argument of shape (B, T) (input ids, labels) is replaced by fresh
+    token ids in the range the original used; other arguments are kept.
+    """
+    if batch is None and seq is None:
+        return source
+
+    def reshape(x: Any) -> Any:
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
+            return x
+        b = batch if batch is not None else x.shape[0]
+        t = seq if seq is not None else x.shape[1]
+        high = int(x.max()) + 1 if x.numel() else 2
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, max(high, 2), (b, t), generator=generator, dtype=x.dtype)
+
+    args = tuple(reshape(a) for a in source.args)
+    kwargs = {k: reshape(v) for k, v in source.kwargs.items()}
+    unchanged = all(a is b for a, b in zip(args, source.args, strict=True))
+    if unchanged and all(kwargs[k] is source.kwargs[k] for k in kwargs):
+        raise ModelLoadError(
+            f"--batch/--seq: {source.spec!r} has no (batch, seq) token inputs to reshape",
+            hint="define example_inputs() in the model file with the shapes you want",
+        )
+    return ModelSource(spec=source.spec, model=source.model, args=args, kwargs=kwargs)

@@ -377,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", metavar="SPEC", help="also check against a model: FILE.py:factory or module:factory"
     )
+    _add_shape_arguments(p)
 
     model_help = "the model: path/to/file.py:factory or package.module:factory"
     p = _add(

@@ -311,10 +311,11 @@ def _get_attr(module: nn.Module, target: str):
 def local_shard(
     full: torch.Tensor, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
 ) -> torch.Tensor:
-    """This rank's piece of a full tensor: for `Shard(d, blocks=k)`, its chunk of each of k blocks."""
+    """This rank's piece of a full tensor: for `Shard(d, blocks=sizes)`, its chunk of each block."""
     local = full
     for axis, p in placement.items():
         if isinstance(p, Shard):
             n, r = layout.size(axis), coords[axis]
-            local = torch.cat([block.chunk(n, p.dim)[r] for block in local.chunk(p.blocks, p.dim)], p.dim)
+            blocks = local.split(list(p.blocks), p.dim) if p.blocks else (local,)
+            local = torch.cat([block.chunk(n, p.dim)[r] for block in blocks], p.dim)
     return local

@@ -20,10 +20,10 @@ class Replicate:
 @dataclass(frozen=True, slots=True)
 class Shard:
     dim: int
-    blocks: int = 1
+    blocks: tuple[int, ...] = ()  # global sizes of the blocks along `dim`; () is one block
 
     def __str__(self) -> str:
-        return f"Shard({self.dim})" if self.blocks == 1 else f"Shard({self.dim}, blocks={self.blocks})"
+        return f"Shard({self.dim})" if not self.blocks else f"Shard({self.dim}, blocks={self.blocks})"
 
 
 @dataclass(frozen=True, slots=True)

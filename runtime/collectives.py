@@ -181,12 +181,18 @@ class VocabParallelEmbedding(AxisCollective):
     under sequence parallelism).
     """
 
-    def forward(self, weight: Tensor, ids: Tensor) -> Tensor:
+    def forward(self, weight: Tensor, ids: Tensor, padding_idx: int | None = None) -> Tensor:
         local_vocab = weight.shape[0]
         start = dist.get_rank(self.group) * local_vocab
         outside = (ids < start) | (ids >= start + local_vocab)
         local_ids = (ids - start).masked_fill(outside, 0)
-        out = nn.functional.embedding(local_ids, weight)  # (B, T, H), zeros to be
+        # the padding row gets no gradient, on the rank that holds it
+        local_pad = (
+            padding_idx - start
+            if padding_idx is not None and 0 <= padding_idx - start < local_vocab
+            else None
+        )
+        out = nn.functional.embedding(local_ids, weight, padding_idx=local_pad)  # (B, T, H)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, H) partial over the axis
 
 

@@ -30,6 +30,7 @@ it is made: all-reduce to `Replicate`, or under sequence parallelism reduce-scat
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,8 +190,8 @@ class _Walk:
         if isinstance(have, Partial):
             arg = self.reduce_partial(arg)
             have = self.placement(arg)
-        if (isinstance(have, Shard) and have.blocks > 1 and have != target) or (
-            isinstance(target, Shard) and target.blocks > 1 and have != target
+        if (isinstance(have, Shard) and have.blocks and have != target) or (
+            isinstance(target, Shard) and target.blocks and have != target
         ):
             self.error(
                 arg,
@@ -260,22 +261,28 @@ class _Walk:
             self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
         return name
 
-    def fuse_blocks(self, node: fx.Node, dim: int, params, *, weight_dim: int) -> int:
-        """How many equal blocks a column-split output is cut into downstream (3 for fused q/k/v).
+    def fuse_blocks(self, node: fx.Node, dim: int, params, *, weight_dim: int) -> tuple[int, ...]:
+        """The blocks a column-split output is cut into downstream: fused q/k/v, fused gate/up.
 
         A fused projection's output is split into q, k and v; each must be sharded by heads,
         so every rank holds its chunk of each block. Seen here, the weight and bias take
-        `Shard(dim, blocks=k)` and `lower` cuts them that way.
+        `Shard(dim, blocks=sizes)` and `build_rank_program` cuts them that way.
         """
-        k = _downstream_blocks(node, dim)
-        if k > 1:
+        blocks = _downstream_blocks(node, dim)
+        if blocks:
+            if any(b % self.n for b in blocks):
+                self.error(
+                    node,
+                    f"{describe(node)}: the fused output's blocks {blocks} do not divide by "
+                    f"{self.n} ranks over `{self.axis}`",
+                )
             for param, pdim in zip(params, (weight_dim, 0), strict=False):
                 if isinstance(param, fx.Node) and param.op == "get_attr":
-                    placement = Shard(pdim, k)
+                    placement = Shard(pdim, blocks)
                     name = str(param.target)
                     self.spec.params[name] = ParamPlacement(placement, self.spec.params[name].rule)
                     self.set(param, placement)
-        return k
+        return blocks
 
     # -- shapes
     def local_sizes(self, sizes, out: Placement) -> list:
@@ -388,10 +395,10 @@ def _embedding(w: _Walk, node: fx.Node) -> None:
     wp = w.placement(weight)
     rule = weight.meta.get(RULE)
     if isinstance(wp, Shard) and wp.dim == 0:
-        if len(node.args) > 2 and node.args[2] not in (-1, None):
-            w.error(node, "vocab-parallel embedding does not support `padding_idx`", rule=rule)
+        padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        args = (weight, ids) if padding_idx in (-1, None) else (weight, ids, padding_idx)
         with w.graph.inserting_before(node):
-            vocab = w.graph.call_module(w.module_for("vocab_embedding"), (weight, ids))
+            vocab = w.graph.call_module(w.module_for("vocab_embedding"), args)
         vocab.meta.update(node.meta)
         vocab.meta[COLLECTIVE] = {"kind": "vocab_embedding", "axis": w.axis, "dim": None, "rule": rule}
         node.replace_all_uses_with(vocab)
@@ -638,8 +645,11 @@ def _view(w: _Walk, node: fx.Node) -> None:
         return
     out_dim = _view_dim(shape(x), shape(node), p.dim)
     blocks = p.blocks
-    if out_dim is not None and blocks > 1 and shape(node)[out_dim] == blocks:
-        out_dim, blocks = out_dim + 1, 1  # (.., 3*H) -> (.., 3, heads, D): the shard is the heads dim
+    if out_dim is not None and blocks and shape(node)[out_dim] != shape(x)[p.dim]:
+        if len(set(blocks)) == 1 and shape(node)[out_dim] == len(blocks):
+            out_dim, blocks = out_dim + 1, ()  # (.., 3*H) -> (.., 3, heads, D): the shard is the heads dim
+        else:
+            w.error(node, f"{describe(node)} reshapes a fused projection's output across its blocks {blocks}")
     if out_dim is None or shape(node)[out_dim] % w.n:
         w.error(
             node,
@@ -758,9 +768,7 @@ def _slice_like(w: _Walk, node: fx.Node) -> None:
         dim_arg = node.args[1] if len(node.args) > 1 else 0
     dim = _norm_dim(dim_arg if dim_arg is not None else default_dim, ndim)
     if dim == p.dim:
-        if p.blocks > 1 and _splits_into_blocks(node, p.blocks, shape(x)[dim]):
-            if node.target is aten.split.Tensor:  # each rank splits its [q_r, k_r, v_r] into local blocks
-                node.args = (node.args[0], node.args[1] // w.n, *node.args[2:])
+        if p.blocks and _split_local_blocks(w, node, p.blocks):
             w.set(node, Shard(dim), w.rule_near(node))
             return
         w.error(node, f"{describe(node)} slices dim {dim}, which is sharded over `{w.axis}`")
@@ -768,12 +776,33 @@ def _slice_like(w: _Walk, node: fx.Node) -> None:
     w.set(node, Shard(out, p.blocks), w.rule_near(node))
 
 
-def _splits_into_blocks(node: fx.Node, blocks: int, size: int) -> bool:
-    if node.target is aten.split.Tensor:
-        return isinstance(node.args[1], int) and node.args[1] * blocks == size
-    if node.target is aten.chunk.default:
-        return node.args[1] == blocks
-    return False
+def _split_local_blocks(w: _Walk, node: fx.Node, blocks: tuple[int, ...]) -> bool:
+    """If `node` cuts a blocked shard exactly at its block boundaries, make its sizes local.
+
+    Each rank's tensor is [q_r, k_r, v_r]: splitting it where the full tensor splits, with
+    every size divided by the axis size, yields this rank's shard of each block.
+    """
+    n = w.n
+    args = list(node.args)
+    if node.target is aten.split.Tensor and isinstance(args[1], int) and set(blocks) == {args[1]}:
+        args[1] //= n
+    elif node.target is aten.split_with_sizes.default and list(args[1]) == list(blocks):
+        args[1] = [b // n for b in blocks]
+    elif node.target is aten.chunk.default and args[1] == len(blocks) and len(set(blocks)) == 1:
+        pass
+    elif node.target is aten.slice.Tensor:
+        total = sum(blocks)
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        end = min(args[3] if len(args) > 3 and args[3] is not None else total, total)
+        bounds = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+        step = args[4] if len(args) > 4 else 1
+        if start not in bounds or end not in bounds or step != 1:
+            return False
+        args = [args[0], args[1], start // n, end // n]
+    else:
+        return False
+    node.args = tuple(args)
+    return True
 
 
 @register(operator.getitem)
@@ -880,30 +909,55 @@ def _repeat_interleave(w: _Walk, node: fx.Node) -> None:
     w.set(node, p, w.rule_near(node))
 
 
-def _downstream_blocks(node: fx.Node, dim: int) -> int:
-    """Follow views that keep `dim`'s size to a split into k equal parts along it; k, else 1."""
+def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
+    """Block sizes when the output's `dim` is cut into pieces downstream, else ().
+
+    Follows views that keep `dim`'s size, then looks for a split into equal parts
+    (GPT-2's q/k/v, fused gate/up) or slices that partition the dim (Phi-3's q/k/v
+    with fewer kv heads).
+    """
     size = shape(node)[dim]
     current, current_dim = node, dim
     while len(current.users) == 1:
         (user,) = current.users
-        if user.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            out = shape(user)
-            matches = [i for i, s in enumerate(out) if s == size]
-            if len(matches) != 1:
-                return 1
-            current, current_dim = user, matches[0]
-            continue
-        if user.target is aten.split.Tensor:
-            split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, len(shape(current)))
-            step = user.args[1]
-            if split_dim == current_dim and isinstance(step, int) and size % step == 0 and size // step > 1:
-                return size // step
-        if user.target is aten.chunk.default:
-            split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, len(shape(current)))
-            if split_dim == current_dim and size % user.args[1] == 0:
-                return int(user.args[1])
-        return 1
-    return 1
+        if user.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            break
+        matches = [i for i, s in enumerate(shape(user)) if s == size]
+        if len(matches) != 1:
+            return ()
+        current, current_dim = user, matches[0]
+    users = list(current.users)
+    ndim = len(shape(current))
+    if len(users) == 1:
+        user = users[0]
+        split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, ndim)
+        if split_dim == current_dim:
+            if (
+                user.target is aten.split.Tensor
+                and isinstance(user.args[1], int)
+                and size % user.args[1] == 0
+            ):
+                return (user.args[1],) * (size // user.args[1]) if size // user.args[1] > 1 else ()
+            if user.target is aten.chunk.default and size % user.args[1] == 0 and user.args[1] > 1:
+                return (size // user.args[1],) * user.args[1]
+            if user.target is aten.split_with_sizes.default and len(user.args[1]) > 1:
+                return tuple(user.args[1])
+    if len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
+        ranges = []
+        for u in users:
+            if _norm_dim(u.args[1], ndim) != current_dim or (len(u.args) > 4 and u.args[4] != 1):
+                return ()
+            start = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
+            end = min(u.args[3] if len(u.args) > 3 and u.args[3] is not None else size, size)
+            ranges.append((start, end))
+        ranges.sort()
+        if (
+            ranges[0][0] == 0
+            and ranges[-1][1] == size
+            and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        ):
+            return tuple(end - start for start, end in ranges)
+    return ()
 
 
 @register(aten.addmm.default, aten.mm.default)

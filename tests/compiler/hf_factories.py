@@ -39,3 +39,34 @@ def hf_gpt2():
     )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
+
+
+def _small(config_name: str, model_name: str, **extra):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config)
+
+
+def hf_qwen2():
+    """q/k/v projections with biases."""
+    return _small("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2)
+
+
+def hf_phi3():
+    """Fused qkv_proj cut by slices of unequal size (GQA), fused gate_up_proj, a padding row."""
+    return _small("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2, pad_token_id=0)
+
+
+def hf_neox():
+    """Fused query_key_value laid out head by head: split by heads without blocks."""
+    return _small("GPTNeoXConfig", "GPTNeoXForCausalLM")

@@ -121,3 +121,24 @@ def test_hf_gpt2_tp2_fused_qkv(tmp_path):
     pytest.importorskip("transformers")
     loss, grad, param = run(write(tmp_path, GPT2_TP), f"{HERE}/hf_factories.py:hf_gpt2", 2, dtype="float64")
     assert loss <= 1e-6 and grad <= 1e-5 and param <= 1e-5, (loss, grad, param)
+
+
+PHI3_TP = """
+mesh tp=2
+
+modules {
+    model.layers.*.self_attn.qkv_proj: column over tp
+    model.layers.*.self_attn.o_proj:   row over tp
+    model.layers.*.mlp.gate_up_proj:   column over tp
+    model.layers.*.mlp.down_proj:      row over tp
+    model.embed_tokens:                vocab over tp
+    lm_head:                           vocab over tp
+}
+"""
+
+
+def test_hf_phi3_tp2_uneven_fused_blocks(tmp_path):
+    # qkv_proj is cut by slices of sizes (64, 32, 32): each rank holds half of each
+    pytest.importorskip("transformers")
+    loss, grad, param = run(write(tmp_path, PHI3_TP), f"{HERE}/hf_factories.py:hf_phi3", 2, dtype="float64")
+    assert loss <= 1e-6 and grad <= 1e-5 and param <= 1e-5, (loss, grad, param)

@@ -1,0 +1,191 @@
+"""Data parallelism over one mesh axis: bucketed gradient all-reduce that overlaps backward.
+
+    torchrun --nproc-per-node 2 -m meshplan.run examples/tiny_dp.plan      # or: meshplan run ...
+
+    dp = DataParallel(program, mesh.get_group("dp"), bucket_bytes=plan.data_parallel.bucket_bytes)
+    for micro in range(k):
+        with dp.no_sync() if micro < k - 1 else contextlib.nullcontext():
+            loss = dp(*inputs)[0] / k
+            loss.backward()                 # buckets are all-reduced as their grads become ready
+    dp.finish()                             # wait for the last buckets; grads are now averaged
+    optimizer.step()
+
+How it works (the design of PyTorch's DDP, written out so the collectives are visible):
+
+- Parameters are packed into buckets of about `bucket_bytes`, in reverse registration
+  order, which approximates the order backward produces their gradients.
+- Each parameter gets a `register_post_accumulate_grad_hook`. When the last gradient of
+  a bucket has been accumulated, the bucket is flattened and all-reduced with
+  `async_op=True`, so communication runs while backward computes earlier layers.
+- Buckets are launched strictly in bucket order (a ready bucket waits for the ones
+  before it): every rank then issues the same collectives in the same order, which a
+  process group requires.
+- `finish()` launches whatever backward did not (a parameter that got no gradient on
+  this step contributes zeros), waits, divides by the group size and writes the average
+  back into `.grad`.
+
+Rank arithmetic: the group is the mesh's dp axis. With `mesh dp=2, tp=2` (last axis
+fastest) ranks 0 and 2 hold tp shard 0 and form dp group {0, 2}; ranks 1 and 3 form
+{1, 3}. Each averages the gradient of the same shard, so DP composes with the
+compiler's tensor parallelism by construction.
+
+Every bucket's all-reduce is recorded in `launches` as (bucket index, bytes,
+during_backward), and `ledger()` lists (bytes, count per optimizer step) per bucket,
+for reporting next to the compiler's collective ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together in one flat all-reduce."""
+
+    index: int
+    params: list[nn.Parameter]
+    nbytes: int  # bytes on the wire (in the reduce dtype)
+    ready: int = 0  # parameters whose gradient is accumulated this step
+    work: dist.Work | None = None
+    flat: Tensor | None = None  # (sum of numels,) the buffer being reduced
+
+
+@dataclass(frozen=True)
+class Launch:
+    bucket: int
+    nbytes: int
+    during_backward: bool  # launched from a backward hook (overlapping compute), not from finish()
+
+
+class DataParallel(nn.Module):
+    """Wraps a module so its gradients are averaged over `group` (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup,
+        *,
+        bucket_bytes: int = 25_000_000,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.module = module
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.reduce_dtype = reduce_dtype
+        self.launches: list[Launch] = []
+        self._sync = True
+        self._next = 0  # the next bucket to launch, in bucket order
+        self._in_finish = False
+        params = _unique_trainable(module)
+        broadcast_parameters(params, group)
+        self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates local gradients only (gradient accumulation's early micro-steps)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def ledger(self) -> list[tuple[int, int]]:
+        """(bytes, all-reduces per optimizer step) for each bucket, in launch order."""
+        return [(b.nbytes, 1) for b in self.buckets]
+
+    def finish(self) -> None:
+        """Launch the buckets backward left, wait for all, and write the averaged gradients back."""
+        self._in_finish = True
+        try:
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
+        finally:
+            self._in_finish = False
+        for bucket in self.buckets:
+            assert bucket.work is not None and bucket.flat is not None
+            bucket.work.wait()
+            _unflatten_into_grads(bucket.flat.div_(self.world), bucket.params)
+            bucket.work, bucket.flat, bucket.ready = None, None, 0
+        self._next = 0
+
+    def _on_grad(self, param: Tensor) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        # launch every consecutive ready bucket: same order on every rank
+        while self._next < len(self.buckets):
+            head = self.buckets[self._next]
+            if head.ready < len(head.params):
+                break
+            self._launch(head)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.flat = _flatten_grads(bucket.params, self.reduce_dtype)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        self.launches.append(Launch(bucket.index, bucket.nbytes, during_backward=not self._in_finish))
+        self._next += 1
+
+
+def broadcast_parameters(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Give every rank of `group` the values of its first rank (one broadcast per parameter, at wrap time)."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=src, group=group)
+
+
+def _unique_trainable(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters, tied ones once, in registration order."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _make_buckets(
+    params: list[nn.Parameter], bucket_bytes: int, reduce_dtype: torch.dtype | None
+) -> list[Bucket]:
+    """Reverse registration order, cut whenever a bucket reaches `bucket_bytes` (at least one param each)."""
+    buckets: list[Bucket] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * (reduce_dtype or p.dtype).itemsize
+        if size >= bucket_bytes:
+            buckets.append(Bucket(len(buckets), current, size))
+            current, size = [], 0
+    if current:
+        buckets.append(Bucket(len(buckets), current, size))
+    return buckets
+
+
+def _flatten_grads(params: list[nn.Parameter], dtype: torch.dtype | None) -> Tensor:
+    """One flat buffer of the bucket's gradients, zeros where a parameter got none: (sum numel,)."""
+    parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
+    flat = torch.cat(parts)
+    return flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat
+
+
+def _unflatten_into_grads(flat: Tensor, params: list[nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        chunk = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += p.numel()

@@ -1,0 +1,381 @@
+"""The training loop behind `meshplan run`: AdamW, warmup + cosine LR, global-norm clipping,
+gradient accumulation, checkpoints, a progress bar on rank 0 and JSONL metrics on every rank.
+
+    meshplan run examples/tiny_dp.plan --steps 200          # launches: torchrun ... -m meshplan.run ...
+
+    summary = train(program, loss_of, batches, config, groups=Groups(dp=dp_group, tp=tp_group),
+                    dp=DataParallel(program, dp_group), sharded={"layers.0.mlp.up_proj.weight", ...})
+
+One optimizer step is `config.accumulation` micro-steps; gradients are synchronized over
+the data axis only on the last (`DataParallel.no_sync` before), and each micro-loss is
+divided by the number of micro-steps, so k micro-batches of b train exactly like one
+batch of k*b (for a mean-reduced loss over equally many tokens).
+
+Gradient clipping by global norm under tensor parallelism: the norm is over the *full*
+model. A parameter sharded over tp contributes the sum of squares of its local shard,
+summed over the tp group; a replicated one is identical on every tp rank and counts once
+(locally). Data-parallel replicas hold the same averaged gradient after `finish()`, so
+nothing is summed over dp.
+
+Metrics: every rank appends one JSON object per optimizer step to
+`RUN_DIR/metrics/rank{R}.jsonl`:
+
+    {"step": 12, "loss": 3.41, "lr": 0.0018, "grad_norm": 0.93, "tokens_per_s": 21000.0,
+     "peak_memory": 412000000, "mfu": null, "skipped_steps": 0, "time_s": 0.05}
+
+`loss` is the mean over the data-parallel group; `tokens_per_s` is for the whole job
+(every dp rank's tokens over the step's wall time); `peak_memory` is bytes: on CPU the
+process's peak resident set (`getrusage` maxrss), on GPU `torch.cuda.max_memory_allocated`.
+`mfu` = 6 * (this rank's parameters) * (this rank's tokens/s) / peak FLOP/s: the usual
+6N-per-token estimate for a forward and backward pass, ignoring attention's own FLOPs.
+The peak is `config.peak_flops` if given, else the dense bf16 tensor-core peak of a few
+known GPUs (table `PEAK_FLOPS`); on a CPU or an unknown GPU it is unknown and `mfu` is null.
+A step is skipped (not applied, counted in `skipped_steps`) when its gradient norm is
+not finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import checkpoint
+from .data_parallel import DataParallel
+
+LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
+BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
+
+# Dense bf16 peak FLOP/s per device, by a substring of `torch.cuda.get_device_name()`.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # 0 disables clipping
+    accumulation: int = 1
+    seed: int = 0
+    tokens_per_micro_step: int = 0  # per rank: batch * seq
+    run_dir: Path = Path("runs/default")
+    save_every: int = 0  # 0: only the final checkpoint if saving was asked for
+    resume: bool = False
+    log_every: int = 10
+    peak_flops: float | None = None
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups the loop reduces over (None: that axis is absent), and this rank's identity."""
+
+    dp: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    shard_key: str = ""  # checkpoint key of this rank's shard (see checkpoint.py)
+
+
+@dataclass
+class Summary:
+    steps_done: int
+    start_step: int
+    losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    elapsed_s: float = 0.0
+    tokens: int = 0  # whole job
+    last: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from `lr` to `lr * min_lr_ratio` at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(config.steps - 1 - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; no weight decay on 1-D parameters (norm weights, biases), as is usual for transformers."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas)
+
+
+def global_grad_norm(
+    named_params: Iterable[tuple[str, nn.Parameter]], sharded: set[str], tp: dist.ProcessGroup | None
+) -> Tensor:
+    """The L2 norm of the whole model's gradient, from this rank's shards (see the module docstring)."""
+    sharded_sq = torch.zeros((), dtype=torch.float64)
+    replicated_sq = torch.zeros((), dtype=torch.float64)
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if name in sharded:
+            sharded_sq += sq
+        else:
+            replicated_sq += sq
+    if tp is not None and dist.get_world_size(tp) > 1:
+        sharded_sq = _all_reduce(sharded_sq, tp)
+    return (sharded_sq + replicated_sq).sqrt()
+
+
+def clip_gradients(params: Iterable[nn.Parameter], total_norm: Tensor, max_norm: float) -> None:
+    """Scale gradients by min(1, max_norm / (norm + 1e-6)), the formula of `clip_grad_norm_`."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm <= 0 or not grads:
+        return
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype).to(g.device))
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    # Linux reports ru_maxrss in KiB (macOS in bytes)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def peak_flops(config: TrainConfig) -> float | None:
+    if config.peak_flops:
+        return config.peak_flops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to RUN_DIR/metrics/rank{R}.jsonl (flushed, so a crash loses nothing)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        folder = run_dir / "metrics"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank{rank}.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def train(
+    program: nn.Module,
+    loss_of: LossFn,
+    batches: BatchFn,
+    config: TrainConfig,
+    *,
+    groups: Groups = Groups(),
+    dp: DataParallel | None = None,
+    sharded: set[str] | frozenset[str] = frozenset(),
+    show_progress: bool | None = None,
+) -> Summary:
+    """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
+
+    `loss_of` runs one micro-batch forward (through `dp` when there is one) and returns the
+    loss; `sharded` names the parameters sharded over `groups.tp` (for the gradient norm).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(config.seed)
+    optimizer = make_optimizer(program, config)
+    ckpt_root = config.run_dir / "checkpoints"
+    start = _maybe_resume(ckpt_root, program, optimizer, config, groups)
+    metrics = MetricsWriter(config.run_dir, rank)
+    dp_size = dist.get_world_size(groups.dp) if groups.dp is not None else 1
+    tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
+    local_params = sum(p.numel() for p in program.parameters())
+    flops = peak_flops(config)
+    summary = Summary(steps_done=start, start_step=start)
+    display = _Display(rank == 0 if show_progress is None else show_progress, config, start)
+    named = list(program.named_parameters())
+    t_start = time.perf_counter()
+    try:
+        for step in range(start, config.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = _accumulate(loss_of, batches, step, config.accumulation, dp)  # () sum of micro-losses / k
+            norm = global_grad_norm(named, set(sharded), groups.tp)
+            skipped = not bool(torch.isfinite(norm))
+            if not skipped:
+                clip_gradients(program.parameters(), norm, config.grad_clip)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mean_loss = (
+                float(_all_reduce(loss, groups.dp) / dp_size) if groups.dp is not None else float(loss)
+            )
+            dt = time.perf_counter() - t0
+            summary.skipped_steps += skipped
+            summary.losses.append(mean_loss)
+            summary.steps_done = step + 1
+            summary.tokens += tokens_per_step
+            tokens_per_s = tokens_per_step / dt
+            record = {
+                "step": step + 1,
+                "loss": mean_loss,
+                "lr": lr,
+                "grad_norm": float(norm),
+                "tokens_per_s": tokens_per_s,
+                "peak_memory": peak_memory_bytes(),
+                "mfu": (6 * local_params * tokens_per_s / dp_size / flops) if flops else None,
+                "skipped_steps": summary.skipped_steps,
+                "time_s": dt,
+            }
+            summary.last = record
+            metrics.write(record)
+            display.update(record)
+            if _should_save(step + 1, config):
+                checkpoint.save(ckpt_root, step + 1, program, optimizer, shard_key=groups.shard_key)
+                display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
+    finally:
+        metrics.close()
+        summary.elapsed_s = time.perf_counter() - t_start
+        display.close(summary)
+    return summary
+
+
+def _accumulate(loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | None) -> Tensor:
+    """k micro-steps of forward and backward; gradients are synchronized on the last one only."""
+    total = torch.zeros(())
+    for micro in range(k):
+        input_ids, labels = batches(step, micro)  # (B, T), (B, T)
+        last = micro == k - 1
+        with dp.no_sync() if dp is not None and not last else contextlib.nullcontext():
+            loss = loss_of(input_ids, labels) / k
+            loss.backward()
+        total += loss.detach().float().cpu()
+    if dp is not None:
+        dp.finish()
+    return total
+
+
+def _maybe_resume(
+    root: Path, program: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, groups: Groups
+) -> int:
+    if not config.resume:
+        return 0
+    path = checkpoint.latest(root)
+    if path is None:
+        return 0
+    return checkpoint.load(path, program, optimizer, shard_key=groups.shard_key).step
+
+
+def _should_save(done: int, config: TrainConfig) -> bool:
+    if config.save_every > 0 and done % config.save_every == 0:
+        return True
+    return config.save_every > 0 and done == config.steps
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    x = x.clone()
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _Display:
+    """Rank 0's view: a rich progress bar on a terminal, plain lines every `log_every` steps otherwise."""
+
+    def __init__(self, enabled: bool, config: TrainConfig, start: int) -> None:
+        self.enabled = enabled
+        self.config = config
+        self.progress = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        self.console = Console(stderr=False)
+        if start:
+            self.console.print(f"resumed at step {start}")
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=config.steps, completed=start, status="")
+            self.progress.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        status = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], status=status)
+        elif record["step"] % self.config.log_every == 0 or record["step"] in (1, self.config.steps):
+            print(
+                f"step {record['step']:>5}/{self.config.steps}  {status}  |g| {record['grad_norm']:.3f}",
+                flush=True,
+            )
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text) if self.progress is None else self.progress.console.print(text)
+
+    def close(self, summary: Summary) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        from rich.table import Table
+
+        table = Table(title="meshplan run: summary", show_header=False)
+        ran = summary.steps_done - summary.start_step
+        first = f"{summary.losses[0]:.4f}" if summary.losses else "-"
+        last = f"{summary.losses[-1]:.4f}" if summary.losses else "-"
+        table.add_row("steps", f"{summary.steps_done} (this run: {ran})")
+        table.add_row("loss", f"{first} -> {last}")
+        table.add_row(
+            "time", f"{summary.elapsed_s:.1f} s ({summary.elapsed_s / max(ran, 1) * 1000:.0f} ms/step)"
+        )
+        table.add_row("tokens/s", f"{summary.tokens_per_s:,.0f} (all ranks)")
+        table.add_row("peak memory", f"{peak_memory_bytes() / 2**20:.0f} MiB (rank 0)")
+        table.add_row("skipped steps", str(summary.skipped_steps))
+        table.add_row("metrics", str(self.config.run_dir / "metrics"))
+        self.console.print(table)
+
+
+def summary_dict(summary: Summary) -> dict[str, Any]:
+    return asdict(summary) | {"tokens_per_s": summary.tokens_per_s}

@@ -1,0 +1,658 @@
+"""ZeRO stages 1, 2 and 3 and CPU offload over one data-parallel process group.
+
+The training loop wraps a module (a compiled per-rank GraphModule, or any nn.Module)
+and calls this object instead of an optimizer:
+
+    zero = shard_for_zero(model, dp_group, ZeroConfig(stage=2), lr=3e-4, betas=(0.9, 0.95),
+                          weight_decay=0.1, eps=1e-8)
+    for micro in range(k):
+        with zero.no_sync() if micro < k - 1 else contextlib.nullcontext():
+            model(x[micro], y[micro]).backward()
+    zero.step()
+    zero.zero_grad()
+
+launched like any meshplan program (`torchrun --nproc-per-node 2 -m meshplan.run PLAN`).
+
+Layout. Parameters are cut into *flats*: runs of same-dtype parameters laid end to end in
+one 1-D buffer, padded to a multiple of the group size; rank r owns elements
+[r*S, (r+1)*S) with S = ceil(numel / world). Three parameters of 3, 4 and 2 elements
+on 2 ranks:
+
+    full:   a0 a1 a2 b0 b1 | b2 b3 c0 c1 pad      numel 9, padded 10, S = 5
+    owner:  rank 0         | rank 1
+
+That is `torch.chunk` sharding of the unpadded buffer, so a flat's optimizer state is
+a `Shard(0)` DTensor for `torch.distributed.checkpoint`. For stages 1 and 2 a flat is a
+gradient bucket (`bucket_bytes`, parameters in reverse registration order, roughly the
+order backward produces their gradients); for stage 3 it is one layer (a child of an
+nn.ModuleList) or the root's remaining parameters.
+
+    stage  kept per rank                     backward (per flat)        step
+    1      params, full grads, 1/N opt       all-reduce grads           AdamW on own slice, all-gather params
+    2      params, 1/N grads, 1/N opt        reduce-scatter grads       AdamW on own slice, all-gather params
+    3      1/N params, grads, opt            reduce-scatter grads       AdamW on own slice (gathered before use)
+
+The optimizer is a real `torch.optim.AdamW` over the fp32 shards (the master copy when
+parameters are bf16/fp16 or the state is offloaded), so LR schedulers work on
+`zero.optimizer` unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_flatten
+
+# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How to shard over the data-parallel group. `reduce_dtype=None` reduces in the params' dtype."""
+
+    stage: int = 1
+    bucket_bytes: int = 25 * 2**20
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(
+                f"ZeRO stage must be 1, 2 or 3, not {self.stage} (stage 0 is plain data parallel)"
+            )
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, not {self.bucket_bytes}")
+        if self.offload_params and self.stage != 3:
+            raise ValueError("offloading parameters needs ZeRO-3: stages 1 and 2 keep every parameter")
+
+
+class Collective(NamedTuple):
+    """One kind of collective per optimizer step: `bytes` as the ledger counts them (the full tensor)."""
+
+    op: str
+    bytes: int
+    count: int
+
+
+class _Flat:
+    """Same-dtype parameters as views into one padded 1-D buffer (`full`), plus this rank's shard.
+
+    Stages 1/2 keep `full` allocated and `shard` is a view of it. Stage 3 keeps `shard` as
+    its own tensor (on the CPU with params offload) and allocates `full` only between a
+    gather and the matching free: the parameters stay views of `full`'s storage, which is
+    resized to zero bytes when freed, so autograd's saved references see the data again
+    after the next gather (FSDP1's trick).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        sharded_params: bool,
+        shard_device: torch.device,
+    ) -> None:
+        self.names, self.params, self.group = names, params, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.shard_numel = math.ceil(self.numel / self.world)  # S
+        self.padded = self.shard_numel * self.world
+        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # (padded,)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                self.full[off : off + n].copy_(p.detach().reshape(-1))
+                p.data = self.full[off : off + n].view_as(p)
+        own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]  # (S,)
+        self.sharded_params = sharded_params
+        self.shard = own.to(shard_device, copy=True) if sharded_params else own
+        self.full_grad: Tensor | None = None  # stage 1: (padded,) averaged grads, p.grad are views
+        self.grad_shard: Tensor | None = None  # stages 2/3: (S,) averaged grads
+        self.reduced = False  # grads reduced for this step
+        self.ready = 0  # params whose grad has been accumulated in this backward
+        self._gather_work: Any = None
+        if sharded_params:
+            self.free_full()
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of the shard inside the unpadded buffer (the last ranks may own only padding)."""
+        return max(0, min(self.shard_numel, self.numel - self.rank * self.shard_numel))
+
+    def full_nbytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    # ------------------------------------------------------------ stage 3: gather and free
+
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self) -> Any:
+        """Allocate `full` and all-gather every rank's shard into it; returns the async work."""
+        self.full.untyped_storage().resize_(self.full_nbytes())
+        src = self.shard.to(self.device)  # from the CPU with params offload; else no copy
+        # The params are views of `full`; keep autograd from seeing the refill as an in-place edit.
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            self._gather_work = _all_gather(self.full, src, group=self.group, async_op=True)
+        return self._gather_work
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def free_full(self) -> None:
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------ gradients
+
+    def flat_grads(self, dtype: torch.dtype) -> Tensor:
+        """The params' grads in one new (padded,) buffer of `dtype`; missing grads count as zero."""
+        out = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            if p.grad is not None:
+                out[off : off + n].copy_(p.grad.reshape(-1))
+        return out
+
+    def own_grad(self) -> Tensor | None:
+        """(S,) averaged gradient of this rank's shard, or None before any backward."""
+        if self.full_grad is not None:
+            return self.full_grad[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+        return self.grad_shard
+
+
+class _Unit:
+    """Stage 3: the flats of one module whose forward gathers them (a layer, or the root)."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[_Flat]) -> None:
+        self.name, self.module, self.flats = name, module, flats
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
+    def prefetch(self, record: Callable[[str, int], None]) -> None:
+        """Start gathering the flats not yet gathered; `record` counts each all-gather for the ledger."""
+        for f in self.flats:
+            if not f.is_gathered():
+                record("all_gather", f.full_nbytes())
+                f.start_gather()
+
+    def gather(self, record: Callable[[str, int], None]) -> None:
+        """Make sure every flat is gathered: wait for a prefetch, or gather now."""
+        self.prefetch(record)
+        for f in self.flats:
+            f.wait_gather()
+
+    def free(self) -> None:
+        for f in self.flats:
+            f.free_full()
+
+
+class Zero:
+    """Sharded AdamW plus gradient (and, for stage 3, parameter) sharding for one module.
+
+    Build it with `shard_for_zero`. It registers hooks on the module and its parameters:
+    gradients are reduced per flat as soon as backward has produced all of them, so the
+    communication overlaps the rest of backward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup,
+        config: ZeroConfig,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float,
+    ) -> None:
+        self.module, self.group, self.config = module, group, config
+        self.world = dist.get_world_size(group)
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the module has no trainable parameters to shard")
+        self.device = params[0][1].device
+        shard_device = torch.device("cpu") if config.offload_params else self.device
+        if config.stage == 3:
+            self.units = _build_units(module, params, group, shard_device)
+            self.flats = [f for u in self.units for f in u.flats]
+        else:
+            self.units = []
+            self.flats = [
+                _Flat(names, ps, group, sharded_params=False, shard_device=shard_device)
+                for names, ps in _buckets(params, config.bucket_bytes)
+            ]
+        self.opt_device = torch.device("cpu") if config.offload_optimizer else self.device
+        self.masters = [self._master_for(f) for f in self.flats]
+        self.optimizer = torch.optim.AdamW(
+            self.masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
+        )
+        for m in self.masters:  # eager state: memory() and state_dict() are right before step 1
+            self.optimizer.state[m] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+            }
+        self._sync = True
+        self._pending: list[tuple[Any, Callable[[], None]]] = []  # (async work, finish)
+        self._issued: Counter[tuple[str, int]] = Counter()
+        self._last_issued: Counter[tuple[str, int]] = Counter()
+        self._forward_order: list[_Unit] = []
+        self._handles = self._register_hooks()
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self) -> None:
+        """Finish the gradient reduction, update this rank's shard, and share the new params."""
+        self._finish_grad_sync()
+        for f, master in zip(self.flats, self.masters, strict=True):
+            grad = f.own_grad()
+            master.grad = (
+                torch.zeros_like(master) if grad is None else grad.to(self.opt_device, torch.float32)
+            )
+        self.optimizer.step()
+        for f, master in zip(self.flats, self.masters, strict=True):
+            master.grad = None
+            if master is not f.shard:
+                with torch.no_grad():
+                    f.shard.copy_(master)  # fp32 master -> bf16 shard, or CPU -> device
+        if self.config.stage == 3:
+            for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
+                u.free()
+        else:
+            self._all_gather_params()
+        self._last_issued, self._issued = self._issued, Counter()
+
+    def zero_grad(self) -> None:
+        for f in self.flats:
+            for p in f.params:
+                p.grad = None
+            f.full_grad = f.grad_shard = None
+            f.reduced = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (full size, every stage); the next synced backward reduces them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter materialized inside the block (stage 3 frees them after), e.g. to evaluate
+        or export a consolidated state dict. These gathers are outside the step's ledger."""
+        if self.config.stage == 3:
+            for u in self.units:
+                u.gather(lambda op, nbytes: None)
+        try:
+            yield
+        finally:
+            if self.config.stage == 3:
+                for u in self.units:
+                    u.free()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the sharded gradients so their global L2 norm is at most `max_norm`; return the norm."""
+        self._finish_grad_sync()
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for f in self.flats:
+            g = f.own_grad()
+            if g is not None:
+                squares += g.float().pow(2).sum()
+        self._record("all_reduce", squares.element_size())
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for f in self.flats:
+            g = f.own_grad()
+            if g is not None:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def collectives(self) -> list[Collective]:
+        """What one optimizer step issues (one synced backward, no accumulation), aggregated by size.
+
+        Computed from the flats; `issued()` is what the last step really issued, and a test
+        checks that they agree.
+        """
+        rows: Counter[tuple[str, int]] = Counter()
+        reduce_size = self._reduce_dtype_size
+        for f in self.flats:
+            grad_bytes = f.padded * reduce_size(f)
+            if self.config.stage == 1:
+                rows["all_reduce", grad_bytes] += 1
+            else:
+                rows["reduce_scatter", grad_bytes] += 1
+            if self.config.stage < 3:
+                rows["all_gather", f.full_nbytes()] += 1
+        for u in self.units:
+            for f in u.flats:
+                # forward, and again before backward unless kept (the root is not freed after forward)
+                rows["all_gather", f.full_nbytes()] += 1 if u.is_root else 2
+        return [Collective(op, nbytes, count) for (op, nbytes), count in sorted(rows.items())]
+
+    def issued(self) -> list[Collective]:
+        """The collectives the last `step()`'s iteration really issued (forward, backward and step)."""
+        return [Collective(op, nbytes, count) for (op, nbytes), count in sorted(self._last_issued.items())]
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now, by what the tensors are (live storages, each counted once)."""
+        seen: set[int] = set()
+        params = sum(_storage_bytes(t, seen) for f in self.flats for t in (f.full, f.shard))
+        grads = sum(
+            _storage_bytes(t, seen)
+            for f in self.flats
+            for t in [f.full_grad, f.grad_shard, *(p.grad for p in f.params)]
+            if t is not None
+        )
+        optimizer = 0
+        for m in self.masters:
+            optimizer += _storage_bytes(m, seen)
+            optimizer += sum(_storage_bytes(t, seen) for t in self.optimizer.state[m].values())
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded optimizer state: per flat, `master`, `exp_avg`, `exp_avg_sq` as Shard(0) DTensors.
+
+        For `torch.distributed.checkpoint`: load with `dcp.load(sd := zero.state_dict(), ...)`
+        then `zero.load_state_dict(sd)`. The keys follow the flats, so a checkpoint loads
+        under another dp size but needs the same stage and bucket size.
+        """
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        out: dict[str, Any] = {"step": self.optimizer.state[self.masters[0]]["step"].clone()}
+        for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
+            state = self.optimizer.state[master]
+            for key, t in zip(_OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True):
+                local = t.detach()[: f.local_numel]  # (local_numel,): drop the padding
+                out[f"flat{i}.{key}"] = DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=(f.numel,), stride=(1,)
+                )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a `state_dict()` (e.g. filled by `dcp.load`) in, and put the params in line with it."""
+        step = torch.as_tensor(state_dict["step"]).float()
+        with torch.no_grad():
+            for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
+                state = self.optimizer.state[master]
+                state["step"] = step.clone()
+                for key, t in zip(
+                    _OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True
+                ):
+                    value = state_dict[f"flat{i}.{key}"]
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    t[: f.local_numel].copy_(local)
+                if master is not f.shard:
+                    f.shard.copy_(master)
+        if self.config.stage == 3:
+            for u in self.units:
+                u.free()
+        else:
+            self._all_gather_params()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    # ------------------------------------------------------------------ setup
+
+    def _master_for(self, f: _Flat) -> Tensor:
+        """The fp32 tensor AdamW updates: the shard itself when it is fp32 and already in place."""
+        if f.dtype == torch.float32 and f.shard.device == self.opt_device:
+            return f.shard
+        return f.shard.detach().to(self.opt_device, torch.float32, copy=True)
+
+    def _register_hooks(self) -> list[Any]:
+        handles = [self.module.register_forward_pre_hook(self._before_root_forward)]
+        for i, f in enumerate(self.flats):
+            for p in f.params:
+                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+        for u in self.units:
+            handles.append(u.module.register_forward_pre_hook(self._before_unit_forward(u)))
+            if not u.is_root:
+                handles.append(u.module.register_forward_hook(self._after_unit_forward(u)))
+        return handles
+
+    # ------------------------------------------------------------------ hooks
+
+    def _before_root_forward(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():  # recomputation under activation checkpointing
+            return
+        for f in self.flats:
+            f.ready = 0
+
+    def _before_unit_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            unit.gather(self._record)
+            if _in_backward():
+                return
+            if unit not in self._forward_order:
+                self._forward_order.append(unit)  # learned on the first forward
+            i = self._forward_order.index(unit)
+            if i + 1 < len(self._forward_order):
+                self._forward_order[i + 1].prefetch(self._record)
+
+        return hook
+
+    def _after_unit_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():  # recomputation: backward frees it once its grads are in
+                return
+            unit.free()
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, Tensor) and t.requires_grad:
+                    t.register_hook(self._before_unit_backward(unit))
+
+        return hook
+
+    def _before_unit_backward(self, unit: _Unit) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            unit.gather(self._record)
+            i = self._forward_order.index(unit)
+            if i > 0:
+                self._forward_order[i - 1].prefetch(self._record)
+
+        return hook
+
+    def _grad_hook(self, index: int) -> Callable[[Tensor], None]:
+        def hook(param: Tensor) -> None:
+            f = self.flats[index]
+            f.ready += 1
+            if f.ready < len(f.params):
+                return
+            f.ready = 0
+            if self._sync:
+                self._start_reduce(f)
+            if self.config.stage == 3:
+                f.free_full()  # backward is done with every param of this flat
+
+        return hook
+
+    # ------------------------------------------------------------------ communication
+
+    def _reduce_dtype(self, f: _Flat) -> torch.dtype:
+        return self.config.reduce_dtype or f.dtype
+
+    def _reduce_dtype_size(self, f: _Flat) -> int:
+        return torch.empty((), dtype=self._reduce_dtype(f)).element_size()
+
+    def _record(self, op: str, nbytes: int) -> None:
+        self._issued[op, nbytes] += 1
+
+    def _start_reduce(self, f: _Flat) -> None:
+        """Launch the reduction of one flat's grads and free the full-size grads (stages 2/3)."""
+        flat = f.flat_grads(self._reduce_dtype(f))  # (padded,)
+        for p in f.params:
+            p.grad = None
+        self._record("all_reduce" if self.config.stage == 1 else "reduce_scatter", flat.nbytes)
+        if self.config.stage == 1:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((work, lambda: self._finish_all_reduce(f, flat)))
+        else:
+            out = flat.new_empty(f.shard_numel)  # (S,)
+            work = _reduce_scatter(out, flat, group=self.group, async_op=True)
+            self._pending.append((work, lambda: self._finish_reduce_scatter(f, out)))
+        f.reduced = True
+
+    def _finish_all_reduce(self, f: _Flat, flat: Tensor) -> None:
+        f.full_grad = flat.div_(self.world).to(f.dtype)  # (padded,) averaged
+        for p, off, n in zip(f.params, f.offsets, f.numels, strict=True):
+            p.grad = f.full_grad[off : off + n].view_as(p)
+
+    def _finish_reduce_scatter(self, f: _Flat, shard: Tensor) -> None:
+        shard.div_(self.world)  # (S,) averaged, in the reduce dtype
+        f.grad_shard = shard if f.grad_shard is None else f.grad_shard + shard
+
+    def _finish_grad_sync(self) -> None:
+        """Reduce what backward did not (params without grads, or hooks that never fired), then wait."""
+        if self._sync:
+            for f in self.flats:
+                if not f.reduced and any(p.grad is not None for p in f.params):
+                    self._start_reduce(f)
+                    if self.config.stage == 3:
+                        f.free_full()
+        for work, finish in self._pending:
+            work.wait()
+            finish()
+        self._pending.clear()
+
+    def _all_gather_params(self) -> None:
+        """Stages 1/2: every rank's updated shard into everyone's full params."""
+        works = []
+        for f in self.flats:
+            src = f.shard.clone()  # (S,): the output buffer contains it; do not alias
+            self._record("all_gather", f.full_nbytes())
+            works.append(_all_gather(f.full, src, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+
+def shard_for_zero(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    config: ZeroConfig,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    weight_decay: float = 0.01,
+    eps: float = 1e-8,
+) -> Zero:
+    """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
+
+    The ranks must start from the same parameters (same seed, or a checkpoint): only each
+    rank's own shard survives, so a difference would not be noticed.
+    """
+    return Zero(module, group, config, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+
+
+# ---------------------------------------------------------------------- grouping
+
+
+def _buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[tuple[list[str], list]]:
+    """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param)."""
+    buckets: list[tuple[list[str], list]] = []
+    size = 0
+    for name, p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        current = buckets[-1] if buckets else None
+        if current is None or current[1][0].dtype != p.dtype or size + nbytes > bucket_bytes:
+            buckets.append(([], []))
+            size = 0
+        buckets[-1][0].append(name)
+        buckets[-1][1].append(p)
+        size += nbytes
+    return buckets
+
+
+def _unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward gathers their params: every child of an nn.ModuleList, then the root.
+
+    A graph from torch.export has the same module names, but its forward reads every
+    parameter at the top of the graph and never calls the children: it gets one unit
+    (the root), so the whole model is gathered for each forward and backward.
+    """
+    if isinstance(module, fx.GraphModule):
+        return [("", module)]
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        inside_unit = any(name.startswith(u + ".") for u, _ in units)
+        if isinstance(child, nn.ModuleList) and not inside_unit:
+            units.extend((f"{name}.{i}" if name else str(i), layer) for i, layer in enumerate(child))
+    return [*units, ("", module)]
+
+
+def _build_units(
+    module: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+) -> list[_Unit]:
+    """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
+    units = _unit_modules(module)
+    owners: dict[int, set[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(_owner(name, units))
+    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in units}
+    for name, p in params:
+        unit_names = owners[id(p)]
+        by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
+    built = []
+    for name, child in units:
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for pname, p in by_unit[name]:
+            by_dtype.setdefault(p.dtype, []).append((pname, p))
+        flats = [
+            _Flat(
+                [n for n, _ in ps], [p for _, p in ps], group, sharded_params=True, shard_device=shard_device
+            )
+            for ps in by_dtype.values()
+        ]
+        if flats:
+            built.append(_Unit(name, child, flats))
+    return built
+
+
+def _owner(param_name: str, units: list[tuple[str, nn.Module]]) -> str:
+    for name, _ in units:
+        if name and param_name.startswith(name + "."):
+            return name
+    return ""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _storage_bytes(t: Tensor, seen: set[int]) -> int:
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    if storage.nbytes() == 0 or key in seen:
+        return 0
+    seen.add(key)
+    return storage.nbytes()

@@ -1,0 +1,85 @@
+"""`meshplan run`: the launcher's torchrun command, its one-line errors, and a real end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshplan.main import build_parser, main
+from meshplan.run import torchrun_command, worker_argv
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_DP = str(ROOT / "examples" / "tiny_dp.plan")
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_the_launcher_runs_real_torchrun_with_the_mesh_world_size() -> None:
+    args = parse(TINY_DP, "--steps", "7", "--save-every", "3", "--resume", "--max-restarts", "1")
+    cmd = torchrun_command(args, world_size=2)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=1" in cmd
+    worker = cmd[cmd.index("meshplan.run") + 1 :]
+    assert worker == worker_argv(args)
+    assert worker[0] == TINY_DP and "--resume" in worker
+    assert worker[worker.index("--steps") + 1] == "7"
+    assert not any("restarts" in a or "nnodes" in a for a in worker)  # torchrun's flags stay with torchrun
+
+
+def test_multi_node_flags_pass_through() -> None:
+    args = parse(TINY_DP, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500")
+    cmd = torchrun_command(args, world_size=2)
+    assert "--nproc-per-node=1" in cmd and "--nnodes=2" in cmd and "--node-rank=1" in cmd
+    assert "--rdzv-endpoint=head:29500" in cmd and "--standalone" not in cmd
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([str(ROOT / "examples" / "gpt_zero3.plan"), "--nproc-per-node", "2"], "does not execute ZeRO-3"),
+        ([str(ROOT / "examples" / "gpt_zero3.plan")], "pass --nproc-per-node"),
+        ([TINY_DP, "--data", "no/such/file.txt"], "does not exist"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(argv: list[str], message: str, capsys) -> None:
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path) -> None:
+    env = dict(os.environ, NO_COLOR="1")
+    done = subprocess.run(
+        ["meshplan", "run", TINY_DP, "--steps", "30", "--out", str(tmp_path), "--log-every", "10"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step    30/30" in done.stdout and "summary" in done.stdout
+    for rank in (0, 1):
+        records = [
+            json.loads(line) for line in (tmp_path / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == list(range(1, 31))
+        assert set(records[0]) >= {
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "peak_memory",
+            "mfu",
+            "skipped_steps",
+        }
+        first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+        assert first > 5.0 and last < first - 1.0, (first, last)

@@ -450,6 +450,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=1e-4, help="largest relative difference accepted (exit 1 above)"
     )
 
+    from meshplan.run import add_arguments, cmd_run
+
+    p = _add(
+        sub,
+        "run",
+        cmd_run,
+        "train a model under a plan on torchrun (data parallel, tensor parallel), with checkpoints",
+        """
+             meshplan run examples/tiny_dp.plan
+             meshplan run examples/tiny_dp.plan --steps 500 --save-every 100 --out runs/demo --resume
+             """,
+    )
+    add_arguments(p)
+
     p = _add(
         sub,
         "fmt",

@@ -108,7 +108,7 @@ def test_rank_program_runs_with_local_shapes_on_the_fake_process_group(llama_tp8
 def test_local_shard_of_blocked_placement_takes_a_chunk_of_each_block():
     full = torch.arange(12).reshape(1, 12)  # q: 0-3, k: 4-7, v: 8-11
     layout = MeshLayout(("tp",), (2,))
-    local = local_shard(full, {"tp": Shard(1, blocks=3)}, {"tp": 1}, layout)
+    local = local_shard(full, {"tp": Shard(1, blocks=(4, 4, 4))}, {"tp": 1}, layout)
     assert local.tolist() == [[2, 3, 6, 7, 10, 11]]
 
 

@@ -351,19 +351,7 @@ def _linear(w: _Walk, node: fx.Node) -> None:
             )
         if bias is not None:
             node.args = node.args[:2]  # the bias is added once, after the reduction
-        w.set(node, PARTIAL, rule)
-        reduced = w.reduce_partial(node)
-        result = reduced
-        if bias is not None:
-            with w.graph.inserting_after(reduced):
-                result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
-            result.meta.update(
-                {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-            )
-            _elementwise(w, result)
-        for user in list(node.users):
-            if user is not reduced:
-                user.replace_input_with(node, result)
+        _reduce_row_output(w, node, bias, rule)
         return
     # replicated weight: the op is independent per row, so a shard on any dim but the last passes
     xp = w.placement(x)
@@ -456,6 +444,23 @@ def w_target(w: _Walk, target: fx.Node) -> fx.Node:
     if isinstance(w.placement(target), Replicate):
         return target
     return w.convert(target, REPLICATE)
+
+
+def _reduce_row_output(w: _Walk, node: fx.Node, bias: fx.Node | None, rule: PlanRule | None) -> None:
+    """A row split's partial sums are reduced at once; its bias (dropped from `node`) is added after."""
+    w.set(node, PARTIAL, rule)
+    reduced = w.reduce_partial(node)
+    result = reduced
+    if bias is not None:
+        with w.graph.inserting_after(reduced):
+            result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
+        result.meta.update(
+            {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+        )
+        _elementwise(w, result)
+    for user in list(node.users):
+        if user is not reduced:
+            user.replace_input_with(node, result)
 
 
 # ---------------------------------------------------------------------------- elementwise
@@ -980,19 +985,7 @@ def _matmul_2d(w: _Walk, node: fx.Node) -> None:
         if has_bias:
             node.target = aten.mm.default
             node.args = (node.args[1], node.args[2])  # the bias is added once, after the reduction
-        w.set(node, PARTIAL, rule)
-        reduced = w.reduce_partial(node)
-        result = reduced
-        if bias is not None:
-            with w.graph.inserting_after(reduced):
-                result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
-            result.meta.update(
-                {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-            )
-            _elementwise(w, result)
-        for user in list(node.users):
-            if user is not reduced:
-                user.replace_input_with(node, result)
+        _reduce_row_output(w, node, bias, rule)
         return
     xp = w.placement(x)
     if isinstance(xp, Partial):

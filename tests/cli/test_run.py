@@ -83,3 +83,26 @@ def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path) -> 
         }
         first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
         assert first > 5.0 and last < first - 1.0, (first, last)
+
+
+@pytest.mark.slow
+def test_a_mistake_found_inside_the_workers_is_one_error_without_torchruns_report(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            "meshplan",
+            "run",
+            TINY_DP,
+            "--model",
+            "no_such_model.py:build",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 2
+    assert "model file 'no_such_model.py' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr

@@ -1,0 +1,511 @@
+"""`meshplan run`: train a model under a plan, on real torchrun (importable as `meshplan.run`).
+
+    meshplan run examples/tiny_dp.plan                       # tiny Llama, shipped corpus, 2 CPU processes
+    meshplan run examples/tiny_dp.plan --steps 500 --data my.txt --batch 16 --seq 128 --out runs/mine
+    meshplan run examples/tiny_dp.plan --save-every 50 --resume          # continue from the last checkpoint
+    meshplan run plan.plan --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500   # multi-node
+    torchrun --nproc-per-node 2 -m meshplan.run examples/tiny_dp.plan   # or call torchrun yourself
+
+Outside torchrun, this re-launches itself as
+`python -m torch.distributed.run --nproc-per-node <mesh world size> -m meshplan.run ...`
+with the same options; inside (RANK/WORLD_SIZE/LOCAL_RANK set) it is one worker:
+init the process group (gloo on CPU, NCCL on GPUs), load the plan for the world size,
+build the model, compile it for the micro-batch each data-parallel rank runs
+(`--batch` sequences of `--seq` tokens), bind this rank's shards, wrap them in data
+parallel over the plan's data axis, and train (`runtime/train.py`).
+
+Restarts (`--max-restarts N`): a restarted attempt could read the previous attempt's keys
+from torchrun's shared store (pytorch#135712) and fail to connect. The launcher sets
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`; a worker started by a user's own torchrun that
+does share the agent's store namespaces its keys by `TORCHELASTIC_RESTART_COUNT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "meshplan.examples.models.llama:build"
+EXIT_OK, EXIT_USER = 0, 2
+
+# torchrun's own options: passed to torchrun, never to the workers
+TORCHRUN_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts")
+# (dest, flag) of every option the workers receive again
+WORKER_FLAGS = (
+    ("model", "--model"),
+    ("steps", "--steps"),
+    ("data", "--data"),
+    ("batch", "--batch"),
+    ("seq", "--seq"),
+    ("lr", "--lr"),
+    ("warmup", "--warmup"),
+    ("min_lr_ratio", "--min-lr-ratio"),
+    ("weight_decay", "--weight-decay"),
+    ("grad_clip", "--grad-clip"),
+    ("seed", "--seed"),
+    ("save_every", "--save-every"),
+    ("out", "--out"),
+    ("log_every", "--log-every"),
+    ("timeout", "--timeout"),
+    ("peak_tflops", "--peak-tflops"),
+)
+
+
+class RunError(ValueError):
+    """A user mistake found by `meshplan run` (one line, with a hint)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `meshplan run` (and of `python -m meshplan.run`)."""
+    p.add_argument("plan", metavar="PLAN", help="the plan file; its mesh gives the number of processes")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="SPEC",
+        help=f"FILE.py:factory or module:factory (default: {DEFAULT_MODEL}, a tiny Llama)",
+    )
+    p.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help="a text file (bytes are tokens) or FILE.py:factory (default: the shipped corpus)",
+    )
+    p.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=8,
+        metavar="B",
+        help="sequences per micro-step per data-parallel rank (default 8)",
+    )
+    p.add_argument(
+        "--seq", type=_positive_int, default=64, metavar="T", help="tokens per sequence (default 64)"
+    )
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument(
+        "--warmup", type=_non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
+    )
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0, help="max global gradient norm, 0 disables (default 1.0)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--save-every",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps (and at the end); 0: never",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest complete checkpoint in --out"
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="run folder for metrics and checkpoints (default: runs/<plan name>)"
+    )
+    p.add_argument(
+        "--log-every",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="print every N steps when not on a terminal",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_int,
+        default=300,
+        metavar="S",
+        help="seconds a collective may wait for a peer (default 300)",
+    )
+    p.add_argument(
+        "--peak-tflops", type=float, metavar="F", help="peak TFLOP/s per device, for the MFU estimate"
+    )
+    g = p.add_argument_group("torchrun (passed through)")
+    g.add_argument(
+        "--nproc-per-node",
+        type=_positive_int,
+        metavar="N",
+        help="processes per node (default: the mesh's world size / --nnodes)",
+    )
+    g.add_argument("--nnodes", default="1", metavar="N")
+    g.add_argument("--node-rank", metavar="R")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT")
+    g.add_argument("--rdzv-backend", metavar="NAME")
+    g.add_argument("--rdzv-id", metavar="ID")
+    g.add_argument("--max-restarts", metavar="N")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Entry of `meshplan run`: launch torchrun, or be one of its workers."""
+    try:
+        return _worker(args) if under_torchrun() else _launch(args)
+    except RunError as e:
+        print(f"meshplan: error: {e}", file=sys.stderr)
+        return EXIT_USER
+
+
+def under_torchrun() -> bool:
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def run_dir(args: argparse.Namespace) -> Path:
+    return Path(args.out) if args.out else Path("runs") / Path(args.plan).stem
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Check what can be checked before starting processes, then exec torchrun and return its status."""
+    world_size = _check_before_launch(args)
+    command = torchrun_command(args, world_size)
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        return _run_torchrun(command, env)
+    except KeyboardInterrupt:
+        return 130
+
+
+# torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
+_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_USER_ERROR_EXIT = re.compile(r"exitcode\s*:\s*2\b")
+
+
+def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
+    """Run torchrun, passing the workers' stderr through live. When a worker stopped on a user
+    mistake (exit 2, already reported in one line), torchrun's failure report and traceback
+    are noise and are dropped; for any other failure they are shown."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stderr is not None
+    held: list[str] = []
+    for line in proc.stderr:
+        if held or (_TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))):
+            held.append(line)  # torchrun's failure report (and all after it), kept for later
+        else:
+            sys.stderr.write(line)
+    status = proc.wait()
+    if status != 0 and _USER_ERROR_EXIT.search("".join(held)):
+        return EXIT_USER
+    sys.stderr.writelines(held)
+    return status
+
+
+def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
+    """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
+    nnodes = str(args.nnodes)
+    nproc = args.nproc_per_node or _per_node(world_size, nnodes)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    if args.rdzv_endpoint is None and nnodes == "1":
+        cmd.append("--standalone")  # a free local port: runs side by side never collide
+    for dest in TORCHRUN_FLAGS[1:]:
+        value = getattr(args, dest)
+        if value is not None:
+            cmd.append(f"--{dest.replace('_', '-')}={value}")
+    return [*cmd, "-m", "meshplan.run", *worker_argv(args)]
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The options a worker gets: the user's, minus torchrun's."""
+    out = [args.plan]
+    for dest, flag in WORKER_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            out += [flag, str(value)]
+    if args.resume:
+        out.append("--resume")
+    return out
+
+
+def _per_node(world_size: int, nnodes: str) -> int:
+    if not nnodes.isdigit() or int(nnodes) < 1:
+        raise RunError(f"--nnodes {nnodes}: give a fixed number of nodes, or pass --nproc-per-node too")
+    n = int(nnodes)
+    if world_size % n:
+        raise RunError(f"the mesh has {world_size} ranks, not divisible over --nnodes {n}")
+    return world_size // n
+
+
+def _check_before_launch(args: argparse.Namespace) -> int:
+    """The plan, the features `run` supports, the data: errors here cost no process start-up."""
+    from meshplan.dsl import PlanError, load_plan
+    from meshplan.main import _report
+
+    world = None
+    if args.nproc_per_node is not None and str(args.nnodes).isdigit():
+        world = args.nproc_per_node * int(args.nnodes)
+    try:
+        plan = load_plan(args.plan, world_size=world)
+    except PlanError as e:
+        _report(e)
+        raise RunError(f"{args.plan} has errors (see above)") from None
+    if plan.mesh.world_size is None:
+        raise RunError(f"{args.plan}: the mesh has a `*` axis; pass --nproc-per-node N to size it")
+    check_supported(plan)
+    if args.data is not None and ":" not in args.data and not Path(args.data).is_file():
+        raise RunError(f"data file {args.data!r} does not exist (hint: pass a text file or FILE.py:factory)")
+    if args.resume and args.out is None and not run_dir(args).exists():
+        raise RunError(f"--resume: no run folder {run_dir(args)} (hint: pass the --out of the run to resume)")
+    return plan.mesh.world_size
+
+
+def check_supported(plan: Any) -> None:
+    """Plan features the compiler accepts but `meshplan run` does not execute yet: refuse, don't ignore."""
+    missing = []
+    if plan.pipeline is not None:
+        missing.append("pipeline parallelism")
+    dp = plan.data_parallel
+    if dp is not None and dp.zero > 0:
+        missing.append(f"ZeRO-{dp.zero} (use zero = 0)")
+    if dp is not None and (dp.offload_optimizer or dp.offload_params):
+        missing.append("offload")
+    pr = plan.precision
+    if (pr.compute, pr.params, pr.grads) != ("fp32", "fp32", "fp32"):
+        missing.append(f"{pr.compute} compute (mixed precision)")
+    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence"})
+    missing += [f"`{kind}` rules" for kind in kinds]
+    if missing:
+        raise RunError(
+            f"{plan.path}: meshplan run does not execute {', '.join(missing)} yet "
+            "(hint: `meshplan check`/`explain` accept the plan; remove these for now to train)"
+        )
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything one rank trains with."""
+
+    program: Any  # the rank's fx.GraphModule
+    loss_of: Any
+    batches: Any
+    groups: Any
+    dp: Any
+    sharded: set[str]
+    accumulation: int
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from meshplan.compiler.errors import CompileError
+    from meshplan.dsl import PlanError
+    from meshplan.runtime.data import DataError
+
+    rank = int(os.environ["RANK"])
+    _init_process_group(args.timeout)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        prepared = _prepare(args, rank, dist.get_world_size())
+        summary = _train(args, prepared)
+    except PlanError as e:
+        if rank == 0:
+            from meshplan.main import _report
+
+            _report(e)
+        return EXIT_USER
+    except (CompileError, DataError, RunError) as e:
+        if rank == 0:
+            print(f"meshplan: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return EXIT_OK if summary.steps_done >= args.steps else EXIT_USER
+
+
+def _init_process_group(timeout_s: int) -> None:
+    """gloo on CPU, NCCL when this node has a GPU per local rank; keys namespaced per restart attempt."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = "gloo"
+    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
+        backend = "nccl"
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the agent's store outlives worker restarts: keep each attempt's keys apart (pytorch#135712)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"meshplan/attempt{attempt}", base)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
+    import torch
+
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.placement import Shard
+    from meshplan.compiler.verify import bind_inputs
+    from meshplan.dsl import load_plan
+    from meshplan.runtime.data import make_batches
+    from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.mesh import init_mesh
+    from meshplan.runtime.train import Groups
+
+    plan = load_plan(args.plan, world_size=world_size)
+    check_supported(plan)
+    torch.manual_seed(args.seed)
+    # the graph bakes in its example shapes: compile for this rank's micro-batch
+    source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
+    compiled = compile_plan(plan, source, world_size=world_size)
+    layout = compiled.layout
+    mesh = init_mesh(layout, "cuda" if torch.cuda.is_available() else "cpu")
+    program = build_rank_program(compiled, source.model, rank, mesh)
+    if torch.cuda.is_available():
+        program = program.cuda()
+    coords = layout.coords(rank)
+    dp_spec = plan.data_parallel
+    dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
+    dp_group = mesh.get_group(dp_axis) if dp_axis else None
+    tp_axis = compiled.tensor_axis
+    dp = None
+    if dp_group is not None and dp_spec is not None:
+        reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+        dp = DataParallel(program, dp_group, bucket_bytes=dp_spec.bucket_bytes, reduce_dtype=reduce_dtype)
+    groups = Groups(
+        dp=dp_group,
+        tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
+        shard_key="_".join(
+            f"{axis}{coords[axis]}" for axis in layout.names if axis != dp_axis and layout.size(axis) > 1
+        ),
+    )
+    sharded = {
+        name
+        for name, placement in compiled.param_placements.items()
+        if any(isinstance(p, Shard) for p in placement.values())
+    }
+    dp_size = layout.size(dp_axis) if dp_axis else 1
+    batches = make_batches(
+        args.data,
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        dp_rank=coords[dp_axis] if dp_axis else 0,
+        dp_size=dp_size,
+        accumulation=plan.train.gradient_accumulation,
+    )
+    forward = dp if dp is not None else program
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, graph, template = source.model, compiled.graph, source
+
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        call_args, call_kwargs = call_inputs(
+            template.args, template.kwargs, input_ids.to(device), labels.to(device)
+        )
+        outputs = forward(*bind_inputs(model, graph, call_args, call_kwargs))
+        return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+
+    return Prepared(program, loss_of, batches, groups, dp, sharded, plan.train.gradient_accumulation)
+
+
+def call_inputs(args: tuple, kwargs: dict, input_ids: Any, labels: Any) -> tuple[tuple, dict]:
+    """A forward call shaped like the model's example inputs, with this micro-batch's tokens.
+
+    Positional (input_ids, labels): labels as given (already shifted, like the built-in
+    Llama). Keyword `input_ids`/`labels` (Hugging Face): labels = input_ids, because those
+    models shift the labels themselves.
+    """
+    import torch
+
+    if "input_ids" in kwargs:
+        new = dict(kwargs, input_ids=input_ids)
+        if "labels" in new:
+            new["labels"] = input_ids
+        return args, new
+    tokens = iter((input_ids, labels))
+    out = tuple(
+        next(tokens, a) if isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point() else a
+        for a in args
+    )
+    return out, kwargs
+
+
+def _train(args: argparse.Namespace, prepared: Prepared):
+    from meshplan.runtime.train import TrainConfig, train
+
+    config = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        accumulation=prepared.accumulation,
+        seed=args.seed,
+        tokens_per_micro_step=args.batch * args.seq,
+        run_dir=run_dir(args),
+        save_every=args.save_every,
+        resume=args.resume,
+        log_every=args.log_every,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+    )
+    return train(
+        prepared.program,
+        prepared.loss_of,
+        prepared.batches,
+        config,
+        groups=prepared.groups,
+        dp=prepared.dp,
+        sharded=prepared.sharded,
+    )
+
+
+# ---------------------------------------------------------------------------- python -m meshplan.run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshplan run", description="train a model under a plan on torchrun")
+    add_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from meshplan.main import main as meshplan_main
+
+    # the same error handling as `meshplan run` (plan errors rendered, internal errors summarized)
+    return meshplan_main(["run", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

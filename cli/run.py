@@ -287,9 +287,9 @@ def check_supported(plan: Any) -> None:
     if dp is not None and (dp.offload_optimizer or dp.offload_params):
         missing.append("offload")
     pr = plan.precision
-    if (pr.compute, pr.params, pr.grads) != ("fp32", "fp32", "fp32"):
-        missing.append(f"{pr.compute} compute (mixed precision)")
-    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence"})
+    if (pr.params, pr.grads) != ("fp32", "fp32"):
+        missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
+    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence", "dtype"})
     missing += [f"`{kind}` rules" for kind in kinds]
     if missing:
         raise RunError(
@@ -312,6 +312,7 @@ class Prepared:
     dp: Any
     sharded: set[str]
     accumulation: int
+    loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -436,7 +437,16 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         outputs = forward(*bind_inputs(model, graph, call_args, call_kwargs))
         return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
 
-    return Prepared(program, loss_of, batches, groups, dp, sharded, plan.train.gradient_accumulation)
+    return Prepared(
+        program,
+        loss_of,
+        batches,
+        groups,
+        dp,
+        sharded,
+        plan.train.gradient_accumulation,
+        plan.precision.loss_scale,
+    )
 
 
 def call_inputs(args: tuple, kwargs: dict, input_ids: Any, labels: Any) -> tuple[tuple, dict]:
@@ -461,6 +471,9 @@ def call_inputs(args: tuple, kwargs: dict, input_ids: Any, labels: Any) -> tuple
     return out, kwargs
 
 
+INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve it within a few steps
+
+
 def _train(args: argparse.Namespace, prepared: Prepared):
     from meshplan.runtime.train import TrainConfig, train
 
@@ -479,6 +492,10 @@ def _train(args: argparse.Namespace, prepared: Prepared):
         resume=args.resume,
         log_every=args.log_every,
         peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        loss_scale=None
+        if prepared.loss_scale is None
+        else (INITIAL_DYNAMIC_SCALE if prepared.loss_scale == "dynamic" else float(prepared.loss_scale)),
+        dynamic_loss_scale=prepared.loss_scale == "dynamic",
     )
     return train(
         prepared.program,

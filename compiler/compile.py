@@ -10,12 +10,15 @@ The passes run in this order, each for a reason:
 1. capture   torch.export, then `normalize` (flat inputs/outputs, no guard nodes).
 2. resolve   rules -> modules; unmatched and conflicting rules are reported with the
              model's problems in one error.
-3. tensor parallel (and sequence parallel): needs resolved parameter placements;
+3. mixed precision: casts from fp32 parameters to the compute dtype; before tensor
+             parallelism, so the collectives it inserts carry the compute dtype.
+4. tensor parallel (and sequence parallel): needs resolved parameter placements;
              it must run before any pass that reads local shapes.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +34,7 @@ from .capture import Captured, ModelSource, capture
 from .graph import keep_loss_output, normalize
 from .ledger import Ledger, build_ledger
 from .match import Resolution, resolve
+from .passes.precision import DTYPES, PrecisionSpec, mixed_precision
 from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
 from .placement import REPLICATE, Placement, Shard
 
@@ -54,9 +58,14 @@ class Compiled:
 def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = None) -> Compiled:
     """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found."""
     layout = _layout(plan, world_size)
-    captured = capture(source.model, source.args, source.kwargs)
+    compute = DTYPES[plan.precision.compute]
+    # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
+    # are recorded in it; the rank program still gets the fp32 parameters (master weights).
+    traced = source.model if compute == torch.float32 else copy.deepcopy(source.model).to(compute)
+    captured = capture(traced, source.args, source.kwargs)
     gm = keep_loss_output(normalize(captured.program.module()))
     resolution, diagnostics = resolve(plan, captured.modules)
+    gm = mixed_precision(gm, _precision_spec(plan, resolution))
     tensor_axis, spec, more = _tensor_spec(plan, resolution, source.model, layout)
     diagnostics += more
     warnings: list[Diagnostic] = []
@@ -74,6 +83,15 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     rules = {name: pp.rule for name, pp in (spec.params if spec else {}).items() if pp.rule is not None}
     ledger = build_ledger(gm, layout)
     return Compiled(plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings)
+
+
+def _precision_spec(plan: Plan, resolution: Resolution) -> PrecisionSpec:
+    overrides = {}
+    for path, kinds in resolution.placements.items():
+        rule = kinds.get("dtype")
+        if rule is not None and isinstance(rule.action, ast.DtypeOverride):
+            overrides[path] = (DTYPES[rule.action.dtype], rule)
+    return PrecisionSpec(DTYPES[plan.precision.compute], overrides)
 
 
 def _layout(plan: Plan, world_size: int | None) -> MeshLayout:

@@ -78,6 +78,12 @@ class TrainConfig:
     resume: bool = False
     log_every: int = 10
     peak_flops: float | None = None
+    # fp16: the loss is multiplied by `loss_scale` before backward and gradients divided
+    # after; `dynamic_loss_scale` halves it on overflow (the step is skipped) and doubles
+    # it after `scale_growth_interval` good steps. None: no scaling (fp32, bf16).
+    loss_scale: float | None = None
+    dynamic_loss_scale: bool = False
+    scale_growth_interval: int = 1000
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,8 @@ def train(
     summary = Summary(steps_done=start, start_step=start)
     display = _Display(rank == 0 if show_progress is None else show_progress, config, start)
     named = list(program.named_parameters())
+    scale = config.loss_scale
+    good_steps = 0
     t_start = time.perf_counter()
     try:
         for step in range(start, config.steps):
@@ -231,13 +239,17 @@ def train(
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = _accumulate(loss_of, batches, step, config.accumulation, dp)  # () sum of micro-losses / k
-            norm = global_grad_norm(named, set(sharded), groups.tp)
+            loss = _accumulate(loss_of, batches, step, config.accumulation, dp, scale or 1.0)  # () mean loss
+            if scale is not None:
+                _unscale(program.parameters(), scale)
+            norm = global_grad_norm(named, set(sharded), groups.tp)  # the same on every rank
             skipped = not bool(torch.isfinite(norm))
             if not skipped:
                 clip_gradients(program.parameters(), norm, config.grad_clip)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if scale is not None and config.dynamic_loss_scale:
+                scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
             mean_loss = (
                 float(_all_reduce(loss, groups.dp) / dp_size) if groups.dp is not None else float(loss)
             )
@@ -256,6 +268,7 @@ def train(
                 "peak_memory": peak_memory_bytes(),
                 "mfu": (6 * local_params * tokens_per_s / dp_size / flops) if flops else None,
                 "skipped_steps": summary.skipped_steps,
+                "loss_scale": scale,
                 "time_s": dt,
             }
             summary.last = record
@@ -271,19 +284,41 @@ def train(
     return summary
 
 
-def _accumulate(loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | None) -> Tensor:
-    """k micro-steps of forward and backward; gradients are synchronized on the last one only."""
+def _accumulate(
+    loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | None, scale: float = 1.0
+) -> Tensor:
+    """k micro-steps of forward and backward; gradients are synchronized on the last one only.
+
+    With a loss scale, backward runs on the scaled loss (gradients come out scaled); the
+    returned loss is unscaled.
+    """
     total = torch.zeros(())
     for micro in range(k):
         input_ids, labels = batches(step, micro)  # (B, T), (B, T)
         last = micro == k - 1
         with dp.no_sync() if dp is not None and not last else contextlib.nullcontext():
             loss = loss_of(input_ids, labels) / k
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         total += loss.detach().float().cpu()
     if dp is not None:
         dp.finish()
     return total
+
+
+def _unscale(params: Iterable[nn.Parameter], scale: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / scale)
+
+
+def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int) -> tuple[float, int]:
+    """Dynamic loss scaling: halve on overflow, double after `interval` steps without one."""
+    if overflowed:
+        return max(scale / 2, 1.0), 0
+    good_steps += 1
+    if good_steps >= interval:
+        return scale * 2, 0
+    return scale, good_steps
 
 
 def _maybe_resume(

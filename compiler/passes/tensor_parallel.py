@@ -277,6 +277,7 @@ class _Walk:
                     f"{self.n} ranks over `{self.axis}`",
                 )
             for param, pdim in zip(params, (weight_dim, 0), strict=False):
+                param = _through_casts(param)
                 if isinstance(param, fx.Node) and param.op == "get_attr":
                     placement = Shard(pdim, blocks)
                     name = str(param.target)
@@ -297,6 +298,13 @@ class _Walk:
 
 Rule = Callable[[_Walk, fx.Node], None]
 _RULES: dict[object, Rule] = {}
+
+
+def _through_casts(node):
+    """The node a chain of dtype casts starts from (a parameter behind its compute-dtype cast)."""
+    while isinstance(node, fx.Node) and node.target in (aten._to_copy.default, aten.to.dtype):
+        node = node.args[0]
+    return node
 
 
 def _get_attr(gm: fx.GraphModule, target: str):

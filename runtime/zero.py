@@ -35,6 +35,22 @@ nn.ModuleList) or the root's remaining parameters.
 The optimizer is a real `torch.optim.AdamW` over the fp32 shards (the master copy when
 parameters are bf16/fp16 or the state is offloaded), so LR schedulers work on
 `zero.optimizer` unchanged.
+
+Stage 3 gathers a unit's params in a forward pre-hook of the unit's module, frees them
+after its forward, gathers them again from a hook on the unit's output gradient (before
+its backward) and frees them once backward has accumulated all their grads; the next
+unit (previous, in backward) is prefetched. That needs a module per layer whose forward
+runs: eager models and `torch.export.unflatten` programs have one, the flat GraphModule
+of `torch.export(...).module()` does not (it reads every parameter at the top of the
+graph), so it gets one unit and the whole model is gathered per forward and backward.
+Per-layer units on a flat graph need the compiler: either keep a submodule per layer
+(unflatten), or insert `all_gather` call_module nodes before a layer's first parameter
+use, as it does for tensor-parallel collectives, so the ledger shows them too.
+
+Why not FSDP2: `fully_shard` on the layer holders of a flat exported graph fails (their
+forward never runs, so the graph mixes DTensor params with plain tensors), and on the
+root alone it is the same single unit as here; stages 1 and 2 are not FSDP2 shapes at
+all. One engine for 1-3 gives one ledger, one state-dict layout and exact memory counts.
 """
 
 from __future__ import annotations
@@ -42,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -58,6 +74,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+# Gradient reductions left running while backward goes on: enough to overlap, and a bound
+# on the full-size gradient buffers alive at once (each is one bucket or one stage-3 unit).
+_MAX_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -122,7 +141,6 @@ class _Flat:
                 self.full[off : off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off : off + n].view_as(p)
         own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]  # (S,)
-        self.sharded_params = sharded_params
         self.shard = own.to(shard_device, copy=True) if sharded_params else own
         self.full_grad: Tensor | None = None  # stage 1: (padded,) averaged grads, p.grad are views
         self.grad_shard: Tensor | None = None  # stages 2/3: (S,) averaged grads
@@ -226,6 +244,7 @@ class Zero:
         betas: tuple[float, float],
         weight_decay: float,
         eps: float,
+        units: Sequence[str] | None = None,
     ) -> None:
         self.module, self.group, self.config = module, group, config
         self.world = dist.get_world_size(group)
@@ -235,7 +254,7 @@ class Zero:
         self.device = params[0][1].device
         shard_device = torch.device("cpu") if config.offload_params else self.device
         if config.stage == 3:
-            self.units = _build_units(module, params, group, shard_device)
+            self.units = _build_units(module, params, group, shard_device, units)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
@@ -255,7 +274,7 @@ class Zero:
                 "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
             }
         self._sync = True
-        self._pending: list[tuple[Any, Callable[[], None]]] = []  # (async work, finish)
+        self._pending: list[tuple[Any, Callable[[], None], Tensor]] = []  # (async work, finish, buffer)
         self._issued: Counter[tuple[str, int]] = Counter()
         self._last_issued: Counter[tuple[str, int]] = Counter()
         self._forward_order: list[_Unit] = []
@@ -285,6 +304,7 @@ class Zero:
         self._last_issued, self._issued = self._issued, Counter()
 
     def zero_grad(self) -> None:
+        """Drop every gradient: the params' full grads, the reduced ones and the shards."""
         for f in self.flats:
             for p in f.params:
                 p.grad = None
@@ -332,11 +352,12 @@ class Zero:
                 g.mul_(coef.to(g.dtype))
         return norm
 
-    def collectives(self) -> list[Collective]:
-        """What one optimizer step issues (one synced backward, no accumulation), aggregated by size.
+    def collectives(self, micro_steps: int = 1) -> list[Collective]:
+        """What one optimizer step of `micro_steps` forward/backward passes issues, by op and size.
 
-        Computed from the flats; `issued()` is what the last step really issued, and a test
-        checks that they agree.
+        Gradients are reduced once per step whatever `micro_steps` is; stage 3 gathers the
+        params again in every micro-step. Computed from the flats; `issued()` is what the
+        last step really issued, and a test checks that they agree.
         """
         rows: Counter[tuple[str, int]] = Counter()
         reduce_size = self._reduce_dtype_size
@@ -351,7 +372,7 @@ class Zero:
         for u in self.units:
             for f in u.flats:
                 # forward, and again before backward unless kept (the root is not freed after forward)
-                rows["all_gather", f.full_nbytes()] += 1 if u.is_root else 2
+                rows["all_gather", f.full_nbytes()] += micro_steps * (1 if u.is_root else 2)
         return [Collective(op, nbytes, count) for (op, nbytes), count in sorted(rows.items())]
 
     def issued(self) -> list[Collective]:
@@ -368,6 +389,7 @@ class Zero:
             for t in [f.full_grad, f.grad_shard, *(p.grad for p in f.params)]
             if t is not None
         )
+        grads += sum(_storage_bytes(buffer, seen) for _, _, buffer in self._pending)  # in flight
         optimizer = 0
         for m in self.masters:
             optimizer += _storage_bytes(m, seen)
@@ -510,12 +532,20 @@ class Zero:
         self._record("all_reduce" if self.config.stage == 1 else "reduce_scatter", flat.nbytes)
         if self.config.stage == 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((work, lambda: self._finish_all_reduce(f, flat)))
+            self._pending.append((work, lambda: self._finish_all_reduce(f, flat), flat))
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
             work = _reduce_scatter(out, flat, group=self.group, async_op=True)
-            self._pending.append((work, lambda: self._finish_reduce_scatter(f, out)))
+            self._pending.append((work, lambda: self._finish_reduce_scatter(f, out), flat))
         f.reduced = True
+        self._drain(keep=_MAX_IN_FLIGHT)
+
+    def _drain(self, keep: int) -> None:
+        """Finish the oldest reductions until `keep` are left: bounds the full-size buffers alive."""
+        while len(self._pending) > keep:
+            work, finish, _ = self._pending.pop(0)
+            work.wait()
+            finish()
 
     def _finish_all_reduce(self, f: _Flat, flat: Tensor) -> None:
         f.full_grad = flat.div_(self.world).to(f.dtype)  # (padded,) averaged
@@ -534,10 +564,7 @@ class Zero:
                     self._start_reduce(f)
                     if self.config.stage == 3:
                         f.free_full()
-        for work, finish in self._pending:
-            work.wait()
-            finish()
-        self._pending.clear()
+        self._drain(keep=0)
 
     def _all_gather_params(self) -> None:
         """Stages 1/2: every rank's updated shard into everyone's full params."""
@@ -559,13 +586,17 @@ def shard_for_zero(
     betas: tuple[float, float] = (0.9, 0.999),
     weight_decay: float = 0.01,
     eps: float = 1e-8,
+    units: Sequence[str] | None = None,
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
+
+    `units` (stage 3) names the modules whose forward gathers their params, e.g. the
+    plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
     """
-    return Zero(module, group, config, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+    return Zero(module, group, config, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, units=units)
 
 
 # ---------------------------------------------------------------------- grouping
@@ -587,20 +618,29 @@ def _buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[
     return buckets
 
 
-def _unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules whose forward gathers their params: every child of an nn.ModuleList, then the root.
+def _unit_modules(module: nn.Module, names: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward gathers their params (`names`, or every numbered child of a
+    container: `layers.0`, `layers.1`, ...), then the root for the rest.
 
-    A graph from torch.export has the same module names, but its forward reads every
-    parameter at the top of the graph and never calls the children: it gets one unit
-    (the root), so the whole model is gathered for each forward and backward.
+    A flat graph from `torch.export(...).module()` has the same module names, but its
+    forward reads every parameter at the top of the graph and never calls the children:
+    it gets one unit (the root), so the whole model is gathered for forward and again for
+    backward. `torch.export.unflatten` keeps a forward per submodule, and per-layer units work.
     """
+    if names is not None:
+        modules = dict(module.named_modules())
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise ValueError(f"ZeRO-3 units name no module: {', '.join(missing)}")
+        return [*((n, modules[n]) for n in names if n), ("", module)]
     if isinstance(module, fx.GraphModule):
         return [("", module)]
     units: list[tuple[str, nn.Module]] = []
-    for name, child in module.named_modules():
-        inside_unit = any(name.startswith(u + ".") for u, _ in units)
-        if isinstance(child, nn.ModuleList) and not inside_unit:
-            units.extend((f"{name}.{i}" if name else str(i), layer) for i, layer in enumerate(child))
+    for name, container in module.named_modules():
+        children = list(container.named_children())
+        inside_unit = any(name == u or name.startswith(u + ".") for u, _ in units)
+        if children and all(c.isdigit() for c, _ in children) and not inside_unit:
+            units.extend((f"{name}.{c}" if name else c, child) for c, child in children)
     return [*units, ("", module)]
 
 
@@ -609,9 +649,10 @@ def _build_units(
     params: list[tuple[str, nn.Parameter]],
     group: dist.ProcessGroup,
     shard_device: torch.device,
+    names: Sequence[str] | None,
 ) -> list[_Unit]:
     """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
-    units = _unit_modules(module)
+    units = _unit_modules(module, names)
     owners: dict[int, set[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), set()).add(_owner(name, units))

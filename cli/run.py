@@ -171,6 +171,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USER
 
 
+def restart_attempt() -> int:
+    """How many times torchrun has restarted the workers (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def injected_fault(rank: int) -> int | None:
+    """The step at which this rank should die, from MESHPLAN_FAULT="rank=R,step=S" (first attempt only).
+
+    A testing hook for the restart path: the rank exits abruptly, as if killed, while
+    its peers are inside the same step's collectives.
+    """
+    spec = os.environ.get("MESHPLAN_FAULT")
+    if not spec or restart_attempt() > 0:
+        return None
+    fields = dict(part.split("=", 1) for part in spec.split(","))
+    return int(fields["step"]) if int(fields["rank"]) == rank else None
+
+
 def under_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
@@ -282,10 +300,8 @@ def check_supported(plan: Any) -> None:
     if plan.pipeline is not None:
         missing.append("pipeline parallelism")
     dp = plan.data_parallel
-    if dp is not None and dp.zero > 0:
-        missing.append(f"ZeRO-{dp.zero} (use zero = 0)")
-    if dp is not None and (dp.offload_optimizer or dp.offload_params):
-        missing.append("offload")
+    if dp is not None and dp.zero == 0 and dp.offload_optimizer:
+        missing.append("optimizer offload without ZeRO (use zero = 1 or more)")
     pr = plan.precision
     if (pr.params, pr.grads) != ("fp32", "fp32"):
         missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
@@ -324,6 +340,10 @@ def _worker(args: argparse.Namespace) -> int:
     from meshplan.runtime.data import DataError
 
     rank = int(os.environ["RANK"])
+    if restart_attempt() > 0:
+        args.resume = True  # torchrun restarted the workers: continue from the last complete checkpoint
+        if rank == 0:
+            print(f"meshplan: restart {restart_attempt()}: resuming from the last checkpoint", file=sys.stderr)
     _init_process_group(args.timeout)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
@@ -403,7 +423,10 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     dp = None
     if dp_group is not None and dp_spec is not None:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
-        dp = DataParallel(program, dp_group, bucket_bytes=dp_spec.bucket_bytes, reduce_dtype=reduce_dtype)
+        if dp_spec.zero > 0:
+            dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype)
+        else:
+            dp = DataParallel(program, dp_group, bucket_bytes=dp_spec.bucket_bytes, reduce_dtype=reduce_dtype)
     groups = Groups(
         dp=dp_group,
         tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
@@ -426,7 +449,16 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         dp_size=dp_size,
         accumulation=plan.train.gradient_accumulation,
     )
-    forward = dp if dp is not None else program
+    die_at = injected_fault(rank)
+    if die_at is not None:
+        clean_batches = batches
+
+        def batches(step: int, micro: int):  # the same batches, with a fault injected
+            if step == die_at:
+                os._exit(137)
+            return clean_batches(step, micro)
+
+    forward = dp if isinstance(dp, DataParallel) else program  # ZeRO works through hooks on `program`
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, graph, template = source.model, compiled.graph, source
 
@@ -446,6 +478,36 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         sharded,
         plan.train.gradient_accumulation,
         plan.precision.loss_scale,
+    )
+
+
+def _shard_for_zero(args: argparse.Namespace, program: Any, dp_group: Any, dp_spec: Any, reduce_dtype: Any):
+    """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
+
+    On the flat exported program ZeRO-3 has one unit: the whole (tp-local) model is
+    gathered for forward and again for backward; only the persistent copy is 1/dp.
+    """
+    from meshplan.runtime.data_parallel import broadcast_parameters
+    from meshplan.runtime.train import TrainConfig, decays
+    from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+
+    # every rank built the same seeded model, but only each rank's own shard survives sharding
+    broadcast_parameters([p for p in program.parameters() if p.requires_grad], dp_group)
+    config = ZeroConfig(
+        stage=dp_spec.zero,
+        bucket_bytes=dp_spec.bucket_bytes,
+        offload_optimizer=dp_spec.offload_optimizer,
+        offload_params=dp_spec.offload_params,
+        reduce_dtype=reduce_dtype,
+    )
+    return shard_for_zero(
+        program,
+        dp_group,
+        config,
+        lr=args.lr,
+        betas=TrainConfig.betas,
+        weight_decay=args.weight_decay,
+        decay=decays,
     )
 
 

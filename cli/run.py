@@ -34,6 +34,7 @@ from typing import Any
 
 DEFAULT_MODEL = "meshplan.examples.models.llama:build"
 EXIT_OK, EXIT_USER = 0, 2
+EXIT_PEER = 3  # a rank died or hung; the others stopped
 
 # torchrun's own options: passed to torchrun, never to the workers
 TORCHRUN_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts")
@@ -232,8 +233,36 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
     status = proc.wait()
     if status != 0 and _USER_ERROR_EXIT.search("".join(held)):
         return EXIT_USER
+    culprit = first_failure("".join(held))
+    if status != 0 and culprit is not None and not os.environ.get("MESHPLAN_DEBUG"):
+        print(
+            f"meshplan: error: {culprit}; torchrun stopped the other ranks "
+            "(MESHPLAN_DEBUG=1 shows torchrun's report)",
+            file=sys.stderr,
+        )
+        return status
     sys.stderr.writelines(held)
     return status
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def first_failure(report: str) -> str | None:
+    """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report."""
+    m = _ROOT_CAUSE.search(report)
+    if m is None:
+        return None
+    rank, code = int(m.group(1)), int(m.group(2))
+    if code < 0:
+        how = f"killed by signal {-code}"
+    elif code == 137:
+        how = "exit code 137: killed"
+    elif code == EXIT_PEER:
+        how = "a collective failed"
+    else:
+        how = f"exit code {code}"
+    return f"rank {rank} failed first ({how})"
 
 
 def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
@@ -338,12 +367,15 @@ def _worker(args: argparse.Namespace) -> int:
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
     from meshplan.runtime.data import DataError
+    from meshplan.runtime.train import PeerFailure
 
     rank = int(os.environ["RANK"])
     if restart_attempt() > 0:
         args.resume = True  # torchrun restarted the workers: continue from the last complete checkpoint
         if rank == 0:
-            print(f"meshplan: restart {restart_attempt()}: resuming from the last checkpoint", file=sys.stderr)
+            print(
+                f"meshplan: restart {restart_attempt()}: resuming from the last checkpoint", file=sys.stderr
+            )
     _init_process_group(args.timeout)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
@@ -359,6 +391,13 @@ def _worker(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
+    except PeerFailure as e:
+        print(
+            f"meshplan: error: {e}\n  a peer rank died or is stuck (collectives wait --timeout {args.timeout} s); "
+            f"continue with --resume from the last checkpoint in {run_dir(args)}",
+            file=sys.stderr,
+        )
+        return EXIT_PEER
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,11 +17,20 @@ summed over the tp group; a replicated one is identical on every tp rank and cou
 (locally). Data-parallel replicas hold the same averaged gradient after `finish()`, so
 nothing is summed over dp.
 
+Under ZeRO (`dp` is a `runtime.zero.Zero`) the optimizer is `zero.optimizer`, AdamW over
+this rank's fp32 shards, and each dp rank holds only its shard of the averaged gradient:
+`Zero.grad_squares` sums squares inside the shard and all-reduces them over dp, keeping
+tp-sharded and replicated params apart, and the tp rule above is applied to the result.
+Unscaling and clipping multiply the gradient shards; checkpoints hold `zero.state_dict()`.
+
 Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:
 
     {"step": 12, "loss": 3.41, "lr": 0.0018, "grad_norm": 0.93, "tokens_per_s": 21000.0,
      "peak_memory": 412000000, "mfu": null, "skipped_steps": 0, "time_s": 0.05}
+
+plus, under ZeRO, `"zero_memory": {"params": ..., "grads": ..., "optimizer": ..., "total": ...}`:
+the bytes of training state this rank holds right after the optimizer step (`Zero.memory()`).
 
 `loss` is the mean over the data-parallel group; `tokens_per_s` is for the whole job
 (every dp rank's tokens over the step's wall time); `peak_memory` is bytes: on CPU the
@@ -53,6 +62,7 @@ from torch import Tensor, nn
 
 from . import checkpoint
 from .data_parallel import DataParallel
+from .zero import Zero
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
@@ -123,11 +133,16 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Whether AdamW decays `param`: not 1-D ones (norm weights, biases), as is usual for transformers."""
+    return param.dim() >= 2
+
+
 def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on 1-D parameters (norm weights, biases), as is usual for transformers."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    """AdamW; no weight decay where `decays` says so (ZeRO's optimizer follows the same rule)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if decays(n, p)]
+    no_decay = [p for n, p in named if not decays(n, p)]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -208,7 +223,7 @@ def train(
     config: TrainConfig,
     *,
     groups: Groups = Groups(),
-    dp: DataParallel | None = None,
+    dp: DataParallel | Zero | None = None,
     sharded: set[str] | frozenset[str] = frozenset(),
     show_progress: bool | None = None,
 ) -> Summary:
@@ -216,12 +231,15 @@ def train(
 
     `loss_of` runs one micro-batch forward (through `dp` when there is one) and returns the
     loss; `sharded` names the parameters sharded over `groups.tp` (for the gradient norm).
+    `dp` is data parallel or ZeRO over `groups.dp` (ZeRO: its own optimizer, built with
+    `decays` and this config's hyperparameters; the LR is set here every step).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.seed)
-    optimizer = make_optimizer(program, config)
+    zero = dp if isinstance(dp, Zero) else None
+    optimizer = zero.optimizer if zero is not None else make_optimizer(program, config)
     ckpt_root = config.run_dir / "checkpoints"
-    start = _maybe_resume(ckpt_root, program, optimizer, config, groups)
+    start = _maybe_resume(ckpt_root, program, zero or optimizer, config, groups)
     metrics = MetricsWriter(config.run_dir, rank)
     dp_size = dist.get_world_size(groups.dp) if groups.dp is not None else 1
     tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
@@ -240,14 +258,18 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = _accumulate(loss_of, batches, step, config.accumulation, dp, scale or 1.0)  # () mean loss
-            if scale is not None:
-                _unscale(program.parameters(), scale)
-            norm = global_grad_norm(named, set(sharded), groups.tp)  # the same on every rank
-            skipped = not bool(torch.isfinite(norm))
-            if not skipped:
-                clip_gradients(program.parameters(), norm, config.grad_clip)
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if zero is not None:
+                norm, zero_memory = _zero_step(zero, scale, set(sharded), groups.tp, config.grad_clip)
+                skipped = not bool(torch.isfinite(norm))
+            else:
+                if scale is not None:
+                    _unscale(program.parameters(), scale)
+                norm = global_grad_norm(named, set(sharded), groups.tp)  # the same on every rank
+                skipped = not bool(torch.isfinite(norm))
+                if not skipped:
+                    clip_gradients(program.parameters(), norm, config.grad_clip)
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             if scale is not None and config.dynamic_loss_scale:
                 scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
             mean_loss = (
@@ -271,12 +293,18 @@ def train(
                 "loss_scale": scale,
                 "time_s": dt,
             }
+            if zero is not None:
+                record["zero_memory"] = zero_memory
             summary.last = record
             metrics.write(record)
             display.update(record)
             if _should_save(step + 1, config):
-                checkpoint.save(ckpt_root, step + 1, program, optimizer, shard_key=groups.shard_key)
+                checkpoint.save(ckpt_root, step + 1, program, zero or optimizer, shard_key=groups.shard_key)
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
+    except RuntimeError as e:
+        if is_peer_failure(e):  # gloo/NCCL: a peer closed its connection or never answered
+            raise PeerFailure(summary.steps_done + 1, rank, e) from e
+        raise
     finally:
         metrics.close()
         summary.elapsed_s = time.perf_counter() - t_start
@@ -284,8 +312,47 @@ def train(
     return summary
 
 
+def _zero_step(
+    zero: Zero, scale: float | None, sharded: set[str], tp: dist.ProcessGroup | None, max_norm: float
+) -> tuple[Tensor, dict[str, int]]:
+    """One optimizer step under ZeRO, after `_accumulate`: unscale and clip the gradient shards,
+    step unless the global norm is not finite, drop the gradients. Returns the norm (the same on
+    every rank, so every rank skips the same steps) and `zero.memory()` taken before the drop."""
+    if scale is not None:
+        zero.scale_grads_(1.0 / scale)
+    squares = zero.grad_squares(sharded)  # (tp-sharded, replicated), summed over dp
+    sharded_sq, replicated_sq = squares[0].cpu(), squares[1].cpu()
+    if tp is not None and dist.get_world_size(tp) > 1:
+        sharded_sq = _all_reduce(sharded_sq, tp)
+    norm = (sharded_sq + replicated_sq).sqrt()
+    if bool(torch.isfinite(norm)):
+        if max_norm > 0:
+            zero.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        zero.step()
+    memory = zero.memory()
+    zero.zero_grad()
+    return norm, memory
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died or stopped answering (after the timeout)."""
+
+    def __init__(self, step: int, rank: int, cause: BaseException):
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"rank {rank}: a collective of step {step} failed: {first}")
+        self.step, self.rank = step, rank
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        word in text
+        for word in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+    )
+
+
 def _accumulate(
-    loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | None, scale: float = 1.0
+    loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | Zero | None, scale: float = 1.0
 ) -> Tensor:
     """k micro-steps of forward and backward; gradients are synchronized on the last one only.
 
@@ -322,7 +389,11 @@ def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int
 
 
 def _maybe_resume(
-    root: Path, program: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, groups: Groups
+    root: Path,
+    program: nn.Module,
+    optimizer: torch.optim.Optimizer | Zero,
+    config: TrainConfig,
+    groups: Groups,
 ) -> int:
     if not config.resume:
         return 0

@@ -72,3 +72,12 @@ def test_killed_rank_restarts_and_matches_an_uninterrupted_run(tmp_path):
     expected, got = final_state(tmp_path / "clean"), final_state(tmp_path / "faulty")
     assert len(expected) > 10 and expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_dead_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+    done = run(tmp_path / "dead", "--timeout", "30", env={"MESHPLAN_FAULT": "rank=1,step=3"})
+    assert done.returncode != 0
+    assert "rank 1 failed first (exit code 137: killed)" in done.stderr
+    # rank 0 may see the broken connection ("rank 0: a collective of step 4 failed") or be
+    # stopped by torchrun first; either way no traceback reaches the user
+    assert "Traceback" not in done.stderr

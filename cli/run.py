@@ -28,7 +28,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ WORKER_FLAGS = (
     ("log_every", "--log-every"),
     ("timeout", "--timeout"),
     ("peak_tflops", "--peak-tflops"),
+    ("export", "--export"),
 )
 
 
@@ -127,6 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest complete checkpoint in --out"
+    )
+    p.add_argument(
+        "--export",
+        metavar="FILE",
+        help="after training, write the full (unpartitioned) weights: FILE.safetensors or FILE.pt",
     )
     p.add_argument(
         "--out", metavar="DIR", help="run folder for metrics and checkpoints (default: runs/<plan name>)"
@@ -358,6 +364,8 @@ class Prepared:
     sharded: set[str]
     accumulation: int
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
+    export_sharding: dict = field(default_factory=dict)  # param -> (dim, blocks) over tp, for --export
+    export_names: frozenset = frozenset()  # the unpartitioned model's state_dict keys
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -381,6 +389,8 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         prepared = _prepare(args, rank, dist.get_world_size())
         summary = _train(args, prepared)
+        if args.export:
+            _export(args, prepared, rank)
     except PlanError as e:
         if rank == 0:
             from meshplan.main import _report
@@ -517,6 +527,13 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         sharded,
         plan.train.gradient_accumulation,
         plan.precision.loss_scale,
+        {
+            name: (p.dim, p.blocks)
+            for name, placement in compiled.param_placements.items()
+            for p in placement.values()
+            if isinstance(p, Shard)
+        },
+        frozenset(source.model.state_dict()),
     )
 
 
@@ -573,6 +590,23 @@ def call_inputs(args: tuple, kwargs: dict, input_ids: Any, labels: Any) -> tuple
 
 
 INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve it within a few steps
+
+
+def _export(args: argparse.Namespace, prepared: Prepared, rank: int) -> None:
+    """Consolidate this rank's shards into full tensors; rank 0 writes them."""
+    import contextlib
+
+    from meshplan.runtime.export import consolidate, write_state_dict
+    from meshplan.runtime.zero import Zero
+
+    gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
+    with gathered:
+        state = consolidate(
+            prepared.program, prepared.export_sharding, prepared.groups.tp, set(prepared.export_names)
+        )
+    if rank == 0:
+        write_state_dict(state, Path(args.export))
+        print(f"exported {len(state)} tensors to {args.export}")
 
 
 def _train(args: argparse.Namespace, prepared: Prepared):

@@ -1,0 +1,71 @@
+"""A consolidated, single-file state dict that the unpartitioned model loads.
+
+    meshplan run examples/llama_tp.plan --steps 100 --export runs/llama_tp/model.safetensors
+
+Every rank takes part: tensor-parallel shards are all-gathered over the tensor axis
+(fused projections block by block), ZeRO-3 parameters are gathered by the caller
+(`Zero.gathered()`), and rank 0 writes the file. `.safetensors` needs the safetensors
+package; any other suffix is written with `torch.save` (load it with
+`torch.load(path, weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .collectives import all_gather
+
+# parameter name -> (dim, block sizes) of its shard over the tensor axis; () is one block
+Sharding = dict[str, tuple[int, tuple[int, ...]]]
+
+
+def consolidate(
+    module: nn.Module, sharding: Sharding, tp: dist.ProcessGroup | None, names: set[str] | None = None
+) -> dict[str, Tensor]:
+    """Full tensors for the parameters and buffers of `module` named in `names` (all if None),
+    on every rank of the tp group. `names` is the unpartitioned model's `state_dict()` keys,
+    which leaves out buffers it does not persist (e.g. RoPE tables)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
+        if names is not None and name not in names:
+            continue
+        local = tensor.detach()
+        if name in sharding and tp is not None:
+            dim, blocks = sharding[name]
+            local = _unshard(local, dim, blocks, tp)
+        out[name] = local.cpu().clone()
+    return out
+
+
+def _unshard(local: Tensor, dim: int, blocks: tuple[int, ...], tp: dist.ProcessGroup) -> Tensor:
+    """All-gather along `dim`; a blocked shard [q_r, k_r, v_r] is gathered block by block."""
+    n = dist.get_world_size(tp)
+    if not blocks:
+        return all_gather(local, dim, tp)
+    pieces = local.split([b // n for b in blocks], dim)  # this rank's chunk of each block
+    return torch.cat([all_gather(piece.contiguous(), dim, tp) for piece in pieces], dim)
+
+
+def write_state_dict(state: dict[str, Tensor], path: Path) -> None:
+    """Write atomically: a temporary file renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        # safetensors stores each storage once: tied weights are saved under their first name
+        seen: dict[int, str] = {}
+        unique = {}
+        for name, tensor in state.items():
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen[key] = name
+                unique[name] = tensor.contiguous()
+        save_file(unique, str(tmp))
+    else:
+        torch.save(state, tmp)
+    tmp.replace(path)

@@ -14,6 +14,10 @@ The passes run in this order, each for a reason:
              parallelism, so the collectives it inserts carry the compute dtype.
 4. tensor parallel (and sequence parallel): needs resolved parameter placements;
              it must run before any pass that reads local shapes.
+5. activation checkpointing: outlines each region into a submodule called through
+             torch.utils.checkpoint; last, because later passes would not look inside
+             regions, and after tensor parallelism so its collectives are recomputed too.
+             The ledger is built after it and counts recomputed collectives.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .capture import Captured, ModelSource, capture
 from .graph import keep_loss_output, normalize
 from .ledger import Ledger, build_ledger
 from .match import Resolution, resolve
+from .passes.checkpoint import CheckpointError, bind_regions, checkpoint_regions, regions_from
 from .passes.precision import DTYPES, PrecisionSpec, mixed_precision
 from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
 from .placement import REPLICATE, Placement, Shard
@@ -74,6 +79,11 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
             gm, found = tensor_parallel(gm, spec)
             diagnostics += found
         except TensorParallelError as e:
+            diagnostics.append(e.diagnostic)
+    if not any(d.severity == "error" for d in diagnostics):
+        try:
+            gm = checkpoint_regions(gm, regions_from(plan, resolution))
+        except CheckpointError as e:
             diagnostics.append(e.diagnostic)
     errors = [d for d in diagnostics if d.severity == "error"]
     if errors:
@@ -316,8 +326,7 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
             kind, _, axis = str(node.target).rpartition("_")
             group = mesh.get_group(axis) if mesh is not None else None
             root[str(node.target)] = COLLECTIVES[kind](group, axis)
-    gm = fx.GraphModule(root, graph)
-    return gm
+    return bind_regions(fx.GraphModule(root, graph), mesh)
 
 
 def _get_attr(module: nn.Module, target: str):

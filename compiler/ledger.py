@@ -18,6 +18,7 @@ from torch import fx
 from meshplan.runtime.mesh import MeshLayout
 
 from .graph import COLLECTIVE, shape, value
+from .passes.checkpoint import collective_nodes
 
 # kind -> ((op, count) in forward, (op, count) in backward)
 _STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]] = {
@@ -44,6 +45,7 @@ class LedgerRow:
     count: int
     group_size: int
     rule: str  # `file:line` of the plan rule behind it, or ""
+    recompute: bool = False  # re-issued in backward by activation checkpointing's recomputation
 
     @property
     def traffic(self) -> float:
@@ -88,10 +90,8 @@ class Ledger:
 
 def build_ledger(gm: fx.GraphModule, layout: MeshLayout) -> Ledger:
     rows = []
-    for node in gm.graph.nodes:
-        info = node.meta.get(COLLECTIVE)
-        if info is None:
-            continue
+    for node, recomputed in collective_nodes(gm):
+        info = node.meta[COLLECTIVE]
         kind, axis = info["kind"], info["axis"]
         val = value(node)
         full = shape(node)
@@ -103,9 +103,14 @@ def build_ledger(gm: fx.GraphModule, layout: MeshLayout) -> Ledger:
         rule = info.get("rule")
         where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
         forward, backward = _STEPS[kind]
-        for phase, steps in (("forward", forward), ("backward", backward)):
+        phases = [("forward", forward, False), ("backward", backward, False)]
+        if recomputed:  # a checkpointed region runs its forward again during backward
+            phases.append(("backward", forward, True))
+        for phase, steps, again in phases:
             for op, count in steps:
                 rows.append(
-                    LedgerRow(node.name, kind, op, phase, axis, full, nbytes, count, layout.size(axis), where)
+                    LedgerRow(
+                        node.name, kind, op, phase, axis, full, nbytes, count, layout.size(axis), where, again
+                    )
                 )
     return Ledger(tuple(rows))

@@ -21,6 +21,13 @@ the model's state dict and the optimizer's (keyed by parameter name, via
 schedule and the data position are functions of it: see `runtime/data.py`), and each
 rank's RNG state.
 
+Under ZeRO the `optimizer` passed in is the `runtime.zero.Zero`: its `state_dict()` (fp32
+master, exp_avg, exp_avg_sq per flat, as Shard(0) DTensors over the dp group, so each dp
+rank writes only its shard) replaces both the model's parameters and the optimizer's
+state; the model's buffers are saved as usual. Loading fills those shards in place and
+`Zero.load_state_dict` puts the params in line with them. The dp size may change; the
+stage, bucket size and tp layout may not.
+
 Keys and sharding: state that differs between ranks (a tensor-parallel shard) must not
 share a key, or DCP keeps only one rank's copy (it deduplicates equal keys as
 replicas). The caller passes `shard_key`, a name for the rank's shard, e.g. "tp1" for tp
@@ -50,6 +57,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
 TMP_PREFIX = ".tmp-"
@@ -82,7 +91,7 @@ def save(
     root: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Zero,
     *,
     shard_key: str = "",
     keep: int = 2,
@@ -98,7 +107,12 @@ def save(
 
 
 def write_temporary(
-    root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *, shard_key: str = ""
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Zero,
+    *,
+    shard_key: str = "",
 ) -> Path:
     """The first half of `save`: every rank writes into `.tmp-stepN`. Nothing is published yet."""
     tmp = Path(root) / (TMP_PREFIX + checkpoint_name(step))
@@ -136,27 +150,38 @@ def prune(root: str | Path, *, keep: int) -> None:
 
 
 def load(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, shard_key: str = ""
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | Zero, *, shard_key: str = ""
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
     state = _state(model, optimizer, 0, shard_key)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     shard = state[_shard(shard_key)]
-    set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=shard["optim"])
+    if isinstance(optimizer, Zero):
+        optimizer.load_state_dict(shard["zero"])
+        model.load_state_dict(shard["buffers"], strict=False)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=shard["optim"])
     torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda_" + _rng_key()])
     return Restored(int(state["train"]["step"]), Path(path))
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, shard_key: str) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | Zero, step: int, shard_key: str) -> dict:
+    if isinstance(optimizer, Zero):
+        # the params live in the zero state (stage 3 holds no full copy to save)
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        buffers = {k: v for k, v in model.state_dict().items() if k not in params}
+        shard = {"zero": optimizer.state_dict(), "buffers": buffers}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        shard = {"model": model_sd, "optim": optim_sd}
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
     return {
-        _shard(shard_key): {"model": model_sd, "optim": optim_sd},
+        _shard(shard_key): shard,
         "train": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": rng,
     }

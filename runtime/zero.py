@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -191,6 +191,16 @@ class _Flat:
                 out[off : off + n].copy_(p.grad.reshape(-1))
         return out
 
+    def own_ranges(self) -> list[tuple[str, int, int]]:
+        """(param name, start, end) of each param's elements inside this rank's shard, shard-local."""
+        lo = self.rank * self.shard_numel
+        out = []
+        for name, off, n in zip(self.names, self.offsets, self.numels, strict=True):
+            start, end = max(off, lo), min(off + n, lo + self.shard_numel)
+            if start < end:
+                out.append((name, start - lo, end - lo))
+        return out
+
     def own_grad(self) -> Tensor | None:
         """(S,) averaged gradient of this rank's shard, or None before any backward."""
         if self.full_grad is not None:
@@ -245,6 +255,7 @@ class Zero:
         weight_decay: float,
         eps: float,
         units: Sequence[str] | None = None,
+        decay: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         self.module, self.group, self.config = module, group, config
         self.world = dist.get_world_size(group)
@@ -253,19 +264,35 @@ class Zero:
             raise ValueError("the module has no trainable parameters to shard")
         self.device = params[0][1].device
         shard_device = torch.device("cpu") if config.offload_params else self.device
+        # A flat holds only decayed or only undecayed params, so each master sits in one param group.
+        decays = {id(p): decay is None or decay(n, p) for n, p in params}
         if config.stage == 3:
-            self.units = _build_units(module, params, group, shard_device, units)
+            self.units = _build_units(module, params, group, shard_device, units, decays)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
             self.flats = [
                 _Flat(names, ps, group, sharded_params=False, shard_device=shard_device)
-                for names, ps in _buckets(params, config.bucket_bytes)
+                for names, ps in _buckets(params, config.bucket_bytes, decays)
             ]
         self.opt_device = torch.device("cpu") if config.offload_optimizer else self.device
         self.masters = [self._master_for(f) for f in self.flats]
+        param_groups = [
+            {"params": [m for f, m in zip(self.flats, self.masters, strict=True) if decays[id(f.params[0])]]},
+            {
+                "params": [
+                    m for f, m in zip(self.flats, self.masters, strict=True) if not decays[id(f.params[0])]
+                ],
+                "weight_decay": 0.0,
+            },
+        ]
         self.optimizer = torch.optim.AdamW(
-            self.masters, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
+            [g for g in param_groups if g["params"]],
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            eps=eps,
+            foreach=False,
         )
         for m in self.masters:  # eager state: memory() and state_dict() are right before step 1
             self.optimizer.state[m] = {
@@ -320,6 +347,10 @@ class Zero:
         finally:
             self._sync = previous
 
+    def finish(self) -> None:
+        """Wait until this step's gradients are reduced (`step()` and the methods below do it too)."""
+        self._finish_grad_sync()
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every parameter materialized inside the block (stage 3 frees them after), e.g. to evaluate
@@ -336,21 +367,38 @@ class Zero:
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the sharded gradients so their global L2 norm is at most `max_norm`; return the norm."""
-        self._finish_grad_sync()
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f in self.flats:
-            g = f.own_grad()
-            if g is not None:
-                squares += g.float().pow(2).sum()
-        self._record("all_reduce", squares.element_size())
-        dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for f in self.flats:
-            g = f.own_grad()
-            if g is not None:
-                g.mul_(coef.to(g.dtype))
+        norm = self.grad_squares().sum().sqrt().float()
+        self.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
+
+    def grad_squares(self, names: Collection[str] = ()) -> Tensor:
+        """Sums of squares of the averaged gradient over the whole group, in float64:
+        `[params named in names, every other param]` (2,), the same on every rank.
+
+        Each rank sums the part of each param inside its own shard, then one all-reduce
+        adds the shards. Under tensor parallelism the first entry is what a tp-sharded
+        param contributes on this tp rank (the caller sums it over tp), the second is a
+        replicated param's full contribution.
+        """
+        self._finish_grad_sync()
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # (named, other)
+        for f in self.flats:
+            g = f.own_grad()
+            if g is None:
+                continue
+            for name, start, end in f.own_ranges():
+                squares[0 if name in names else 1] += g[start:end].double().pow(2).sum()
+        self._record("all_reduce", squares.nbytes)
+        dist.all_reduce(squares, group=self.group)
+        return squares
+
+    def scale_grads_(self, factor: Tensor | float) -> None:
+        """Multiply this rank's gradient shards by `factor` (loss-scale unscaling, clipping)."""
+        self._finish_grad_sync()
+        for f in self.flats:
+            g = f.own_grad()
+            if g is not None:
+                g.mul_(factor.to(g.dtype) if isinstance(factor, Tensor) else factor)
 
     def collectives(self, micro_steps: int = 1) -> list[Collective]:
         """What one optimizer step of `micro_steps` forward/backward passes issues, by op and size.
@@ -587,34 +635,56 @@ def shard_for_zero(
     weight_decay: float = 0.01,
     eps: float = 1e-8,
     units: Sequence[str] | None = None,
+    decay: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
 
     `units` (stage 3) names the modules whose forward gathers their params, e.g. the
     plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
+    `decay(name, param)` says which params get weight decay (default: all), like
+    `make_optimizer`'s rule of no decay on 1-D params; the others go in their own flats
+    and a second param group with `weight_decay` 0.
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
     """
-    return Zero(module, group, config, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, units=units)
+    return Zero(
+        module,
+        group,
+        config,
+        lr=lr,
+        betas=betas,
+        weight_decay=weight_decay,
+        eps=eps,
+        units=units,
+        decay=decay,
+    )
 
 
 # ---------------------------------------------------------------------- grouping
 
 
-def _buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[tuple[list[str], list]]:
-    """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param)."""
+def _buckets(
+    params: list[tuple[str, nn.Parameter]], bucket_bytes: int, decays: dict[int, bool]
+) -> list[tuple[list[str], list]]:
+    """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param).
+
+    Decayed and undecayed params (`decays[id(p)]`) fill separate buckets side by side, so
+    the small undecayed ones (norms, biases) do not cut the stream of large ones.
+    """
     buckets: list[tuple[list[str], list]] = []
-    size = 0
+    open_bucket: dict[bool, int] = {}  # decay class -> index of its bucket being filled
+    size: dict[bool, int] = {}
     for name, p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        current = buckets[-1] if buckets else None
-        if current is None or current[1][0].dtype != p.dtype or size + nbytes > bucket_bytes:
+        kind = decays[id(p)]
+        current = buckets[open_bucket[kind]] if kind in open_bucket else None
+        if current is None or current[1][0].dtype != p.dtype or size[kind] + nbytes > bucket_bytes:
             buckets.append(([], []))
-            size = 0
-        buckets[-1][0].append(name)
-        buckets[-1][1].append(p)
-        size += nbytes
+            open_bucket[kind], size[kind] = len(buckets) - 1, 0
+        buckets[open_bucket[kind]][0].append(name)
+        buckets[open_bucket[kind]][1].append(p)
+        size[kind] += nbytes
     return buckets
 
 
@@ -650,6 +720,7 @@ def _build_units(
     group: dist.ProcessGroup,
     shard_device: torch.device,
     names: Sequence[str] | None,
+    decays: dict[int, bool],
 ) -> list[_Unit]:
     """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
     units = _unit_modules(module, names)
@@ -662,9 +733,9 @@ def _build_units(
         by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
     built = []
     for name, child in units:
-        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        by_dtype: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
         for pname, p in by_unit[name]:
-            by_dtype.setdefault(p.dtype, []).append((pname, p))
+            by_dtype.setdefault((p.dtype, decays[id(p)]), []).append((pname, p))
         flats = [
             _Flat(
                 [n for n, _ in ps], [p for _, p in ps], group, sharded_params=True, shard_device=shard_device

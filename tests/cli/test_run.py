@@ -43,7 +43,10 @@ def test_multi_node_flags_pass_through() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([str(ROOT / "examples" / "gpt_zero3.plan"), "--nproc-per-node", "2"], "does not execute ZeRO-3"),
+        (
+            [str(ROOT / "examples" / "gpt_zero3.plan"), "--nproc-per-node", "2"],
+            "does not execute `checkpoint` rules",
+        ),
         ([str(ROOT / "examples" / "gpt_zero3.plan")], "pass --nproc-per-node"),
         ([TINY_DP, "--data", "no/such/file.txt"], "does not exist"),
     ],

@@ -1,0 +1,395 @@
+"""Activation checkpointing: each checkpointed module becomes one call through torch's checkpoint.
+
+Requires: a normalized graph (after tensor parallelism, if any) whose nodes carry their
+module path (`graph.module_path`); the nodes of one module are contiguous in graph order
+once the parameter-side nodes that do not depend on them are moved ahead (export order
+puts a transformer block's nodes together). Regions come from the plan's `checkpoint`
+rules (`regions_from`).
+Ensures: the nodes of every region are outlined into a submodule `checkpoint_<path>` of
+the graph, called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`
+(with a selective context that keeps matmul outputs for `checkpoint selective`). The call
+node carries `meta["meshplan.checkpoint"]`. The submodule holds no parameters: they stay
+`get_attr` nodes of the outer graph and enter the region as inputs, so optimizers, tied
+weights and per-rank shards (`build_rank_program`) see the same parameters as before.
+Collective modules called inside a region are shared with the outer graph; a rank program
+rebinds them to its process groups with `bind_regions`. Numbers are unchanged: the region
+runs the same ops in the same order, and its recomputation in backward is bit-identical.
+
+Before (`layers.1: checkpoint`):
+
+    add_5 = aten.add(add_3, linear_6)                  # last node of layers.0
+    to_2 = aten.to(add_5, torch.float32)               # layers.1.input_layernorm
+    ...
+    add_11 = aten.add(add_9, linear_13)                # layers.1 residual
+    to_4 = aten.to(add_11, torch.float32)              # layers.2.input_layernorm
+
+After:
+
+    checkpoint_layers_1 = self.checkpoint_layers_1
+    layers_1 = torch.utils.checkpoint.checkpoint(checkpoint_layers_1, add_5,
+        layers_1_input_layernorm_weight, ..., use_reentrant = False)
+    to_4 = aten.to(layers_1, torch.float32)
+
+and `self.checkpoint_layers_1` is a GraphModule whose placeholders are the region's inputs
+(activations, parameters, the rope tables) and whose output is what later nodes use.
+
+A checkpointed region runs its forward twice: once in forward, once in backward just
+before its gradients. Collectives inside it are issued again by that recomputation (as in
+Megatron's full recomputation); `collective_nodes` tells the ledger which nodes those are.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.utils.checkpoint
+from torch import fx, nn
+
+from meshplan.dsl import ast
+from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.errors import Diagnostic
+
+from ..graph import COLLECTIVE, module_path
+from ..match import Resolution
+
+CHECKPOINT = "meshplan.checkpoint"
+aten = torch.ops.aten
+
+Mode = Literal["full", "selective"]
+
+# Ops whose outputs selective checkpointing keeps: the matmuls and attention, the costly
+# ops to recompute. They are named as they reach dispatch: `linear` and `matmul` decompose
+# into mm/addmm/bmm (kept here too, in case a backend dispatches them whole), and
+# `scaled_dot_product_attention` into its backend's kernel.
+MATMUL_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.linear.default,
+        aten.scaled_dot_product_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module whose activations are recomputed in backward instead of kept."""
+
+    path: str  # module path, as named_modules() spells it: `layers.2`
+    mode: Mode = "full"
+    rule: PlanRule | None = None  # the plan rule behind it, for messages and printers
+
+    @property
+    def target(self) -> str:
+        """The name of the outlined submodule in the graph: `checkpoint_layers_2`."""
+        return "checkpoint_" + self.path.replace(".", "_")
+
+    def contains(self, path: str) -> bool:
+        return path == self.path or path.startswith(self.path + ".")
+
+
+class CheckpointError(ValueError):
+    """A region the pass cannot outline. `diagnostic` points at the plan rule (None without one)."""
+
+    def __init__(self, message: str, *, rule: PlanRule | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.diagnostic = Diagnostic(rule.span, message, hint) if rule is not None else None
+
+
+def regions_from(plan: Plan, resolution: Resolution) -> list[Region]:
+    """The regions the plan's `checkpoint` rules ask for, outermost only, sorted by path.
+
+    `checkpoint every K` takes every K-th module the rule matches, starting with the first
+    (`layers.*: checkpoint every 2` on 4 layers: layers.0 and layers.2). A module where a
+    more specific checkpoint rule wins is governed by that rule instead. A region inside
+    another one is dropped: the outer region already recomputes it.
+    """
+    chosen: dict[str, Region] = {}
+    for rule in plan.rules:
+        action = rule.action
+        if not isinstance(action, ast.Checkpoint):
+            continue
+        every = action.every or 1
+        for i, path in enumerate(resolution.matched.get(rule.order, ())):
+            if i % every == 0 and resolution.rule_for(path, "checkpoint") is rule:
+                chosen[path] = Region(path, action.mode or "full", rule)
+    regions = sorted(chosen.values(), key=lambda r: _path_key(r.path))
+    return [r for r in regions if not any(o is not r and o.contains(r.path) for o in regions)]
+
+
+def _path_key(path: str) -> tuple:
+    # `layers.10` after `layers.9`: numbers compare as numbers
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def checkpoint_regions(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.GraphModule:
+    """Outline every region's nodes and call them through `torch.utils.checkpoint`.
+
+    A region whose module runs no op in the captured forward is left alone.
+    Raises `CheckpointError` when a region's nodes are interleaved with nodes that
+    depend on them (the module is not one contiguous piece of the graph).
+    """
+    for region in regions:
+        nodes = [
+            n
+            for n in gm.graph.nodes
+            if n.op in ("call_function", "call_module", "call_method") and region.contains(module_path(n))
+        ]
+        if nodes:
+            _make_contiguous(gm.graph, region, nodes)
+            _outline(gm, region, nodes)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _make_contiguous(graph: fx.Graph, region: Region, nodes: list[fx.Node]) -> None:
+    """Move nodes lying between the region's nodes but independent of them ahead of it."""
+    inside = set(nodes)
+    first, last = nodes[0], nodes[-1]
+    node = first.next
+    while node is not last:
+        nxt = node.next
+        if node not in inside:
+            if any(a in inside for a in node.all_input_nodes):
+                raise CheckpointError(
+                    f"cannot checkpoint `{region.path}`: its operations are interleaved with "
+                    f"`{node.name}` ({module_path(node) or 'top level'}), which uses them",
+                    rule=region.rule,
+                    hint="checkpoint a module whose forward runs as one piece",
+                )
+            first.prepend(node)
+        node = nxt
+
+
+def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
+    graph = gm.graph
+    inside = set(nodes)
+    inputs: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                inputs.setdefault(a, None)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in inputs:
+        env[x] = sub.placeholder(x.name)
+        env[x].meta = {k: v for k, v in x.meta.items() if k not in _NOT_INHERITED}
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    # the collectives the region calls: the same module objects as the outer graph's
+    modules = {str(n.target): gm.get_submodule(str(n.target)) for n in nodes if n.op == "call_module"}
+    region_gm = fx.GraphModule(modules, sub, class_name=_class_name(region))
+    gm.add_submodule(region.target, region_gm)
+
+    kwargs: dict[str, fx.node.Argument] = {"use_reentrant": False}
+    if region.mode == "selective":
+        kwargs["context_fn"] = SelectiveContext.SAVE_MATMULS  # type: ignore[assignment]  # fx prints the enum member by name
+    with graph.inserting_before(nodes[0]):
+        fn = graph.get_attr(region.target)
+        call = graph.create_node(
+            "call_function",
+            torch.utils.checkpoint.checkpoint,
+            (fn, *inputs),
+            kwargs,
+            name=region.path.replace(".", "_"),
+        )
+    call.meta[CHECKPOINT] = {
+        "path": region.path,
+        "mode": region.mode,
+        "rule": region.rule,
+        "target": region.target,
+    }
+    call.meta["meshplan.module"] = region.path
+    if len(outputs) == 1:
+        call.meta.update({k: v for k, v in outputs[0].meta.items() if k not in _NOT_INHERITED})
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside)
+    else:
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        anchor = call
+        for i, out in enumerate(outputs):
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(operator.getitem, (call, i))
+            anchor.meta.update({k: v for k, v in out.meta.items() if k not in _NOT_INHERITED})
+            anchor.meta["meshplan.module"] = region.path
+            out.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+
+
+# meta that describes the op that made a value, not the value: the call node is not that op
+_NOT_INHERITED = frozenset(
+    {
+        "nn_module_stack",
+        "meshplan.module",
+        "meshplan.collective",
+        "stack_trace",
+        "source_fn_stack",
+        "torch_fn",
+        "original_aten",
+        "from_node",
+        "seq_nr",
+    }
+)
+
+
+def _class_name(region: Region) -> str:
+    return "Checkpoint_" + region.path.replace(".", "_")
+
+
+class SelectiveContext(enum.Enum):
+    """`context_fn` values for selective checkpointing, one per policy.
+
+    An enum rather than a function so that fx prints the call readably
+    (`context_fn = SelectiveContext.SAVE_MATMULS`); calling a member makes the contexts.
+    """
+
+    SAVE_MATMULS = "save_matmuls"  # keep matmul and attention outputs, recompute the rest
+
+    def __call__(self):
+        return torch.utils.checkpoint.create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy:
+    if op in MATMUL_OPS:
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ---------------------------------------------------------------------------- after the pass
+
+
+def region_modules(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule]]:
+    """Each checkpoint call node of `gm` with its outlined submodule."""
+    for node in gm.graph.nodes:
+        info = node.meta.get(CHECKPOINT)
+        if info is not None:
+            yield node, _region(gm, info["target"])
+
+
+def _region(gm: fx.GraphModule, target: str) -> fx.GraphModule:
+    region = gm.get_submodule(target)
+    assert isinstance(region, fx.GraphModule), f"{target} is an outlined region"
+    return region
+
+
+def collective_nodes(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, bool]]:
+    """Every collective node of `gm` and of its regions, in program order, with whether
+    backward's recomputation issues its forward collectives again.
+
+    For the ledger: a recomputed collective is issued once in forward and once more in
+    backward, before its own backward collective (which runs once: the recomputed
+    forward's autograd graph is thrown away).
+    """
+    for node in gm.graph.nodes:
+        info = node.meta.get(CHECKPOINT)
+        if info is None:
+            if COLLECTIVE in node.meta:
+                yield node, False
+            continue
+        region = _region(gm, info["target"])
+        again = set(recomputed_collectives(region))
+        for inner in region.graph.nodes:
+            if COLLECTIVE in inner.meta:
+                yield inner, inner in again
+
+
+def recomputed_collectives(region: fx.GraphModule) -> list[fx.Node]:
+    """The collective nodes of an outlined region that its recomputation issues again.
+
+    Non-reentrant checkpointing stops recomputing as soon as it has rebuilt every tensor
+    the region saved for backward ("early stop"). Collectives after the region's last
+    op that saves a tensor are not issued again: in a Llama block, the all-reduce (or
+    reduce-scatter) after `down_proj` only feeds the residual add, so of a block's two
+    row-split reductions only the first is recomputed. Which ops save tensors is judged
+    from `_SAVES_NOTHING`, conservatively: an op not listed counts as saving.
+    """
+    nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_module")]
+    last = max((i for i, n in enumerate(nodes) if _saves_tensors(n)), default=-1)
+    return [n for n in nodes[:last] if COLLECTIVE in n.meta]
+
+
+# Ops whose backward needs no saved tensor (only shapes, or nothing).
+_SAVES_NOTHING = frozenset(
+    {
+        operator.getitem,
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.neg.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.t.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.chunk.default,
+        aten.split.Tensor,
+        aten.cat.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.to.dtype,
+        aten._to_copy.default,
+        aten.type_as.default,
+    }
+)
+# The collectives whose autograd functions save no tensor (their backward is a collective).
+_COLLECTIVES_SAVING_NOTHING = frozenset(
+    {"copy_to", "all_reduce", "all_gather", "gather_replicated", "reduce_scatter", "split"}
+)
+
+
+def _saves_tensors(node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return node.meta.get(COLLECTIVE, {}).get("kind") not in _COLLECTIVES_SAVING_NOTHING
+    return node.target not in _SAVES_NOTHING
+
+
+def bind_regions(program: fx.GraphModule, mesh=None) -> fx.GraphModule:
+    """Give the regions of a rank program this rank's collective modules.
+
+    `build_rank_program` copies attributes it does not know as they are, so a region
+    would still call the compiled graph's group-less collectives. This rebuilds each
+    region around the program's own collective modules (those its outer graph calls),
+    creating the others for `mesh` as `build_rank_program` does. Parameters need
+    nothing: they enter regions as inputs from the outer graph's `get_attr` nodes.
+    """
+    from meshplan.runtime.collectives import COLLECTIVES
+
+    made: dict[str, nn.Module] = {}
+
+    def collective(target: str) -> nn.Module:
+        if hasattr(program, target):
+            return program.get_submodule(target)
+        if target not in made:
+            kind, _, axis = target.rpartition("_")
+            group = mesh.get_group(axis) if mesh is not None else None
+            made[target] = COLLECTIVES[kind](group, axis)
+        return made[target]
+
+    for node, region in list(region_modules(program)):
+        targets = {str(n.target) for n in region.graph.nodes if n.op == "call_module"}
+        if not targets:  # nothing rank-specific inside: the compiled region is shared as is
+            continue
+        modules = {t: collective(t) for t in sorted(targets)}
+        rebound = fx.GraphModule(modules, region.graph, class_name=type(region).__name__)
+        setattr(program, node.meta[CHECKPOINT]["target"], rebound)
+    return program

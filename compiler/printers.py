@@ -15,7 +15,10 @@ from meshplan.dsl.fmt import action_text
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape
+from .passes.checkpoint import region_modules
 from .placement import Shard
+
+CHECKPOINT = "meshplan.checkpoint"
 
 
 def compress_paths(paths: Iterable[str]) -> list[str]:
@@ -139,26 +142,43 @@ def ledger_table(compiled: Compiled) -> str:
 
 
 def annotated_code(compiled: Compiled, rank: int) -> str:
-    """The rank's program as Python, each collective line marked with its op, axis and rule."""
+    """The rank's program as Python, each collective and checkpointed region marked on the right,
+    followed by the code of each checkpointed region."""
     coords = compiled.layout.coords(rank)
-    notes = {}
-    for node in compiled.graph.graph.nodes:
-        info = node.meta.get(COLLECTIVE)
-        if info:
-            rule = info.get("rule")
-            where = f" <- {rule.span.path}:{rule.span.line}" if rule is not None else ""
-            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {tuple(shape(node))}{where}"
     header = [
         f"# meshplan rank {rank} of {compiled.layout.world_size}: "
         + ", ".join(f"{k}={v}" for k, v in coords.items()),
         f"# plan: {compiled.plan.path}",
         "# parameters are this rank's shards; collectives are marked on the right",
     ]
+    sections = [_annotated(compiled.graph)]
+    for call, region in region_modules(compiled.graph):
+        info = call.meta[CHECKPOINT]
+        sections.append(
+            f"# checkpointed region {info['path']} ({info['mode']}): {info['target']}, run again in backward\n"
+            + _annotated(region)
+        )
+    return "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def _annotated(gm) -> str:
+    notes = {}
+    for node in gm.graph.nodes:
+        info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
+        if info:
+            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {tuple(shape(node))}{_where(info)}"
+        elif region:
+            notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
     body = []
-    for line in compiled.graph.code.strip("\n").splitlines():
-        m = re.match(r"\s+(\w+) = self\.\w+\(", line)
+    for line in gm.code.strip("\n").splitlines():
+        m = re.match(r"\s+(\w+) = ", line)
         body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
-    return "\n".join(header) + "\n\n" + "\n".join(body) + "\n"
+    return "\n".join(body)
+
+
+def _where(info: dict) -> str:
+    rule = info.get("rule")
+    return f" <- {rule.span.path}:{rule.span.line}" if rule is not None else ""
 
 
 def graph_records(compiled: Compiled) -> list[dict]:

@@ -44,8 +44,8 @@ def test_multi_node_flags_pass_through() -> None:
     ("argv", "message"),
     [
         (
-            [str(ROOT / "examples" / "gpt_zero3.plan"), "--nproc-per-node", "2"],
-            "does not execute `checkpoint` rules",
+            [str(ROOT / "examples" / "llama_interleaved.plan")],
+            "does not execute pipeline parallelism",
         ),
         ([str(ROOT / "examples" / "gpt_zero3.plan")], "pass --nproc-per-node"),
         ([TINY_DP, "--data", "no/such/file.txt"], "does not exist"),

@@ -1,0 +1,106 @@
+"""Training step time: meshplan's ZeRO-2 and ZeRO-3 vs PyTorch's DDP and FSDP2, same model, same ranks.
+
+    python bench/dp_step_time.py [--layers 8] [--hidden 256] [--steps 10] [--bucket-mib 25]
+
+Model: the example Llama in fp32 (default 8 layers, H=256, I=688, V=256), B=4, S=64 per
+rank, AdamW, on 2 gloo ranks (CPU). One step = forward, backward, optimizer step, zero_grad.
+Every configuration is built once, then they take turns, one step each per round (so they share\nthe machine's load): `--warmup` rounds, then `--steps` timed rounds; the median is printed.
+
+    ddp          DistributedDataParallel + torch.optim.AdamW (every rank holds everything)
+    fsdp2-noresh fully_shard per layer and root, reshard_after_forward=False (ZeRO-2 like)
+    fsdp2        fully_shard per layer and root, reshard_after_forward=True  (ZeRO-3)
+    zero2, zero3 meshplan.runtime.zero (per-bucket / per-layer flats, gloo async collectives)
+
+Ratios below 1.0 mean meshplan is faster. On a shared 2-core machine the numbers are noisy:
+read ratios from one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from meshplan.examples.models.llama import build, example_inputs
+from meshplan.runtime.launch import spawn
+from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+
+WORLD = 2
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
+
+
+def _setup(
+    name: str, model: torch.nn.Module, world: int, args: argparse.Namespace
+) -> tuple[torch.nn.Module, Callable, Callable]:
+    """The wrapped model, its optimizer step and its zero_grad."""
+    if name == "ddp":
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+        return ddp, opt.step, opt.zero_grad
+    if name.startswith("fsdp2"):
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = name == "fsdp2"
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        return model, opt.step, opt.zero_grad
+    stage = int(name[-1])
+    zero = shard_for_zero(
+        model, dist.group.WORLD, ZeroConfig(stage=stage, bucket_bytes=args.bucket_mib * 2**20), **ADAMW
+    )
+    return model, zero.step, zero.zero_grad
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, names: list[str]) -> dict[str, float]:
+    overrides = {
+        "num_hidden_layers": args.layers,
+        "hidden_size": args.hidden,
+        "intermediate_size": int(args.hidden * 2.6875),
+    }
+    runs = {name: _setup(name, build(**overrides), world, args) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    # Round-robin, one step of each per round: on a shared machine every configuration sees the same load.
+    for i in range(args.warmup + args.steps):
+        ids, labels = example_inputs(4, 64, seed=world * i + rank)
+        for name, (model, step, zero_grad) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(ids, labels).backward()
+            step()
+            zero_grad()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t[args.warmup :]) for name, t in times.items()}
+    return medians
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=int, default=25, help="ZeRO bucket size; DDP's default is 25")
+    args = parser.parse_args()
+    names = ["ddp", "zero2", "fsdp2-noresh", "fsdp2", "zero3"]
+    by_rank = spawn(worker, WORLD, (args, names), timeout_s=600)
+    t = {name: max(r[name] for r in by_rank) for name in names}  # a step ends when the slowest rank does
+    print(f"Llama fp32, {args.layers} layers, H={args.hidden}, B=4 S=64 per rank, {WORLD} gloo ranks\n")
+    for name in names:
+        print(f"{name:>13}  {t[name] * 1e3:8.1f} ms/step")
+    print()
+    for ours, theirs in [("zero2", "ddp"), ("zero2", "fsdp2-noresh"), ("zero3", "fsdp2"), ("zero3", "ddp")]:
+        print(f"{ours} / {theirs:<13} {t[ours] / t[theirs]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -79,9 +79,27 @@ class PlanFileError(PlanError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """The closest choice to `word`, if one is close enough to be a likely typo."""
-    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    """The closest choice to `word`, if one is close enough to be a likely typo.
+
+    Short names (mesh axes: `tp`, `dp`) are too short for a similarity ratio, so the one
+    choice a single edit away (`tq` for `tp`) also counts.
+    """
+    options = list(choices)
+    matches = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if matches:
+        return matches[0]
+    near = [c for c in options if _one_edit(word, c)]
+    return near[0] if len(near) == 1 else None  # `pp` is as close to `dp` as to `tp`: no guess
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """True if one substitution, insertion or deletion turns `a` into `b`."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b, strict=True)) == 1
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def one_of(choices: Iterable[str]) -> str:

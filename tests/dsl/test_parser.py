@@ -400,3 +400,11 @@ def test_undecodable_bytes(data: bytes, message: str, where: tuple[int, int]) ->
     span = info.value.diagnostics[0].span
     assert (span.line, span.col) == where
     assert "^" in str(info.value)  # the offending line is shown
+
+
+def test_did_you_mean_short_names():
+    from meshplan.dsl.errors import did_you_mean
+
+    assert did_you_mean("tq", ["dp", "tp"]) == "tp"
+    assert did_you_mean("pp", ["dp", "tp"]) is None  # one edit from both: no guess
+    assert did_you_mean("colum", ["column", "row"]) == "column"

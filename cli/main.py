@@ -231,7 +231,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         reports = spawn(verify_worker, world_size, (config,))
     except WorkerError as e:
         raise UsageError(f"a rank failed while verifying:\n{e}") from None
-    print(f"verify {args.plan} on {world_size} ranks vs one device, {args.steps} AdamW steps, {args.dtype}")
+    print(
+        f"verify {args.plan} on {world_size} ranks vs one device, {args.steps} AdamW steps, "
+        f"{args.dtype} (compute {probe.precision.compute})"
+    )
     print(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'rel diff':>9}")
     for step in reports[0].steps:
         print(f"{step.step:>4}  {step.loss:>12.6f}  {step.reference_loss:>12.6f}  {step.rel:>9.2e}")

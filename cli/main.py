@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from meshplan.args import positive_int
 from meshplan.compiler.errors import CompileError
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
@@ -315,16 +316,6 @@ def summarize(plan: Plan) -> str:
 # ---------------------------------------------------------------------------- parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, example: str):
     p = sub.add_parser(
         name,
@@ -340,11 +331,11 @@ def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, e
 def _add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         metavar="B",
         help="compile for this many sequences per step (default: the model's example inputs)",
     )
-    p.add_argument("--seq", type=_positive_int, metavar="T", help="compile for this sequence length")
+    p.add_argument("--seq", type=positive_int, metavar="T", help="compile for this sequence length")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plans", nargs="+", metavar="PLAN", help="plan files")
     p.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="number of processes; resolves a `*` axis and checks the mesh product",
     )
@@ -394,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
-    p.add_argument("--world-size", type=_positive_int, metavar="N")
+    p.add_argument("--world-size", type=positive_int, metavar="N")
     _add_shape_arguments(p)
 
     p = _add(
@@ -410,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the artifact to")
-    p.add_argument("--world-size", type=_positive_int, metavar="N")
+    p.add_argument("--world-size", type=positive_int, metavar="N")
     _add_shape_arguments(p)
 
     p = _add(
@@ -440,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
-    p.add_argument("--world-size", type=_positive_int, metavar="N")
-    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--world-size", type=positive_int, metavar="N")
+    p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--dtype",

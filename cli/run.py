@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshplan.args import non_negative_int, positive_int
+
 DEFAULT_MODEL = "meshplan.examples.models.llama:build"
 EXIT_OK, EXIT_USER = 0, 2
 EXIT_PEER = 3  # a rank died or hung; the others stopped
@@ -64,26 +66,6 @@ class RunError(ValueError):
     """A user mistake found by `meshplan run` (one line, with a hint)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `meshplan run` (and of `python -m meshplan.run`)."""
     p.add_argument("plan", metavar="PLAN", help="the plan file; its mesh gives the number of processes")
@@ -93,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help=f"FILE.py:factory or module:factory (default: {DEFAULT_MODEL}, a tiny Llama)",
     )
-    p.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument(
         "--data",
         metavar="FILE",
@@ -101,17 +83,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         metavar="B",
         help="sequences per micro-step per data-parallel rank (default 8)",
     )
     p.add_argument(
-        "--seq", type=_positive_int, default=64, metavar="T", help="tokens per sequence (default 64)"
+        "--seq", type=positive_int, default=64, metavar="T", help="tokens per sequence (default 64)"
     )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument(
-        "--warmup", type=_non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
+        "--warmup", type=non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
     )
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this (default 0.1)")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -121,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--save-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="checkpoint every N steps (and at the end); 0: never",
@@ -139,14 +121,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--log-every",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         metavar="N",
         help="print every N steps when not on a terminal",
     )
     p.add_argument(
         "--timeout",
-        type=_positive_int,
+        type=positive_int,
         default=300,
         metavar="S",
         help="seconds a collective may wait for a peer (default 300)",
@@ -157,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("torchrun (passed through)")
     g.add_argument(
         "--nproc-per-node",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="processes per node (default: the mesh's world size / --nnodes)",
     )

@@ -281,7 +281,7 @@ def train(
             summary.steps_done = step + 1
             summary.tokens += tokens_per_step
             tokens_per_s = tokens_per_step / dt
-            record = {
+            record: dict[str, Any] = {
                 "step": step + 1,
                 "loss": mean_loss,
                 "lr": lr,

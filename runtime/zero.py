@@ -105,7 +105,7 @@ class Collective(NamedTuple):
 
     op: str
     bytes: int
-    count: int
+    count: int  # type: ignore[assignment]  # the ledger's name for it; shadows tuple.count
 
 
 class _Flat:
@@ -277,7 +277,7 @@ class Zero:
             ]
         self.opt_device = torch.device("cpu") if config.offload_optimizer else self.device
         self.masters = [self._master_for(f) for f in self.flats]
-        param_groups = [
+        param_groups: list[dict[str, Any]] = [
             {"params": [m for f, m in zip(self.flats, self.masters, strict=True) if decays[id(f.params[0])]]},
             {
                 "params": [
@@ -458,7 +458,7 @@ class Zero:
             for key, t in zip(_OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True):
                 local = t.detach()[: f.local_numel]  # (local_numel,): drop the padding
                 out[f"flat{i}.{key}"] = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=(f.numel,), stride=(1,)
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size((f.numel,)), stride=(1,)
                 )
         return out
 

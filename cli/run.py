@@ -430,6 +430,7 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     from meshplan.compiler.placement import Shard
     from meshplan.compiler.verify import bind_inputs
     from meshplan.dsl import load_plan
+    from meshplan.runtime.checkpoint import TensorLayout
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.mesh import init_mesh
@@ -463,6 +464,15 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
         shard_key="_".join(
             f"{axis}{coords[axis]}" for axis in layout.names if axis != dp_axis and layout.size(axis) > 1
+        ),
+        layout=TensorLayout(
+            mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
+            {
+                name: (p.dim, p.blocks)
+                for name, placement in compiled.param_placements.items()
+                for p in placement.values()
+                if isinstance(p, Shard)
+            },
         ),
     )
     sharded = {

@@ -28,12 +28,18 @@ state; the model's buffers are saved as usual. Loading fills those shards in pla
 `Zero.load_state_dict` puts the params in line with them. The dp size may change; the
 stage, bucket size and tp layout may not.
 
-Keys and sharding: state that differs between ranks (a tensor-parallel shard) must not
-share a key, or DCP keeps only one rank's copy (it deduplicates equal keys as
-replicas). The caller passes `shard_key`, a name for the rank's shard, e.g. "tp1" for tp
-coordinate 1, or "" when every rank holds the same state (pure DP). Ranks with the same
-key must hold identical state (dp replicas), and DCP writes it once. Resuming on a
-different plan (resharding) is not supported yet.
+Keys and sharding, without ZeRO: parameters and Adam moments are saved as full tensors
+keyed by parameter name. Tensor-parallel shards are all-gathered over the tensor axis
+(`TensorLayout`), so every rank holds the same value for a key and DCP writes it once;
+loading reads the full tensor and keeps this rank's piece. The checkpoint does not
+depend on the layout: a run saved with dp=2 x tp=2 resumes with dp=4, or tp=4 (the
+data stream depends on the global batch only). The cost is a full copy of each tensor
+on each rank while saving or loading.
+
+Under ZeRO the state is per flat buffer, which depends on the layout: state that
+differs between ranks (a tensor-parallel rank's buffers) must not share a key, so the
+caller passes `shard_key`, e.g. "tp1" for tp coordinate 1. Resuming a ZeRO checkpoint
+on a different tp layout, stage or bucket size is not supported.
 
 Trust: DCP reads `.metadata` (and any non-tensor value) with pickle, so a checkpoint
 folder is trusted input, like a model file: load only checkpoints you wrote. meshplan
@@ -49,7 +55,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,10 +64,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .export import full_shape, shard_of, unshard
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
 TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How this rank's parameters are cut over the tensor axis: name -> (dim, block sizes)."""
+
+    tp: dist.ProcessGroup | None = None
+    sharding: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -94,10 +109,11 @@ def save(
     optimizer: torch.optim.Optimizer | Zero,
     *,
     shard_key: str = "",
+    layout: TensorLayout | None = None,
     keep: int = 2,
 ) -> Path:
     """Write the checkpoint of `step` atomically (all ranks call this); return its final path."""
-    tmp = write_temporary(root, step, model, optimizer, shard_key=shard_key)
+    tmp = write_temporary(root, step, model, optimizer, shard_key=shard_key, layout=layout)
     final = Path(root) / checkpoint_name(step)
     if _rank() == 0:
         publish(tmp, final)
@@ -113,6 +129,7 @@ def write_temporary(
     optimizer: torch.optim.Optimizer | Zero,
     *,
     shard_key: str = "",
+    layout: TensorLayout | None = None,
 ) -> Path:
     """The first half of `save`: every rank writes into `.tmp-stepN`. Nothing is published yet."""
     tmp = Path(root) / (TMP_PREFIX + checkpoint_name(step))
@@ -122,7 +139,9 @@ def write_temporary(
     _barrier()
     with _single_process_quiet():
         dcp.save(
-            _state(model, optimizer, step, shard_key), checkpoint_id=str(tmp), no_dist=not _distributed()
+            _state(model, optimizer, step, shard_key, layout),
+            checkpoint_id=str(tmp),
+            no_dist=not _distributed(),
         )
     return tmp
 
@@ -150,10 +169,15 @@ def prune(root: str | Path, *, keep: int) -> None:
 
 
 def load(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | Zero, *, shard_key: str = ""
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Zero,
+    *,
+    shard_key: str = "",
+    layout: TensorLayout | None = None,
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
-    state = _state(model, optimizer, 0, shard_key)
+    state = _state(model, optimizer, 0, shard_key, layout, for_load=True)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     shard = state[_shard(shard_key)]
@@ -161,14 +185,24 @@ def load(
         optimizer.load_state_dict(shard["zero"])
         model.load_state_dict(shard["buffers"], strict=False)
     else:
+        _keep_local(shard, layout)
         set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=shard["optim"])
-    torch.set_rng_state(state["rng"][_rng_key()])
+    if _rng_key() in state["rng"]:  # a rank that did not exist when saving keeps its seeded state
+        torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda_" + _rng_key()])
     return Restored(int(state["train"]["step"]), Path(path))
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | Zero, step: int, shard_key: str) -> dict:
+def _state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Zero,
+    step: int,
+    shard_key: str,
+    layout: TensorLayout | None = None,
+    *,
+    for_load: bool = False,
+) -> dict:
     if isinstance(optimizer, Zero):
         # the params live in the zero state (stage 3 holds no full copy to save)
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -177,6 +211,9 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | Zero, step: int,
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         shard = {"model": model_sd, "optim": optim_sd}
+        if layout is not None and layout.tp is not None:
+            _make_full(shard, layout, for_load=for_load)
+        shard_key = ""  # full tensors: the same on every rank, whatever the layout
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
@@ -185,6 +222,50 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | Zero, step: int,
         "train": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": rng,
     }
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _make_full(shard: dict, layout: TensorLayout, *, for_load: bool) -> None:
+    """Replace each tensor-parallel shard (parameter and Adam moments) by the full tensor:
+    gathered when saving, an empty full-size buffer for DCP to fill when loading."""
+    tp = layout.tp
+    assert tp is not None
+    n = dist.get_world_size(tp)
+
+    def full(name: str, local: torch.Tensor) -> torch.Tensor:
+        dim, blocks = layout.sharding[name]
+        if for_load:
+            return local.new_empty(full_shape(local, dim, n))
+        return unshard(local.detach(), dim, blocks, tp)
+
+    for name in [k for k in shard["model"] if k in layout.sharding]:
+        shard["model"][name] = full(name, shard["model"][name])
+    for name, moments in shard["optim"].get("state", {}).items():
+        if name in layout.sharding:
+            for key in _MOMENTS:
+                if key in moments:
+                    moments[key] = full(name, moments[key])
+
+
+def _keep_local(shard: dict, layout: TensorLayout | None) -> None:
+    """After loading full tensors, keep this rank's piece of each sharded one."""
+    if layout is None or layout.tp is None:
+        return
+    n, rank = dist.get_world_size(layout.tp), dist.get_rank(layout.tp)
+
+    def local(name: str, full: torch.Tensor) -> torch.Tensor:
+        dim, blocks = layout.sharding[name]
+        return shard_of(full, dim, blocks, rank, n).contiguous()
+
+    for name in [k for k in shard["model"] if k in layout.sharding]:
+        shard["model"][name] = local(name, shard["model"][name])
+    for name, moments in shard["optim"].get("state", {}).items():
+        if name in layout.sharding:
+            for key in _MOMENTS:
+                if key in moments:
+                    moments[key] = local(name, moments[key])
 
 
 def _shard(shard_key: str) -> str:

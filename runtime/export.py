@@ -36,18 +36,30 @@ def consolidate(
         local = tensor.detach()
         if name in sharding and tp is not None:
             dim, blocks = sharding[name]
-            local = _unshard(local, dim, blocks, tp)
+            local = unshard(local, dim, blocks, tp)
         out[name] = local.cpu().clone()
     return out
 
 
-def _unshard(local: Tensor, dim: int, blocks: tuple[int, ...], tp: dist.ProcessGroup) -> Tensor:
+def unshard(local: Tensor, dim: int, blocks: tuple[int, ...], tp: dist.ProcessGroup) -> Tensor:
     """All-gather along `dim`; a blocked shard [q_r, k_r, v_r] is gathered block by block."""
     n = dist.get_world_size(tp)
     if not blocks:
         return all_gather(local, dim, tp)
     pieces = local.split([b // n for b in blocks], dim)  # this rank's chunk of each block
     return torch.cat([all_gather(piece.contiguous(), dim, tp) for piece in pieces], dim)
+
+
+def shard_of(full: Tensor, dim: int, blocks: tuple[int, ...], rank: int, n: int) -> Tensor:
+    """This rank's piece of a full tensor cut over `n` ranks (its chunk of each block)."""
+    pieces = full.split(list(blocks), dim) if blocks else (full,)
+    return torch.cat([piece.chunk(n, dim)[rank] for piece in pieces], dim)
+
+
+def full_shape(local: Tensor, dim: int, n: int) -> tuple[int, ...]:
+    shape = list(local.shape)
+    shape[dim] *= n
+    return tuple(shape)
 
 
 def write_state_dict(state: dict[str, Tensor], path: Path) -> None:

@@ -102,7 +102,8 @@ class Groups:
 
     dp: dist.ProcessGroup | None = None
     tp: dist.ProcessGroup | None = None
-    shard_key: str = ""  # checkpoint key of this rank's shard (see checkpoint.py)
+    shard_key: str = ""  # checkpoint key of this rank's shard under ZeRO (see checkpoint.py)
+    layout: checkpoint.TensorLayout | None = None  # tensor-parallel cuts, for layout-free checkpoints
 
 
 @dataclass
@@ -299,7 +300,14 @@ def train(
             metrics.write(record)
             display.update(record)
             if _should_save(step + 1, config):
-                checkpoint.save(ckpt_root, step + 1, program, zero or optimizer, shard_key=groups.shard_key)
+                checkpoint.save(
+                    ckpt_root,
+                    step + 1,
+                    program,
+                    zero or optimizer,
+                    shard_key=groups.shard_key,
+                    layout=groups.layout,
+                )
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
     except RuntimeError as e:
         if is_peer_failure(e):  # gloo/NCCL: a peer closed its connection or never answered
@@ -400,7 +408,7 @@ def _maybe_resume(
     path = checkpoint.latest(root)
     if path is None:
         return 0
-    return checkpoint.load(path, program, optimizer, shard_key=groups.shard_key).step
+    return checkpoint.load(path, program, optimizer, shard_key=groups.shard_key, layout=groups.layout).step
 
 
 def _should_save(done: int, config: TrainConfig) -> bool:

@@ -32,6 +32,7 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
+from meshplan.runtime.export import shard_of
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import Captured, ModelSource, capture
@@ -342,7 +343,5 @@ def local_shard(
     local = full
     for axis, p in placement.items():
         if isinstance(p, Shard):
-            n, r = layout.size(axis), coords[axis]
-            blocks = local.split(list(p.blocks), p.dim) if p.blocks else (local,)
-            local = torch.cat([block.chunk(n, p.dim)[r] for block in blocks], p.dim)
+            local = shard_of(local, p.dim, p.blocks, coords[axis], layout.size(axis))
     return local

@@ -10,6 +10,7 @@ cases hold the SPEC's fp32 tolerances.
 from pathlib import Path
 
 import pytest
+from tp_plans import GPT2_TP, PHI3_TP, llama_tp
 
 from meshplan.compiler.verify import VerifyConfig, verify_worker
 from meshplan.runtime.launch import spawn
@@ -18,32 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 LLAMA = f"{ROOT}/examples/models/llama.py:build"
 GPT = f"{ROOT}/examples/models/gpt.py:build"
-
-TP_ONLY = """
-mesh tp={n}
-
-modules {{
-    {p}layers.*.self_attn.{{q,k,v}}_proj: column over tp
-    {p}layers.*.self_attn.o_proj:       row over tp
-    {p}layers.*.mlp.{{gate,up}}_proj:     column over tp
-    {p}layers.*.mlp.down_proj:          row over tp
-    {p}embed_tokens:                    vocab over tp
-    lm_head:                            vocab over tp
-}}
-"""
-
-GPT2_TP = """
-mesh tp=2
-
-modules {
-    transformer.h.*.attn.c_attn: column over tp
-    transformer.h.*.attn.c_proj: row over tp
-    transformer.h.*.mlp.c_fc:    column over tp
-    transformer.h.*.mlp.c_proj:  row over tp
-    transformer.wte:             vocab over tp
-    lm_head:                     vocab over tp
-}
-"""
 
 EXPLICIT_HEADS = """
 mesh tp=2
@@ -75,7 +50,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_llama_tp2_fp32(tmp_path):
-    loss, grad, param = run(write(tmp_path, TP_ONLY.format(n=2, p="")), LLAMA, 2)
+    loss, grad, param = run(write(tmp_path, llama_tp(2)), LLAMA, 2)
     assert loss <= 1e-5 and grad <= 1e-4 and param <= 1e-4, (loss, grad, param)
 
 
@@ -108,9 +83,7 @@ def test_literal_head_count_in_view_is_rewritten(tmp_path):
 
 def test_hf_llama_tp2(tmp_path):
     pytest.importorskip("transformers")
-    loss, grad, param = run(
-        write(tmp_path, TP_ONLY.format(n=2, p="model.")), f"{HERE}/hf_factories.py:hf_llama", 2
-    )
+    loss, grad, param = run(write(tmp_path, llama_tp(2, "model.")), f"{HERE}/hf_factories.py:hf_llama", 2)
     assert loss <= 1e-5 and grad <= 1e-4 and param <= 1e-4, (loss, grad, param)
 
 
@@ -121,20 +94,6 @@ def test_hf_gpt2_tp2_fused_qkv(tmp_path):
     pytest.importorskip("transformers")
     loss, grad, param = run(write(tmp_path, GPT2_TP), f"{HERE}/hf_factories.py:hf_gpt2", 2, dtype="float64")
     assert loss <= 1e-6 and grad <= 1e-5 and param <= 1e-5, (loss, grad, param)
-
-
-PHI3_TP = """
-mesh tp=2
-
-modules {
-    model.layers.*.self_attn.qkv_proj: column over tp
-    model.layers.*.self_attn.o_proj:   row over tp
-    model.layers.*.mlp.gate_up_proj:   column over tp
-    model.layers.*.mlp.down_proj:      row over tp
-    model.embed_tokens:                vocab over tp
-    lm_head:                           vocab over tp
-}
-"""
 
 
 def test_hf_phi3_tp2_uneven_fused_blocks(tmp_path):

@@ -157,10 +157,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     ledger = compiled.ledger
     print(f"compiled {args.plan} for {compiled.layout.world_size} ranks -> {out}/")
     print(f"  {len(files)} files: {', '.join(f.name for f in files[:6])}, ...")
-    print(
-        f"  {ledger.count()} collectives per step ({ledger.count(phase='forward')} forward, "
-        f"{ledger.count(phase='backward')} backward), {ledger.total_bytes() / 1e6:.3f} MB"
-    )
+    print(f"  {ledger.summary()}")
     return EXIT_OK
 
 

@@ -18,6 +18,10 @@ The passes run in this order, each for a reason:
              torch.utils.checkpoint; last, because later passes would not look inside
              regions, and after tensor parallelism so its collectives are recomputed too.
              The ledger is built after it and counts recomputed collectives.
+6. ZeRO (`data_parallel { zero = N }`): gather/release nodes around each layer's
+             parameter uses; last, because a checkpointed layer must be one call node
+             (its recomputation then runs between the release's backward gather and the
+             layer's backward, never re-gathering or freeing).
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from meshplan.runtime.export import shard_of
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import Captured, ModelSource, capture
-from .graph import keep_loss_output, normalize
-from .ledger import Ledger, build_ledger
+from .graph import for_rank, keep_loss_output, normalize
+from .ledger import DataParallelFacts, Ledger, build_ledger
 from .match import Resolution, resolve
 from .passes.checkpoint import CheckpointError, bind_regions, checkpoint_regions, regions_from
 from .passes.precision import DTYPES, PrecisionSpec, mixed_precision
 from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
+from .passes.zero import ZeroSpec, shard_parameters
 from .placement import REPLICATE, Placement, Shard
 
 
@@ -89,11 +94,56 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     errors = [d for d in diagnostics if d.severity == "error"]
     if errors:
         raise PlanValidationError(diagnostics, {plan.path: plan.source})
+    dp = plan.data_parallel
+    if dp is not None and dp.zero > 0 and layout.size(dp.axis) > 1:
+        gm = shard_parameters(gm, ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}"))
     warnings = [d for d in diagnostics if d.severity == "warning"]
     placements = {name: {tensor_axis: pp.placement} for name, pp in (spec.params if spec else {}).items()}
     rules = {name: pp.rule for name, pp in (spec.params if spec else {}).items() if pp.rule is not None}
-    ledger = build_ledger(gm, layout)
+    ledger = build_ledger(
+        gm,
+        layout,
+        accumulation=plan.train.gradient_accumulation,
+        data=_data_parallel_facts(plan, gm, source.model, placements, layout),
+    )
     return Compiled(plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings)
+
+
+def _data_parallel_facts(
+    plan: Plan,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    placements: dict[str, dict[str, Placement]],
+    layout: MeshLayout,
+) -> DataParallelFacts | None:
+    """The plan's data-parallel setting and one rank's trainable params, as meta tensors of
+    their local shapes in the order the rank program holds them."""
+    dp = plan.data_parallel
+    if dp is None:
+        return None
+    from meshplan.runtime.train import decays
+
+    full = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if (
+            node.op != "get_attr"
+            or name not in full
+            or not full[name].requires_grad
+            or id(full[name]) in seen
+        ):
+            continue
+        seen.add(id(full[name]))
+        shape = list(full[name].shape)
+        for axis, p in placements.get(name, {}).items():
+            if isinstance(p, Shard):
+                shape[p.dim] //= layout.size(axis)
+        params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
+    reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    where = f"{dp.span.path}:{dp.span.line}"
+    return DataParallelFacts(dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), decays, where)
 
 
 def _precision_spec(plan: Plan, resolution: Resolution) -> PrecisionSpec:
@@ -300,8 +350,6 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
-    from meshplan.runtime.collectives import COLLECTIVES
-
     coords = compiled.layout.coords(rank)
     graph = compiled.graph.graph
     root: dict[str, object] = {}
@@ -324,9 +372,7 @@ def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=Non
             else:
                 root[name] = local.detach().clone()
         elif node.op == "call_module":
-            kind, _, axis = str(node.target).rpartition("_")
-            group = mesh.get_group(axis) if mesh is not None else None
-            root[str(node.target)] = COLLECTIVES[kind](group, axis)
+            root[str(node.target)] = for_rank(compiled.graph.get_submodule(str(node.target)), mesh)
     return bind_regions(fx.GraphModule(root, graph), mesh)
 
 

@@ -9,8 +9,10 @@ Facts the compiler adds live in `node.meta` under namespaced keys:
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from torch import fx
+from torch import fx, nn
 
 PLACEMENT = "meshplan.placement"
 RULE = "meshplan.rule"
@@ -88,3 +90,14 @@ def keep_loss_output(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def for_rank(template: nn.Module, mesh=None) -> nn.Module:
+    """A rank's own instance of one of the graph's communication modules: a collective bound
+    to this rank's process group of its axis, or a fresh ZeRO node for the engine to bind."""
+    from meshplan.runtime.collectives import AxisCollective  # runtime imports torch.distributed
+
+    if isinstance(template, AxisCollective):
+        group = mesh.get_group(template.axis) if mesh is not None else None
+        return type(template)(group, template.axis)
+    return copy.copy(template)

@@ -87,11 +87,54 @@ def explain(compiled: Compiled) -> str:
             summary = ", ".join(f"{n} {op} {phase}" for (phase, op), n in sorted(counts.items()))
             lines.append(f"    collectives per step: {summary}")
         lines.append("")
-    replicated = _replicated_linears(compiled)
+    lines += _data_parallel_lines(compiled)
+    replicated = _replicated_linears(compiled) if compiled.tensor_axis else []
     if replicated:
         lines.append("replicated on every rank (no tensor rule):")
         lines += [f"    {p}" for p in compress_paths(replicated)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _data_parallel_lines(compiled: Compiled) -> list[str]:
+    """The `data_parallel` block: what each rank keeps, its units or buckets, and its collectives."""
+    dp = compiled.plan.data_parallel
+    if dp is None:
+        return []
+    size = compiled.layout.size(dp.axis)
+    keeps = {
+        0: "a full copy of parameters, gradients and optimizer state; gradients all-reduced in buckets",
+        1: f"1/{size} of the optimizer state; gradients all-reduced in buckets, parameters all-gathered",
+        2: f"1/{size} of the optimizer state and gradients (reduce-scatter in buckets)",
+        3: f"1/{size} of parameters, gradients and optimizer state; each layer gathered before use, freed after",
+    }[dp.zero]
+    lines = [
+        f"line {dp.span.line}: data_parallel over {dp.axis} ({size} ranks): ZeRO-{dp.zero}"
+        if dp.zero
+        else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} ranks)",
+        f"    each rank keeps {keeps}",
+    ]
+    units = [
+        str(n.meta[COLLECTIVE]["unit"]) or "root"
+        for n in compiled.graph.graph.nodes
+        if n.meta.get(COLLECTIVE, {}).get("kind") == "zero_gather"
+    ]
+    if dp.zero == 3 and units:
+        lines.append(f"    units, in forward order: {', '.join(compress_paths(units))}")
+    rows = [r for r in compiled.ledger.rows if r.axis == dp.axis and r.kind in _DP_KINDS]
+    if rows:
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        for r in rows:
+            counts[(r.phase, r.op)] += r.count
+        summary = ", ".join(
+            f"{n} {op} {phase}"
+            for (phase, op), n in sorted(counts.items(), key=lambda kv: (_PHASES.index(kv[0][0]), kv[0][1]))
+        )
+        nbytes = sum(r.bytes * r.count for r in rows)
+        lines.append(f"    collectives per step: {summary} ({nbytes / 1e6:.3f} MB)")
+    return [*lines, ""]
+
+
+_DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
 
 
 def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
@@ -119,6 +162,9 @@ def _replicated_linears(compiled: Compiled) -> list[str]:
     return out
 
 
+_PHASES = ("forward", "backward", "step")
+
+
 def ledger_table(compiled: Compiled) -> str:
     """The collective ledger as a table, one line per (op, phase, axis, shape, rule)."""
     agg: dict[tuple, list[int]] = {}
@@ -129,15 +175,11 @@ def ledger_table(compiled: Compiled) -> str:
     header = f"{'phase':<9} {'op':<15} {'axis':<5} {'shape':<16} {'bytes':>10} {'count':>6}  rule"
     lines = [header, "-" * len(header)]
     for (phase, op, axis, shp, rule), (count, nbytes) in sorted(
-        agg.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][4], kv[0][1])
+        agg.items(), key=lambda kv: (_PHASES.index(kv[0][0]), kv[0][4], kv[0][1])
     ):
         lines.append(f"{phase:<9} {op:<15} {axis:<5} {tuple(shp)!s:<16} {nbytes:>10} {count:>6}  {rule}")
-    total = compiled.ledger
     lines.append("-" * len(header))
-    lines.append(
-        f"per step: {total.count()} collectives, {total.total_bytes() / 1e6:.3f} MB "
-        f"({total.count(phase='forward')} forward, {total.count(phase='backward')} backward)"
-    )
+    lines.append(compiled.ledger.summary())
     return "\n".join(lines) + "\n"
 
 
@@ -151,21 +193,23 @@ def annotated_code(compiled: Compiled, rank: int) -> str:
         f"# plan: {compiled.plan.path}",
         "# parameters are this rank's shards; collectives are marked on the right",
     ]
-    sections = [_annotated(compiled.graph)]
+    sections = [_annotated(compiled.graph, compiled.ledger)]
     for call, region in region_modules(compiled.graph):
         info = call.meta[CHECKPOINT]
         sections.append(
             f"# checkpointed region {info['path']} ({info['mode']}): {info['target']}, run again in backward\n"
-            + _annotated(region)
+            + _annotated(region, compiled.ledger)
         )
     return "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n"
 
 
-def _annotated(gm) -> str:
+def _annotated(gm, ledger) -> str:
     notes = {}
     for node in gm.graph.nodes:
         info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
-        if info:
+        if info and info["kind"] in ("zero_gather", "zero_release"):
+            notes[node.name] = _zero_note(node, info, ledger)
+        elif info:
             notes[node.name] = f"  # {info['kind']} over {info['axis']}, {tuple(shape(node))}{_where(info)}"
         elif region:
             notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
@@ -178,7 +222,21 @@ def _annotated(gm) -> str:
 
 def _where(info: dict) -> str:
     rule = info.get("rule")
-    return f" <- {rule.span.path}:{rule.span.line}" if rule is not None else ""
+    if rule is not None:
+        return f" <- {rule.span.path}:{rule.span.line}"
+    return f" <- {info['where']}" if info.get("where") else ""
+
+
+def _zero_note(node, info: dict, ledger) -> str:
+    """`# ZeRO gather over dp: layers.0, all_gather 0.135 MB` (the bytes its unit's flats move)."""
+    unit = info["unit"] or "root"
+    if info["kind"] == "zero_release":
+        return f"  # ZeRO release: {unit} freed; backward gathers it again{_where(info)}"
+    rows = [r for r in ledger.rows if r.node == node.name and r.op == "all_gather" and r.phase == "forward"]
+    if not rows:  # stages 1/2: the all-gather ran after the optimizer step
+        return f"  # ZeRO: {unit} waits for its updated params{_where(info)}"
+    nbytes = sum(r.bytes for r in rows)
+    return f"  # ZeRO gather over {info['axis']}: {unit}, all_gather {nbytes / 1e6:.3f} MB{_where(info)}"
 
 
 def graph_records(compiled: Compiled) -> list[dict]:

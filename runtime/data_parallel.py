@@ -37,7 +37,7 @@ for reporting next to the compiler's collective ledger.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,7 @@ class Bucket:
     """Parameters reduced together in one flat all-reduce."""
 
     index: int
-    params: list[nn.Parameter]
+    params: list[Tensor]
     nbytes: int  # bytes on the wire (in the reduce dtype)
     ready: int = 0  # parameters whose gradient is accumulated this step
     work: dist.Work | None = None
@@ -155,12 +155,17 @@ def _unique_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def bucket_sizes(params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None) -> list[int]:
+    """Bytes of each bucket `DataParallel` makes of these params, in launch order (for ledgers)."""
+    return [b.nbytes for b in _make_buckets(list(params), bucket_bytes, reduce_dtype)]
+
+
 def _make_buckets(
-    params: list[nn.Parameter], bucket_bytes: int, reduce_dtype: torch.dtype | None
+    params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None
 ) -> list[Bucket]:
     """Reverse registration order, cut whenever a bucket reaches `bucket_bytes` (at least one param each)."""
     buckets: list[Bucket] = []
-    current: list[nn.Parameter] = []
+    current: list[Tensor] = []
     size = 0
     for p in reversed(params):
         current.append(p)
@@ -173,14 +178,14 @@ def _make_buckets(
     return buckets
 
 
-def _flatten_grads(params: list[nn.Parameter], dtype: torch.dtype | None) -> Tensor:
+def _flatten_grads(params: list[Tensor], dtype: torch.dtype | None) -> Tensor:
     """One flat buffer of the bucket's gradients, zeros where a parameter got none: (sum numel,)."""
     parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
     flat = torch.cat(parts)
     return flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat
 
 
-def _unflatten_into_grads(flat: Tensor, params: list[nn.Parameter]) -> None:
+def _unflatten_into_grads(flat: Tensor, params: list[Tensor]) -> None:
     offset = 0
     for p in params:
         chunk = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)

@@ -36,16 +36,25 @@ The optimizer is a real `torch.optim.AdamW` over the fp32 shards (the master cop
 parameters are bf16/fp16 or the state is offloaded), so LR schedulers work on
 `zero.optimizer` unchanged.
 
-Stage 3 gathers a unit's params in a forward pre-hook of the unit's module, frees them
-after its forward, gathers them again from a hook on the unit's output gradient (before
-its backward) and frees them once backward has accumulated all their grads; the next
-unit (previous, in backward) is prefetched. That needs a module per layer whose forward
-runs: eager models and `torch.export.unflatten` programs have one, the flat GraphModule
-of `torch.export(...).module()` does not (it reads every parameter at the top of the
-graph), so it gets one unit and the whole model is gathered per forward and backward.
-Per-layer units on a flat graph need the compiler: either keep a submodule per layer
-(unflatten), or insert `all_gather` call_module nodes before a layer's first parameter
-use, as it does for tensor-parallel collectives, so the ledger shows them too.
+Stage 3 gathers a unit's params before its forward, frees them after it, gathers them
+again before its backward and frees them once backward has accumulated all their
+grads; the next unit (previous, in backward) is prefetched. Two ways to mark the units:
+
+- A compiled program (meshplan's ZeRO pass) calls `ZeroGather` before a layer's first
+  parameter use and `ZeroRelease` on the values leaving it; the engine binds itself to
+  those modules, so the order is the graph's and the gathers are in the ledger:
+
+      zero_gather_layers_0 = self.zero_gather_layers_0(layers_0_attn_q_proj_weight, ...)
+      ...
+      zero_release_layers_0 = self.zero_release_layers_0(add_3)  # frees; backward gathers
+
+  Stages 1 and 2 use the same `ZeroGather` nodes to overlap the all-gather of the
+  updated params with the next forward: `step()` launches it, the node waits for it.
+- Any other module: hooks on every numbered child of a container (`layers.0`, ...), the
+  root for the rest. That needs a module per layer whose forward runs: eager models and
+  `torch.export.unflatten` programs have one, the flat GraphModule of
+  `torch.export(...).module()` does not (it reads every parameter at the top of the
+  graph), so without the compiler's nodes it is one unit, gathered whole.
 
 Why not FSDP2: `fully_shard` on the layer holders of a flat exported graph fails (their
 forward never runs, so the graph mixes DTensor params with plain tensors), and on the
@@ -58,7 +67,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -121,7 +130,7 @@ class _Flat:
     def __init__(
         self,
         names: list[str],
-        params: list[nn.Parameter],
+        params: Sequence[Tensor],
         group: dist.ProcessGroup,
         *,
         sharded_params: bool,
@@ -209,14 +218,16 @@ class _Flat:
 
 
 class _Unit:
-    """Stage 3: the flats of one module whose forward gathers them (a layer, or the root)."""
+    """Stage 3: the flats of one layer (or the root) gathered and freed together.
 
-    def __init__(self, name: str, module: nn.Module, flats: list[_Flat]) -> None:
-        self.name, self.module, self.flats = name, module, flats
+    `module` is the module whose forward hooks drive it, or None when the compiled
+    graph's `ZeroGather` / `ZeroRelease` nodes do. `refetch`: freed after forward and
+    gathered again before backward (a unit used until the end of forward, like the root
+    holding the embedding and the LM head, is kept instead: backward starts with it).
+    """
 
-    @property
-    def is_root(self) -> bool:
-        return self.name == ""
+    def __init__(self, name: str, module: nn.Module | None, flats: list[_Flat], *, refetch: bool) -> None:
+        self.name, self.module, self.flats, self.refetch = name, module, flats, refetch
 
     def prefetch(self, record: Callable[[str, int], None]) -> None:
         """Start gathering the flats not yet gathered; `record` counts each all-gather for the ledger."""
@@ -266,15 +277,27 @@ class Zero:
         shard_device = torch.device("cpu") if config.offload_params else self.device
         # A flat holds only decayed or only undecayed params, so each master sits in one param group.
         decays = {id(p): decay is None or decay(n, p) for n, p in params}
-        if config.stage == 3:
+        # the compiled graph's ZeroGather nodes, in program order (none on other modules)
+        self._nodes = graph_units(module) if units is None else []
+        if config.stage == 3 and self._nodes:
+            self.units = _units_from_nodes(self._nodes, params, group, shard_device, decays)
+            self.flats = [f for u in self.units for f in u.flats]
+        elif config.stage == 3:
             self.units = _build_units(module, params, group, shard_device, units, decays)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
             self.flats = [
                 _Flat(names, ps, group, sharded_params=False, shard_device=shard_device)
-                for names, ps in _buckets(params, config.bucket_bytes, decays)
+                for names, ps in bucket_params(params, config.bucket_bytes, decays)
             ]
+        # stages 1/2 on a compiled graph: which flats each ZeroGather node waits for
+        flat_of = {name: f for f in self.flats for name in f.names}
+        self._waits = [_unique(flat_of[n] for n in g.params if n in flat_of) for g, _ in self._nodes]
+        waited = {id(f) for fs in self._waits for f in fs}
+        self._unwaited = [f for f in self.flats if id(f) not in waited]  # params no node uses
+        self._release_order = [i for i, (_, release) in enumerate(self._nodes) if release is not None]
+        self._release_order.sort(key=lambda i: self._nodes[i][1].position)  # type: ignore[union-attr]
         self.opt_device = torch.device("cpu") if config.offload_optimizer else self.device
         self.masters = [self._master_for(f) for f in self.flats]
         param_groups: list[dict[str, Any]] = [
@@ -303,6 +326,8 @@ class Zero:
         self._sync = True
         self._pending: list[tuple[Any, Callable[[], None], Tensor]] = []  # (async work, finish, buffer)
         self._issued: Counter[tuple[str, int]] = Counter()
+        # stage 3: the most parameter bytes gathered at once during the last step (`peak_gathered`)
+        self._peak_gathered = self.peak_gathered = 0
         self._last_issued: Counter[tuple[str, int]] = Counter()
         self._forward_order: list[_Unit] = []
         self._handles = self._register_hooks()
@@ -310,8 +335,13 @@ class Zero:
     # ------------------------------------------------------------------ public API
 
     def step(self) -> None:
-        """Finish the gradient reduction, update this rank's shard, and share the new params."""
+        """Finish the gradient reduction, update this rank's shard, and share the new params.
+
+        Stages 1/2 on a compiled graph leave the all-gather of the new params running: each
+        `ZeroGather` node of the next forward waits for its own layer's flats.
+        """
         self._finish_grad_sync()
+        self.wait_params()
         for f, master in zip(self.flats, self.masters, strict=True):
             grad = f.own_grad()
             master.grad = (
@@ -327,8 +357,15 @@ class Zero:
             for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
                 u.free()
         else:
-            self._all_gather_params()
+            self._all_gather_params(wait=not self._nodes)
         self._last_issued, self._issued = self._issued, Counter()
+        self.peak_gathered, self._peak_gathered = self._peak_gathered, 0
+
+    def wait_params(self) -> None:
+        """Stages 1/2: wait for the all-gather of the updated params still running (see `step`)."""
+        if self.config.stage < 3:
+            for f in self.flats:
+                f.wait_gather()
 
     def zero_grad(self) -> None:
         """Drop every gradient: the params' full grads, the reduced ones and the shards."""
@@ -355,6 +392,7 @@ class Zero:
     def gathered(self) -> Iterator[None]:
         """Every parameter materialized inside the block (stage 3 frees them after), e.g. to evaluate
         or export a consolidated state dict. These gathers are outside the step's ledger."""
+        self.wait_params()
         if self.config.stage == 3:
             for u in self.units:
                 u.gather(lambda op, nbytes: None)
@@ -419,8 +457,8 @@ class Zero:
                 rows["all_gather", f.full_nbytes()] += 1
         for u in self.units:
             for f in u.flats:
-                # forward, and again before backward unless kept (the root is not freed after forward)
-                rows["all_gather", f.full_nbytes()] += micro_steps * (1 if u.is_root else 2)
+                # forward, and again before backward unless kept (the last unit is not freed after forward)
+                rows["all_gather", f.full_nbytes()] += micro_steps * (2 if u.refetch else 1)
         return [Collective(op, nbytes, count) for (op, nbytes), count in sorted(rows.items())]
 
     def issued(self) -> list[Collective]:
@@ -451,6 +489,7 @@ class Zero:
         then `zero.load_state_dict(sd)`. The keys follow the flats, so a checkpoint loads
         under another dp size but needs the same stage and bucket size.
         """
+        self.wait_params()
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         out: dict[str, Any] = {"step": self.optimizer.state[self.masters[0]]["step"].clone()}
         for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
@@ -465,6 +504,7 @@ class Zero:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a `state_dict()` (e.g. filled by `dcp.load`) in, and put the params in line with it."""
         step = torch.as_tensor(state_dict["step"]).float()
+        self.wait_params()
         with torch.no_grad():
             for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
                 state = self.optimizer.state[master]
@@ -481,11 +521,7 @@ class Zero:
             for u in self.units:
                 u.free()
         else:
-            self._all_gather_params()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+            self._all_gather_params(wait=True)
 
     # ------------------------------------------------------------------ setup
 
@@ -501,10 +537,24 @@ class Zero:
             for p in f.params:
                 handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
         for u in self.units:
+            if u.module is None:
+                continue  # driven by the graph's nodes
             handles.append(u.module.register_forward_pre_hook(self._before_unit_forward(u)))
-            if not u.is_root:
+            if u.refetch:
                 handles.append(u.module.register_forward_hook(self._after_unit_forward(u)))
+        for index, (gather, release) in enumerate(self._nodes):
+            gather.bind(self, index)
+            if release is not None:
+                release.bind(self, index)
         return handles
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for gather, release in self._nodes:
+            gather.bind(None, -1)
+            if release is not None:
+                release.bind(None, -1)
 
     # ------------------------------------------------------------------ hooks
 
@@ -513,6 +563,8 @@ class Zero:
             return
         for f in self.flats:
             f.ready = 0
+        for f in self._unwaited:
+            f.wait_gather()
 
     def _before_unit_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -524,6 +576,7 @@ class Zero:
             i = self._forward_order.index(unit)
             if i + 1 < len(self._forward_order):
                 self._forward_order[i + 1].prefetch(self._record)
+            self._track_gathered()
 
         return hook
 
@@ -544,8 +597,38 @@ class Zero:
             i = self._forward_order.index(unit)
             if i > 0:
                 self._forward_order[i - 1].prefetch(self._record)
+            self._track_gathered()
 
         return hook
+
+    def on_gather(self, index: int) -> None:
+        """`ZeroGather` node `index` runs: its layer's params must be whole from here on."""
+        if self.config.stage < 3:
+            for f in self._waits[index]:
+                f.wait_gather()
+            return
+        self.units[index].gather(self._record)
+        if not _in_backward() and index + 1 < len(self._nodes):
+            self.units[index + 1].prefetch(self._record)
+        self._track_gathered()
+
+    def on_release(self, index: int) -> None:
+        """`ZeroRelease` node `index` runs in forward: the layer is done with its params until backward."""
+        if not _in_backward():
+            self.units[index].free()
+
+    def before_backward(self, index: int) -> None:
+        """The gradient reached `ZeroRelease` node `index`: gather its layer for its backward and
+        prefetch the layer whose backward comes next (the one released before it)."""
+        self.units[index].gather(self._record)
+        k = self._release_order.index(index)
+        if k > 0:
+            self.units[self._release_order[k - 1]].prefetch(self._record)
+        self._track_gathered()
+
+    def _track_gathered(self) -> None:
+        now = sum(f.full_nbytes() for f in self.flats if f.is_gathered())
+        self._peak_gathered = max(self._peak_gathered, now)
 
     def _grad_hook(self, index: int) -> Callable[[Tensor], None]:
         def hook(param: Tensor) -> None:
@@ -614,15 +697,98 @@ class Zero:
                         f.free_full()
         self._drain(keep=0)
 
-    def _all_gather_params(self) -> None:
-        """Stages 1/2: every rank's updated shard into everyone's full params."""
-        works = []
-        for f in self.flats:
+    def _all_gather_params(self, *, wait: bool) -> None:
+        """Stages 1/2: every rank's updated shard into everyone's full params, in forward order
+        (the flats are in backward order). `wait=False` leaves them running (see `step`)."""
+        for f in reversed(self.flats):
             src = f.shard.clone()  # (S,): the output buffer contains it; do not alias
             self._record("all_gather", f.full_nbytes())
-            works.append(_all_gather(f.full, src, group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+            with torch.autograd._unsafe_preserve_version_counter(f.full):
+                f._gather_work = _all_gather(f.full, src, group=self.group, async_op=True)
+        if wait:
+            self.wait_params()
+
+
+class ZeroGather(nn.Module):
+    """A compiled graph's node before a layer's first parameter use (see the module docstring).
+
+    Stage 3: gather the layer's params (or wait for their prefetch) and prefetch the next
+    layer's; stages 1/2: wait for the all-gather of the layer's updated params. Unbound
+    (no ZeRO engine, e.g. under `meshplan verify`) it does nothing: the params are whole.
+    """
+
+    _is_impure = True  # no output: keep fx's dead-code elimination away from it
+
+    def __init__(self, axis: str, unit: str, params: Sequence[str]) -> None:
+        super().__init__()
+        self.axis, self.unit, self.params = axis, unit, tuple(params)
+        self._engine: Zero | None = None
+        self._index = -1
+
+    def bind(self, engine: Zero | None, index: int) -> None:
+        self._engine, self._index = engine, index
+
+    def forward(self, *params: Tensor) -> None:
+        if self._engine is not None:
+            self._engine.on_gather(self._index)
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, unit={self.unit!r}, params={len(self.params)}"
+
+
+class ZeroRelease(nn.Module):
+    """A compiled graph's node on the values leaving a layer, after its last parameter use.
+
+    Forward frees the layer's gathered params (stage 3); the values pass through an
+    autograd function whose backward gathers them again before the layer's backward runs
+    (every gradient into the layer flows through these values). Identity when unbound.
+    """
+
+    def __init__(self, axis: str, unit: str, position: int) -> None:
+        super().__init__()
+        self.axis, self.unit, self.position = axis, unit, position  # position: order in the graph
+        self._engine: Zero | None = None
+        self._index = -1
+
+    def bind(self, engine: Zero | None, index: int) -> None:
+        self._engine, self._index = engine, index
+
+    def forward(self, *values: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if self._engine is None:
+            return values[0] if len(values) == 1 else values
+        out = _Release.apply(self._engine, self._index, *values)
+        return out[0] if len(values) == 1 else out
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, unit={self.unit!r}"
+
+
+class _Release(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, engine: Zero, index: int, *values: Tensor) -> tuple[Tensor, ...]:
+        ctx.engine, ctx.index = engine, index
+        engine.on_release(index)
+        return tuple(v.view_as(v) for v in values)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        ctx.engine.before_backward(ctx.index)
+        return (None, None, *grads)
+
+
+def graph_units(module: nn.Module) -> list[tuple[ZeroGather, ZeroRelease | None]]:
+    """The `ZeroGather` nodes a compiled program calls, in program order, each with the
+    `ZeroRelease` of the same layer (None where the layer stays gathered)."""
+    if not isinstance(module, fx.GraphModule):
+        return []
+    releases = {m.unit: m for m in module.modules() if isinstance(m, ZeroRelease)}
+    out = []
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            target = module.get_submodule(str(node.target))
+            if isinstance(target, ZeroGather):
+                out.append((target, releases.get(target.unit)))
+    return out
 
 
 def shard_for_zero(
@@ -664,8 +830,8 @@ def shard_for_zero(
 # ---------------------------------------------------------------------- grouping
 
 
-def _buckets(
-    params: list[tuple[str, nn.Parameter]], bucket_bytes: int, decays: dict[int, bool]
+def bucket_params(
+    params: Sequence[tuple[str, Tensor]], bucket_bytes: int, decays: dict[int, bool]
 ) -> list[tuple[list[str], list]]:
     """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param).
 
@@ -733,18 +899,59 @@ def _build_units(
         by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
     built = []
     for name, child in units:
-        by_dtype: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
-        for pname, p in by_unit[name]:
-            by_dtype.setdefault((p.dtype, decays[id(p)]), []).append((pname, p))
-        flats = [
-            _Flat(
-                [n for n, _ in ps], [p for _, p in ps], group, sharded_params=True, shard_device=shard_device
-            )
-            for ps in by_dtype.values()
-        ]
+        flats = _flats(by_unit[name], group, shard_device, decays)
         if flats:
-            built.append(_Unit(name, child, flats))
+            built.append(_Unit(name, child, flats, refetch=name != ""))
     return built
+
+
+def _units_from_nodes(
+    nodes: list[tuple[ZeroGather, ZeroRelease | None]],
+    params: list[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    decays: dict[int, bool],
+) -> list[_Unit]:
+    """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
+    node names (the graph never reads them) go to a last unit only `gathered()` materializes."""
+    by_name = dict(params)
+    units = []
+    for gather, release in nodes:
+        named = [(n, by_name.pop(n)) for n in gather.params if n in by_name]
+        units.append(
+            _Unit(gather.unit, None, _flats(named, group, shard_device, decays), refetch=release is not None)
+        )
+    rest = _flats(list(by_name.items()), group, shard_device, decays)
+    if rest:
+        units.append(_Unit("", None, rest, refetch=False))
+    return units
+
+
+def _flats(
+    params: list[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    decays: dict[int, bool],
+) -> list[_Flat]:
+    """A unit's params as sharded flats: one per dtype and decay class."""
+    return [
+        _Flat([n for n, _ in ps], [p for _, p in ps], group, sharded_params=True, shard_device=shard_device)
+        for ps in group_by_kind(params, decays)
+    ]
+
+
+def group_by_kind(
+    params: Sequence[tuple[str, Tensor]], decays: dict[int, bool]
+) -> list[list[tuple[str, Tensor]]]:
+    """Stage 3: a unit's params split by dtype and decay class, each group one flat."""
+    by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, Tensor]]] = {}
+    for name, p in params:
+        by_kind.setdefault((p.dtype, decays[id(p)]), []).append((name, p))
+    return list(by_kind.values())
+
+
+def _unique(flats: Iterable[_Flat]) -> list[_Flat]:
+    return list({id(f): f for f in flats}.values())
 
 
 def _owner(param_name: str, units: list[tuple[str, nn.Module]]) -> str:

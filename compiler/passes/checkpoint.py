@@ -54,7 +54,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 
-from ..graph import COLLECTIVE, module_path
+from ..graph import COLLECTIVE, for_rank, module_path
 from ..match import Resolution
 
 CHECKPOINT = "meshplan.checkpoint"
@@ -372,24 +372,20 @@ def bind_regions(program: fx.GraphModule, mesh=None) -> fx.GraphModule:
     creating the others for `mesh` as `build_rank_program` does. Parameters need
     nothing: they enter regions as inputs from the outer graph's `get_attr` nodes.
     """
-    from meshplan.runtime.collectives import COLLECTIVES
-
     made: dict[str, nn.Module] = {}
 
-    def collective(target: str) -> nn.Module:
+    def collective(region: fx.GraphModule, target: str) -> nn.Module:
         if hasattr(program, target):
             return program.get_submodule(target)
         if target not in made:
-            kind, _, axis = target.rpartition("_")
-            group = mesh.get_group(axis) if mesh is not None else None
-            made[target] = COLLECTIVES[kind](group, axis)
+            made[target] = for_rank(region.get_submodule(target), mesh)
         return made[target]
 
     for node, region in list(region_modules(program)):
         targets = {str(n.target) for n in region.graph.nodes if n.op == "call_module"}
         if not targets:  # nothing rank-specific inside: the compiled region is shared as is
             continue
-        modules = {t: collective(t) for t in sorted(targets)}
+        modules = {t: collective(region, t) for t in sorted(targets)}
         rebound = fx.GraphModule(modules, region.graph, class_name=type(region).__name__)
         setattr(program, node.meta[CHECKPOINT]["target"], rebound)
     return program

@@ -1,4 +1,4 @@
-"""Training step time: meshplan's ZeRO-2 and ZeRO-3 vs PyTorch's DDP and FSDP2, same model, same ranks.
+"""Training step time: meshplan's data parallel and ZeRO vs PyTorch's DDP and FSDP2, same model, same ranks.
 
     python bench/dp_step_time.py [--layers 8] [--hidden 256] [--steps 10] [--bucket-mib 25]
 
@@ -9,7 +9,9 @@ Every configuration is built once, then they take turns, one step each per round
     ddp          DistributedDataParallel + torch.optim.AdamW (every rank holds everything)
     fsdp2-noresh fully_shard per layer and root, reshard_after_forward=False (ZeRO-2 like)
     fsdp2        fully_shard per layer and root, reshard_after_forward=True  (ZeRO-3)
-    zero2, zero3 meshplan.runtime.zero (per-bucket / per-layer flats, gloo async collectives)
+    dp, zero1..3 what `meshplan run` runs: the program compiled from `data_parallel over dp
+                 { zero = N }` (ZeRO nodes in the graph), with runtime.data_parallel (N = 0)
+                 or runtime.zero (per-bucket flats; stage 3 per-layer units, prefetched)
 
 Ratios below 1.0 mean meshplan is faster. On a shared 2-core machine the numbers are noisy:
 read ratios from one run, not across runs.
@@ -29,18 +31,25 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.verify import bind_inputs
+from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
+from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
+from meshplan.runtime.mesh import init_mesh
 from meshplan.runtime.zero import ZeroConfig, shard_for_zero
 
 WORLD = 2
+BATCH, SEQ = 4, 64
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 
 
 def _setup(
     name: str, model: torch.nn.Module, world: int, args: argparse.Namespace
-) -> tuple[torch.nn.Module, Callable, Callable]:
-    """The wrapped model, its optimizer step and its zero_grad."""
+) -> tuple[Callable, Callable, Callable]:
+    """The forward (ids, labels) -> loss, the optimizer step and zero_grad."""
     if name == "ddp":
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), **ADAMW)
@@ -53,11 +62,32 @@ def _setup(
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
         return model, opt.step, opt.zero_grad
-    stage = int(name[-1])
-    zero = shard_for_zero(
-        model, dist.group.WORLD, ZeroConfig(stage=stage, bucket_bytes=args.bucket_mib * 2**20), **ADAMW
+    stage = 0 if name == "dp" else int(name[-1])
+    plan = check_text(
+        f"mesh dp={world}\ndata_parallel over dp {{\n    zero = {stage}\n    bucket = {args.bucket_mib}MiB\n}}\n",
+        path=f"{name}.plan",
+        world_size=world,
     )
-    return model, zero.step, zero.zero_grad
+    source = ModelSource(spec="llama", model=model, args=example_inputs(BATCH, SEQ))
+    compiled = compile_plan(plan, source, world_size=world)
+    program = build_rank_program(compiled, model, dist.get_rank(), init_mesh(compiled.layout))
+    wrapped: torch.nn.Module = program
+
+    def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return wrapped(*bind_inputs(model, compiled.graph, (ids, labels), {}))[0]
+
+    if stage == 0:
+        dp = wrapped = DataParallel(program, dist.group.WORLD, bucket_bytes=args.bucket_mib * 2**20)
+        opt = torch.optim.AdamW(program.parameters(), **ADAMW)
+
+        def step() -> None:
+            dp.finish()
+            opt.step()
+
+        return forward, step, opt.zero_grad
+    config = ZeroConfig(stage=stage, bucket_bytes=args.bucket_mib * 2**20)
+    zero = shard_for_zero(program, dist.group.WORLD, config, **ADAMW)
+    return forward, zero.step, zero.zero_grad
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, names: list[str]) -> dict[str, float]:
@@ -70,7 +100,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, names: list[str]) ->
     times: dict[str, list[float]] = {name: [] for name in names}
     # Round-robin, one step of each per round: on a shared machine every configuration sees the same load.
     for i in range(args.warmup + args.steps):
-        ids, labels = example_inputs(4, 64, seed=world * i + rank)
+        ids, labels = example_inputs(BATCH, SEQ, seed=world * i + rank)
         for name, (model, step, zero_grad) in runs.items():
             dist.barrier()
             start = time.perf_counter()
@@ -90,14 +120,15 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=25, help="ZeRO bucket size; DDP's default is 25")
     args = parser.parse_args()
-    names = ["ddp", "zero2", "fsdp2-noresh", "fsdp2", "zero3"]
+    names = ["ddp", "dp", "zero1", "zero2", "fsdp2-noresh", "fsdp2", "zero3"]
     by_rank = spawn(worker, WORLD, (args, names), timeout_s=600)
     t = {name: max(r[name] for r in by_rank) for name in names}  # a step ends when the slowest rank does
     print(f"Llama fp32, {args.layers} layers, H={args.hidden}, B=4 S=64 per rank, {WORLD} gloo ranks\n")
     for name in names:
         print(f"{name:>13}  {t[name] * 1e3:8.1f} ms/step")
     print()
-    for ours, theirs in [("zero2", "ddp"), ("zero2", "fsdp2-noresh"), ("zero3", "fsdp2"), ("zero3", "ddp")]:
+    pairs = [("dp", "ddp"), ("zero1", "ddp"), ("zero2", "ddp"), ("zero2", "fsdp2-noresh"), ("zero3", "fsdp2")]
+    for ours, theirs in pairs:
         print(f"{ours} / {theirs:<13} {t[ours] / t[theirs]:.2f}")
     return 0
 

@@ -16,30 +16,24 @@ mid-save leaves only a `.tmp-` folder, which `latest()` never picks: the previou
 checkpoint still loads. (Multi-node runs need `--out` on a filesystem all nodes share.)
 
 What is saved, so that a resumed run is the same computation as an uninterrupted one:
-the model's state dict and the optimizer's (keyed by parameter name, via
-`torch.distributed.checkpoint.state_dict`), the number of optimizer steps done (the LR
-schedule and the data position are functions of it: see `runtime/data.py`), and each
-rank's RNG state.
+the model's parameters and buffers and AdamW's state (`step`, `exp_avg`, `exp_avg_sq`),
+keyed by parameter name, the number of optimizer steps done (the LR schedule and the
+data position are functions of it: see `runtime/data.py`), and each rank's RNG state.
+The optimizer's param groups (learning rate, betas, ...) are configuration, not state:
+a resumed run takes them from its own command line.
 
-Under ZeRO the `optimizer` passed in is the `runtime.zero.Zero`: its `state_dict()` (fp32
-master, exp_avg, exp_avg_sq per flat, as Shard(0) DTensors over the dp group, so each dp
-rank writes only its shard) replaces both the model's parameters and the optimizer's
-state; the model's buffers are saved as usual. Loading fills those shards in place and
-`Zero.load_state_dict` puts the params in line with them. The dp size may change; the
-stage, bucket size and tp layout may not.
+    replicated/model/layers.0.mlp.up_proj.weight            full tensor, fp32
+    replicated/optim/state/layers.0.mlp.up_proj.weight/exp_avg
+    train/step, rng/rank0, rng/rank1, ...
 
-Keys and sharding, without ZeRO: parameters and Adam moments are saved as full tensors
-keyed by parameter name. Tensor-parallel shards are all-gathered over the tensor axis
-(`TensorLayout`), so every rank holds the same value for a key and DCP writes it once;
-loading reads the full tensor and keeps this rank's piece. The checkpoint does not
-depend on the layout: a run saved with dp=2 x tp=2 resumes with dp=4, or tp=4 (the
-data stream depends on the global batch only). The cost is a full copy of each tensor
-on each rank while saving or loading.
-
-Under ZeRO the state is per flat buffer, which depends on the layout: state that
-differs between ranks (a tensor-parallel rank's buffers) must not share a key, so the
-caller passes `shard_key`, e.g. "tp1" for tp coordinate 1. Resuming a ZeRO checkpoint
-on a different tp layout, stage or bucket size is not supported.
+Every tensor is whole: tensor-parallel shards are all-gathered over the tensor axis
+(`TensorLayout`) and, under ZeRO, the data-parallel shards of the fp32 master weights
+and moments are gathered too (`Zero.full_state`). Every rank then holds the same value
+for a key and DCP writes it once; loading reads the whole tensor and keeps this rank's
+piece. So the checkpoint does not depend on the layout: a run saved with dp=2 x tp=2
+and ZeRO-3 resumes with dp=4 and ZeRO-1, or without ZeRO, or with tp=4 (the data stream
+depends on the global batch only). The cost is a full copy of the model's training
+state on each rank while saving or loading.
 
 Trust: DCP reads `.metadata` (and any non-tensor value) with pickle, so a checkpoint
 folder is trusted input, like a model file: load only checkpoints you wrote. meshplan
@@ -139,7 +133,7 @@ def write_temporary(
     _barrier()
     with _single_process_quiet():
         dcp.save(
-            _state(model, optimizer, step, shard_key, layout),
+            _state(model, optimizer, step, layout),
             checkpoint_id=str(tmp),
             no_dist=not _distributed(),
         )
@@ -176,17 +170,22 @@ def load(
     shard_key: str = "",
     layout: TensorLayout | None = None,
 ) -> Restored:
-    """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
-    state = _state(model, optimizer, 0, shard_key, layout, for_load=True)
+    """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input).
+
+    `shard_key` is kept for checkpoints of state that differs between ranks; the
+    layout-free state here is the same on every rank and ignores it."""
+    state = _state(model, optimizer, 0, layout, for_load=True)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    shard = state[_shard(shard_key)]
+    shard = state[_REPLICATED]
+    _keep_local(shard, layout)
     if isinstance(optimizer, Zero):
-        optimizer.load_state_dict(shard["zero"])
-        model.load_state_dict(shard["buffers"], strict=False)
+        optimizer.load_full_state(shard["model"], shard["optim"]["state"])
+        model.load_state_dict(_buffers(model, shard["model"]), strict=False)
     else:
-        _keep_local(shard, layout)
-        set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=shard["optim"])
+        groups = get_state_dict(model, optimizer)[1]["param_groups"]  # this run's configuration
+        optim = {"state": shard["optim"]["state"], "param_groups": groups}
+        set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=optim)
     if _rng_key() in state["rng"]:  # a rank that did not exist when saving keeps its seeded state
         torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
@@ -194,34 +193,59 @@ def load(
     return Restored(int(state["train"]["step"]), Path(path))
 
 
+_REPLICATED = "replicated"  # the key of the layout-free state (a name older checkpoints share)
+
+
 def _state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     step: int,
-    shard_key: str,
     layout: TensorLayout | None = None,
     *,
     for_load: bool = False,
 ) -> dict:
     if isinstance(optimizer, Zero):
-        # the params live in the zero state (stage 3 holds no full copy to save)
-        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        buffers = {k: v for k, v in model.state_dict().items() if k not in params}
-        shard = {"zero": optimizer.state_dict(), "buffers": buffers}
+        shard = _zero_state(model, optimizer, for_load=for_load)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        shard = {"model": model_sd, "optim": optim_sd}
-        if layout is not None and layout.tp is not None:
-            _make_full(shard, layout, for_load=for_load)
-        shard_key = ""  # full tensors: the same on every rank, whatever the layout
+        shard = {"model": model_sd, "optim": {"state": optim_sd.get("state", {})}}
+    if layout is not None and layout.tp is not None:
+        _make_full(shard, layout, for_load=for_load)
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
     return {
-        _shard(shard_key): shard,
+        _REPLICATED: shard,
         "train": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": rng,
     }
+
+
+def _zero_state(model: nn.Module, zero: Zero, *, for_load: bool) -> dict:
+    """The same keys as without ZeRO: each param by every name it has (tied ones too), its
+    moments by its first name, and the buffers. For loading: empty tensors for DCP to fill."""
+    if for_load:
+        named = dict(model.named_parameters())
+        values = {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in named.items()}
+        moments = {
+            n: {"step": torch.zeros(()), "exp_avg": torch.empty_like(v), "exp_avg_sq": torch.empty_like(v)}
+            for n, v in values.items()
+        }
+    else:
+        values, moments = zero.full_state()
+    first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    params = {
+        n: values[first[id(p)]]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if first[id(p)] in values
+    }
+    return {"model": params | _buffers(model, model.state_dict()), "optim": {"state": moments}}
+
+
+def _buffers(model: nn.Module, state: dict) -> dict:
+    """The entries of `state` that are the model's buffers (not parameters)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in state.items() if k not in params and k in model.state_dict()}
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -266,10 +290,6 @@ def _keep_local(shard: dict, layout: TensorLayout | None) -> None:
             for key in _MOMENTS:
                 if key in moments:
                     moments[key] = local(name, moments[key])
-
-
-def _shard(shard_key: str) -> str:
-    return f"shard_{shard_key}" if shard_key else "replicated"
 
 
 def _rng_key() -> str:

@@ -202,12 +202,16 @@ class _Flat:
 
     def own_ranges(self) -> list[tuple[str, int, int]]:
         """(param name, start, end) of each param's elements inside this rank's shard, shard-local."""
+        return [(name, mine.start, mine.stop) for name, mine, _ in self.own_slices()]
+
+    def own_slices(self) -> list[tuple[str, slice, slice]]:
+        """(param name, slice of the shard, slice of the flattened param): the elements this rank owns."""
         lo = self.rank * self.shard_numel
         out = []
         for name, off, n in zip(self.names, self.offsets, self.numels, strict=True):
             start, end = max(off, lo), min(off + n, lo + self.shard_numel)
             if start < end:
-                out.append((name, start - lo, end - lo))
+                out.append((name, slice(start - lo, end - lo), slice(start - off, end - off)))
         return out
 
     def own_grad(self) -> Tensor | None:
@@ -501,6 +505,53 @@ class Zero:
                 )
         return out
 
+    def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+        """Every parameter's fp32 value and AdamW state, whole, keyed by name: what a plain
+        `torch.optim.AdamW` would hold (`{"step", "exp_avg", "exp_avg_sq"}` per param). All
+        ranks of the group call it (one all-gather per flat and tensor); it costs a full copy.
+
+        The checkpoint format that does not depend on the layout (`runtime/checkpoint.py`):
+        a ZeRO run saves it, and any stage, bucket size or dp size (or no ZeRO) resumes it.
+        """
+        self.wait_params()
+        values: dict[str, Tensor] = {}
+        moments: dict[str, dict[str, Tensor]] = {}
+        for f, master in zip(self.flats, self.masters, strict=True):
+            state = self.optimizer.state[master]
+            whole = {
+                key: self._gather_flat(f, t)
+                for key, t in zip(
+                    _OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True
+                )
+            }
+            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels, strict=True):
+                values[name] = whole["master"][off : off + n].view(p.shape).clone()
+                moments[name] = {"step": state["step"].clone()} | {
+                    key: whole[key][off : off + n].view(p.shape).clone() for key in _OPTIMIZER_KEYS[1:]
+                }
+        return values, moments
+
+    def load_full_state(self, values: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
+        """The inverse of `full_state`: keep this rank's elements of each whole tensor."""
+        self.wait_params()
+        with torch.no_grad():
+            for f, master in zip(self.flats, self.masters, strict=True):
+                state = self.optimizer.state[master]
+                state["step"] = torch.as_tensor(moments[f.names[0]]["step"]).float().clone()
+                for name, mine, theirs in f.own_slices():
+                    master[mine].copy_(values[name].reshape(-1)[theirs])
+                    for key in _OPTIMIZER_KEYS[1:]:
+                        state[key][mine].copy_(moments[name][key].reshape(-1)[theirs])
+                if master is not f.shard:
+                    f.shard.copy_(master)
+        self._after_load()
+
+    def _gather_flat(self, f: _Flat, shard: Tensor) -> Tensor:
+        """(padded,) every rank's (S,) piece of one flat-shaped fp32 tensor, on the optimizer's device."""
+        out = torch.empty(f.padded, dtype=shard.dtype, device=self.device)
+        _all_gather(out, shard.detach().to(self.device), group=self.group)
+        return out.to(self.opt_device)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy a `state_dict()` (e.g. filled by `dcp.load`) in, and put the params in line with it."""
         step = torch.as_tensor(state_dict["step"]).float()
@@ -517,6 +568,10 @@ class Zero:
                     t[: f.local_numel].copy_(local)
                 if master is not f.shard:
                     f.shard.copy_(master)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """The shards changed under the params: drop stage 3's gathered copies, refill stages 1/2's."""
         if self.config.stage == 3:
             for u in self.units:
                 u.free()

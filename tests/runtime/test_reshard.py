@@ -1,8 +1,10 @@
-"""Resume on a different plan: a checkpoint saved with dp=2 x tp=2 continues with dp=4.
+"""Resume on a different plan: a checkpoint saved with dp=2 x tp=2 continues with dp=4,
+with or without ZeRO on either side (saved under ZeRO-3 and resumed without, and the reverse).
 
-Checkpoints hold full tensors keyed by parameter name (tensor-parallel shards gathered),
-and the data stream depends only on the global batch, so the resumed run continues the
-same computation: its losses match an uninterrupted dp=2 x tp=2 run up to reduction order.
+Checkpoints hold whole tensors keyed by parameter name (tensor-parallel shards and ZeRO
+shards gathered), and the data stream depends only on the global batch, so the resumed
+run continues the same computation: its losses match an uninterrupted dp=2 x tp=2 run
+up to reduction order.
 """
 
 import json
@@ -25,7 +27,7 @@ modules {
 }
 
 data_parallel over dp {
-    zero = 0
+    zero = ZERO
 }
 """
 
@@ -33,7 +35,7 @@ DP4 = """
 mesh dp=4
 
 data_parallel over dp {
-    zero = 0
+    zero = ZERO
 }
 """
 
@@ -64,14 +66,25 @@ def run(tmp_path: Path, plan: str, out: str, batch: int, *extra: str) -> list[di
     return [json.loads(line) for line in lines]
 
 
-def test_dp2_tp2_checkpoint_resumes_with_dp4(tmp_path):
-    straight = {r["step"]: r["loss"] for r in run(tmp_path, DP_TP, "a", 4, "--steps", "8")}
-    run(tmp_path, DP_TP, "b", 4, "--steps", "4", "--save-every", "4")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, float]:
+    """8 steps of dp=2 x tp=2 without interruption: the losses a resumed run must continue."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return {r["step"]: r["loss"] for r in run(tmp, DP_TP.replace("ZERO", "0"), "a", 4, "--steps", "8")}
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(3, 0), (0, 1)])
+def test_dp2_tp2_checkpoint_resumes_with_dp4(tmp_path, straight, saved: int, resumed: int):
+    run(tmp_path, DP_TP.replace("ZERO", str(saved)), "b", 4, "--steps", "4", "--save-every", "4")
     # the same global batch of 8 sequences: 4 per rank on 2 dp ranks, 2 per rank on 4
-    resumed = {r["step"]: r["loss"] for r in run(tmp_path, DP4, "b", 2, "--steps", "8", "--resume")}
+    dp4 = DP4.replace("ZERO", str(resumed))
+    records = run(tmp_path, dp4, "b", 2, "--steps", "8", "--resume")
+    resumed_losses = {r["step"]: r["loss"] for r in records}
+    # steps 1-4 from the first run, 5-8 from the resumed one (a fresh start would repeat 1-4)
+    assert [r["step"] for r in records] == list(range(1, 9))
     for step in range(5, 9):
-        assert abs(resumed[step] - straight[step]) <= 1e-4 * abs(straight[step]), (
+        assert abs(resumed_losses[step] - straight[step]) <= 1e-4 * abs(straight[step]), (
             step,
-            resumed[step],
+            resumed_losses[step],
             straight[step],
         )

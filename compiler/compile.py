@@ -125,17 +125,15 @@ def _data_parallel_facts(
 
     full = dict(model.named_parameters(remove_duplicate=False))
     params: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    first: dict[int, str] = {}  # a tied param is named by its first read, as the rank program names it
+    aliases: dict[str, str] = {}
     for node in gm.graph.nodes:
         name = str(node.target)
-        if (
-            node.op != "get_attr"
-            or name not in full
-            or not full[name].requires_grad
-            or id(full[name]) in seen
-        ):
+        if node.op != "get_attr" or name not in full or not full[name].requires_grad:
             continue
-        seen.add(id(full[name]))
+        aliases[name] = first.setdefault(id(full[name]), name)
+        if aliases[name] != name:
+            continue
         shape = list(full[name].shape)
         for axis, p in placements.get(name, {}).items():
             if isinstance(p, Shard):
@@ -143,7 +141,9 @@ def _data_parallel_facts(
         params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
     where = f"{dp.span.path}:{dp.span.line}"
-    return DataParallelFacts(dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), decays, where)
+    return DataParallelFacts(
+        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where
+    )
 
 
 def _precision_spec(plan: Plan, resolution: Resolution) -> PrecisionSpec:

@@ -122,6 +122,7 @@ class DataParallelFacts:
     bucket_bytes: int
     reduce_dtype: torch.dtype | None  # None: the params' dtype
     params: Sequence[tuple[str, torch.Tensor]]  # this rank's trainable params (meta tensors), program order
+    aliases: dict[str, str]  # every name a param has in the graph -> its name in `params` (ties)
     decay: Callable[[str, torch.Tensor], bool]  # which params AdamW decays (they get their own flats)
     where: str  # `file:line` of the plan's data_parallel block
 
@@ -230,12 +231,13 @@ def _data_parallel_rows(
                 row(f"bucket {i}", "zero_bucket", "all_gather", "step", padded(named), named[0][1].dtype, 1)
             )
     else:
-        by_name = dict(params)
+        left = dict(params)  # not yet in a unit
         for node in gm.graph.nodes:
             module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
             if not isinstance(module, ZeroGather):
                 continue
-            named = [(p, by_name.pop(p)) for p in module.params if p in by_name]
+            names = [data.aliases[p] for p in module.params if p in data.aliases]
+            named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
             refetch = any(isinstance(m, ZeroRelease) and m.unit == module.unit for m in gm.modules())
             for group in group_by_kind(named, decays):
                 numel, dtype = padded(group), group[0][1].dtype

@@ -283,8 +283,9 @@ class Zero:
         decays = {id(p): decay is None or decay(n, p) for n, p in params}
         # the compiled graph's ZeroGather nodes, in program order (none on other modules)
         self._nodes = graph_units(module) if units is None else []
+        aliases = dict(module.named_parameters(remove_duplicate=False))  # a tied param has two names
         if config.stage == 3 and self._nodes:
-            self.units = _units_from_nodes(self._nodes, params, group, shard_device, decays)
+            self.units = _units_from_nodes(self._nodes, params, aliases, group, shard_device, decays)
             self.flats = [f for u in self.units for f in u.flats]
         elif config.stage == 3:
             self.units = _build_units(module, params, group, shard_device, units, decays)
@@ -296,8 +297,11 @@ class Zero:
                 for names, ps in bucket_params(params, config.bucket_bytes, decays)
             ]
         # stages 1/2 on a compiled graph: which flats each ZeroGather node waits for
-        flat_of = {name: f for f in self.flats for name in f.names}
-        self._waits = [_unique(flat_of[n] for n in g.params if n in flat_of) for g, _ in self._nodes]
+        flat_of = {id(p): f for f in self.flats for p in f.params}
+        self._waits = [
+            _unique(flat_of[id(aliases[n])] for n in g.params if n in aliases and id(aliases[n]) in flat_of)
+            for g, _ in self._nodes
+        ]
         waited = {id(f) for fs in self._waits for f in fs}
         self._unwaited = [f for f in self.flats if id(f) not in waited]  # params no node uses
         self._release_order = [i for i, (_, release) in enumerate(self._nodes) if release is not None]
@@ -963,20 +967,21 @@ def _build_units(
 def _units_from_nodes(
     nodes: list[tuple[ZeroGather, ZeroRelease | None]],
     params: list[tuple[str, nn.Parameter]],
+    aliases: dict[str, nn.Parameter],
     group: dist.ProcessGroup,
     shard_device: torch.device,
     decays: dict[int, bool],
 ) -> list[_Unit]:
     """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
     node names (the graph never reads them) go to a last unit only `gathered()` materializes."""
-    by_name = dict(params)
+    left = {id(p): (n, p) for n, p in params}  # not yet in a unit
     units = []
     for gather, release in nodes:
-        named = [(n, by_name.pop(n)) for n in gather.params if n in by_name]
+        named = [left.pop(id(aliases[n])) for n in gather.params if n in aliases and id(aliases[n]) in left]
         units.append(
             _Unit(gather.unit, None, _flats(named, group, shard_device, decays), refetch=release is not None)
         )
-    rest = _flats(list(by_name.items()), group, shard_device, decays)
+    rest = _flats(list(left.values()), group, shard_device, decays)
     if rest:
         units.append(_Unit("", None, rest, refetch=False))
     return units

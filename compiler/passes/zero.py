@@ -63,7 +63,7 @@ def unit_of(param: str) -> str:
 def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     """Insert the units' gather (and, for ZeRO-3, release) nodes; see the module docstring."""
     graph = gm.graph
-    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
     _sink_parameter_nodes(graph, reads)
     order = {n: i for i, n in enumerate(graph.nodes)}

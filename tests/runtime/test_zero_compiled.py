@@ -6,6 +6,8 @@ own worker setup (`_prepare`) on gloo processes, against the unpartitioned model
   what the engine issued, and a peak of gathered parameter bytes well below the whole model.
 - ZeRO-2 on dp=2: the all-gather of the updated parameters is left running after the
   optimizer step and each layer's node waits for its own flats; parity and ledger again.
+- ZeRO-3 on the example GPT, whose embedding and LM head are one tied parameter read under
+  two names: it is gathered once, in the root unit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import pytest
 import torch
 
 from meshplan.compiler.compile import local_shard
-from meshplan.examples.models.llama import build
 from meshplan.main import build_parser
 from meshplan.run import _prepare
 from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
@@ -35,9 +36,11 @@ modules {
     layers.1:                        checkpoint
 }
 """
-PLANS = {
-    "zero3_tp": ("mesh dp=2, tp=2\n" + TP_RULES + "data_parallel over dp {\n    zero = 3\n}\n", 4),
-    "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2),
+LLAMA, GPT = "meshplan.examples.models.llama:build", "meshplan.examples.models.gpt:build"
+PLANS = {  # name: (plan, world size, model)
+    "zero3_tp": ("mesh dp=2, tp=2\n" + TP_RULES + "data_parallel over dp {\n    zero = 3\n}\n", 4, LLAMA),
+    "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2, LLAMA),
+    "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
 }
 STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
 
@@ -49,7 +52,18 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
 
     plan_path = Path(tmp) / f"{name}.plan"
     args = build_parser().parse_args(
-        ["run", str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp]
+        [
+            "run",
+            str(plan_path),
+            "--model",
+            PLANS[name][2],
+            "--batch",
+            str(MICRO_BATCH),
+            "--seq",
+            str(SEQ),
+            "--out",
+            tmp,
+        ]
     )
     prepared = _prepare(args, rank, world_size)
     zero = prepared.dp
@@ -65,7 +79,7 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
         show_progress=False,
     )
 
-    reference = build()
+    reference = load_model(args.model).model  # the factory's fixed seed: the weights the program started from
     optimizer = make_optimizer(reference, cfg)
     dp_size = 2
     batches = TextBatches(read_bytes(default_corpus()), batch=dp_size * MICRO_BATCH, seq=SEQ, seed=0)
@@ -87,6 +101,8 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
     worst = 0.0
     with zero.gathered():
         for pname, local in prepared.program.named_parameters():
+            if pname.endswith("k_proj.bias"):
+                continue  # softmax cancels it: its gradient is rounding noise, which Adam scales up
             expected = local_shard(
                 ref_params[pname].detach(), compiled.param_placements.get(pname, {}), coords, compiled.layout
             )
@@ -113,7 +129,7 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
 @pytest.fixture(scope="module", params=sorted(PLANS))
 def run(request, tmp_path_factory) -> tuple[str, list[dict]]:
     name = request.param
-    text, world = PLANS[name]
+    text, world, _ = PLANS[name]
     tmp = tmp_path_factory.mktemp(name)
     (tmp / f"{name}.plan").write_text(text)
     return name, spawn(worker, world, (str(tmp), name), timeout_s=240)
@@ -135,10 +151,11 @@ def test_ledger_is_what_the_engine_issued(run) -> None:
 
 def test_zero3_gathers_layer_by_layer(run) -> None:
     name, results = run
-    if name != "zero3_tp":
+    if not name.startswith("zero3"):
         pytest.skip("stage 3 only")
+    layers = "h" if name == "zero3_tied" else "layers"
     for r in results:
-        assert r["units"] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]  # graph order
+        assert r["units"] == ["", *(f"{layers}.{i}" for i in range(4))]  # graph order
         # the root (embedding + head) stays whole; at most two layers at once (one prefetched)
         assert r["peak_gathered"] <= r["root_bytes"] + 2 * r["layer_bytes"]
         assert r["peak_gathered"] < 0.75 * r["full_bytes"]

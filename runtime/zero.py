@@ -32,6 +32,11 @@ nn.ModuleList) or the root's remaining parameters.
     2      params, 1/N grads, 1/N opt        reduce-scatter grads       AdamW on own slice, all-gather params
     3      1/N params, grads, opt            reduce-scatter grads       AdamW on own slice (gathered before use)
 
+On gloo, stages 2 and 3 issue their reduce-scatter as an all-reduce of which each rank
+keeps its shard: gloo's own reduce-scatter is slower than its all-reduce of the same
+tensor (11.2 vs 8.5 ms for 8 MB on 2 CPU ranks). Ledgers still list the reduce-scatter;
+NCCL runs the real one.
+
 The optimizer is a real `torch.optim.AdamW` over the fp32 shards (the master copy when
 parameters are bf16/fp16 or the state is offloaded), so LR schedulers work on
 `zero.optimizer` unchanged.
@@ -332,6 +337,7 @@ class Zero:
                 "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
             }
         self._sync = True
+        self._gloo = dist.get_backend(group) == "gloo"
         self._pending: list[tuple[Any, Callable[[], None], Tensor]] = []  # (async work, finish, buffer)
         self._issued: Counter[tuple[str, int]] = Counter()
         # stage 3: the most parameter bytes gathered at once during the last step (`peak_gathered`)
@@ -723,6 +729,10 @@ class Zero:
         if self.config.stage == 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._pending.append((work, lambda: self._finish_all_reduce(f, flat), flat))
+        elif self._gloo:  # gloo's reduce-scatter is slower than its all-reduce: reduce all, keep ours
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
+            self._pending.append((work, lambda: self._finish_reduce_scatter(f, flat[own].clone()), flat))
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
             work = _reduce_scatter(out, flat, group=self.group, async_op=True)

@@ -18,6 +18,12 @@ Restarts (`--max-restarts N`): a restarted attempt could read the previous attem
 from torchrun's shared store (pytorch#135712) and fail to connect. The launcher sets
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`; a worker started by a user's own torchrun that
 does share the agent's store namespaces its keys by `TORCHELASTIC_RESTART_COUNT`.
+
+Failures: a worker whose collective times out (`--timeout`) or loses its peer prints one
+line naming the collective and the ranks that never joined it (`runtime/watchdog.py`) and
+exits with 3; torchrun stops the others, and the launcher's summary is that line when this
+rank failed first, else the rank that died first and how. `MESHPLAN_FAULT` injects a dead
+or stuck rank for tests (`injected_fault`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,17 +172,36 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def injected_fault(rank: int) -> int | None:
-    """The step at which this rank should die, from MESHPLAN_FAULT="rank=R,step=S" (first attempt only).
+@dataclass(frozen=True)
+class Fault:
+    """A fault injected into one rank when it starts step `step` (0-based: 3 is the fourth step)."""
 
-    A testing hook for the restart path: the rank exits abruptly, as if killed, while
-    its peers are inside the same step's collectives.
+    step: int
+    hang: bool = False  # stay alive but silent (a stuck rank), instead of exiting as if killed
+
+    def strike(self) -> None:
+        """Exit with 137 (as SIGKILL would), or never return."""
+        if not self.hang:
+            os._exit(137)
+        while True:  # stuck: the peers time out in their next collective; torchrun ends this process
+            time.sleep(60)
+
+
+def injected_fault(rank: int) -> Fault | None:
+    """This rank's fault from MESHPLAN_FAULT="rank=R,step=S" or "rank=R,step=S,hang" (first attempt only).
+
+    A testing hook for the failure paths: rank R exits abruptly at step S, as if killed,
+    while its peers are inside the same step's collectives; with `hang` it stays alive and
+    never joins them, as if stuck.
     """
     spec = os.environ.get("MESHPLAN_FAULT")
     if not spec or restart_attempt() > 0:
         return None
-    fields = dict(part.split("=", 1) for part in spec.split(","))
-    return int(fields["step"]) if int(fields["rank"]) == rank else None
+    parts = spec.split(",")
+    fields = dict(part.split("=", 1) for part in parts if "=" in part)
+    if int(fields["rank"]) != rank:
+        return None
+    return Fault(int(fields["step"]), hang="hang" in parts)
 
 
 def under_torchrun() -> bool:
@@ -204,30 +230,42 @@ def _launch(args: argparse.Namespace) -> int:
 # torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _USER_ERROR_EXIT = re.compile(r"exitcode\s*:\s*2\b")
+# a worker's report of a collective that failed (`PeerFailure`, runtime/watchdog.py), and its hint line
+_PEER_FAILURE = re.compile(r"^meshplan: error: (rank (\d+) (?:waited|timed out|failed)\b.*)$", re.M)
+_HINT = "  hint: "
 
 
 def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
     """Run torchrun, passing the workers' stderr through live. When a worker stopped on a user
     mistake (exit 2, already reported in one line), torchrun's failure report and traceback
-    are noise and are dropped; for any other failure they are shown."""
+    are noise and are dropped; for any other failure they are shown. A worker's report of a
+    failed collective is held back too: when that rank failed first it is the summary."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
     held: list[str] = []
     for line in proc.stderr:
-        if held or (_TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))):
-            held.append(line)  # torchrun's failure report (and all after it), kept for later
+        failing = _PEER_FAILURE.match(line) or (
+            _TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))
+        )
+        if held or failing:
+            held.append(line)  # the failure reports (and all after them), kept for later
         else:
             sys.stderr.write(line)
     status = proc.wait()
-    if status != 0 and _USER_ERROR_EXIT.search("".join(held)):
+    report = "".join(held)
+    if status != 0 and _USER_ERROR_EXIT.search(report):
         return EXIT_USER
-    culprit = first_failure("".join(held))
+    culprit = first_failure(report)
     if status != 0 and culprit is not None and not os.environ.get("MESHPLAN_DEBUG"):
+        reports = [line for line in held if _PEER_FAILURE.match(line) and culprit not in line]
+        hints = [line for line in held if line.startswith(_HINT)]
+        sys.stderr.writelines(reports)  # the other ranks' collectives
         print(
             f"meshplan: error: {culprit}; torchrun stopped the other ranks "
             "(MESHPLAN_DEBUG=1 shows torchrun's report)",
             file=sys.stderr,
         )
+        sys.stderr.writelines(hints[:1])
         return status
     sys.stderr.writelines(held)
     return status
@@ -237,11 +275,16 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+
 
 
 def first_failure(report: str) -> str | None:
-    """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report."""
+    """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report; when that
+    rank gave up on a collective and said so in `report`, its own line: `rank 0 waited 10 s in
+    all_reduce over dp (...); rank 1 did not join it (stuck or dead)`."""
     m = _ROOT_CAUSE.search(report)
     if m is None:
         return None
     rank, code = int(m.group(1)), int(m.group(2))
+    said = {int(p.group(2)): p.group(1) for p in _PEER_FAILURE.finditer(report)}
+    if code == EXIT_PEER and rank in said:
+        return said[rank]
     if code < 0:
         how = f"killed by signal {-code}"
     elif code == 137:
@@ -383,10 +426,10 @@ def _worker(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
-    except PeerFailure as e:
+    except PeerFailure as e:  # one line naming the collective and the ranks that never joined it
         print(
-            f"meshplan: error: {e}\n  a peer rank died or is stuck (collectives wait --timeout {args.timeout} s); "
-            f"continue with --resume from the last checkpoint in {run_dir(args)}",
+            f"meshplan: error: {e}\n{_HINT}continue with --resume from the last checkpoint in {run_dir(args)} "
+            f"(collectives wait --timeout {args.timeout} s)",
             file=sys.stderr,
         )
         return EXIT_PEER
@@ -458,13 +501,16 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         if dp_spec.zero > 0:
             dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype)
         else:
-            dp = DataParallel(program, dp_group, bucket_bytes=dp_spec.bucket_bytes, reduce_dtype=reduce_dtype)
+            dp = DataParallel(
+                program,
+                dp_group,
+                bucket_bytes=dp_spec.bucket_bytes,
+                reduce_dtype=reduce_dtype,
+                axis=dp_spec.axis,
+            )
     groups = Groups(
         dp=dp_group,
         tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
-        shard_key="_".join(
-            f"{axis}{coords[axis]}" for axis in layout.names if axis != dp_axis and layout.size(axis) > 1
-        ),
         layout=TensorLayout(
             mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
             {
@@ -490,13 +536,13 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         dp_size=dp_size,
         accumulation=plan.train.gradient_accumulation,
     )
-    die_at = injected_fault(rank)
-    if die_at is not None:
+    fault = injected_fault(rank)
+    if fault is not None:
         clean_batches = batches
 
         def batches(step: int, micro: int):  # the same batches, with a fault injected
-            if step == die_at:
-                os._exit(137)
+            if step == fault.step:
+                fault.strike()
             return clean_batches(step, micro)
 
     forward = dp if isinstance(dp, DataParallel) else program  # ZeRO works through hooks on `program`
@@ -532,8 +578,8 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
 def _shard_for_zero(args: argparse.Namespace, program: Any, dp_group: Any, dp_spec: Any, reduce_dtype: Any):
     """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
 
-    On the flat exported program ZeRO-3 has one unit: the whole (tp-local) model is
-    gathered for forward and again for backward; only the persistent copy is 1/dp.
+    The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
+    ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
     """
     from meshplan.runtime.data_parallel import broadcast_parameters
     from meshplan.runtime.train import TrainConfig, decays
@@ -556,6 +602,7 @@ def _shard_for_zero(args: argparse.Namespace, program: Any, dp_group: Any, dp_sp
         betas=TrainConfig.betas,
         weight_decay=args.weight_decay,
         decay=decays,
+        axis=dp_spec.axis,
     )
 
 

@@ -102,12 +102,11 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    shard_key: str = "",
     layout: TensorLayout | None = None,
     keep: int = 2,
 ) -> Path:
     """Write the checkpoint of `step` atomically (all ranks call this); return its final path."""
-    tmp = write_temporary(root, step, model, optimizer, shard_key=shard_key, layout=layout)
+    tmp = write_temporary(root, step, model, optimizer, layout=layout)
     final = Path(root) / checkpoint_name(step)
     if _rank() == 0:
         publish(tmp, final)
@@ -122,7 +121,6 @@ def write_temporary(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    shard_key: str = "",
     layout: TensorLayout | None = None,
 ) -> Path:
     """The first half of `save`: every rank writes into `.tmp-stepN`. Nothing is published yet."""
@@ -167,13 +165,9 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    shard_key: str = "",
     layout: TensorLayout | None = None,
 ) -> Restored:
-    """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input).
-
-    `shard_key` is kept for checkpoints of state that differs between ranks; the
-    layout-free state here is the same on every rank and ignores it."""
+    """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
     state = _state(model, optimizer, 0, layout, for_load=True)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())

@@ -20,7 +20,9 @@ Each forward collective has its conjugate in backward (Megatron's f/g pairs):
     VocabParallelEmbedding lookup of the local vocab rows, partial sums; the caller reduces
     VocabParallelCrossEntropy  cross-entropy over vocab-sharded logits (3 small all-reduces)
 
-The modules hold their process group; nothing here is global state.
+The modules hold their process group; nothing here is global state. Each collective
+tells `runtime/watchdog.py` what it is about to wait in (op, axis, node label), so a rank
+that times out can say which collective; `label_collectives` names the nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from . import watchdog
 
 # torch >= 2.12 names the tensor-in/tensor-out collectives *_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,19 +69,21 @@ def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, site):
+        ctx.site = site
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+        ctx.site.note("all_reduce", "backward")
+        return all_reduce(grad, ctx.site.group), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, site):
+        site.note("all_reduce")
+        return all_reduce(x, site.group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -86,91 +92,106 @@ class _Reduce(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, grad_is_partial):
-        ctx.dim, ctx.group, ctx.grad_is_partial = dim, group, grad_is_partial
-        return all_gather(x, dim, group)
+    def forward(ctx, x, dim, site, grad_is_partial):
+        ctx.dim, ctx.site, ctx.grad_is_partial = dim, site, grad_is_partial
+        site.note("all_gather")
+        return all_gather(x, dim, site.group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.grad_is_partial:
-            return reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
-        return local_chunk(grad, ctx.dim, ctx.group), None, None, None
+            ctx.site.note("reduce_scatter", "backward")
+            return reduce_scatter(grad, ctx.dim, ctx.site.group), None, None, None
+        return local_chunk(grad, ctx.dim, ctx.site.group), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, site):
+        ctx.dim, ctx.site = dim, site
+        site.note("reduce_scatter")
+        return reduce_scatter(x, dim, site.group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        ctx.site.note("all_gather", "backward")
+        return all_gather(grad, ctx.dim, ctx.site.group), None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return local_chunk(x, dim, group)
+    def forward(ctx, x, dim, site):
+        ctx.dim, ctx.site = dim, site
+        return local_chunk(x, dim, site.group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        ctx.site.note("all_gather", "backward")
+        return all_gather(grad, ctx.dim, ctx.site.group), None, None
 
 
 class AxisCollective(nn.Module):
-    """Base: a collective bound to the process group of one mesh axis."""
+    """Base: a collective bound to the process group of one mesh axis.
 
-    def __init__(self, group: dist.ProcessGroup | None, axis: str):
+    `label` is its name in the program (`all_reduce_tp_3`, see `label_collectives`): the
+    watchdog's report names the node a rank waits in.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, axis: str, label: str = ""):
         super().__init__()
         self.group = group
         self.axis = axis
+        self.label = label
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}"
+
+    def note(self, op: str, part: str = "") -> None:
+        """Tell the watchdog this rank enters `op` here (`part`: "backward", a step of the loss)."""
+        detail = f"{self.label} {part}" if self.label and part else self.label or part
+        watchdog.note(op, self.axis, detail, self.group)
 
 
 class CopyToAxis(AxisCollective):
     """f: a replicated tensor entering sharded compute; gradients are summed over the axis."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Copy.apply(x, self.group)
+        return _Copy.apply(x, self)
 
 
 class AllReduce(AxisCollective):
     """g: partial sums leaving sharded compute (after a row split)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Reduce.apply(x, self.group)
+        return _Reduce.apply(x, self)
 
 
 class AllGather(AxisCollective):
     """Sequence shards -> full sequence before a column split; backward reduce-scatters."""
 
     def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Gather.apply(x, dim, self.group, True)
+        return _Gather.apply(x, dim, self, True)
 
 
 class GatherReplicated(AxisCollective):
     """Shards -> a full tensor used by replicated compute; backward keeps the local chunk."""
 
     def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Gather.apply(x, dim, self.group, False)
+        return _Gather.apply(x, dim, self, False)
 
 
 class ReduceScatter(AxisCollective):
     """Partial sums -> sequence shards after a row split (sequence parallelism)."""
 
     def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _ReduceScatter.apply(x, dim, self.group)
+        return _ReduceScatter.apply(x, dim, self)
 
 
 class Split(AxisCollective):
     """A replicated tensor -> this rank's chunk; backward all-gathers."""
 
     def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Split.apply(x, dim, self.group)
+        return _Split.apply(x, dim, self)
 
 
 class VocabParallelEmbedding(AxisCollective):
@@ -200,22 +221,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits sharded on the last (vocab) dim, never gathering them."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index):
+    def forward(ctx, logits, target, site, ignore_index):
         # logits: (N, V/world) this rank's vocab slice; target: (N,) global vocab ids
+        group = site.group
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
         ctx.input_dtype = logits.dtype
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: fp32 math
         row_max = logits.max(dim=-1).values
+        site.note("all_reduce", "row max")
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)  # (N, V/world)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
+        site.note("all_reduce", "softmax sum")
         dist.all_reduce(sum_exp, group=group)
         valid = target != ignore_index
         outside = (target < start) | (target >= start + local_vocab) | ~valid
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        site.note("all_reduce", "target logit")
         dist.all_reduce(target_logit, group=group)
         losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (N,)
         count = valid.sum().clamp(min=1)
@@ -235,7 +260,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 class VocabParallelCrossEntropy(AxisCollective):
     def forward(self, logits: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
-        return _VocabParallelCrossEntropy.apply(logits, target, self.group, ignore_index)
+        return _VocabParallelCrossEntropy.apply(logits, target, self, ignore_index)
+
+
+def label_collectives(root: nn.Module) -> None:
+    """Label each collective module under `root` with its name there (`all_reduce_tp_3`, the
+    node the printed rank program shows), unless it has a label already."""
+    for name, module in root.named_modules():
+        if isinstance(module, AxisCollective) and not module.label:
+            module.label = name
 
 
 COLLECTIVES: dict[str, type[AxisCollective]] = {

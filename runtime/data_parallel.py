@@ -29,6 +29,9 @@ fastest) ranks 0 and 2 hold tp shard 0 and form dp group {0, 2}; ranks 1 and 3 f
 {1, 3}. Each averages the gradient of the same shard, so DP composes with the
 compiler's tensor parallelism by construction.
 
+A rank waiting for a bucket tells `runtime/watchdog.py` (bucket, bytes, axis): if a
+peer is stuck, the report names the bucket it never contributed.
+
 Every bucket's all-reduce is recorded in `launches` as (bucket index, bytes,
 during_backward), and `ledger()` lists (bytes, count per optimizer step) per bucket,
 for reporting next to the compiler's collective ledger.
@@ -43,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from . import watchdog
 
 
 @dataclass
@@ -74,12 +79,14 @@ class DataParallel(nn.Module):
         *,
         bucket_bytes: int = 25_000_000,
         reduce_dtype: torch.dtype | None = None,
+        axis: str = "dp",
     ) -> None:
         nn.Module.__init__(self)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.module = module
         self.group = group
+        self.axis = axis  # the mesh axis of `group`, for the watchdog's report
         self.world = dist.get_world_size(group)
         self.reduce_dtype = reduce_dtype
         self.launches: list[Launch] = []
@@ -118,6 +125,8 @@ class DataParallel(nn.Module):
             self._in_finish = False
         for bucket in self.buckets:
             assert bucket.work is not None and bucket.flat is not None
+            where = f"bucket {bucket.index + 1} of {len(self.buckets)}, {watchdog.size_text(bucket.nbytes)}"
+            watchdog.note("all_reduce", self.axis, where, self.group)
             bucket.work.wait()
             _unflatten_into_grads(bucket.flat.div_(self.world), bucket.params)
             bucket.work, bucket.flat, bucket.ready = None, None, 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -56,9 +57,32 @@ class MeshLayout:
 
 
 def init_mesh(layout: MeshLayout, device_type: str = "cpu") -> DeviceMesh:
-    """Build the DeviceMesh (and with it every axis's process group) on an initialized world."""
+    """Build the DeviceMesh (and with it every axis's process group) on an initialized world.
+
+    The axis groups wait for a peer as long as the world group does (the `timeout` of
+    `init_process_group`, `meshplan run --timeout`): torch creates them with its own default
+    of 30 minutes, so a stuck rank would otherwise hang a dp x tp job that long.
+    """
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"the mesh has {layout.world_size} ranks but {dist.get_world_size()} processes were started"
         )
-    return init_device_mesh(device_type, layout.sizes, mesh_dim_names=layout.names)
+    mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=layout.names)
+    _inherit_timeout(mesh)
+    return mesh
+
+
+def _inherit_timeout(mesh: DeviceMesh) -> None:
+    """Give every axis group the world group's timeout (best effort: private torch APIs, guarded)."""
+    world = dist.group.WORLD
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if world is None or set_timeout is None:
+        return
+    try:
+        timeout = world._get_backend(torch.device(mesh.device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return
+    for name in mesh.mesh_dim_names or ():
+        group = mesh.get_group(name)
+        if group is not world:
+            set_timeout(timeout, group)

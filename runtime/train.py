@@ -41,6 +41,11 @@ The peak is `config.peak_flops` if given, else the dense bf16 tensor-core peak o
 known GPUs (table `PEAK_FLOPS`); on a CPU or an unknown GPU it is unknown and `mfu` is null.
 A step is skipped (not applied, counted in `skipped_steps`) when its gradient norm is
 not finite.
+
+A dead or stuck peer: every step starts with `watchdog.progress(step)` and every collective
+notes itself first (here, in `collectives.py`, `data_parallel.py`). A collective that times
+out or loses its connection raises `PeerFailure`, whose one line names this rank, the step,
+the collective and the ranks that never joined it (`runtime/watchdog.py`).
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import checkpoint
+from . import checkpoint, watchdog
+from .collectives import label_collectives
 from .data_parallel import DataParallel
 from .zero import Zero
 
@@ -102,7 +108,6 @@ class Groups:
 
     dp: dist.ProcessGroup | None = None
     tp: dist.ProcessGroup | None = None
-    shard_key: str = ""  # checkpoint key of this rank's shard under ZeRO (see checkpoint.py)
     layout: checkpoint.TensorLayout | None = None  # tensor-parallel cuts, for layout-free checkpoints
 
 
@@ -166,7 +171,7 @@ def global_grad_norm(
         else:
             replicated_sq += sq
     if tp is not None and dist.get_world_size(tp) > 1:
-        sharded_sq = _all_reduce(sharded_sq, tp)
+        sharded_sq = _all_reduce(sharded_sq, tp, "tp", "gradient norm")
     return (sharded_sq + replicated_sq).sqrt()
 
 
@@ -249,11 +254,13 @@ def train(
     summary = Summary(steps_done=start, start_step=start)
     display = _Display(rank == 0 if show_progress is None else show_progress, config, start)
     named = list(program.named_parameters())
+    label_collectives(program)  # the watchdog's report names the graph node a rank waits in
     scale = config.loss_scale
     good_steps = 0
     t_start = time.perf_counter()
     try:
         for step in range(start, config.steps):
+            watchdog.progress(step + 1)
             t0 = time.perf_counter()
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
@@ -274,7 +281,9 @@ def train(
             if scale is not None and config.dynamic_loss_scale:
                 scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
             mean_loss = (
-                float(_all_reduce(loss, groups.dp) / dp_size) if groups.dp is not None else float(loss)
+                float(_all_reduce(loss, groups.dp, "dp", "mean loss") / dp_size)
+                if groups.dp is not None
+                else float(loss)
             )
             dt = time.perf_counter() - t0
             summary.skipped_steps += skipped
@@ -300,18 +309,18 @@ def train(
             metrics.write(record)
             display.update(record)
             if _should_save(step + 1, config):
+                watchdog.note("checkpoint save", "")
                 checkpoint.save(
                     ckpt_root,
                     step + 1,
                     program,
                     zero or optimizer,
-                    shard_key=groups.shard_key,
                     layout=groups.layout,
                 )
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
     except RuntimeError as e:
         if is_peer_failure(e):  # gloo/NCCL: a peer closed its connection or never answered
-            raise PeerFailure(summary.steps_done + 1, rank, e) from e
+            raise PeerFailure(watchdog.diagnose(e)) from e
         raise
     finally:
         metrics.close()
@@ -331,7 +340,7 @@ def _zero_step(
     squares = zero.grad_squares(sharded)  # (tp-sharded, replicated), summed over dp
     sharded_sq, replicated_sq = squares[0].cpu(), squares[1].cpu()
     if tp is not None and dist.get_world_size(tp) > 1:
-        sharded_sq = _all_reduce(sharded_sq, tp)
+        sharded_sq = _all_reduce(sharded_sq, tp, "tp", "gradient norm")
     norm = (sharded_sq + replicated_sq).sqrt()
     if bool(torch.isfinite(norm)):
         if max_norm > 0:
@@ -343,19 +352,26 @@ def _zero_step(
 
 
 class PeerFailure(RuntimeError):
-    """A collective failed because another rank died or stopped answering (after the timeout)."""
+    """A collective failed because another rank died or stopped answering (after the timeout).
 
-    def __init__(self, step: int, rank: int, cause: BaseException):
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(f"rank {rank}: a collective of step {step} failed: {first}")
-        self.step, self.rank = step, rank
+    The message is the watchdog's one line: this rank, the step, the collective it waited
+    in and the ranks that never joined it (`runtime/watchdog.py`).
+    """
+
+    def __init__(self, stall: watchdog.Stall):
+        super().__init__(str(stall))
+        self.stall = stall
+        self.step, self.rank = stall.step, stall.rank
 
 
 def is_peer_failure(e: BaseException) -> bool:
+    """A backend error from a peer that is gone or silent. After one gloo op times out, the
+    others on the same pair fail with "Application timeout caused pair closure"."""
     text = str(e)
-    return isinstance(e, dist.DistError) or any(
-        word in text
-        for word in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+    return (
+        isinstance(e, dist.DistError)
+        or watchdog.is_timeout(e)
+        or any(word in text for word in ("Connection closed by peer", "Connection reset", "NCCL"))
     )
 
 
@@ -408,7 +424,7 @@ def _maybe_resume(
     path = checkpoint.latest(root)
     if path is None:
         return 0
-    return checkpoint.load(path, program, optimizer, shard_key=groups.shard_key, layout=groups.layout).step
+    return checkpoint.load(path, program, optimizer, layout=groups.layout).step
 
 
 def _should_save(done: int, config: TrainConfig) -> bool:
@@ -417,9 +433,10 @@ def _should_save(done: int, config: TrainConfig) -> bool:
     return config.save_every > 0 and done == config.steps
 
 
-def _all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, axis: str, what: str) -> Tensor:
     x = x.clone()
     if group is not None:
+        watchdog.note("all_reduce", axis, what, group)
         dist.all_reduce(x, group=group)
     return x
 

@@ -70,6 +70,7 @@ all. One engine for 1-3 gives one ledger, one state-dict layout and exact memory
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -82,6 +83,8 @@ from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
+
+from . import watchdog
 
 # torch >= 2.12 names the tensor-in/tensor-out collectives *_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -140,8 +143,9 @@ class _Flat:
         *,
         sharded_params: bool,
         shard_device: torch.device,
+        axis: str = "dp",
     ) -> None:
-        self.names, self.params, self.group = names, params, group
+        self.names, self.params, self.group, self.axis = names, params, group, axis
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.dtype, self.device = params[0].dtype, params[0].device
         self.numels = [p.numel() for p in params]
@@ -188,6 +192,7 @@ class _Flat:
 
     def wait_gather(self) -> None:
         if self._gather_work is not None:
+            watchdog.note("all_gather", self.axis, watchdog.size_text(self.full_nbytes()), self.group)
             self._gather_work.wait()
             self._gather_work = None
 
@@ -224,6 +229,15 @@ class _Flat:
         if self.full_grad is not None:
             return self.full_grad[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
         return self.grad_shard
+
+
+class _Pending(NamedTuple):
+    """A gradient reduction in flight: wait for `work`, then `finish` (which keeps the result)."""
+
+    work: Any
+    finish: Callable[[], None]
+    buffer: Tensor  # the full-size gradients being reduced (counted by `memory()`)
+    op: str
 
 
 class _Unit:
@@ -276,8 +290,9 @@ class Zero:
         eps: float,
         units: Sequence[str] | None = None,
         decay: Callable[[str, nn.Parameter], bool] | None = None,
+        axis: str = "dp",
     ) -> None:
-        self.module, self.group, self.config = module, group, config
+        self.module, self.group, self.config, self.axis = module, group, config, axis
         self.world = dist.get_world_size(group)
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not params:
@@ -290,15 +305,15 @@ class Zero:
         self._nodes = graph_units(module) if units is None else []
         aliases = dict(module.named_parameters(remove_duplicate=False))  # a tied param has two names
         if config.stage == 3 and self._nodes:
-            self.units = _units_from_nodes(self._nodes, params, aliases, group, shard_device, decays)
+            self.units = _units_from_nodes(self._nodes, params, aliases, group, shard_device, decays, axis)
             self.flats = [f for u in self.units for f in u.flats]
         elif config.stage == 3:
-            self.units = _build_units(module, params, group, shard_device, units, decays)
+            self.units = _build_units(module, params, group, shard_device, units, decays, axis)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
             self.flats = [
-                _Flat(names, ps, group, sharded_params=False, shard_device=shard_device)
+                _Flat(names, ps, group, sharded_params=False, shard_device=shard_device, axis=axis)
                 for names, ps in bucket_params(params, config.bucket_bytes, decays)
             ]
         # stages 1/2 on a compiled graph: which flats each ZeroGather node waits for
@@ -338,7 +353,7 @@ class Zero:
             }
         self._sync = True
         self._gloo = dist.get_backend(group) == "gloo"
-        self._pending: list[tuple[Any, Callable[[], None], Tensor]] = []  # (async work, finish, buffer)
+        self._pending: list[_Pending] = []  # gradient reductions in flight
         self._issued: Counter[tuple[str, int]] = Counter()
         # stage 3: the most parameter bytes gathered at once during the last step (`peak_gathered`)
         self._peak_gathered = self.peak_gathered = 0
@@ -489,7 +504,7 @@ class Zero:
             for t in [f.full_grad, f.grad_shard, *(p.grad for p in f.params)]
             if t is not None
         )
-        grads += sum(_storage_bytes(buffer, seen) for _, _, buffer in self._pending)  # in flight
+        grads += sum(_storage_bytes(p.buffer, seen) for p in self._pending)  # in flight
         optimizer = 0
         for m in self.masters:
             optimizer += _storage_bytes(m, seen)
@@ -718,34 +733,40 @@ class Zero:
         return torch.empty((), dtype=self._reduce_dtype(f)).element_size()
 
     def _record(self, op: str, nbytes: int) -> None:
+        """Count a collective being launched, for `issued()`, and tell the watchdog."""
         self._issued[op, nbytes] += 1
+        watchdog.note(op, self.axis, watchdog.size_text(nbytes), self.group)
 
     def _start_reduce(self, f: _Flat) -> None:
         """Launch the reduction of one flat's grads and free the full-size grads (stages 2/3)."""
         flat = f.flat_grads(self._reduce_dtype(f))  # (padded,)
         for p in f.params:
             p.grad = None
-        self._record("all_reduce" if self.config.stage == 1 else "reduce_scatter", flat.nbytes)
+        op = "all_reduce" if self.config.stage == 1 else "reduce_scatter"
+        self._record(op, flat.nbytes)
+        finish: Callable[[], None]
         if self.config.stage == 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((work, lambda: self._finish_all_reduce(f, flat), flat))
+            finish = functools.partial(self._finish_all_reduce, f, flat)
         elif self._gloo:  # gloo's reduce-scatter is slower than its all-reduce: reduce all, keep ours
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
-            self._pending.append((work, lambda: self._finish_reduce_scatter(f, flat[own].clone()), flat))
+            finish = lambda: self._finish_reduce_scatter(f, flat[own].clone())  # noqa: E731
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
             work = _reduce_scatter(out, flat, group=self.group, async_op=True)
-            self._pending.append((work, lambda: self._finish_reduce_scatter(f, out), flat))
+            finish = functools.partial(self._finish_reduce_scatter, f, out)
+        self._pending.append(_Pending(work, finish, flat, op))
         f.reduced = True
         self._drain(keep=_MAX_IN_FLIGHT)
 
     def _drain(self, keep: int) -> None:
         """Finish the oldest reductions until `keep` are left: bounds the full-size buffers alive."""
         while len(self._pending) > keep:
-            work, finish, _ = self._pending.pop(0)
-            work.wait()
-            finish()
+            pending = self._pending.pop(0)
+            watchdog.note(pending.op, self.axis, watchdog.size_text(pending.buffer.nbytes), self.group)
+            pending.work.wait()
+            pending.finish()
 
     def _finish_all_reduce(self, f: _Flat, flat: Tensor) -> None:
         f.full_grad = flat.div_(self.world).to(f.dtype)  # (padded,) averaged
@@ -871,6 +892,7 @@ def shard_for_zero(
     eps: float = 1e-8,
     units: Sequence[str] | None = None,
     decay: Callable[[str, nn.Parameter], bool] | None = None,
+    axis: str = "dp",
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
 
@@ -893,6 +915,7 @@ def shard_for_zero(
         eps=eps,
         units=units,
         decay=decay,
+        axis=axis,
     )
 
 
@@ -956,6 +979,7 @@ def _build_units(
     shard_device: torch.device,
     names: Sequence[str] | None,
     decays: dict[int, bool],
+    axis: str,
 ) -> list[_Unit]:
     """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
     units = _unit_modules(module, names)
@@ -968,7 +992,7 @@ def _build_units(
         by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
     built = []
     for name, child in units:
-        flats = _flats(by_unit[name], group, shard_device, decays)
+        flats = _flats(by_unit[name], group, shard_device, decays, axis)
         if flats:
             built.append(_Unit(name, child, flats, refetch=name != ""))
     return built
@@ -981,6 +1005,7 @@ def _units_from_nodes(
     group: dist.ProcessGroup,
     shard_device: torch.device,
     decays: dict[int, bool],
+    axis: str,
 ) -> list[_Unit]:
     """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
     node names (the graph never reads them) go to a last unit only `gathered()` materializes."""
@@ -989,9 +1014,14 @@ def _units_from_nodes(
     for gather, release in nodes:
         named = [left.pop(id(aliases[n])) for n in gather.params if n in aliases and id(aliases[n]) in left]
         units.append(
-            _Unit(gather.unit, None, _flats(named, group, shard_device, decays), refetch=release is not None)
+            _Unit(
+                gather.unit,
+                None,
+                _flats(named, group, shard_device, decays, axis),
+                refetch=release is not None,
+            )
         )
-    rest = _flats(list(left.values()), group, shard_device, decays)
+    rest = _flats(list(left.values()), group, shard_device, decays, axis)
     if rest:
         units.append(_Unit("", None, rest, refetch=False))
     return units
@@ -1002,10 +1032,18 @@ def _flats(
     group: dist.ProcessGroup,
     shard_device: torch.device,
     decays: dict[int, bool],
+    axis: str,
 ) -> list[_Flat]:
     """A unit's params as sharded flats: one per dtype and decay class."""
     return [
-        _Flat([n for n, _ in ps], [p for _, p in ps], group, sharded_params=True, shard_device=shard_device)
+        _Flat(
+            [n for n, _ in ps],
+            [p for _, p in ps],
+            group,
+            sharded_params=True,
+            shard_device=shard_device,
+            axis=axis,
+        )
         for ps in group_by_kind(params, decays)
     ]
 

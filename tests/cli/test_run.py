@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshplan.main import build_parser, main
-from meshplan.run import torchrun_command, worker_argv
+from meshplan.run import Fault, first_failure, injected_fault, torchrun_command, worker_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DP = str(ROOT / "examples" / "tiny_dp.plan")
@@ -86,6 +86,35 @@ def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path) -> 
         }
         first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
         assert first > 5.0 and last < first - 1.0, (first, last)
+
+
+def test_injected_faults_kill_or_hang_one_rank_on_the_first_attempt_only(monkeypatch) -> None:
+    monkeypatch.setenv("MESHPLAN_FAULT", "rank=1,step=3,hang")
+    assert injected_fault(1) == Fault(step=3, hang=True) and injected_fault(0) is None
+    monkeypatch.setenv("MESHPLAN_FAULT", "rank=1,step=3")
+    assert injected_fault(1) == Fault(step=3, hang=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert injected_fault(1) is None
+
+
+def torchrun_report(rank: int, exitcode: int) -> str:
+    """The end of torchrun's failure report, as it prints it."""
+    return (
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-22_05:39:56\n"
+        f"  host      : localhost\n  rank      : {rank} (local_rank: {rank})\n"
+        f"  exitcode  : {exitcode} (pid: 9028)\n"
+    )
+
+
+STUCK = "rank 0 waited 5 s in all_reduce over dp (bucket 1 of 1, 858.4 KB, step 4); rank 1 did not join it (stuck or dead)"
+
+
+def test_the_summary_is_the_report_of_the_rank_that_gave_up_first_on_a_collective() -> None:
+    worker = f"meshplan: error: {STUCK}\n  hint: continue with --resume from the last checkpoint in runs/x\n"
+    assert first_failure(worker + torchrun_report(0, 3)) == STUCK
+    # a rank that died is named by its exit code, whatever its peers said
+    assert first_failure(worker + torchrun_report(1, 137)) == "rank 1 failed first (exit code 137: killed)"
+    assert first_failure(torchrun_report(0, 3)) == "rank 0 failed first (a collective failed)"
 
 
 @pytest.mark.slow

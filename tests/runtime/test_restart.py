@@ -1,9 +1,12 @@
 """A rank dies mid-run under torchrun --max-restarts=1: the job restarts, resumes from the last
-checkpoint and ends with the same parameters as a run that was never interrupted."""
+checkpoint and ends with the same parameters as a run that was never interrupted. Without
+restarts, a dead or stuck rank ends the job with one line naming it and the collective."""
 
 import json
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(out: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     command = [
         "meshplan",
         "run",
@@ -36,7 +39,7 @@ def run(out: Path, *extra: str, env: dict | None = None) -> subprocess.Completed
         capture_output=True,
         text=True,
         env=dict(os.environ, NO_COLOR="1", **(env or {})),
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -78,6 +81,28 @@ def test_a_dead_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     done = run(tmp_path / "dead", "--timeout", "30", env={"MESHPLAN_FAULT": "rank=1,step=3"})
     assert done.returncode != 0
     assert "rank 1 failed first (exit code 137: killed)" in done.stderr
-    # rank 0 may see the broken connection ("rank 0: a collective of step 4 failed") or be
-    # stopped by torchrun first; either way no traceback reaches the user
+    # rank 0 may see the broken connection ("rank 0 failed in all_reduce over dp (...): Read
+    # error ...: Connection reset by peer") or be stopped by torchrun first; either way no
+    # traceback reaches the user
     assert "Traceback" not in done.stderr
+
+
+def test_a_stuck_rank_ends_the_job_with_a_message_naming_it_and_the_collective(tmp_path):
+    # rank 1 stays alive but never joins step 4's collectives: rank 0 times out in the gradient
+    # bucket's all-reduce after --timeout, asks the store who never joined, and says so
+    started = time.monotonic()
+    done = run(
+        tmp_path / "stuck", "--timeout", "5", env={"MESHPLAN_FAULT": "rank=1,step=3,hang"}, timeout=120
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    said = (
+        r"rank 0 waited \d+ s in all_reduce over dp \(bucket 1 of 1, [\d.]+ KB, step 4\); "
+        r"rank 1 did not join it \(stuck or dead\)"
+    )
+    summary = done.stderr.strip().splitlines()[-2]  # the launcher's, above the --resume hint
+    assert re.fullmatch(f"meshplan: error: {said}; torchrun stopped the other ranks .*", summary), done.stderr
+    assert done.stderr.count("rank 1 did not join it") == 1  # shown once, as the summary
+    assert "continue with --resume" in done.stderr.splitlines()[-1]
+    assert "Traceback" not in done.stderr
+    assert elapsed < 90  # start-up + 5 s timeout + 2 s grace + teardown; a hang would be 300 s

@@ -399,8 +399,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
+    from meshplan.runtime import watchdog
     from meshplan.runtime.data import DataError
-    from meshplan.runtime.train import PeerFailure
+    from meshplan.runtime.train import PeerFailure, is_peer_failure
 
     rank = int(os.environ["RANK"])
     if restart_attempt() > 0:
@@ -416,6 +417,7 @@ def _worker(args: argparse.Namespace) -> int:
         summary = _train(args, prepared)
         if args.export:
             _export(args, prepared, rank)
+        dist.barrier()  # nobody tears down before everyone is done: rank 0's process serves the store
     except PlanError as e:
         if rank == 0:
             from meshplan.main import _report
@@ -426,10 +428,13 @@ def _worker(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
-    except PeerFailure as e:  # one line naming the collective and the ranks that never joined it
+    except RuntimeError as e:  # a collective timed out or lost its peer: one line naming it and who
+        if not isinstance(e, PeerFailure) and not is_peer_failure(e):
+            raise
+        failure = e if isinstance(e, PeerFailure) else PeerFailure(watchdog.diagnose(e))  # start-up, export
         print(
-            f"meshplan: error: {e}\n{_HINT}continue with --resume from the last checkpoint in {run_dir(args)} "
-            f"(collectives wait --timeout {args.timeout} s)",
+            f"meshplan: error: {failure}\n{_HINT}continue with --resume from the last checkpoint in "
+            f"{run_dir(args)} (collectives wait --timeout {args.timeout} s)",
             file=sys.stderr,
         )
         return EXIT_PEER

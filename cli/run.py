@@ -417,7 +417,7 @@ def _worker(args: argparse.Namespace) -> int:
         summary = _train(args, prepared)
         if args.export:
             _export(args, prepared, rank)
-        dist.barrier()  # nobody tears down before everyone is done: rank 0's process serves the store
+        _teardown_in_order()
     except PlanError as e:
         if rank == 0:
             from meshplan.main import _report
@@ -442,6 +442,24 @@ def _worker(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_OK if summary.steps_done >= args.steps else EXIT_USER
+
+
+def _teardown_in_order() -> None:
+    """Destroy the process group after a run that ended well, rank 0 last: its process serves the
+    store the others' teardown still talks to (a rank torn down after the server was gone has
+    aborted at exit, "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        store.add("meshplan/torn_down", 1)
+        return
+    others, deadline = dist.get_world_size() - 1, time.monotonic() + 30
+    while store.add("meshplan/torn_down", 0) < others and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dist.destroy_process_group()
 
 
 def _init_process_group(timeout_s: int) -> None:
@@ -704,4 +722,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The process group is gone; skip the interpreter's teardown of torch's C++ state, which is
+    # where an abort at exit could still turn a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

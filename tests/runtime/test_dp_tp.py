@@ -12,15 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.examples.models.llama import build
 from meshplan.main import build_parser
 from meshplan.run import _prepare
-from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer, train
+from meshplan.runtime.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow
 
@@ -67,18 +66,7 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     )
 
     reference = build()  # the factory's fixed seed: the weights the program was sharded from
-    optimizer = make_optimizer(reference, cfg)
-    batches = TextBatches(read_bytes(default_corpus()), batch=2 * MICRO_BATCH, seq=SEQ, seed=0)
-    ref_losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        loss = reference(*batches(step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    ref_losses = single_device_losses(reference, cfg, batch=2 * MICRO_BATCH, seq=SEQ, clip=CLIP)
 
     # placements of each parameter, from a compile of the same plan (cheap to redo here)
     plan = load_plan(plan_path, world_size=world_size)

@@ -16,14 +16,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.main import build_parser
 from meshplan.run import _prepare
-from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer, train
+from meshplan.runtime.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +42,7 @@ PLANS = {  # name: (plan, world size, model)
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
 }
 STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
+DP = 2  # every plan here has dp=2: the reference trains on DP * MICRO_BATCH sequences per step
 
 
 def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
@@ -80,19 +80,7 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
     )
 
     reference = load_model(args.model).model  # the factory's fixed seed: the weights the program started from
-    optimizer = make_optimizer(reference, cfg)
-    dp_size = 2
-    batches = TextBatches(read_bytes(default_corpus()), batch=dp_size * MICRO_BATCH, seq=SEQ, seed=0)
-    ref_losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        loss = reference(*batches(step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    ref_losses = single_device_losses(reference, cfg, batch=DP * MICRO_BATCH, seq=SEQ, clip=CLIP)
 
     plan = load_plan(plan_path, world_size=world_size)
     compiled = compile_plan(plan, with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ))

@@ -1,0 +1,31 @@
+"""The unpartitioned model trained the way `meshplan run` trains, on one device: the reference
+the runtime's parity tests compare against, run in the same process as the partitioned one."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
+from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer
+
+
+def single_device_losses(
+    model: nn.Module, cfg: TrainConfig, *, batch: int, seq: int, clip: float
+) -> list[float]:
+    """`cfg.steps` steps of AdamW (`make_optimizer`, the run's LR schedule, global-norm clipping)
+    on the shipped corpus, each on the whole global batch of `batch` sequences; `model` is trained
+    in place and the losses returned."""
+    optimizer = make_optimizer(model, cfg)
+    batches = TextBatches(read_bytes(default_corpus()), batch=batch, seq=seq, seed=0)
+    losses = []
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss = model(*batches(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses

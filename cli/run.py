@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -277,11 +278,18 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+
 def first_failure(report: str) -> str | None:
     """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report; when that
     rank gave up on a collective and said so in `report`, its own line: `rank 0 waited 10 s in
-    all_reduce over dp (...); rank 1 did not join it (stuck or dead)`."""
+    all_reduce over dp (...); rank 1 did not join it (stuck or dead)`.
+
+    torchrun's root cause is the failure it observed first, which can be a peer of a rank that
+    died (both exit within milliseconds): a rank that died on its own (killed, crashed) is the
+    cause whenever the root cause is only a collective that failed because of it."""
     m = _ROOT_CAUSE.search(report)
     if m is None:
         return None
     rank, code = int(m.group(1)), int(m.group(2))
+    if code == EXIT_PEER:
+        died = [(r, c) for r, c in _failures(report) if c not in (EXIT_PEER, -signal.SIGTERM)]
+        rank, code = died[0] if died else (rank, code)
     said = {int(p.group(2)): p.group(1) for p in _PEER_FAILURE.finditer(report)}
     if code == EXIT_PEER and rank in said:
         return said[rank]
@@ -294,6 +302,14 @@ def first_failure(report: str) -> str | None:
     else:
         how = f"exit code {code}"
     return f"rank {rank} failed first ({how})"
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failures(report: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of every failed worker torchrun's report lists."""
+    return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(report)]
 
 
 def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:

@@ -115,6 +115,14 @@ def test_the_summary_is_the_report_of_the_rank_that_gave_up_first_on_a_collectiv
     # a rank that died is named by its exit code, whatever its peers said
     assert first_failure(worker + torchrun_report(1, 137)) == "rank 1 failed first (exit code 137: killed)"
     assert first_failure(torchrun_report(0, 3)) == "rank 0 failed first (a collective failed)"
+    # torchrun saw the peer's failure first, but rank 1 was killed: it is the cause
+    both = torchrun_report(1, 137).replace(
+        "Root Cause (first observed failure)", "Failures"
+    ) + torchrun_report(0, 3)
+    assert first_failure(worker + both) == "rank 1 failed first (exit code 137: killed)"
+    # a stuck rank that torchrun stopped (SIGTERM) is not the cause: the report that names it is
+    stopped = torchrun_report(1, -15).replace("Root Cause (first observed failure)", "Failures")
+    assert first_failure(worker + stopped + torchrun_report(0, 3)) == STUCK
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ Under ZeRO (`dp` is a `runtime.zero.Zero`) the optimizer is `zero.optimizer`, Ad
 this rank's fp32 shards, and each dp rank holds only its shard of the averaged gradient:
 `Zero.grad_squares` sums squares inside the shard and all-reduces them over dp, keeping
 tp-sharded and replicated params apart, and the tp rule above is applied to the result.
-Unscaling and clipping multiply the gradient shards; checkpoints hold `zero.state_dict()`.
+Unscaling and clipping multiply the gradient shards; checkpoints hold `zero.full_state()`.
 
 Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:

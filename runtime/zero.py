@@ -21,8 +21,8 @@ on 2 ranks:
     full:   a0 a1 a2 b0 b1 | b2 b3 c0 c1 pad      numel 9, padded 10, S = 5
     owner:  rank 0         | rank 1
 
-That is `torch.chunk` sharding of the unpadded buffer, so a flat's optimizer state is
-a `Shard(0)` DTensor for `torch.distributed.checkpoint`. For stages 1 and 2 a flat is a
+That is `torch.chunk` sharding of the unpadded buffer. Checkpoints do not see flats:
+`full_state()` gives each parameter's whole value and moments by name. For stages 1 and 2 a flat is a
 gradient bucket (`bucket_bytes`, parameters in reverse registration order, roughly the
 order backward produces their gradients); for stage 3 it is one layer (a child of an
 nn.ModuleList) or the root's remaining parameters.
@@ -80,8 +80,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, fx, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
 
 from . import watchdog
@@ -345,7 +343,7 @@ class Zero:
             eps=eps,
             foreach=False,
         )
-        for m in self.masters:  # eager state: memory() and state_dict() are right before step 1
+        for m in self.masters:  # eager state: memory() and full_state() are right before step 1
             self.optimizer.state[m] = {
                 "step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
@@ -511,25 +509,6 @@ class Zero:
             optimizer += sum(_storage_bytes(t, seen) for t in self.optimizer.state[m].values())
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Sharded optimizer state: per flat, `master`, `exp_avg`, `exp_avg_sq` as Shard(0) DTensors.
-
-        For `torch.distributed.checkpoint`: load with `dcp.load(sd := zero.state_dict(), ...)`
-        then `zero.load_state_dict(sd)`. The keys follow the flats, so a checkpoint loads
-        under another dp size but needs the same stage and bucket size.
-        """
-        self.wait_params()
-        mesh = DeviceMesh.from_group(self.group, self.device.type)
-        out: dict[str, Any] = {"step": self.optimizer.state[self.masters[0]]["step"].clone()}
-        for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
-            state = self.optimizer.state[master]
-            for key, t in zip(_OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True):
-                local = t.detach()[: f.local_numel]  # (local_numel,): drop the padding
-                out[f"flat{i}.{key}"] = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size((f.numel,)), stride=(1,)
-                )
-        return out
-
     def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
         """Every parameter's fp32 value and AdamW state, whole, keyed by name: what a plain
         `torch.optim.AdamW` would hold (`{"step", "exp_avg", "exp_avg_sq"}` per param). All
@@ -576,24 +555,6 @@ class Zero:
         out = torch.empty(f.padded, dtype=shard.dtype, device=self.device)
         _all_gather(out, shard.detach().to(self.device), group=self.group)
         return out.to(self.opt_device)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy a `state_dict()` (e.g. filled by `dcp.load`) in, and put the params in line with it."""
-        step = torch.as_tensor(state_dict["step"]).float()
-        self.wait_params()
-        with torch.no_grad():
-            for i, (f, master) in enumerate(zip(self.flats, self.masters, strict=True)):
-                state = self.optimizer.state[master]
-                state["step"] = step.clone()
-                for key, t in zip(
-                    _OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True
-                ):
-                    value = state_dict[f"flat{i}.{key}"]
-                    local = value.to_local() if isinstance(value, DTensor) else value
-                    t[: f.local_numel].copy_(local)
-                if master is not f.shard:
-                    f.shard.copy_(master)
-        self._after_load()
 
     def _after_load(self) -> None:
         """The shards changed under the params: drop stage 3's gathered copies, refill stages 1/2's."""

@@ -687,10 +687,11 @@ def _export(args: argparse.Namespace, prepared: Prepared, rank: int) -> None:
         print(f"exported {len(state)} tensors to {args.export}")
 
 
-def _train(args: argparse.Namespace, prepared: Prepared):
-    from meshplan.runtime.train import TrainConfig, train
+def train_config(args: argparse.Namespace, prepared: Prepared):
+    """The `TrainConfig` of a run: its command line, with the plan's accumulation and loss scale."""
+    from meshplan.runtime.train import TrainConfig
 
-    config = TrainConfig(
+    return TrainConfig(
         steps=args.steps,
         lr=args.lr,
         warmup_steps=args.warmup,
@@ -710,14 +711,20 @@ def _train(args: argparse.Namespace, prepared: Prepared):
         else (INITIAL_DYNAMIC_SCALE if prepared.loss_scale == "dynamic" else float(prepared.loss_scale)),
         dynamic_loss_scale=prepared.loss_scale == "dynamic",
     )
+
+
+def _train(args: argparse.Namespace, prepared: Prepared, *, show_progress: bool | None = None):
+    from meshplan.runtime.train import train
+
     return train(
         prepared.program,
         prepared.loss_of,
         prepared.batches,
-        config,
+        train_config(args, prepared),
         groups=prepared.groups,
         dp=prepared.dp,
         sharded=prepared.sharded,
+        show_progress=show_progress,
     )
 
 

@@ -222,8 +222,8 @@ def _data_parallel_rows(
     rows = []
     if data.zero in (1, 2):
         reduce = "all_reduce" if data.zero == 1 else "reduce_scatter"
-        for i, (_, group) in enumerate(bucket_params(params, data.bucket_bytes, decays)):
-            named = list(zip(_, group, strict=True))
+        for i, (names, group) in enumerate(bucket_params(params, data.bucket_bytes, decays)):
+            named = list(zip(names, group, strict=True))
             rows.append(
                 row(f"bucket {i}", "zero_bucket", reduce, "backward", padded(named), reduce_dtype(named), 1)
             )
@@ -232,13 +232,14 @@ def _data_parallel_rows(
             )
     else:
         left = dict(params)  # not yet in a unit
+        released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}
         for node in gm.graph.nodes:
             module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
             if not isinstance(module, ZeroGather):
                 continue
             names = [data.aliases[p] for p in module.params if p in data.aliases]
             named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
-            refetch = any(isinstance(m, ZeroRelease) and m.unit == module.unit for m in gm.modules())
+            refetch = module.unit in released
             for group in group_by_kind(named, decays):
                 numel, dtype = padded(group), group[0][1].dtype
                 rows.append(

@@ -17,9 +17,8 @@ from reference import single_device_losses
 from meshplan.compiler.compile import local_shard
 from meshplan.examples.models.llama import build
 from meshplan.main import build_parser
-from meshplan.run import _prepare
+from meshplan.run import _prepare, _train, train_config
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +40,7 @@ data_parallel over dp {
 """
 
 STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
+RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict:
@@ -50,20 +50,11 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
 
     plan_path = Path(tmp) / "dp_tp.plan"
     args = build_parser().parse_args(
-        ["run", str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp]
+        ["run", str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp, *RUN_FLAGS]
     )
     prepared = _prepare(args, rank, world_size)
-    cfg = TrainConfig(steps=STEPS, warmup_steps=1, grad_clip=CLIP, run_dir=Path(tmp) / "run")
-    summary = train(
-        prepared.program,
-        prepared.loss_of,
-        prepared.batches,
-        cfg,
-        groups=prepared.groups,
-        dp=prepared.dp,
-        sharded=prepared.sharded,
-        show_progress=False,
-    )
+    summary = _train(args, prepared, show_progress=False)
+    cfg = train_config(args, prepared)
 
     reference = build()  # the factory's fixed seed: the weights the program was sharded from
     ref_losses = single_device_losses(reference, cfg, batch=2 * MICRO_BATCH, seq=SEQ, clip=CLIP)

@@ -20,9 +20,8 @@ from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.main import build_parser
-from meshplan.run import _prepare
+from meshplan.run import _prepare, _train, train_config
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +41,7 @@ PLANS = {  # name: (plan, world size, model)
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
 }
 STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
+RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
 DP = 2  # every plan here has dp=2: the reference trains on DP * MICRO_BATCH sequences per step
 
 
@@ -63,21 +63,13 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
             str(SEQ),
             "--out",
             tmp,
+            *RUN_FLAGS,
         ]
     )
     prepared = _prepare(args, rank, world_size)
     zero = prepared.dp
-    cfg = TrainConfig(steps=STEPS, warmup_steps=1, grad_clip=CLIP, run_dir=Path(tmp) / f"run{rank}")
-    summary = train(
-        prepared.program,
-        prepared.loss_of,
-        prepared.batches,
-        cfg,
-        groups=prepared.groups,
-        dp=zero,
-        sharded=prepared.sharded,
-        show_progress=False,
-    )
+    summary = _train(args, prepared, show_progress=False)
+    cfg = train_config(args, prepared)
 
     reference = load_model(args.model).model  # the factory's fixed seed: the weights the program started from
     ref_losses = single_device_losses(reference, cfg, batch=DP * MICRO_BATCH, seq=SEQ, clip=CLIP)

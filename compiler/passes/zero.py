@@ -65,6 +65,7 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     graph = gm.graph
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
+    _hoist(graph, reads)
     _sink_parameter_nodes(graph, reads)
     order = {n: i for i, n in enumerate(graph.nodes)}
     units: dict[str, list[fx.Node]] = {}
@@ -94,13 +95,31 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     return gm
 
 
+def _hoist(graph: fx.Graph, reads: list[fx.Node]) -> None:
+    """Move the parameter reads to the top of the graph, in their order.
+
+    A get_attr has no inputs, so this is always legal; it guarantees that every parameter
+    of a unit exists before the unit's gather, wherever other passes left the reads (the
+    tensor-parallel pass puts a sequence-parallel norm weight's `copy_to` right after its
+    read, which can come before the reads of the layer's other parameters).
+    """
+    anchor = next((n for n in reversed(graph.nodes) if n.op == "placeholder"), None)
+    for node in reads:
+        if anchor is None:
+            next(iter(graph.nodes)).prepend(node)
+        elif anchor is not node:
+            anchor.append(node)
+        anchor = node
+
+
 def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
-    """Move nodes computed from parameters alone (casts, transposes) down to their first user."""
+    """Move nodes computed from parameters alone (casts, transposes, the tensor-parallel
+    `copy_to` of a sequence-parallel norm weight) down to their first user."""
     derived: list[fx.Node] = []
     sources = set(reads)
     for node in graph.nodes:
         if (
-            node.op == "call_function"
+            node.op in ("call_function", "call_module")
             and node.all_input_nodes
             and all(a in sources for a in node.all_input_nodes)
         ):

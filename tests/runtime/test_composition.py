@@ -1,0 +1,226 @@
+"""Every composition of the axes that exist, on the example Llama, on dp=2 x tp=2 gloo processes.
+
+The matrix: {TP, TP+SP} x ZeRO {0, 1, 2, 3} x {activation checkpointing, bf16 compute,
+gradient accumulation}. Each cell is trained for a few AdamW steps through `meshplan run`'s
+own worker setup (`_prepare`, `_train`) and compared with the unpartitioned model trained on
+the whole global batch in the same process:
+
+- fp32 cells (checkpointing, accumulation) against the eager model: losses and final
+  parameters within float32 rounding (see `FP32_TOL`);
+- bf16 cells against the same plan's precision policy on one rank (the plan with its mesh,
+  tensor and data-parallel rules removed, compiled and run without any process group), so
+  partitioning is the only difference. Losses agree within a fraction of a bf16 epsilon; a
+  parameter, after AdamW (whose update is nearly sign(gradient) where gradients are noisy),
+  may differ as much as bf16 rounding alone moves it: its distance to the one-rank bf16 run
+  is measured in units of that run's distance to the fp32 model (see `BF16_YARDSTICK`).
+
+All cells run in one spawn of four processes: starting processes and importing torch is most
+of a cell's cost, so the 24 cells take about as long as a handful of separate tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from reference import single_device_losses
+
+from meshplan.compiler.compile import local_shard
+from meshplan.main import build_parser
+from meshplan.run import _prepare, _train, train_config
+from meshplan.runtime.launch import spawn
+
+pytestmark = pytest.mark.slow
+
+TENSOR = """
+    layers.*.self_attn.{q,k,v}_proj: column over tp
+    layers.*.self_attn.o_proj:       row over tp
+    layers.*.mlp.{gate,up}_proj:     column over tp
+    layers.*.mlp.down_proj:          row over tp
+    embed_tokens:                    vocab over tp
+    lm_head:                         vocab over tp
+"""
+SEQUENCE = """
+    layers.*.{input,post_attention}_layernorm: sequence over tp
+    norm:                                      sequence over tp
+"""
+EXTRAS = {
+    "checkpoint": ("    layers.*: checkpoint every 2\n", ""),
+    "bf16": ("", "precision {\n    compute = bf16\n}\n"),
+    "accumulation": ("", "train {\n    gradient_accumulation = 2\n}\n"),
+    "broken": ("", ""),
+}
+CELLS = [
+    f"{tp}-zero{zero}-{extra}"
+    for tp, zero, extra in itertools.product(
+        ("tp", "tp_sp"), range(4), ("accumulation", "bf16", "checkpoint")
+    )
+]
+BROKEN = "tp-zero1-broken"  # the row splits' forward all-reduce dropped: the check must fail
+
+STEPS, MICRO_BATCH, SEQ, CLIP, DP = 3, 2, 32, 0.5, 2
+RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
+
+# float32: the partitioned program sums the same terms in another order (matmuls split over tp,
+# gradients summed over dp in buckets), a relative error of a few float32 epsilons per
+# reduction; AdamW's division by sqrt(v) and three steps of compounding make it a few hundred
+# epsilons on the parameters at most. A wrong program (a dropped reduction, a wrong shard) is
+# off by 1e-2 or more.
+FP32_TOL = 400 * torch.finfo(torch.float32).eps  # 4.8e-5
+# bf16: the loss is computed in fp32 from bf16 logits, so its error is a fraction of one bf16
+# epsilon (2**-8). Partitioning rounds activations at other points (a row split's partial sums
+# are rounded to bf16 before they are reduced, as in Megatron): one more bf16 rounding of the
+# size the yardstick measures. Over the whole model the drift stays within twice the
+# yardstick; a single tensor, a noisy sample of it, within `BF16_TENSOR_YARDSTICK` times. A
+# bug (a lost reduction, a wrong shard) is off by orders of magnitude, and moves the loss.
+BF16_LOSS_TOL = torch.finfo(torch.bfloat16).eps / 4
+BF16_YARDSTICK = 2.0
+BF16_TENSOR_YARDSTICK = 6.0
+
+
+def plan_text(cell: str) -> str:
+    tp, zero, extra = cell.split("-")
+    modules, blocks = EXTRAS[extra]
+    rules = TENSOR + (SEQUENCE if tp == "tp_sp" else "") + modules
+    text = (
+        f"mesh dp={DP}, tp=2\n\nmodules {{{rules}}}\n\ndata_parallel over dp {{\n    zero = {zero[-1]}\n}}\n"
+    )
+    return text + blocks
+
+
+def one_rank_plan_text(cell: str) -> str:
+    """The cell's precision policy alone: the unpartitioned model as the plan would run it."""
+    _, _, extra = cell.split("-")
+    return "mesh dp=1\n\n" + EXTRAS[extra][1]
+
+
+def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.dsl import load_plan
+
+    plan_path = tmp / f"{cell}.plan"
+    if rank == 0:
+        plan_path.write_text(plan_text(cell))
+    torch.distributed.barrier()
+    args = build_parser().parse_args(
+        [
+            "run",
+            str(plan_path),
+            "--batch",
+            str(MICRO_BATCH),
+            "--seq",
+            str(SEQ),
+            "--out",
+            str(tmp / cell),
+            *RUN_FLAGS,
+        ]
+    )
+    prepared = _prepare(args, rank, world_size)
+    if cell == BROKEN:
+        prepared.program.all_reduce_tp.forward = lambda x: x  # each rank keeps its partial sums
+    summary = _train(args, prepared, show_progress=False)
+    cfg = train_config(args, prepared)
+    global_batch = DP * MICRO_BATCH * prepared.accumulation
+
+    source = load_model(args.model)
+    full_params = dict(source.model.named_parameters())
+    if cell.endswith("bf16"):
+        one = tmp / f"{cell}.rank{rank}.plan"
+        one.write_text(one_rank_plan_text(cell))
+        shaped = with_token_shape(source, batch=global_batch, seq=SEQ)
+        program = build_rank_program(compile_plan(load_plan(one, world_size=1), shaped), shaped.model, 0)
+        reference: torch.nn.Module = _LossOnly(program)
+        ref_params = dict(program.named_parameters())
+        single_device_losses(source.model, cfg, batch=global_batch, seq=SEQ, clip=CLIP)  # fp32 yardstick
+    else:
+        reference = source.model
+        ref_params = full_params
+    ref_losses = single_device_losses(reference, cfg, batch=global_batch, seq=SEQ, clip=CLIP)
+
+    compiled = compile_plan(
+        load_plan(plan_path, world_size=world_size),
+        with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ),
+    )
+    coords = compiled.layout.coords(rank)
+    worst, worst_name = 0.0, ""
+    drift = yard = 0.0  # bf16: squared distances to the one-rank run, and of that run to fp32
+    gathered = prepared.dp.gathered() if hasattr(prepared.dp, "gathered") else _nothing()
+    with gathered:
+        for name, local in prepared.program.named_parameters():
+            if name.endswith("k_proj.bias"):
+                continue  # softmax cancels it: its gradient is rounding noise, which Adam scales up
+            placement = compiled.param_placements.get(name, {})
+            expected = local_shard(ref_params[name].detach(), placement, coords, compiled.layout)
+            diff = float((local.detach() - expected).norm() / expected.norm())
+            if ref_params is not full_params:  # bf16: in units of bf16's own distance to fp32
+                fp32 = local_shard(full_params[name].detach(), placement, coords, compiled.layout)
+                yardstick = float((expected - fp32).norm() / expected.norm())
+                drift, yard = drift + diff**2, yard + yardstick**2
+                diff /= max(yardstick, FP32_TOL)
+            if diff > worst:
+                worst, worst_name = diff, name
+    return {
+        "losses": summary.losses,
+        "ref_losses": ref_losses,
+        "worst": worst,
+        "worst_name": worst_name,
+        "drift": (drift / yard) ** 0.5 if yard else 0.0,
+    }
+
+
+class _LossOnly(torch.nn.Module):
+    """A compiled program called like the model: (input_ids, labels) -> the scalar loss."""
+
+    def __init__(self, program: torch.nn.Module):
+        super().__init__()
+        self.program = program
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = self.program(input_ids, labels)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def worker(rank: int, world_size: int, tmp: str) -> dict[str, dict]:
+    return {cell: run_cell(rank, world_size, Path(tmp), cell) for cell in [*CELLS, BROKEN]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict[str, dict]]:
+    tmp = tmp_path_factory.mktemp("composition")
+    return spawn(worker, 4, (str(tmp),), timeout_s=900)
+
+
+def problems(r: dict, *, bf16: bool) -> list[str]:
+    """What makes one rank's result differ from one device by more than rounding."""
+    out = [
+        f"step {step} loss {loss:.6f} vs {ref:.6f}"
+        for step, (loss, ref) in enumerate(zip(r["losses"], r["ref_losses"], strict=True))
+        if abs(loss - ref) / ref > (BF16_LOSS_TOL if bf16 else FP32_TOL)
+    ]
+    if r["worst"] > (BF16_TENSOR_YARDSTICK if bf16 else FP32_TOL):
+        out.append(f"{r['worst_name']} off by {r['worst']:.3g}")
+    if r["drift"] > BF16_YARDSTICK:
+        out.append(f"parameters drift {r['drift']:.3g} yardsticks")
+    return out
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_cell_matches_one_device(results, cell: str) -> None:
+    for rank, by_cell in enumerate(results):
+        assert problems(by_cell[cell], bf16=cell.endswith("bf16")) == [], (rank, by_cell[cell])
+
+
+def test_a_broken_program_fails_the_same_check(results) -> None:
+    for by_cell in results:
+        assert problems(by_cell[BROKEN], bf16=False)

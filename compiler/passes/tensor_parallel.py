@@ -941,9 +941,10 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
         current, current_dim = user, matches[0]
     users = list(current.users)
     ndim = len(shape(current))
-    if len(users) == 1:
+    splits = (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default)
+    if len(users) == 1 and users[0].target in splits:
         user = users[0]
-        split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else 0, ndim)
+        split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0), ndim)
         if split_dim == current_dim:
             if (
                 user.target is aten.split.Tensor

@@ -55,4 +55,27 @@ def explicit_heads():
 def example_inputs(batch: int = 2, seq: int = 16):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (batch, seq + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class NanoGPT(gpt.GPT):
+    """The example GPT with nanoGPT's loss: `(logits, loss)`, flattened with `view(-1, V)`,
+    `ignore_index=-1` (whose class-weight argument is None in the captured graph)."""
+
+    def forward(self, input_ids, labels):
+        T = input_ids.shape[1]
+        x = self.wte(input_ids) + self.wpe(torch.arange(T, device=input_ids.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(
+            logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1
+        )
+        return logits, loss
+
+
+def nanogpt():
+    torch.manual_seed(0)
+    model = NanoGPT(gpt.GPTConfig(num_hidden_layers=2))
+    model.lm_head.weight = model.wte.weight
+    return model

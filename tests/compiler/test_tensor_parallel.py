@@ -172,3 +172,19 @@ def test_more_specific_rule_wins(example_llama):
     assert compiled.param_placements["layers.1.self_attn.o_proj.weight"] == {"tp": Shard(1)}
     # o_proj of layer 0 is replicated, so its sharded input is gathered first, with a warning
     assert any("not split" in w.message for w in compiled.warnings)
+
+
+def test_vocab_parallel_loss_through_view_with_ignore_index():
+    """nanoGPT's loss: `cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1)`, whose
+    None class weight once read as a split dimension when looking for fused blocks."""
+    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.dsl import load_plan
+
+    root = Path(__file__).resolve().parents[2]
+    compiled = compile_plan(
+        load_plan(root / "examples/gpt_tp.plan", world_size=2),
+        load_model(f"{root}/tests/compiler/factories.py:nanogpt"),
+    )
+    kinds = {n.meta.get("meshplan.collective", {}).get("kind") for n in compiled.graph.graph.nodes}
+    assert {"vocab_embedding", "vocab_cross_entropy"} <= kinds

@@ -61,8 +61,22 @@ def is_tensor_node(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(value(node), torch.Tensor)
 
 
-def shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in value(node).shape)
+def shape(node: fx.Node) -> tuple[int | torch.SymInt, ...]:
+    """The node's sizes: ints, except data-dependent ones (a token count per expert), which
+    stay symbolic. Passes never guard on those: a size used in arithmetic must be an int."""
+    return tuple(size_of(s) for s in value(node).shape)
+
+
+def size_of(s: int | torch.SymInt) -> int | torch.SymInt:
+    if isinstance(s, int):
+        return s
+    known = s.node.maybe_as_int()
+    return s if known is None else known
+
+
+def is_static(node: fx.Node) -> bool:
+    """Whether every size of the node's output is known at compile time."""
+    return all(isinstance(s, int) for s in shape(node))
 
 
 def describe(node: fx.Node) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic, Span
@@ -141,11 +142,15 @@ class _Walk:
                 pp = self.spec.params.get(str(node.target))
                 self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
             elif node.op == "call_function":
-                rule = _RULES.get(node.target)
-                if rule is None:
-                    self.default(node)
-                else:
-                    rule(self, node)
+                try:
+                    _RULES.get(node.target, _Walk.default)(self, node)
+                except GuardOnDataDependentSymNode:
+                    self.error(
+                        node,
+                        f"{describe(node)} would need a data-dependent size (e.g. a per-expert token "
+                        f"count) of a tensor sharded over `{self.axis}`",
+                        hint="keep tensors whose sizes depend on the data replicated over this axis",
+                    )
             elif node.op == "output":
                 outs = node.args[0]
                 flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]

@@ -79,3 +79,92 @@ def nanogpt():
     model = NanoGPT(gpt.GPTConfig(num_hidden_layers=2))
     model.lm_head.weight = model.wte.weight
     return model
+
+
+# ---------------------------------------------------------------- a dropless mixture of experts
+
+
+class Experts(nn.Module):
+    """Dropless experts as one module with 3-D weights, looping over per-expert token counts."""
+
+    def __init__(self, num_experts, hidden, inner):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, inner) * 0.02)
+        self.w2 = nn.Parameter(torch.randn(num_experts, inner, hidden) * 0.02)
+
+    def forward(self, x, counts):  # x: (N, H) sorted by expert
+        outs = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            chunk = x[start : start + n]
+            outs.append(torch.nn.functional.silu(chunk @ self.w1[e]) @ self.w2[e])
+            start += n
+        return torch.cat(outs)
+
+
+class DroplessMoE(nn.Module):
+    def __init__(self, hidden=32, inner=64, num_experts=4, k=2):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inner)
+        self.num_experts = num_experts
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        probs = self.router(flat).softmax(-1)
+        weights, idx = probs.topk(self.k, dim=-1)  # (N, k)
+        order = idx.flatten().argsort()
+        tokens = flat.repeat_interleave(self.k, dim=0)[order]
+        counts = (idx.flatten()[:, None] == torch.arange(self.num_experts)).sum(0)  # (E,)
+        out = self.experts(tokens, counts)
+        back = torch.empty_like(out)
+        back[order] = out
+        back = (back.view(-1, self.k, h) * weights.unsqueeze(-1)).sum(1)
+        return back.view(b, t, h)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.o = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.moe = DroplessMoE(hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        y = self.norm1(x)
+        q, k, v = (p(y).view(b, t, 4, h // 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, t, h)
+        )
+        x = x + self.o(a)
+        return x + self.moe(self.norm2(x))
+
+
+class MoEModel(nn.Module):
+    def __init__(self, vocab=256, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([MoEBlock(hidden) for _ in range(2)])
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def dropless_moe():
+    """Attention + a dropless MoE whose experts loop over data-dependent token counts."""
+    torch.manual_seed(0)
+    return MoEModel()

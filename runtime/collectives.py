@@ -17,6 +17,7 @@ Each forward collective has its conjugate in backward (Megatron's f/g pairs):
     GatherReplicated(dim)  all-gather on dim       take the local chunk     (for replicated consumers)
     ReduceScatter(dim)     reduce-scatter on dim   all-gather on dim
     Split(dim)             take the local chunk    all-gather on dim
+        (these four also take `blocks`: dim cut into equal blocks, each block sharded)
     VocabParallelEmbedding lookup of the local vocab rows, partial sums; the caller reduces
     VocabParallelCrossEntropy  cross-entropy over vocab-sharded logits (3 small all-reduces)
 
@@ -130,6 +131,17 @@ class _Split(torch.autograd.Function):
         return all_gather(grad, ctx.dim, ctx.site.group), None, None
 
 
+def _in_blocks(op, x: Tensor, dim: int, blocks: int) -> Tensor:
+    """`op(x, dim)` applied to each of `blocks` equal blocks of `dim` at once.
+
+    A sequence shard flattened with the batch, (B, T/n, H) -> (B*T/n, H), is this rank's
+    chunk of each of B blocks of T rows: the collective runs on the (B, T/n, H) view.
+    """
+    if blocks == 1:
+        return op(x, dim)
+    return op(x.unflatten(dim, (blocks, -1)), dim + 1).flatten(dim, dim + 1)
+
+
 class AxisCollective(nn.Module):
     """Base: a collective bound to the process group of one mesh axis.
 
@@ -169,29 +181,29 @@ class AllReduce(AxisCollective):
 class AllGather(AxisCollective):
     """Sequence shards -> full sequence before a column split; backward reduce-scatters."""
 
-    def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Gather.apply(x, dim, self, True)
+    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
+        return _in_blocks(lambda t, d: _Gather.apply(t, d, self, True), x, dim, blocks)
 
 
 class GatherReplicated(AxisCollective):
     """Shards -> a full tensor used by replicated compute; backward keeps the local chunk."""
 
-    def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Gather.apply(x, dim, self, False)
+    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
+        return _in_blocks(lambda t, d: _Gather.apply(t, d, self, False), x, dim, blocks)
 
 
 class ReduceScatter(AxisCollective):
     """Partial sums -> sequence shards after a row split (sequence parallelism)."""
 
-    def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _ReduceScatter.apply(x, dim, self)
+    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
+        return _in_blocks(lambda t, d: _ReduceScatter.apply(t, d, self), x, dim, blocks)
 
 
 class Split(AxisCollective):
     """A replicated tensor -> this rank's chunk; backward all-gathers."""
 
-    def forward(self, x: Tensor, dim: int) -> Tensor:
-        return _Split.apply(x, dim, self)
+    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
+        return _in_blocks(lambda t, d: _Split.apply(t, d, self), x, dim, blocks)
 
 
 class VocabParallelEmbedding(AxisCollective):

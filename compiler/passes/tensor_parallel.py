@@ -52,8 +52,10 @@ from ..graph import (
     is_tensor_node,
     module_path,
     shape,
+    value,
 )
 from ..placement import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
+from ..strategies import ask
 
 aten = torch.ops.aten
 
@@ -102,7 +104,11 @@ class _Walk:
         self.gm, self.graph, self.spec = gm, gm.graph, spec
         self.axis, self.n = spec.axis, spec.size
         self.diagnostics: list[Diagnostic] = []
-        self.converted: dict[tuple[fx.Node, str, int | None], fx.Node] = {}
+        self.converted: dict[tuple[fx.Node, str, int | None, int], fx.Node] = {}
+        # (rows, blocks) of the token dim once a sequence shard is flattened with the batch:
+        # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
+        self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
+        self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
 
     # -- facts
     def placement(self, node) -> Placement:
@@ -165,18 +171,54 @@ class _Walk:
             node.meta[REQUIRES_GRAD] = any(self.requires_grad(a) for a in node.all_input_nodes)
 
     def default(self, node: fx.Node) -> None:
-        """Ops without a rule are fine on replicated inputs; anything sharded is an error."""
-        for arg in node.all_input_nodes:
-            if isinstance(self.placement(arg), Partial):
-                arg = self.use(node, arg, self.reduce_partial(arg))
-            if isinstance(self.placement(arg), Shard):
+        """Ops without a hand rule: replicated inputs give a replicated output; otherwise
+        DTensor's strategy for the op decides (`compiler/strategies.py`)."""
+        inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+        if all(isinstance(self.placement(a), Replicate) for a in inputs):
+            self.set(node, REPLICATE)
+            return
+        strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
+        if strategy is None:
+            self.run_whole(node, inputs)
+            return
+        into_sharded = not isinstance(strategy.output, Replicate)
+        for a, target in strategy.inputs.items():
+            have = self.placement(a)
+            if have != target:
+                self.use(node, a, self.convert(a, target, into_sharded=into_sharded))
+            elif into_sharded and isinstance(have, Replicate) and self.requires_grad(a):
+                self.use(node, a, self.convert(a, REPLICATE, into_sharded=True))  # f: its gradient is partial
+        self.set(node, strategy.output, self.rule_near(node))
+
+    def run_whole(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        """No rule can run `node` on shards: gather its inputs and run it on whole tensors (every
+        rank computes the same), with a warning naming the op and what the gather costs."""
+        gathered = 0
+        for a in inputs:
+            p = self.placement(a)
+            if isinstance(p, Shard) and _uneven(p):
                 self.error(
                     node,
-                    f"{describe(node)} has no sharding rule and its input is sharded over `{self.axis}`",
-                    hint="meshplan supports the ops of transformer blocks; "
-                    "replicate this module or report the op",
+                    f"{describe(node)} uses a fused projection's output ({p}) as a whole",
+                    hint="use the fused output only through its split into q, k and v",
                 )
-        self.set(node, REPLICATE)
+            if not isinstance(p, Replicate):
+                if isinstance(p, Shard):
+                    gathered += value(a).numel() * value(a).element_size()
+                self.use(node, a, self.convert(a, REPLICATE))
+        rule = self.rule_for_module(node) or self.rule_near(node)
+        if rule is not None and gathered and module_path(node) not in self.whole_modules:
+            self.whole_modules.add(module_path(node))
+            self.diagnostics.append(
+                Diagnostic(
+                    rule.span,
+                    f"{describe(node)} has no sharding rule: its inputs are all-gathered over "
+                    f"`{self.axis}` ({gathered / 1e6:.3g} MB) and it runs on whole tensors",
+                    hint="correct, but each rank repeats the work; report the op if it should shard",
+                    severity="warning",
+                )
+            )
+        self.set(node, REPLICATE, rule)
 
     # -- conversions
     def use(self, node: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
@@ -195,8 +237,8 @@ class _Walk:
         if isinstance(have, Partial):
             arg = self.reduce_partial(arg)
             have = self.placement(arg)
-        if (isinstance(have, Shard) and have.blocks and have != target) or (
-            isinstance(target, Shard) and target.blocks and have != target
+        if (isinstance(have, Shard) and _uneven(have) and have != target) or (
+            isinstance(target, Shard) and _uneven(target) and have != target
         ):
             self.error(
                 arg,
@@ -210,9 +252,9 @@ class _Walk:
             return arg
         if isinstance(have, Shard) and isinstance(target, Replicate):
             kind = "all_gather" if into_sharded else "gather_replicated"
-            return self.collective(kind, arg, have.dim, REPLICATE, because)
+            return self.collective(kind, arg, have.dim, REPLICATE, because, blocks=len(have.blocks) or 1)
         if isinstance(have, Replicate) and isinstance(target, Shard):
-            return self.collective("split", arg, target.dim, target, because)
+            return self.collective("split", arg, target.dim, target, because, blocks=len(target.blocks) or 1)
         self.error(
             arg,
             f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
@@ -223,6 +265,9 @@ class _Walk:
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
         """Sum a partial result right where it is made (the rule behind it made it partial)."""
         because = arg.meta.get(RULE)
+        if self.spec.sequence_parallel and self.flat_tokens and shape(arg)[:1] == self.flat_tokens[:1]:
+            _, blocks = self.flat_tokens  # tokens flattened with the batch: scatter each sequence
+            return self.collective("reduce_scatter", arg, 0, Shard(0, blocks), because, blocks=len(blocks))
         if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
             return self.collective(
                 "reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim), because
@@ -239,14 +284,24 @@ class _Walk:
         return None
 
     def collective(
-        self, kind: str, arg: fx.Node, dim: int | None, out: Placement, because: PlanRule | None = None
+        self,
+        kind: str,
+        arg: fx.Node,
+        dim: int | None,
+        out: Placement,
+        because: PlanRule | None = None,
+        *,
+        blocks: int = 1,
     ) -> fx.Node:
-        key = (arg, kind, dim)
+        """A `kind` collective of `arg` over the axis; `blocks` > 1 runs it on each of that many
+        equal blocks of `dim` (a sequence shard flattened with the batch)."""
+        key = (arg, kind, dim, blocks)
         if key in self.converted:
             return self.converted[key]
         name = self.module_for(kind)
+        args = (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
         with self.graph.inserting_after(arg):
-            node = self.graph.call_module(name, (arg,) if dim is None else (arg, dim))
+            node = self.graph.call_module(name, args)
         node.meta.update(
             {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
         )
@@ -326,6 +381,37 @@ def register(*targets) -> Callable[[Rule], Rule]:
         return fn
 
     return deco
+
+
+def _uneven(p: Shard) -> bool:
+    """A blocked shard whose blocks differ in size (Phi-3's q/k/v under GQA): only the split
+    into its blocks can use it. Equal blocks are a strided layout collectives handle."""
+    return len(set(p.blocks)) > 1
+
+
+def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]] | None:
+    """Where a shard on `dim` lands when a reshape merges `dim` with outer dims into one output
+    dim, and the blocks it is then cut in: (B, T, H) Shard(1) -> (B*T, H) is (0, (T,) * B).
+
+    Each rank's rows stay in place: its chunk of every block. None if the reshape does not
+    merge `dim` that way (or sizes are not static).
+    """
+    if not all(isinstance(s, int) for s in (*in_shape, *out_shape)):
+        return None
+    prefix_in = [1]
+    for s in in_shape:
+        prefix_in.append(prefix_in[-1] * s)
+    prefix_out = 1
+    for j, size in enumerate(out_shape):
+        if prefix_out in prefix_in and prefix_out * size in prefix_in:
+            first, last = prefix_in.index(prefix_out), prefix_in.index(prefix_out * size) - 1
+            while first < len(in_shape) and in_shape[first] == 1 and first < dim:
+                first += 1
+            if first < dim <= last:
+                outer = prefix_in[dim] // prefix_in[first]
+                return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
+        prefix_out *= size
+    return None
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -422,6 +508,8 @@ def _cross_entropy(w: _Walk, node: fx.Node) -> None:
     logits, target = node.args[0], node.args[1]
     lp = w.placement(logits)
     ndim = len(shape(logits))
+    if isinstance(lp, Shard) and lp.dim == 0 and ndim == 2:
+        return _token_sharded_loss(w, node, lp)
     if isinstance(lp, Shard) and lp.dim == ndim - 1 and ndim == 2:
         weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
@@ -451,6 +539,68 @@ def _cross_entropy(w: _Walk, node: fx.Node) -> None:
         w.set(ce, REPLICATE, logits.meta.get(RULE))
         return
     w.default(node)
+
+
+def _token_sharded_loss(w: _Walk, node: fx.Node, placement: Shard) -> None:
+    """Cross-entropy of logits sharded by token (sequence parallelism up to the loss): each rank
+    sums the loss of its tokens; a mean divides by the valid tokens of the whole batch, counted
+    from the replicated targets, so the result is a partial sum, reduced by one all-reduce.
+
+        loss = cross_entropy(logits, targets)          # logits (N/n, V), targets (N,)
+    ->
+        split = self.split_tp(targets, 0, B)           # this rank's targets
+        loss = cross_entropy(logits, split, reduction=sum)
+        loss = div(loss, sum(ne(targets, ignore_index)))   # Partial()
+    """
+    args = list(node.args) + [None] * (6 - len(node.args))
+    names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    defaults = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+    values = {
+        n: node.kwargs.get(n, args[i] if i < len(node.args) else defaults.get(n)) for i, n in enumerate(names)
+    }
+    if values["weight"] is not None:
+        w.error(node, f"{describe(node)}: class weights are not supported on logits sharded by token")
+    target = values["target"]
+    if isinstance(w.placement(target), Partial) or (
+        isinstance(w.placement(target), Shard) and w.placement(target) != placement
+    ):
+        w.error(node, f"{describe(node)}: targets and logits are placed differently over `{w.axis}`")
+    local_target = w.convert(target, placement)
+    reduction = values["reduction"]
+    node.args = (
+        values["input"],
+        local_target,
+        None,
+        0 if reduction == 0 else 2,
+        values["ignore_index"],
+        values["label_smoothing"],
+    )
+    node.kwargs = {}
+    if reduction == 0:  # per token: stays sharded like the logits
+        w.set(node, placement, w.rule_near(node))
+        return
+    out = node
+    if reduction == 1:
+        with w.graph.inserting_after(node):
+            valid = _call(w, aten.ne.Scalar, (target, values["ignore_index"]), node)
+            count = _call(w, aten.sum.default, (valid,), valid)
+            out = _call(w, aten.div.Tensor, (node, count), count)
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+        w.set(valid, REPLICATE)
+        w.set(count, REPLICATE)
+    w.set(node, PARTIAL, w.rule_near(node))
+    w.set(out, PARTIAL, w.rule_near(node))
+
+
+def _call(w: _Walk, op, args: tuple, after: fx.Node) -> fx.Node:
+    """A new call_function node after `after`, with export's `val` computed on fake tensors."""
+    with w.graph.inserting_after(after):
+        new = w.graph.call_function(op, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    new.meta["val"] = op(*vals)
+    new.meta["nn_module_stack"] = after.meta.get("nn_module_stack", {})
+    new.meta[REQUIRES_GRAD] = any(w.requires_grad(a) for a in args if isinstance(a, fx.Node))
+    return new
 
 
 def w_target(w: _Walk, target: fx.Node) -> fx.Node:
@@ -663,9 +813,18 @@ def _view(w: _Walk, node: fx.Node) -> None:
         return
     out_dim = _view_dim(shape(x), shape(node), p.dim)
     blocks = p.blocks
+    if out_dim is None and not blocks and (merged := _merged_blocks(shape(x), shape(node), p.dim)):
+        if node.target is aten.view.default:  # a sequence shard (a collective's output) may be strided
+            node.target = aten.reshape.default
+        _set_merged(w, node, merged, p)
+        node.args = (node.args[0], w.local_sizes(node.args[1], w.placement(node)), *node.args[2:])
+        return
     if out_dim is not None and blocks and shape(node)[out_dim] != shape(x)[p.dim]:
         if len(set(blocks)) == 1 and shape(node)[out_dim] == len(blocks):
             out_dim, blocks = out_dim + 1, ()  # (.., 3*H) -> (.., 3, heads, D): the shard is the heads dim
+        elif not _uneven(p):
+            w.run_whole(node, [x])
+            return
         else:
             w.error(node, f"{describe(node)} reshapes a fused projection's output across its blocks {blocks}")
     if out_dim is None or shape(node)[out_dim] % w.n:
@@ -681,6 +840,15 @@ def _view(w: _Walk, node: fx.Node) -> None:
     w.set(node, out, w.rule_near(node))
 
 
+def _set_merged(w: _Walk, node: fx.Node, merged: tuple[int, tuple[int, ...]], p: Shard) -> None:
+    out_dim, blocks = merged
+    if blocks[0] % w.n:
+        w.error(node, f"{describe(node)} merges a dim sharded over `{w.axis}` whose size does not divide")
+    w.set(node, Shard(out_dim, blocks), w.rule_near(node))
+    if p.dim == w.spec.seq_dim and out_dim == 0:
+        w.flat_tokens = (sum(blocks), blocks)
+
+
 @register(aten.flatten.using_ints)
 def _flatten(w: _Walk, node: fx.Node) -> None:
     x = node.args[0]
@@ -689,6 +857,12 @@ def _flatten(w: _Walk, node: fx.Node) -> None:
     start = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
     end = _norm_dim(node.args[2] if len(node.args) > 2 else -1, ndim)
     if isinstance(p, Shard):
+        merged = (
+            _merged_blocks(shape(x), shape(node), p.dim) if start < p.dim <= end and not p.blocks else None
+        )
+        if merged:
+            _set_merged(w, node, merged, p)
+            return
         if start < p.dim <= end:
             w.error(node, f"{describe(node)} flattens a dim sharded over `{w.axis}` into an inner position")
         out = p.dim if p.dim <= start else p.dim - (end - start)

@@ -70,3 +70,26 @@ def hf_phi3():
 def hf_neox():
     """Fused query_key_value laid out head by head: split by heads without blocks."""
     return _small("GPTNeoXConfig", "GPTNeoXForCausalLM")
+
+
+def hf_mixtral():
+    """Experts as one module with 3-D weights (transformers 5), routed top-2 of 4."""
+    return _small("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4)
+
+
+def hf_bert_mlm():
+    """Post-norm encoder, MLM head whose decoder bias is tied to `cls.predictions.bias`."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return BertForMaskedLM(config)

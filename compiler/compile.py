@@ -27,7 +27,9 @@ The passes run in this order, each for a reason:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -218,7 +220,9 @@ def _tensor_spec(
         placement = _module_placements(style, module, path, rule, n, diagnostics)
         for pname, p in placement.items():
             params[f"{path}.{pname}"] = ParamPlacement(p, rule)
-    diagnostics += _check_heads(plan, model, axis, n, tensor_rules)
+    diagnostics = _collapse_repeats(diagnostics)
+    heads = _check_heads(plan, model, axis, n, tensor_rules)
+    diagnostics = _behind_root_cause(heads, diagnostics, model) + heads
     diagnostics += _check_ties(model, params)
     _share_tied_placements(model, params)
     seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
@@ -277,6 +281,60 @@ def _module_placements(
     if getattr(module, "bias", None) is not None:
         out["bias"] = REPLICATE if style == "row" else Shard(0)
     return out
+
+
+_NOT_DIVISIBLE = re.compile(
+    r"^`(?P<path>[^`]+)`(?: and (?P<more>\d+) more like it)? ha(?:s|ve) (?P<size>\d+) (?P<rest>.*not divisible by .*)$"
+)
+
+
+def _collapse_repeats(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    """One error per rule for the same size problem in every layer it matches:
+    "`layers.0.mlp.up_proj` and 7 more like it have 128 output features, not divisible by 3"."""
+    groups: dict[tuple, list[Diagnostic]] = {}
+    out: list[Diagnostic] = []
+    for d in diagnostics:
+        m = _NOT_DIVISIBLE.match(d.message)
+        if m is None:
+            out.append(d)
+            continue
+        key = (d.span, m["size"], m["rest"])
+        if key not in groups:
+            groups[key] = []
+            out.append(d)
+        groups[key].append(d)
+    for (_, size, rest), group in groups.items():
+        if len(group) > 1:
+            first = _NOT_DIVISIBLE.match(group[0].message)
+            assert first is not None
+            message = f"`{first['path']}` and {len(group) - 1} more like it have {size} {rest}"
+            out[out.index(group[0])] = dataclasses.replace(group[0], message=message)
+    return out
+
+
+def _behind_root_cause(
+    heads: list[Diagnostic], diagnostics: list[Diagnostic], model: nn.Module
+) -> list[Diagnostic]:
+    """When the head count does not divide, every projection sized in heads fails to divide as
+    a consequence: leave those out, and count them on the root cause."""
+    config = getattr(model, "config", None)
+    hidden, num_heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not heads or not isinstance(hidden, int) or not isinstance(num_heads, int):
+        return diagnostics
+    head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+    kept, hidden_away = [], 0
+    for d in diagnostics:
+        m = _NOT_DIVISIBLE.match(d.message)
+        if m is not None and int(m["size"]) % head_dim == 0 and "attn" in m["path"]:
+            hidden_away += 1 + int(m["more"] or 0)
+        else:
+            kept.append(d)
+    if hidden_away:
+        root = heads[0]
+        heads[0] = dataclasses.replace(
+            root, message=f"{root.message} (so {hidden_away} attention projections do not split either)"
+        )
+    return kept
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:

@@ -188,3 +188,20 @@ def test_vocab_parallel_loss_through_view_with_ignore_index():
     )
     kinds = {n.meta.get("meshplan.collective", {}).get("kind") for n in compiled.graph.graph.nodes}
     assert {"vocab_embedding", "vocab_cross_entropy"} <= kinds
+
+
+def test_a_size_that_divides_nothing_reports_the_root_cause_once():
+    """tp=3 on 8 heads: one error for the head count (counting the projections that follow from
+    it), and one per rule for other sizes, not one per layer and projection."""
+    text = (ROOT / "examples/llama_tp.plan").read_text().replace("tp=2", "tp=3")
+    plan = check_text(text, "tp3.plan", world_size=3)
+    with pytest.raises(PlanError) as info:
+        compile_plan(plan, load_model(f"{HERE}/factories.py:llama_tp4"))
+    messages = [d.message for d in info.value.diagnostics]
+    assert (
+        "the model has 8 attention heads, not divisible by 3 ranks over `tp` (so 16 attention "
+        in "\n".join(messages)
+    )
+    assert not any("self_attn" in m for m in messages)
+    assert "`layers.0.mlp.gate_proj` and 7 more like it have 128 output features" in "\n".join(messages)
+    assert len(messages) <= 6

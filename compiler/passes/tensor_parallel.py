@@ -182,12 +182,14 @@ class _Walk:
             self.run_whole(node, inputs)
             return
         into_sharded = not isinstance(strategy.output, Replicate)
+        because = self.rule_for_module(node) or self.rule_near(node)
         for a, target in strategy.inputs.items():
             have = self.placement(a)
             if have != target:
-                self.use(node, a, self.convert(a, target, into_sharded=into_sharded))
+                self.use(node, a, self.convert(a, target, into_sharded=into_sharded, because=because))
             elif into_sharded and isinstance(have, Replicate) and self.requires_grad(a):
-                self.use(node, a, self.convert(a, REPLICATE, into_sharded=True))  # f: its gradient is partial
+                # f: its gradient is partial (a norm weight under sequence parallelism)
+                self.use(node, a, self.convert(a, REPLICATE, into_sharded=True, because=because))
         self.set(node, strategy.output, self.rule_near(node))
 
     def run_whole(self, node: fx.Node, inputs: list[fx.Node]) -> None:
@@ -283,6 +285,23 @@ class _Walk:
             path = path.rpartition(".")[0]
         return None
 
+    def sequence_rule_near(self, node: fx.Node) -> PlanRule | None:
+        """The `sequence` rule that put a tensor on sequence shards near `node`: its module's own,
+        else the one whose module shares the longest path prefix with it (the layer's norm)."""
+        own = self.rule_for_module(node)
+        if own is not None or not self.spec.sequence_modules:
+            return own
+        parts = module_path(node).split(".")
+
+        def shared(path: str) -> int:
+            return next(
+                (i for i, (a, b) in enumerate(zip(parts, path.split("."), strict=False)) if a != b),
+                len(parts),
+            )
+
+        best = max(self.spec.sequence_modules, key=shared)
+        return self.spec.sequence_modules[best]
+
     def collective(
         self,
         kind: str,
@@ -306,7 +325,8 @@ class _Walk:
             {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
         )
         node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
-        self.set(node, out, arg.meta.get(RULE))
+        sequence = self.spec.sequence_parallel and isinstance(out, Shard) and kind == "reduce_scatter"
+        self.set(node, out, self.sequence_rule_near(arg) if sequence else arg.meta.get(RULE))
         self.converted[key] = node
         return node
 
@@ -762,7 +782,11 @@ def _layer_norm(w: _Walk, node: fx.Node) -> None:
     if isinstance(p, Shard):
         for param in node.args[2:4]:
             if isinstance(param, fx.Node) and w.requires_grad(param):
-                w.use(node, param, w.convert(param, REPLICATE, into_sharded=True))
+                w.use(
+                    node,
+                    param,
+                    w.convert(param, REPLICATE, into_sharded=True, because=w.rule_for_module(node)),
+                )
     w.set(node, p, w.rule_near(node))
 
 

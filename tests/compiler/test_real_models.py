@@ -110,3 +110,18 @@ def test_tp_and_sequence_parallel_match_one_device(family: str) -> None:
     for by_cell in spawn(cells, 2, (family,), timeout_s=300):
         for cell, r in by_cell.items():
             assert r["loss"] <= tolerance and r["grad"] <= tolerance, (cell, r)
+
+
+def test_a_whole_tensor_fallback_names_the_sequence_rule_behind_it() -> None:
+    """Mixtral's expert dispatch has no sharding rule: under SP it runs on whole tokens, and the
+    warning points at the `sequence` rule that sharded them, not at an unrelated line."""
+    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.dsl import check_text
+
+    factory, tensor, sequence, _ = FAMILIES["mixtral"]
+    text = plan(tensor + sequence)
+    compiled = compile_plan(check_text(text, "mixtral.plan", world_size=2), load_model(f"{HERE}/{factory}"))
+    (warning, *_) = [w for w in compiled.warnings if "runs on whole tensors" in w.message]
+    assert "sequence over tp" in text.splitlines()[warning.span.line - 1]
+    assert "`index` in `model.layers.0.mlp.experts`" in warning.message

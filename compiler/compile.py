@@ -66,6 +66,7 @@ class Compiled:
     tensor_axis: str | None
     ledger: Ledger
     warnings: list[Diagnostic] = field(default_factory=list)
+    kv_replicas: dict[str, int] = field(default_factory=dict)  # GQA: kv weight -> ranks per head
 
 
 def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = None) -> Compiled:
@@ -108,7 +109,10 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
         accumulation=plan.train.gradient_accumulation,
         data=_data_parallel_facts(plan, gm, source.model, placements, layout),
     )
-    return Compiled(plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings)
+    kv = spec.kv_replicas if spec else {}
+    return Compiled(
+        plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings, kv
+    )
 
 
 def _data_parallel_facts(
@@ -225,6 +229,7 @@ def _tensor_spec(
     diagnostics = _behind_root_cause(heads, diagnostics, model) + heads
     diagnostics += _check_ties(model, params)
     _share_tied_placements(model, params)
+    kv_replicas = _replicate_kv_heads(model, n, params, modules)
     seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
     sequence_modules = {p: k["sequence"] for p, k in resolution.placements.items() if "sequence" in k}
     spec = TensorParallelSpec(
@@ -234,6 +239,7 @@ def _tensor_spec(
         sequence_parallel=bool(seq_rules),
         sequence_modules=sequence_modules,
         fallback_span=plan.mesh.span,
+        kv_replicas=kv_replicas,
     )
     return axis, spec, diagnostics
 
@@ -376,6 +382,36 @@ def _share_tied_placements(model: nn.Module, params: dict[str, ParamPlacement]) 
                 params.setdefault(name, placed)
 
 
+def _replicate_kv_heads(
+    model: nn.Module, n: int, params: dict[str, ParamPlacement], modules: dict[str, nn.Module]
+) -> dict[str, int]:
+    """GQA with fewer key/value heads than ranks (Qwen2's 2 at tp=4): the key and value
+    projections stay whole and each rank keeps the head its query heads use, n / kv ranks per
+    head, as Megatron and vLLM replicate them. Returns weight name -> ranks per head; the
+    projections' placements become Replicate() (the pass slices their outputs)."""
+    config = getattr(model, "config", None)
+    kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not all(isinstance(v, int) for v in (kv, heads, hidden)) or kv >= n or n % kv or kv == heads:
+        return {}
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    out = {}
+    for name, pp in list(params.items()):
+        path = name.rpartition(".")[0]
+        module = modules.get(path)
+        if (
+            name.endswith(".weight")
+            and isinstance(module, nn.Linear)
+            and pp.placement == Shard(0)
+            and module.out_features == kv * head_dim
+        ):
+            out[name] = n // kv
+            params[name] = ParamPlacement(REPLICATE, pp.rule)
+            if f"{path}.bias" in params:
+                params[f"{path}.bias"] = ParamPlacement(REPLICATE, params[f"{path}.bias"].rule)
+    return out
+
+
 def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[PlanRule]) -> list[Diagnostic]:
     """Attention heads and kv heads must divide by the tensor-parallel size (config-based models)."""
     config = getattr(model, "config", None)
@@ -385,13 +421,19 @@ def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[Pl
         ("num_key_value_heads", "key/value heads"),
     ):
         count = getattr(config, attr, None)
-        if isinstance(count, int) and count % n:
+        replicated = attr == "num_key_value_heads" and isinstance(count, int) and n % count == 0
+        if isinstance(count, int) and count % n and not replicated:
             rule = next((r for r in rules if "attn" in r.pattern), rules[0])
             out.append(
                 Diagnostic(
                     rule.span,
                     f"the model has {count} {what}, not divisible by {n} ranks over `{axis}`",
-                    hint=f"use a tensor-parallel size that divides {count}",
+                    hint=f"use a tensor-parallel size that divides {count}"
+                    + (
+                        " (or a multiple of it: kv heads are replicated)"
+                        if attr == "num_key_value_heads"
+                        else ""
+                    ),
                 )
             )
     return out

@@ -149,6 +149,14 @@ def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
             if isinstance(p, Shard):
                 local[p.dim] //= compiled.layout.size(axis)
             leaf = pname.rsplit(".", 1)[1]
+            if pname in compiled.kv_replicas:
+                seen.setdefault(
+                    f"{leaf} {full} whole on every rank, {p} over {axis}: fewer key/value heads than "
+                    f"ranks, so each rank keeps the head its queries use ({compiled.kv_replicas[pname]} "
+                    "ranks per head)",
+                    None,
+                )
+                continue
             seen.setdefault(f"{leaf} {full} -> {tuple(local)} per rank, {p} over {axis}", None)
     return list(seen)
 

@@ -206,6 +206,16 @@ class Split(AxisCollective):
         return _in_blocks(lambda t, d: _Split.apply(t, d, self), x, dim, blocks)
 
 
+class KeyValueGroup(AxisCollective):
+    """Keep this rank's key/value head of a projection computed whole (GQA, fewer kv heads than
+    ranks): chunk rank // replicas of the last dim's n / replicas. No communication; backward
+    puts the gradient back in its place (zeros elsewhere), the input's f sums the ranks'."""
+
+    def forward(self, x: Tensor, dim: int, replicas: int) -> Tensor:
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return x.chunk(world // replicas, dim)[rank // replicas]
+
+
 class VocabParallelEmbedding(AxisCollective):
     """Embedding lookup with the vocabulary rows sharded over the axis.
 
@@ -290,6 +300,7 @@ COLLECTIVES: dict[str, type[AxisCollective]] = {
     "gather_replicated": GatherReplicated,
     "reduce_scatter": ReduceScatter,
     "split": Split,
+    "kv_group": KeyValueGroup,
     "vocab_embedding": VocabParallelEmbedding,
     "vocab_cross_entropy": VocabParallelCrossEntropy,
 }

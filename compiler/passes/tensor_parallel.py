@@ -78,6 +78,9 @@ class TensorParallelSpec:
     sequence_parallel: bool = False
     seq_dim: int = 1
     sequence_modules: dict[str, PlanRule] = field(default_factory=dict)  # module path -> `sequence` rule
+    # key/value projection weight -> ranks sharing each of its heads (GQA with fewer kv heads
+    # than ranks): the weight stays whole and each rank keeps its head after the projection
+    kv_replicas: dict[str, int] = field(default_factory=dict)
     fallback_span: Span | None = None  # where to point when no rule is near the problem
 
 
@@ -109,6 +112,7 @@ class _Walk:
         # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
         self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
         self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
+        self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
 
     # -- facts
     def placement(self, node) -> Placement:
@@ -248,6 +252,12 @@ class _Walk:
                 "into its blocks",
                 hint="use the fused output only through its split into q, k and v",
             )
+        if have != target and any(isinstance(p, Shard) and p.replicas > 1 for p in (have, target)):
+            self.error(
+                arg,
+                f"{describe(arg)} holds key/value heads replicated over `{self.axis}` ({have}); "
+                "it can only be repeated to the query heads",
+            )
         if have == target:
             if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
                 return self.collective("copy_to", arg, None, REPLICATE, because)
@@ -370,9 +380,10 @@ class _Walk:
         """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
         sizes = list(sizes)
         if isinstance(out, Shard) and sizes[out.dim] != -1:
-            if sizes[out.dim] % self.n:
+            pieces = self.n // out.replicas
+            if sizes[out.dim] % pieces:
                 raise AssertionError("divisibility is checked when the placement is decided")
-            sizes[out.dim] = sizes[out.dim] // self.n
+            sizes[out.dim] = sizes[out.dim] // pieces
         return sizes
 
 
@@ -441,6 +452,29 @@ def _norm_dim(dim: int, ndim: int) -> int:
 # ---------------------------------------------------------------------------- linear and embedding
 
 
+def _kv_group(w: _Walk, node: fx.Node, x: fx.Node, params: tuple, replicas: int) -> None:
+    """A key/value projection with fewer heads than ranks (GQA): every rank computes all kv heads
+    from the whole weight, then keeps the one its query heads use, `replicas` ranks per head.
+    The weight's and the input's gradients are partial (each rank's heads), summed by f.
+
+        k = linear(copy_to_tp(h), k_proj_weight)      # (B, T, kv * D), weight replicated
+        k = self.kv_group_tp(k, -1, replicas)         # (B, T, D): head rank // replicas
+    """
+    rule = w.spec.params[str(_through_casts(params[0]).target)].rule
+    w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
+    for p in params:
+        if isinstance(p, fx.Node) and w.requires_grad(p):
+            w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
+    w.set(node, REPLICATE, rule)
+    last = len(shape(node)) - 1
+    name = w.module_for("kv_group")
+    with w.graph.inserting_after(node):
+        group = w.graph.call_module(name, (node, last, replicas))
+    group.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)})
+    node.replace_all_uses_with(group, delete_user_cb=lambda u: u is not group)
+    w.set(group, Shard(last, (), replicas), rule)
+
+
 @register(aten.linear.default)
 def _linear(w: _Walk, node: fx.Node) -> None:
     x, weight = node.args[0], node.args[1]
@@ -448,6 +482,10 @@ def _linear(w: _Walk, node: fx.Node) -> None:
     wp = w.placement(weight)
     rule = weight.meta.get(RULE)
     last = len(shape(node)) - 1
+    replicas = w.spec.kv_replicas.get(str(_through_casts(weight).target))
+    if replicas:
+        _kv_group(w, node, x, (weight, bias), replicas)
+        return
     if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
         w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
         blocks = w.fuse_blocks(node, last, (weight, bias), weight_dim=0)
@@ -701,7 +739,9 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
             w.use(node, a, w.reduce_partial(a))
     tensors = [a for a in node.all_input_nodes if is_tensor_node(a)]
     dims = set()
-    blocks = {w.placement(a).blocks for a in tensors if isinstance(w.placement(a), Shard)}
+    blocks = {
+        (w.placement(a).blocks, w.placement(a).replicas) for a in tensors if isinstance(w.placement(a), Shard)
+    }
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -712,7 +752,7 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
     if len(dims) > 1 or len(blocks) > 1:
         w.error(node, f"{describe(node)} combines tensors sharded differently over `{w.axis}`")
     (dim,) = dims
-    (nblocks,) = blocks
+    ((nblocks, replicas),) = blocks
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -721,10 +761,10 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
         spans = a_dim >= 0 and shape(a)[a_dim] != 1
         because = w.rule_for_module(node) or w.rule_near(node)
         if spans:
-            w.use(node, a, w.convert(a, Shard(a_dim, nblocks), because=because))
+            w.use(node, a, w.convert(a, Shard(a_dim, nblocks, replicas), because=because))
         elif w.requires_grad(a):
             w.use(node, a, w.convert(a, REPLICATE, into_sharded=True, because=because))
-    w.set(node, Shard(dim, nblocks), w.rule_near(node))
+    w.set(node, Shard(dim, nblocks, replicas), w.rule_near(node))
 
 
 @register(aten.type_as.default)
@@ -755,7 +795,7 @@ def _reduce(w: _Walk, node: fx.Node) -> None:
                 hint="this module cannot run on shards; replicate it or change the split",
             )
         out = p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)
-        w.set(node, Shard(out, p.blocks), w.rule_near(node))
+        w.set(node, p.at(out), w.rule_near(node))
     else:
         w.set(node, REPLICATE)
 
@@ -837,7 +877,8 @@ def _view(w: _Walk, node: fx.Node) -> None:
         return
     out_dim = _view_dim(shape(x), shape(node), p.dim)
     blocks = p.blocks
-    if out_dim is None and not blocks and (merged := _merged_blocks(shape(x), shape(node), p.dim)):
+    merged = _merged_blocks(shape(x), shape(node), p.dim) if p.replicas == 1 else None
+    if out_dim is None and not blocks and merged:
         if node.target is aten.view.default:  # a sequence shard (a collective's output) may be strided
             node.target = aten.reshape.default
         _set_merged(w, node, merged, p)
@@ -851,7 +892,14 @@ def _view(w: _Walk, node: fx.Node) -> None:
             return
         else:
             w.error(node, f"{describe(node)} reshapes a fused projection's output across its blocks {blocks}")
-    if out_dim is None or shape(node)[out_dim] % w.n:
+    if p.replicas > 1 and x in w.repeated and out_dim is not None:
+        # (B, kv, rep, T, D) -> (B, kv * rep, T, D) after a repeat cut to this rank's query
+        # heads: the merged dim is the heads dim, plainly sharded
+        out = Shard(out_dim)
+        node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
+        w.set(node, out, w.rule_near(node))
+        return
+    if out_dim is None or shape(node)[out_dim] % (w.n // p.replicas):
         w.error(
             node,
             f"{describe(node)} reshapes {list(shape(x))} -> {list(shape(node))}, which splits "
@@ -859,7 +907,7 @@ def _view(w: _Walk, node: fx.Node) -> None:
             hint=f"the sharded dim ({shape(x)[p.dim]}) must stay outermost in its group and divisible by "
             f"{w.n} (e.g. a head count divisible by the tensor-parallel size)",
         )
-    out = Shard(out_dim, blocks)
+    out = Shard(out_dim, blocks, p.replicas)
     node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
     w.set(node, out, w.rule_near(node))
 
@@ -890,7 +938,7 @@ def _flatten(w: _Walk, node: fx.Node) -> None:
         if start < p.dim <= end:
             w.error(node, f"{describe(node)} flattens a dim sharded over `{w.axis}` into an inner position")
         out = p.dim if p.dim <= start else p.dim - (end - start)
-        w.set(node, Shard(out, p.blocks), w.rule_near(node))
+        w.set(node, p.at(out), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -902,7 +950,7 @@ def _transpose(w: _Walk, node: fx.Node) -> None:
     if isinstance(p, Shard):
         ndim = len(shape(x))
         a, b = _norm_dim(node.args[1], ndim), _norm_dim(node.args[2], ndim)
-        w.set(node, Shard(b if p.dim == a else a if p.dim == b else p.dim, p.blocks), w.rule_near(node))
+        w.set(node, p.at(b if p.dim == a else a if p.dim == b else p.dim), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -910,7 +958,7 @@ def _transpose(w: _Walk, node: fx.Node) -> None:
 @register(aten.t.default)
 def _t(w: _Walk, node: fx.Node) -> None:
     p = w.placement(node.args[0])
-    w.set(node, Shard(1 - p.dim, p.blocks) if isinstance(p, Shard) else p, w.rule_near(node))
+    w.set(node, p.at(1 - p.dim) if isinstance(p, Shard) else p, w.rule_near(node))
 
 
 @register(aten.permute.default)
@@ -919,7 +967,7 @@ def _permute(w: _Walk, node: fx.Node) -> None:
     p = w.placement(x)
     if isinstance(p, Shard):
         order = [_norm_dim(d, len(order)) for d in order]
-        w.set(node, Shard(order.index(p.dim), p.blocks), w.rule_near(node))
+        w.set(node, p.at(order.index(p.dim)), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -929,7 +977,7 @@ def _unsqueeze(w: _Walk, node: fx.Node) -> None:
     p = w.placement(node.args[0])
     if isinstance(p, Shard):
         d = _norm_dim(node.args[1], len(shape(node)))
-        w.set(node, Shard(p.dim + (d <= p.dim), p.blocks), w.rule_near(node))
+        w.set(node, p.at(p.dim + (d <= p.dim)), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -941,7 +989,7 @@ def _squeeze(w: _Walk, node: fx.Node) -> None:
     if isinstance(p, Shard):
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
         dims = [_norm_dim(d, len(shape(x))) for d in dims if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
-        w.set(node, Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), w.rule_near(node))
+        w.set(node, p.at(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
     else:
         w.set(node, p)
 
@@ -951,8 +999,21 @@ def _expand(w: _Walk, node: fx.Node) -> None:
     x = node.args[0]
     p = w.placement(x)
     if isinstance(p, Shard):
-        out = Shard(p.dim + len(shape(node)) - len(shape(x)), p.blocks)
-        node.args = (x, w.local_sizes(node.args[1], out), *node.args[2:])
+        out = p.at(p.dim + len(shape(node)) - len(shape(x)))
+        sizes = w.local_sizes(node.args[1], out)
+        if p.replicas > 1:  # GQA's repeat of each kv head: keep only this rank's query heads
+            repeat = out.dim + 1
+            if repeat >= len(sizes) or shape(x)[repeat - len(shape(node)) + len(shape(x))] != 1:
+                w.error(node, f"{describe(node)} expands key/value heads replicated over `{w.axis}`")
+            if sizes[repeat] % p.replicas:
+                w.error(
+                    node,
+                    f"{describe(node)}: {sizes[repeat]} query heads per key/value head do not divide by "
+                    f"{p.replicas} ranks sharing it over `{w.axis}`",
+                )
+            sizes[repeat] //= p.replicas
+            w.repeated.add(node)
+        node.args = (x, sizes, *node.args[2:])
         w.set(node, out, w.rule_near(node))
     else:
         w.set(node, p)
@@ -989,7 +1050,7 @@ def _slice_like(w: _Walk, node: fx.Node) -> None:
             return
         w.error(node, f"{describe(node)} slices dim {dim}, which is sharded over `{w.axis}`")
     out = p.dim - (node.target in (aten.select.int, aten.unbind.int) and dim < p.dim)
-    w.set(node, Shard(out, p.blocks), w.rule_near(node))
+    w.set(node, p.at(out), w.rule_near(node))
 
 
 def _split_local_blocks(w: _Walk, node: fx.Node, blocks: tuple[int, ...]) -> bool:
@@ -1122,6 +1183,12 @@ def _repeat_interleave(w: _Walk, node: fx.Node) -> None:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         if dim is None:
             w.error(node, f"{describe(node)} flattens a tensor sharded over `{w.axis}`")
+        if p.replicas > 1:  # each rank's one kv head, repeated for its own query heads only
+            repeats = node.args[1]
+            if not isinstance(repeats, int) or repeats % p.replicas or _norm_dim(dim, len(shape(x))) != p.dim:
+                w.error(node, f"{describe(node)} repeats key/value heads replicated over `{w.axis}`")
+            node.args = (x, repeats // p.replicas, *node.args[2:])
+            p = Shard(p.dim)
     w.set(node, p, w.rule_near(node))
 
 

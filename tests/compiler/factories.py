@@ -270,3 +270,10 @@ def titan_llama():
     factories' example inputs (ids below 256) leave the upper half of a vocab shard unused."""
     torch.manual_seed(0)
     return TitanTransformer()
+
+
+def llama_gqa():
+    """8 query heads over 2 key/value heads: at tp=4 each kv head is shared by two ranks."""
+    return llama.build(
+        num_attention_heads=8, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2
+    )

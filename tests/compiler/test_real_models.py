@@ -125,3 +125,34 @@ def test_a_whole_tensor_fallback_names_the_sequence_rule_behind_it() -> None:
     (warning, *_) = [w for w in compiled.warnings if "runs on whole tensors" in w.message]
     assert "sequence over tp" in text.splitlines()[warning.span.line - 1]
     assert "`index` in `model.layers.0.mlp.experts`" in warning.message
+
+
+def gqa_cells(rank: int, world_size: int) -> dict[str, dict]:
+    from tp_plans import llama_tp
+
+    sequence = (
+        "    layers.*.{input,post_attention}_layernorm: sequence over tp\n    norm: sequence over tp\n}\n"
+    )
+    return {
+        "llama_gqa": grad_parity(rank, world_size, llama_tp(4), f"{HERE}/factories.py:llama_gqa", "float64"),
+        "llama_gqa_sp": grad_parity(
+            rank,
+            world_size,
+            llama_tp(4).rstrip().removesuffix("}") + sequence,
+            f"{HERE}/factories.py:llama_gqa",
+            "float64",
+        ),
+        "qwen2": grad_parity(
+            rank, world_size, llama_tp(4, "model."), f"{HERE}/hf_factories.py:hf_qwen2", "float64"
+        ),
+    }
+
+
+def test_fewer_key_value_heads_than_ranks_are_replicated() -> None:
+    """GQA at tp=4 with 2 kv heads (the example Llama with 8 query heads, Qwen2 with 4): each
+    rank keeps the kv head its query heads use. Qwen2's loss is float32 inside (see above)."""
+    for by_cell in spawn(gqa_cells, 4, (), timeout_s=300):
+        for cell, r in by_cell.items():
+            tolerance = 1e-6 if cell == "qwen2" else 1e-12
+            assert r["loss"] <= tolerance and r["grad"] <= tolerance, (cell, r)
+            assert "kv_group_tp" in r["collectives"], cell

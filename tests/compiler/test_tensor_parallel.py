@@ -134,9 +134,18 @@ def example_llama():
     return ModelSource("llama", llama.build(), llama.example_inputs())
 
 
-def test_kv_heads_not_divisible(example_llama):
-    message = errors_of(TP_RULES.format(n=4, extra=""), example_llama)
-    assert "the model has 2 key/value heads, not divisible by 4 ranks over `tp`" in message
+def test_kv_heads_fewer_than_ranks_are_replicated(example_llama):
+    """2 kv heads at tp=4: the k/v projections stay whole, each rank keeps one head."""
+    compiled = compile_text(TP_RULES.format(n=4, extra=""), example_llama)
+    assert compiled.kv_replicas == {
+        f"layers.{i}.self_attn.{p}_proj.weight": 2 for i in range(4) for p in "kv"
+    }
+    assert str(compiled.param_placements["layers.0.self_attn.k_proj.weight"]["tp"]) == "Replicate()"
+
+
+def test_kv_heads_that_neither_divide_nor_are_divided(example_llama):
+    message = errors_of(TP_RULES.format(n=3, extra=""), example_llama)
+    assert "the model has 2 key/value heads, not divisible by 3 ranks over `tp`" in message
     assert "test.plan:5:5" in message
 
 

@@ -46,7 +46,7 @@ from .graph import for_rank, keep_loss_output, normalize
 from .ledger import DataParallelFacts, Ledger, build_ledger
 from .match import Resolution, resolve
 from .passes.checkpoint import CheckpointError, bind_regions, checkpoint_regions, regions_from
-from .passes.precision import DTYPES, PrecisionSpec, mixed_precision
+from .passes.precision import DTYPES, PrecisionSpec, cast_floating, mixed_precision
 from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
 from .passes.zero import ZeroSpec, shard_parameters
 from .placement import REPLICATE, Placement, Shard
@@ -75,7 +75,7 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     compute = DTYPES[plan.precision.compute]
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
-    traced = source.model if compute == torch.float32 else copy.deepcopy(source.model).to(compute)
+    traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
     captured = capture(traced, source.args, source.kwargs)
     gm = keep_loss_output(normalize(captured.program.module()))
     resolution, diagnostics = resolve(plan, captured.modules)

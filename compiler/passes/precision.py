@@ -1,14 +1,17 @@
 """Mixed precision: compute in the plan's dtype, keep fp32 parameters, override regions.
 
 Requires: a normalized graph captured from a copy of the model in the compute dtype (so
-the model's own casts, like a norm's `.to(input_dtype)`, are recorded in that dtype),
+the model's own casts, like a norm's `.to(input_dtype)`, are recorded in that dtype; made
+with `cast_floating`, which leaves complex and integer tensors alone),
 before tensor parallelism (so collectives move the compute dtype's bytes); the plan's
 `precision DTYPE` rules resolved to module paths.
 Ensures: parameters and buffers are fp32 (the master weights: the rank program is built
 from the fp32 model) and are cast where they are used, to the dtype of the region
 using them; autograd returns fp32 gradients through the casts. Activations entering an
 override region are cast to its dtype, and cast back where they leave it. The loss
-(cross-entropy) is computed in fp32 from fp32 logits.
+(cross-entropy) is computed in fp32 from fp32 logits. Only floating-point tensors are
+ever cast: a complex64 RoPE table stays complex64 under bf16 compute (a real dtype would
+drop its imaginary half, the sines), and integer and bool tensors keep their dtype.
 
 Before (`compute = bf16`, `norm: precision fp32`):
 
@@ -31,7 +34,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from meshplan.dsl.check import PlanRule
 
@@ -59,6 +62,15 @@ class PrecisionSpec:
         return self.compute
 
 
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` for floating-point parameters and buffers only, in place.
+
+    `nn.Module.to(torch.bfloat16)` also casts complex tensors, to a real dtype: a complex64
+    `freqs_cis` buffer would keep its cosines and lose its sines, with only a warning.
+    """
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 def mixed_precision(gm: fx.GraphModule, spec: PrecisionSpec) -> fx.GraphModule:
     """Insert the casts; a no-op for fp32 compute without overrides."""
     if spec.compute == torch.float32 and not spec.overrides:
@@ -67,6 +79,7 @@ def mixed_precision(gm: fx.GraphModule, spec: PrecisionSpec) -> fx.GraphModule:
     casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
 
     def cast(node: fx.Node, dtype: torch.dtype) -> fx.Node:
+        assert _is_float_tensor(node), f"{node.name} is not a floating-point tensor"
         if _dtype(node) == dtype:
             return node
         key = (node, dtype)

@@ -21,6 +21,7 @@ tagged with the module that produced it, spelled as `model.named_modules()` spel
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -29,7 +30,7 @@ import inspect
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -127,13 +128,35 @@ def load_model(spec: str) -> ModelSource:
     model has a `config.vocab_size` (Hugging Face models and the examples have one).
     """
     target, factory_name = _split_spec(spec)
-    module = _run_file(target) if _names_a_file(target) else _import_module(target)
-    # Where the user's code lives, to point error messages at its lines.
-    origin = getattr(module, "__file__", None) or target
-    factory = _find_factory(module, factory_name, target)
-    model = _call_factory(factory, spec, origin)
-    args, kwargs = _make_inputs(module, model, spec, origin)
+    is_file = _names_a_file(target)
+    # As Python does for a script, the file's folder comes first on the import path, so a
+    # model file that imports the module beside it (`from model import GPT`) loads as it
+    # runs with `python FILE.py`; kept there while the factory and example_inputs run too.
+    with _folder_first_on_path(str(Path(target).resolve().parent) if is_file else None):
+        module = _run_file(target) if is_file else _import_module(target)
+        # Where the user's code lives, to point error messages at its lines.
+        origin = getattr(module, "__file__", None) or target
+        factory = _find_factory(module, factory_name, target)
+        model = _call_factory(factory, spec, origin)
+        args, kwargs = _make_inputs(module, model, spec, origin)
     return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def _folder_first_on_path(folder: str | None) -> Iterator[None]:
+    """`folder` at the front of sys.path for the duration, unless it is there already.
+
+    Modules imported from it stay in sys.modules afterwards, as they do after any import.
+    """
+    if folder is None or folder in sys.path:
+        yield
+        return
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
@@ -154,7 +177,7 @@ def _names_a_file(target: str) -> bool:
 
 
 def _run_file(target: str) -> ModuleType:
-    """Execute one .py file as a private module; nothing next to it is imported or put on sys.path."""
+    """Execute one .py file as a private module; `load_model` puts its folder on sys.path first."""
     path = Path(target)
     if not path.is_file():
         where = "is a directory" if path.is_dir() else "does not exist"

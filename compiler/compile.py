@@ -50,6 +50,7 @@ from .passes.precision import DTYPES, PrecisionSpec, cast_floating, mixed_precis
 from .passes.tensor_parallel import ParamPlacement, TensorParallelError, TensorParallelSpec, tensor_parallel
 from .passes.zero import ZeroSpec, shard_parameters
 from .placement import REPLICATE, Placement, Shard
+from .unsupported import check_unsupported
 
 
 @dataclass
@@ -94,6 +95,7 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
             gm = checkpoint_regions(gm, regions_from(plan, resolution))
         except CheckpointError as e:
             diagnostics.append(e.diagnostic)
+    diagnostics += check_unsupported(plan, source, resolution)
     errors = [d for d in diagnostics if d.severity == "error"]
     if errors:
         raise PlanValidationError(diagnostics, {plan.path: plan.source})

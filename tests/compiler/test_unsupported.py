@@ -1,0 +1,188 @@
+"""Constructs that are not lowered yet are refused when compiling.
+
+`check` without a model accepts them (the language is ahead of the compiler); every command
+that compiles against a model refuses them with one located error per block or rule, so a
+plan never compiles into a program that silently lacks its pipeline, context or expert
+parallelism or its device placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.unsupported import not_lowered
+from meshplan.dsl import PlanError, check_text
+from meshplan.examples.models import llama
+from meshplan.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = "examples/models/llama.py:build"
+
+
+def _refusal(text: str, model: nn.Module | None = None, *, seq: int = 16) -> str:
+    """The rendered errors of compiling `text` for `model` (the 4-layer example Llama)."""
+    model = model if model is not None else llama.build()
+    inputs = llama.example_inputs(seq=seq) if isinstance(model, llama.Llama) else _moe_inputs()
+    with pytest.raises(PlanError) as info:
+        compile_plan(check_text(text, "p.plan"), ModelSource("m", model, inputs))
+    return info.value.render()
+
+
+# ---------------------------------------------------------------------------- each construct refused
+
+
+def test_pipeline_block_is_refused_at_its_keyword():
+    text = "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    assert _refusal(text) == (
+        "p.plan:3:1: error: pipeline parallelism is not lowered yet: this plan would train without it\n"
+        "    pipeline over pp {\n"
+        "    ^~~~~~~~\n"
+        "hint: remove the `pipeline` block to compile this plan; "
+        "`meshplan check PLAN` without --model checks the language only"
+    )
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_rule_is_refused_at_its_action(mode: str):
+    text = f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
+    underline = "~" * len(f"context {mode} over cp")
+    assert _refusal(text) == (
+        f"p.plan:4:25: error: context parallelism (`context {mode}`) is not lowered yet: "
+        "this plan would train without it\n"
+        f"        layers.*.self_attn: context {mode} over cp\n"
+        f"                            ^{underline[1:]}\n"
+        "hint: remove the rule to compile this plan; "
+        "`meshplan check PLAN` without --model checks the language only"
+    )
+
+
+def test_device_rule_is_refused():
+    text = "mesh dp=1\n\nmodules {\n    embed_tokens: on cpu\n    norm: on cuda:1\n}\n"
+    rendered = _refusal(text)
+    assert "p.plan:4:19: error: device placement (`on cpu`) is not lowered yet" in rendered
+    assert "p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet" in rendered
+
+
+def test_experts_rule_is_refused():
+    text = "mesh ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
+    rendered = _refusal(text, TinyMoE())
+    assert rendered.splitlines()[0] == (
+        "p.plan:4:27: error: expert parallelism is not lowered yet: this plan would train without it"
+    )
+    assert rendered.count("error:") == 1  # 4 experts over 2 ranks, top-2: nothing else wrong
+
+
+def test_one_error_per_rule_and_block():
+    text = (
+        "mesh pp=2, cp=2\n\nmodules {\n"
+        "    layers.{0,1}.self_attn: context ring over cp\n"
+        "    layers.{2,3}.self_attn: context ulysses over cp\n"
+        "    lm_head: on cpu\n"
+        "}\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    )
+    plan = check_text(text, "p.plan")
+    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(9, 1), (4, 29), (5, 29), (6, 14)]
+    assert _refusal(text).count("error:") == 4
+
+
+def test_refusals_come_with_the_other_problems_of_the_plan():
+    """A tensor rule that does not divide and the pipeline block: both reported in one run."""
+    text = (
+        "mesh pp=2, tp=3\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
+        "    layers.*.mlp.down_proj: row over tp\n}\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    )
+    rendered = _refusal(text)
+    assert "not divisible by 3 ranks over `tp`" in rendered
+    assert "pipeline parallelism is not lowered yet" in rendered
+
+
+def test_plans_without_these_constructs_still_compile():
+    text = "mesh tp=2\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n    layers.*.mlp.down_proj: row over tp\n}\n"
+    model = llama.build()
+    compiled = compile_plan(check_text(text, "p.plan"), ModelSource("m", model, llama.example_inputs()))
+    assert compiled.ledger.count() > 0
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+EXAMPLES_NOT_LOWERED = ["llama_3d", "long_context", "moe_ep", "ulysses_gpipe", "llama_interleaved"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES_NOT_LOWERED)
+def test_check_without_a_model_accepts_them(name: str, capsys):
+    assert main(["check", str(ROOT / "examples" / f"{name}.plan")]) == 0
+    assert ": ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["check"], ["explain"], ["compile", "-o", "OUT"]])
+def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NO_COLOR", "1")
+    argv = [command[0], "examples/llama_3d.plan", "--model", LLAMA]
+    argv += [str(tmp_path / "out") if a == "OUT" else a for a in command[1:]]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (
+        "examples/llama_3d.plan:24:1: error: pipeline parallelism is not lowered yet: "
+        "this plan would train without it\n    pipeline over pp {\n    ^~~~~~~~\n"
+    ) in err
+    assert err.endswith("examples/llama_3d.plan: 1 error\n")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- models
+
+
+class ExpertList(nn.ModuleList):
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return sum(weights[..., i : i + 1] * expert(x) for i, expert in enumerate(self))  # (B, T, H)
+
+
+class SoftMoE(nn.Module):
+    """Every expert sees every token, weighted by the router: enough to have expert modules."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts: nn.Module = ExpertList(nn.Linear(hidden, hidden) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.experts(x, self.gate(x).softmax(-1))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.mlp = SoftMoE(hidden, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, vocab: int = 32, hidden: int = 8, num_layers: int = 2, num_experts: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, num_experts) for _ in range(num_layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # (B, T, H)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _moe_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]

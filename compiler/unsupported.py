@@ -10,10 +10,25 @@ compiles against a model refuses them, one located error per block or rule:
                                 ^~~~~~~~~~~~~~~~~~~~
     hint: remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only
 
-When a pass lowers one of these constructs, its refusal goes from `not_lowered`.
+Before that, the sizes these constructs need are checked against the model, because a
+size that can never work is the more useful message (and stays true once they are
+lowered): experts divisible by the expert-parallel size, the sequence length by the
+context-parallel size (twice it for ring attention's load-balanced causal layout), no
+more pipeline stages than layers. A size error and the refusal of the same construct
+are two problems and are both reported; the size error comes first in the file.
+Model-free sizes (microbatches vs stages) are `dsl.check`'s.
+
+When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
+size checks move to that pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
 
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan
@@ -29,12 +44,19 @@ _REMOVE_BLOCK = (
     "remove the `pipeline` block to compile this plan; "
     "`meshplan check PLAN` without --model checks the language only"
 )
+_CONFIG_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -> list[Diagnostic]:
-    """The problems of the constructs that are not lowered yet, for `compile_plan` to report
-    with the others: for now, that they are not lowered."""
-    return not_lowered(plan)
+    """Size errors of the constructs that are not lowered yet, then their refusal."""
+    model = source.model
+    return [
+        *_expert_sizes(plan, model, resolution),
+        *_sequence_sizes(plan, _sequence_length(source)),
+        *_pipeline_sizes(plan, model),
+        *not_lowered(plan),
+    ]
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
@@ -67,8 +89,164 @@ def not_lowered(plan: Plan) -> list[Diagnostic]:
     return out
 
 
+# ---------------------------------------------------------------------------- experts
+
+
+def _expert_sizes(plan: Plan, model: nn.Module, resolution: Resolution) -> list[Diagnostic]:
+    """Experts split evenly over the expert-parallel ranks; top_k picks among them."""
+    modules = dict(model.named_modules())
+    out = []
+    for rule in plan.rules_of("experts"):
+        assert isinstance(rule.action, ast.ExpertParallel) and rule.axis is not None
+        n = plan.mesh.size(rule.axis)
+        counts: dict[int, list[str]] = {}  # number of experts -> modules with that many
+        for path in resolution.matched.get(rule.order, ()):
+            if resolution.rule_for(path, "experts") is not rule:
+                continue  # a more specific experts rule governs it
+            count = _num_experts(modules[path], model)
+            if count is not None:
+                counts.setdefault(count, []).append(path)
+        for count, paths in counts.items():
+            who = _modules_phrase(paths)
+            if n is not None and count % n:
+                out.append(
+                    Diagnostic(
+                        rule.span,
+                        f"{who} {'have' if len(paths) > 1 else 'has'} {count} experts, "
+                        f"not divisible by {n} ranks over `{rule.axis}`",
+                        hint=f"use an `{rule.axis}` size that divides {count} ({_divisors(count)})",
+                    )
+                )
+            for arg in rule.action.args:
+                if arg.name.text == "top_k" and arg.value > count:
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            f"top_k={arg.text} routes each token to more experts than the {count} of {who}",
+                            hint=f"use top_k of at most {count}",
+                        )
+                    )
+    return out
+
+
+def _num_experts(module: nn.Module, model: nn.Module) -> int | None:
+    """A list of expert modules, or one module holding them (3-D weights, Mixtral's
+    `num_experts`), or the model config's count."""
+    if isinstance(module, nn.ModuleList):
+        return len(module)
+    for owner in (module, getattr(model, "config", None)):
+        for attr in _CONFIG_EXPERTS:
+            count = getattr(owner, attr, None)
+            if isinstance(count, int) and count > 0:
+                return count
+    return None
+
+
+# ---------------------------------------------------------------------------- context
+
+
+def _sequence_sizes(plan: Plan, seq: int | None) -> list[Diagnostic]:
+    """Each context-parallel rank holds an equal slice of the sequence: 1/cp of it, or for
+    ring attention two chunks of 1/(2 cp) (the load-balanced causal layout pairs chunk i
+    with chunk 2 cp - 1 - i, so every rank does the same share of the causal triangle)."""
+    if seq is None:
+        return []
+    out = []
+    for rule in plan.rules_of("context"):
+        assert isinstance(rule.action, ast.ContextParallel) and rule.axis is not None
+        n = plan.mesh.size(rule.axis)
+        if n is None or n == 1:
+            continue
+        ring = rule.action.mode == "ring"
+        chunks = 2 * n if ring else n
+        if seq % chunks == 0:
+            continue
+        if ring:
+            message = (
+                f"the sequence length {seq} is not divisible by 2 x {n} = {chunks}: ring attention over "
+                f"`{rule.axis}` gives each of its {n} ranks two chunks (the load-balanced causal layout)"
+            )
+            other = f"a `{rule.axis}` size n with 2n dividing {seq}"
+        else:
+            message = f"the sequence length {seq} is not divisible by {n} ranks over `{rule.axis}`"
+            other = f"a `{rule.axis}` size dividing {seq}"
+        hint = f"compile for a sequence length that is a multiple of {chunks} (--seq), or use {other}"
+        out.append(Diagnostic(rule.span, message, hint=hint))
+    return out
+
+
+def _sequence_length(source: ModelSource) -> int | None:
+    """T of the first (B, T) integer input (token ids), as `with_token_shape` shapes them."""
+    for x in _inputs(source):
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex():
+            return int(x.shape[1])
+    return None
+
+
+def _inputs(source: ModelSource) -> Iterator[Any]:
+    yield from source.args
+    yield from source.kwargs.values()
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+def _pipeline_sizes(plan: Plan, model: nn.Module) -> list[Diagnostic]:
+    """Stages balanced automatically are cut between layers: each needs at least one."""
+    p = plan.pipeline
+    if p is None or p.cuts:
+        return []  # explicit cuts are counted against the stages by dsl.check
+    ranks = plan.mesh.size(p.axis)
+    layers = _num_layers(model)
+    if ranks is None or layers is None:
+        return []
+    stages = ranks * p.virtual_stages
+    if stages <= layers:
+        return []
+    if p.virtual_stages == 1:
+        made, hint = f"{stages} stages", f"use a `{p.axis}` size of at most {layers}"
+    else:
+        made = f"{ranks} x {p.virtual_stages} virtual = {stages} stages"
+        hint = f"make `{p.axis}` x `virtual_stages` at most {layers}"
+    return [
+        Diagnostic(
+            plan.mesh.axis(p.axis).span,
+            f"`pipeline over {p.axis}` makes {made}, but the model has {layers} layers: "
+            "a stage would hold no layer",
+            hint=hint,
+        )
+    ]
+
+
+def _num_layers(model: nn.Module) -> int | None:
+    """The config's layer count, else the length of the outermost list of modules
+    (`layers`, `h`): the numbered blocks a pipeline is cut between."""
+    config = getattr(model, "config", None)
+    for attr in _CONFIG_LAYERS:
+        count = getattr(config, attr, None)
+        if isinstance(count, int) and count > 0:
+            return count
+    lists = [
+        (path.count("."), -len(module), path)
+        for path, module in model.named_modules()
+        if path and isinstance(module, nn.ModuleList) and len(module)
+    ]
+    if not lists:
+        return None
+    return -min(lists)[1]
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
 def _keyword_span(span: Span, word: str) -> Span:
     return Span(span.path, span.line, span.col, span.line, span.col + len(word))
+
+
+def _modules_phrase(paths: list[str]) -> str:
+    return f"`{paths[0]}`" + (f" and {len(paths) - 1} more like it" if len(paths) > 1 else "")
+
+
+def _divisors(count: int) -> str:
+    found = [str(d) for d in range(1, count + 1) if count % d == 0]
+    return ", ".join(found[:-1]) + " or " + found[-1] if len(found) > 1 else found[0]

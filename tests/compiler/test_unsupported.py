@@ -1,4 +1,4 @@
-"""Constructs that are not lowered yet are refused when compiling.
+"""Constructs that are not lowered yet are refused when compiling, after their sizes are checked.
 
 `check` without a model accepts them (the language is ahead of the compiler); every command
 that compiles against a model refuses them with one located error per block or rule, so a
@@ -18,7 +18,7 @@ from torch import nn
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.unsupported import not_lowered
-from meshplan.dsl import PlanError, check_text
+from meshplan.dsl import PlanError, check_text, load_plan
 from meshplan.examples.models import llama
 from meshplan.main import main
 
@@ -110,6 +110,120 @@ def test_plans_without_these_constructs_still_compile():
     assert compiled.ledger.count() > 0
 
 
+# ---------------------------------------------------------------------------- sizes that can never work
+
+
+def test_experts_not_divisible_by_the_expert_axis():
+    text = "mesh ep=3\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=5)\n}\n"
+    assert _refusal(text, TinyMoE()) == (
+        "p.plan:4:5: error: `layers.0.mlp.experts` and 1 more like it have 4 experts, "
+        "not divisible by 3 ranks over `ep`\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
+        "        ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~\n"
+        "hint: use an `ep` size that divides 4 (1, 2 or 4)\n"
+        "p.plan:4:27: error: expert parallelism is not lowered yet: this plan would train without it\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
+        "                              ^~~~~~~~~~~~~~~~~~~~~~~~~\n"
+        "hint: remove the rule to compile this plan; "
+        "`meshplan check PLAN` without --model checks the language only\n"
+        "p.plan:4:44: error: top_k=5 routes each token to more experts than the 4 of "
+        "`layers.0.mlp.experts` and 1 more like it\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
+        "                                               ^~~~~~~\n"
+        "hint: use top_k of at most 4"
+    )
+
+
+def test_expert_count_from_the_model_config():
+    """Experts held as one module with 3-D weights: the count comes from the module or the config."""
+    model = TinyMoE()
+    for layer in model.layers:
+        layer.mlp.experts = FusedExperts(4, 8)
+    model.config = type("Config", (), {"num_local_experts": 4})()
+    text = "mesh ep=3\n\nmodules {\n    layers.*.mlp.experts: experts over ep\n}\n"
+    assert "have 4 experts, not divisible by 3 ranks over `ep`" in _refusal(text, model)
+
+
+def test_expert_count_of_a_hugging_face_mixtral():
+    """transformers 5 holds Mixtral's experts in one module with 3-D weights and `num_experts`."""
+    pytest.importorskip("transformers")
+    from meshplan.compiler.capture import load_model
+
+    source = load_model(f"{Path(__file__).parent}/hf_factories.py:hf_mixtral")
+    text = "mesh ep=3\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep\n}\n"
+    with pytest.raises(PlanError) as info:
+        compile_plan(check_text(text, "p.plan"), source)
+    assert info.value.render().splitlines()[0] == (
+        "p.plan:4:5: error: `model.layers.0.mlp.experts` and 1 more like it have 4 experts, "
+        "not divisible by 3 ranks over `ep`"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "cp", "seq", "message"),
+    [
+        (
+            "ring",
+            2,
+            10,
+            "the sequence length 10 is not divisible by 2 x 2 = 4: ring attention over `cp` gives "
+            "each of its 2 ranks two chunks (the load-balanced causal layout)",
+        ),
+        ("ring", 4, 12, "the sequence length 12 is not divisible by 2 x 4 = 8"),
+        ("ulysses", 4, 10, "the sequence length 10 is not divisible by 4 ranks over `cp`"),
+    ],
+)
+def test_sequence_not_divisible_by_the_context_axis(mode: str, cp: int, seq: int, message: str):
+    text = f"mesh cp={cp}\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
+    first, *_ = _refusal(text, seq=seq).split("\nhint: ")
+    assert first.splitlines()[0].startswith(f"p.plan:4:5: error: {message}")
+
+
+@pytest.mark.parametrize(("mode", "seq"), [("ring", 12), ("ulysses", 10)])
+def test_sequence_that_divides_is_only_refused(mode: str, seq: int):
+    text = f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
+    rendered = _refusal(text, seq=seq)
+    assert rendered.count("error:") == 1 and "is not lowered yet" in rendered
+
+
+def test_more_pipeline_stages_than_layers():
+    text = "mesh pp=8\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    rendered = _refusal(text)
+    assert rendered.split("\np.plan:3:1: error: pipeline parallelism is not lowered yet")[0] == (
+        "p.plan:1:6: error: `pipeline over pp` makes 8 stages, but the model has 4 layers: "
+        "a stage would hold no layer\n"
+        "    mesh pp=8\n"
+        "         ^~~~\n"
+        "hint: use a `pp` size of at most 4"
+    )
+
+
+def test_virtual_stages_count_as_stages():
+    text = "mesh pp=4\n\npipeline over pp {\n    schedule = interleaved\n    virtual_stages = 2\n}\n"
+    rendered = _refusal(text)
+    assert "makes 4 x 2 virtual = 8 stages, but the model has 4 layers" in rendered
+    assert "hint: make `pp` x `virtual_stages` at most 4" in rendered
+
+
+def test_layer_count_from_the_outermost_module_list():
+    model = TinyMoE(num_layers=3)  # no config; its experts are lists too, deeper down
+    text = "mesh pp=4\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    assert "makes 4 stages, but the model has 3 layers" in _refusal(text, model)
+
+
+def test_as_many_stages_as_layers_is_only_refused():
+    text = "mesh pp=4\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+    assert _refusal(text).count("error:") == 1
+
+
+def test_fewer_microbatches_than_stages_is_refused_before_the_model_loads(capsys):
+    plan = ROOT / "tests/dsl/invalid/microbatches_fewer_than_stages.plan"
+    with pytest.raises(PlanError, match="1f1b needs at least as many microbatches as stages: 2 < 4"):
+        load_plan(plan)
+    assert main(["check", str(plan), "--model", LLAMA]) == 2
+    assert "2 < 4" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- the command line
 
 
@@ -139,7 +253,32 @@ def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, m
     assert not (tmp_path / "out").exists()
 
 
+def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert main(["check", "examples/long_context.plan", "--model", LLAMA, "--seq", "10"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "examples/long_context.plan:8:5: error: the sequence length 10 is not divisible by 2 x 2 = 4" in err
+    )
+    assert err.endswith(
+        "examples/long_context.plan: 3 errors\n"
+    )  # the size, then the context and pipeline refusals
+
+
 # ---------------------------------------------------------------------------- models
+
+
+class FusedExperts(nn.Module):
+    """All experts in one 3-D weight, as transformers 5 holds Mixtral's."""
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden, hidden) * 0.1)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("bth,ehk->btek", x, self.weight)  # (B, T, E, H)
+        return (weights.unsqueeze(-1) * y).sum(2)  # (B, T, H)
 
 
 class ExpertList(nn.ModuleList):

@@ -3,6 +3,7 @@ and `meshplan` works from it outside the repository."""
 
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -43,11 +44,34 @@ def test_wheel_contents(wheel):
     ]
 
 
+def dependencies_of_this_environment(tmp_path: Path) -> Path:
+    """A folder that shows this test environment's installed packages, meshplan's own (the
+    editable install) left out: a fresh venv sees exactly what the README's install set up."""
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.lower().startswith(("meshplan", "__editable__", "_meshplan")):
+            (deps / entry.name).symlink_to(entry)
+    return deps
+
+
 def test_wheel_installs_and_runs_outside_the_repo(wheel, tmp_path):
+    """A new venv that does not see the system's packages; the wheel is installed with its
+    declared dependencies resolved offline (`--no-index`) against this test environment's, so a
+    dependency missing from pyproject.toml, or a package the system happens to have, cannot hide."""
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    venv.create(env_dir, system_site_packages=False, with_pip=True)
     python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # the venv's own bundled setuptools would shadow the newer one torch requires
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False)
+    (Path(purelib) / "test_environment.pth").write_text(f"{dependencies_of_this_environment(tmp_path)}\n")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", str(wheel)], check=True)
     plan = tmp_path / "ok.plan"
     plan.write_text("mesh dp=*, tp=2\n\nmodules {\n    layers.*.mlp.up_proj: column over tp\n}\n")
     result = subprocess.run(

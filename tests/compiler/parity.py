@@ -16,6 +16,14 @@ from pathlib import Path
 import torch
 
 
+def scalar_loss(out) -> torch.Tensor:
+    """The loss among a model's outputs: the one floating-point scalar (a plain loss, a
+    `(logits, loss)` tuple, a Hugging Face output)."""
+    outs = [out] if isinstance(out, torch.Tensor) else list(out.values() if isinstance(out, dict) else out)
+    (loss,) = [o for o in outs if isinstance(o, torch.Tensor) and o.ndim == 0 and o.is_floating_point()]
+    return loss
+
+
 def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast floating-point parameters and buffers; complex ones (a RoPE table) to the matching
     complex dtype, never to a real one; integer buffers stay."""
@@ -42,8 +50,7 @@ def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dty
 
     reference = source.model
     out = reference(*source.args, **source.kwargs)
-    outs = [out] if isinstance(out, torch.Tensor) else list(out.values() if isinstance(out, dict) else out)
-    (ref_loss,) = [o for o in outs if isinstance(o, torch.Tensor) and o.ndim == 0 and o.is_floating_point()]
+    ref_loss = scalar_loss(out)
     ref_loss.backward()
     outputs = program(*bind_inputs(reference, compiled.graph, source.args, source.kwargs))
     loss = outputs[0] if isinstance(outputs, (tuple, list)) else outputs

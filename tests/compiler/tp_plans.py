@@ -1,35 +1,82 @@
 """Tensor-parallel plan texts shared by the compiler tests (Megatron layouts per model family)."""
 
 
-def llama_tp(n: int = 2, prefix: str = "") -> str:
+def plan(rules: str, *, mesh: str = "tp=2", extra: str = "") -> str:
+    """A plan: `mesh`, the `modules` block of `rules`, then any further blocks."""
+    return f"mesh {mesh}\n\nmodules {{{rules}}}\n{extra}"
+
+
+def llama_rules(prefix: str = "") -> str:
     """Column/row pairs for attention and MLP, vocab-parallel embedding and LM head.
     `prefix` is `model.` for Hugging Face's LlamaForCausalLM family."""
     return f"""
-mesh tp={n}
-
-modules {{
     {prefix}layers.*.self_attn.{{q,k,v}}_proj: column over tp
     {prefix}layers.*.self_attn.o_proj:       row over tp
     {prefix}layers.*.mlp.{{gate,up}}_proj:     column over tp
     {prefix}layers.*.mlp.down_proj:          row over tp
     {prefix}embed_tokens:                    vocab over tp
     lm_head:                            vocab over tp
-}}
 """
 
 
-GPT2_TP = """
-mesh tp=2
+def llama_sequence(prefix: str = "") -> str:
+    """Megatron sequence parallelism: the norms on sequence shards."""
+    return f"""
+    {prefix}layers.*.{{input,post_attention}}_layernorm: sequence over tp
+    {prefix}norm:                                      sequence over tp
+"""
 
-modules {
+
+def llama_tp(n: int = 2, prefix: str = "") -> str:
+    return plan(llama_rules(prefix), mesh=f"tp={n}")
+
+
+GPT2_RULES = """
     transformer.h.*.attn.c_attn: column over tp
     transformer.h.*.attn.c_proj: row over tp
     transformer.h.*.mlp.c_fc:    column over tp
     transformer.h.*.mlp.c_proj:  row over tp
     transformer.wte:             vocab over tp
     lm_head:                     vocab over tp
-}
 """
+GPT2_SEQUENCE = """
+    transformer.h.*.{ln_1,ln_2}: sequence over tp
+    transformer.ln_f:            sequence over tp
+"""
+GPT2_TP = plan(GPT2_RULES)
+
+BERT_RULES = """
+    bert.encoder.layer.*.attention.self.{query,key,value}: column over tp
+    bert.encoder.layer.*.attention.output.dense:           row over tp
+    bert.encoder.layer.*.intermediate.dense:               column over tp
+    bert.encoder.layer.*.output.dense:                     row over tp
+"""
+BERT_SEQUENCE = """
+    bert.encoder.layer.*.attention.output.LayerNorm: sequence over tp
+    bert.encoder.layer.*.output.LayerNorm:           sequence over tp
+"""
+
+# Mixtral: attention split, experts (one module with 3-D weights) replicated
+MIXTRAL_RULES = """
+    model.layers.*.self_attn.{q,k,v}_proj: column over tp
+    model.layers.*.self_attn.o_proj:       row over tp
+    model.embed_tokens:                    vocab over tp
+    lm_head:                               vocab over tp
+"""
+
+# the torchtitan-style Llama in factories.py (its output head stays whole)
+TITAN_RULES = """
+    layers.*.attention.{wq,wk,wv}: column over tp
+    layers.*.attention.wo:         row over tp
+    layers.*.feed_forward.{w1,w3}: column over tp
+    layers.*.feed_forward.w2:      row over tp
+    tok_embeddings:                vocab over tp
+"""
+TITAN_SEQUENCE = """
+    layers.*.{attention_norm,ffn_norm}: sequence over tp
+    norm:                               sequence over tp
+"""
+
 
 PHI3_TP = """
 mesh tp=2

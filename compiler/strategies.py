@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from .graph import value
-from .placement import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
+from .placement import PARTIAL, REPLICATE, Partial, Placement, Shard
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,3 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
 
 class _Unsupported(Exception):
     pass
-
-
-__all__ = ["Partial", "Replicate", "Strategy", "ask", "takes_sizes"]

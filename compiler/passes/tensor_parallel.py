@@ -639,10 +639,9 @@ def _token_sharded_loss(w: _Walk, node: fx.Node, placement: Shard) -> None:
         return
     out = node
     if reduction == 1:
-        with w.graph.inserting_after(node):
-            valid = _call(w, aten.ne.Scalar, (target, values["ignore_index"]), node)
-            count = _call(w, aten.sum.default, (valid,), valid)
-            out = _call(w, aten.div.Tensor, (node, count), count)
+        valid = _call(w, aten.ne.Scalar, (target, values["ignore_index"]), node)
+        count = _call(w, aten.sum.default, (valid,), valid)
+        out = _call(w, aten.div.Tensor, (node, count), count)
         node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
         w.set(valid, REPLICATE)
         w.set(count, REPLICATE)

@@ -4,7 +4,7 @@
 import torch
 from torch import nn
 
-from meshplan.examples.models import gpt, llama
+from meshplan.examples.models import gpt, llama, llama_complex
 
 
 def llama_tp4():
@@ -170,106 +170,10 @@ def dropless_moe():
     return MoEModel()
 
 
-# ---------------------------------------------------------------- a torchtitan-style Llama
-
-
-def precompute_freqs_cis(dim, end, theta=10000.0):
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
-    t = torch.arange(end)
-    return torch.polar(torch.ones(end, dim // 2), torch.outer(t, freqs).float())
-
-
-def apply_rotary_emb(xq, xk, freqs_cis):
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
-
-
-class TitanAttention(nn.Module):
-    def __init__(self, dim, n_heads, n_kv):
-        super().__init__()
-        self.n_heads, self.n_kv, self.hd = n_heads, n_kv, dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.hd, bias=False)
-        self.wk = nn.Linear(dim, n_kv * self.hd, bias=False)
-        self.wv = nn.Linear(dim, n_kv * self.hd, bias=False)
-        self.wo = nn.Linear(n_heads * self.hd, dim, bias=False)
-
-    def forward(self, x, freqs_cis):
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.hd)
-        k = self.wk(x).view(b, t, -1, self.hd)
-        v = self.wv(x).view(b, t, -1, self.hd)
-        q, k = apply_rotary_emb(q, k, freqs_cis)
-        rep = self.n_heads // self.n_kv
-        k = k.repeat_interleave(rep, dim=2)
-        v = v.repeat_interleave(rep, dim=2)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
-
-
-class TitanFeedForward(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-class TitanBlock(nn.Module):
-    def __init__(self, dim, n_heads, n_kv):
-        super().__init__()
-        self.attention = TitanAttention(dim, n_heads, n_kv)
-        self.feed_forward = TitanFeedForward(dim, 4 * dim)
-        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
-        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
-
-    def forward(self, x, freqs_cis):
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class TitanTransformer(nn.Module):
-    def __init__(self, vocab=512, dim=64, n_layers=2, n_heads=4, n_kv=2, max_seq=64):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, max_seq), persistent=False)
-        self.layers = nn.ModuleList(TitanBlock(dim, n_heads, n_kv) for _ in range(n_layers))
-        self.norm = nn.RMSNorm(dim, eps=1e-5)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens, targets=None):
-        t = tokens.shape[1]
-        h = self.tok_embeddings(tokens)
-        freqs = self.freqs_cis[:t]
-        for layer in self.layers:
-            h = layer(h, freqs)
-        logits = self.output(self.norm(h))
-        if targets is None:
-            return logits
-        loss = (
-            torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
-            )
-            / targets.numel()
-        )
-        return logits, loss
-
-
 def titan_llama():
-    """A Llama in plain PyTorch as torchtitan writes it: nn.RMSNorm, complex RoPE (a complex64
-    `freqs_cis` buffer, view_as_complex/view_as_real), GQA by repeat_interleave, a sum-reduced
-    loss divided by the token count, `(logits, loss)` out. Its vocabulary is 512, so the
-    factories' example inputs (ids below 256) leave the upper half of a vocab shard unused."""
-    torch.manual_seed(0)
-    return TitanTransformer()
+    """The example Llama written as torchtitan writes it (examples/models/llama_complex.py):
+    nn.RMSNorm, complex RoPE, GQA by repeat_interleave, a sum-reduced loss, `(logits, loss)`."""
+    return llama_complex.build()
 
 
 def llama_gqa():

@@ -218,14 +218,23 @@ def run_dir(args: argparse.Namespace) -> Path:
 
 def _launch(args: argparse.Namespace) -> int:
     """Check what can be checked before starting processes, then exec torchrun and return its status."""
+    import tempfile
+
     world_size = _check_before_launch(args)
     command = torchrun_command(args, world_size)
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        return _run_torchrun(command, env)
-    except KeyboardInterrupt:
-        return 130
+    with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{_ERRORS_ENV: errors})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            return _run_torchrun(command, env, Path(errors))
+        except KeyboardInterrupt:
+            return 130
+
+
+# The folder where a worker that stops on a user mistake leaves its message (`rank<R>.txt`).
+# Printing it from the worker races with torchrun, which may stop rank 0 before it prints,
+# or print its failure report first: the launcher reads the files after torchrun is done.
+_ERRORS_ENV = "MESHPLAN_ERRORS"
 
 
 # torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
@@ -236,11 +245,11 @@ _PEER_FAILURE = re.compile(r"^meshplan: error: (rank (\d+) (?:waited|timed out|f
 _HINT = "  hint: "
 
 
-def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
+def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
     """Run torchrun, passing the workers' stderr through live. When a worker stopped on a user
-    mistake (exit 2, already reported in one line), torchrun's failure report and traceback
-    are noise and are dropped; for any other failure they are shown. A worker's report of a
-    failed collective is held back too: when that rank failed first it is the summary."""
+    mistake (exit 2), its message (left in `errors`) is the report: torchrun's failure report
+    and traceback are noise and are dropped; for any other failure they are shown. A worker's
+    report of a failed collective is held back too: when that rank failed first it is the summary."""
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
     held: list[str] = []
@@ -255,6 +264,8 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
     status = proc.wait()
     report = "".join(held)
     if status != 0 and _USER_ERROR_EXIT.search(report):
+        said = sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem[4:]))
+        sys.stderr.write(said[0].read_text() if said else report)
         return EXIT_USER
     culprit = first_failure(report)
     if status != 0 and culprit is not None and not os.environ.get("MESHPLAN_DEBUG"):
@@ -434,15 +445,8 @@ def _worker(args: argparse.Namespace) -> int:
         if args.export:
             _export(args, prepared, rank)
         _teardown_in_order()
-    except PlanError as e:
-        if rank == 0:
-            from meshplan.main import _report
-
-            _report(e)
-        return EXIT_USER
-    except (CompileError, DataError, RunError) as e:
-        if rank == 0:
-            print(f"meshplan: error: {e}", file=sys.stderr)
+    except (PlanError, CompileError, DataError, RunError) as e:
+        _say_user_error(e, rank)
         return EXIT_USER
     except RuntimeError as e:  # a collective timed out or lost its peer: one line naming it and who
         if not isinstance(e, PeerFailure) and not is_peer_failure(e):
@@ -458,6 +462,30 @@ def _worker(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_OK if summary.steps_done >= args.steps else EXIT_USER
+
+
+def _say_user_error(error: Exception, rank: int) -> None:
+    """Leave the message for the launcher (every rank: whichever stops first is the one torchrun
+    reports); under a user's own torchrun, rank 0 prints it."""
+    import contextlib
+    import io
+
+    from meshplan.dsl import PlanError
+    from meshplan.main import _report
+
+    text = io.StringIO()
+    with contextlib.redirect_stderr(text):
+        if isinstance(error, PlanError):
+            _report(error)
+        else:
+            print(f"meshplan: error: {error}", file=sys.stderr)
+    folder = os.environ.get(_ERRORS_ENV)
+    if folder is not None and Path(folder).is_dir():
+        partial = Path(folder) / f".rank{rank}.txt"  # renamed when whole: torchrun may stop us mid-write
+        partial.write_text(text.getvalue())
+        partial.replace(partial.with_name(f"rank{rank}.txt"))
+    elif rank == 0:
+        sys.stderr.write(text.getvalue())
 
 
 def _teardown_in_order() -> None:

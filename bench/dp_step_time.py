@@ -31,9 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
-from meshplan.compiler.verify import bind_inputs
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.data_parallel import DataParallel

@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
-from meshplan.compiler.verify import bind_inputs
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.launch import spawn

@@ -21,6 +21,7 @@ from meshplan.compiler.errors import CompileError
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
+from meshplan.run import RunError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 EXIT_NOT_CANONICAL = 1  # `fmt --check`, like other formatters' check modes
@@ -215,50 +216,6 @@ def _highlight(code: str) -> str:
     )
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from meshplan.compiler.verify import VerifyConfig, verify_worker
-    from meshplan.runtime.launch import WorkerError, spawn
-
-    probe = load_plan(args.plan, world_size=args.world_size)
-    world_size = args.world_size or probe.mesh.world_size
-    if world_size is None:
-        raise UsageError("the mesh has a `*` axis: pass --world-size N")
-    load_plan(args.plan, world_size=world_size)
-    config = VerifyConfig(args.plan, args.model, steps=args.steps, lr=args.lr, dtype=args.dtype)
-    try:
-        reports = spawn(verify_worker, world_size, (config,))
-    except WorkerError as e:
-        raise UsageError(f"a rank failed while verifying:\n{e}") from None
-    print(
-        f"verify {args.plan} on {world_size} ranks vs one device, {args.steps} AdamW steps, "
-        f"{args.dtype} (compute {probe.precision.compute})"
-    )
-    print(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'rel diff':>9}")
-    for step in reports[0].steps:
-        print(f"{step.step:>4}  {step.loss:>12.6f}  {step.reference_loss:>12.6f}  {step.rel:>9.2e}")
-    worst_grad = max((r.max_grad_rel, r.rank) for r in reports)
-    worst_param = max((r.max_param_rel, r.rank) for r in reports)
-    loss_rel = max(r.max_loss_rel for r in reports)
-    print(
-        f"largest relative difference: loss {loss_rel:.2e}, gradients {worst_grad[0]:.2e} (rank {worst_grad[1]}), "
-        f"parameters {worst_param[0]:.2e} (rank {worst_param[1]})"
-    )
-    noisy = {name: n for r in reports for name, n in r.noise_elements.items()}
-    if noisy:
-        from meshplan.compiler.printers import compress_paths
-
-        print(
-            f"left out of the parameter comparison: {sum(noisy.values())} elements whose reference gradient "
-            "is zero up to rounding (Adam moves them by noise) in " + ", ".join(compress_paths(noisy))
-        )
-    worst = max(reports, key=lambda r: r.max_param_rel)
-    for name, rel in sorted(worst.param_rel.items(), key=lambda kv: -kv[1])[:3]:
-        print(f"  {name}: {rel:.2e}")
-    ok = loss_rel <= args.tolerance and worst_param[0] <= args.tolerance
-    print("ok" if ok else f"FAILED: above the tolerance {args.tolerance:g}")
-    return EXIT_OK if ok else EXIT_NOT_CANONICAL
-
-
 def _size(nbytes: int) -> str:
     """25000000 -> 25MB, 16777216 -> 16MiB: the unit the plan most likely used."""
     for unit, scale in (
@@ -416,29 +373,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, metavar="R")
     p.add_argument("--format", choices=("text", "dot", "svg", "html"), default="text")
 
+    from meshplan.verify import cmd_verify
+
     p = _add(
         sub,
         "verify",
         cmd_verify,
-        "run the compiled plan and the unpartitioned model side by side; report differences",
+        "train the compiled plan on its ranks beside the unpartitioned model; tell rounding from bugs",
         """
-             meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build --steps 5
-             meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build --dtype float64
+             meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build
+             meshplan verify my.plan --model hf.py:build --steps 3 --batch 2 --seq 32
              """,
     )
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
-    p.add_argument("--world-size", type=positive_int, metavar="N")
-    p.add_argument("--steps", type=positive_int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--world-size", type=positive_int, metavar="N", help="size a `*` mesh axis")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
     p.add_argument(
-        "--dtype",
-        choices=("float32", "float64"),
-        default="float32",
-        help="float64 separates real mismatches from float32 rounding",
+        "--batch",
+        type=positive_int,
+        default=2,
+        metavar="B",
+        help="sequences per rank and micro-step (default 2)",
     )
     p.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest relative difference accepted (exit 1 above)"
+        "--seq", type=positive_int, default=32, metavar="T", help="tokens per sequence (default 32)"
+    )
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=4.0,
+        help="how many times the one-device run's own rounding the partitioned program may be off (default 4)",
     )
 
     from meshplan.run import add_arguments, cmd_run
@@ -483,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CompileError as e:
         print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
-    except UsageError as e:
+    except (UsageError, RunError) as e:
         print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
     except KeyboardInterrupt:

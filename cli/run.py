@@ -418,6 +418,7 @@ class Prepared:
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
     export_sharding: dict = field(default_factory=dict)  # param -> (dim, blocks) over tp, for --export
     export_names: frozenset = frozenset()  # the unpartitioned model's state_dict keys
+    tied: tuple = ()  # the names of each weight the model holds under several (GPT-2's wte / lm_head)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -535,10 +536,9 @@ def _init_process_group(timeout_s: int) -> None:
 def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     import torch
 
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.placement import Shard
-    from meshplan.compiler.verify import bind_inputs
     from meshplan.dsl import load_plan
     from meshplan.runtime.checkpoint import TensorLayout
     from meshplan.runtime.data import make_batches
@@ -639,7 +639,17 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
             if isinstance(p, Shard)
         },
         frozenset(source.model.state_dict()),
+        _tied_names(source.model),
     )
+
+
+def _tied_names(model: Any) -> tuple[tuple[str, ...], ...]:
+    """The names of each weight the model holds under several: the program holds it under one
+    of them, an export writes all."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
 def _shard_for_zero(args: argparse.Namespace, program: Any, dp_group: Any, dp_spec: Any, reduce_dtype: Any):
@@ -700,9 +710,21 @@ INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve 
 
 def _export(args: argparse.Namespace, prepared: Prepared, rank: int) -> None:
     """Consolidate this rank's shards into full tensors; rank 0 writes them."""
+
+    from meshplan.runtime.export import write_state_dict
+
+    state = consolidated_state(prepared)
+    if rank == 0:
+        write_state_dict(state, Path(args.export))
+        print(f"exported {len(state)} tensors to {args.export}")
+
+
+def consolidated_state(prepared: Prepared) -> dict[str, Any]:
+    """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
+    shards gathered over tp, ZeRO's gathered, and each tied weight under every name it has."""
     import contextlib
 
-    from meshplan.runtime.export import consolidate, write_state_dict
+    from meshplan.runtime.export import consolidate
     from meshplan.runtime.zero import Zero
 
     gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
@@ -710,9 +732,11 @@ def _export(args: argparse.Namespace, prepared: Prepared, rank: int) -> None:
         state = consolidate(
             prepared.program, prepared.export_sharding, prepared.groups.tp, set(prepared.export_names)
         )
-    if rank == 0:
-        write_state_dict(state, Path(args.export))
-        print(f"exported {len(state)} tensors to {args.export}")
+    for group in prepared.tied:
+        held = next((state[name] for name in group if name in state), None)
+        if held is not None:
+            state.update({name: held for name in group if name not in state})
+    return state
 
 
 def train_config(args: argparse.Namespace, prepared: Prepared):

@@ -502,6 +502,17 @@ def _is_within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
+def bind_inputs(model: torch.nn.Module, graph: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The compiled graph's placeholders, filled from a call of the model's forward."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            values.update(values.pop(name, {}))
+    return [values[node.target] for node in graph.graph.nodes if node.op == "placeholder"]
+
+
 def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int | None = None) -> ModelSource:
     """The same model with its token inputs reshaped to (batch, seq): the graph is compiled for
     the shapes it will run with (per data-parallel rank, per microbatch).

@@ -89,16 +89,50 @@ def describe(node: fx.Node) -> str:
     return f"`{name}` in `{path}`" if path else f"`{name}` at the top level"
 
 
+def is_loss(t: object) -> bool:
+    """The rule for which of a model's outputs is its training loss: a floating-point scalar."""
+    return isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()
+
+
+def find_loss(outputs: object) -> torch.Tensor:
+    """The loss among what a model's forward returned: the output itself when it is a scalar,
+    else the one scalar among its tensors (nanoGPT's `(logits, loss)`, a Hugging Face output).
+    Raises `CompileError` when there is none, or more than one, to train on."""
+    from .errors import CompileError
+
+    leaves = _tensor_leaves(outputs)
+    scalars = [t for t in leaves if is_loss(t)]
+    if len(scalars) == 1:
+        return scalars[0]
+    found = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves[:4]) or "none"
+    raise CompileError(
+        f"the model's forward returns {'no' if not scalars else len(scalars)} scalar losses "
+        f"to train on (its tensors: {found})",
+        hint="return the loss (a floating-point scalar), alone or beside the logits, "
+        "e.g. pass `labels` to a Hugging Face model",
+    )
+
+
+def _tensor_leaves(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):  # a Hugging Face ModelOutput is an OrderedDict
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    return []
+
+
 def keep_loss_output(gm: fx.GraphModule) -> fx.GraphModule:
     """Return only the scalar loss from a training graph (a Hugging Face output also has logits).
 
     Other outputs would force their tensors to be made whole on every rank (an all-gather
-    of vocab-sharded logits) for nothing: training needs the loss.
+    of vocab-sharded logits) for nothing: training needs the loss (`is_loss`).
     """
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = output.args[0]
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    scalars = [o for o in flat if is_tensor_node(o) and value(o).ndim == 0 and value(o).is_floating_point()]
+    scalars = [o for o in flat if is_tensor_node(o) and is_loss(value(o))]
     if len(scalars) == 1 and len(flat) > 1:
         output.args = ((scalars[0],),)
         gm.graph.eliminate_dead_code()

@@ -10,7 +10,9 @@ whole run with an error naming the rank and carrying its traceback text.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import queue as queue_module
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -29,6 +31,7 @@ class WorkerError(RuntimeError):
 def _entry(
     rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue, timeout_s: float
 ) -> None:
+    faulthandler.enable()  # a crash in native code prints where it happened
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -56,7 +59,7 @@ def spawn(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results by rank."""
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshplan-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
@@ -67,15 +70,7 @@ def spawn(
         ]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        failures: list[str] = []
-        for _ in range(world_size):
-            rank, ok, payload = queue.get()
-            if ok:
-                results[rank] = payload
-            else:
-                failures.append(f"rank {rank} failed:\n{payload}")
-                break  # the others may be blocked in a collective with the dead rank
+        results, failures = _collect(procs, queue)
         for p in procs:
             p.join(timeout=5 if failures else timeout_s)
             if p.is_alive():
@@ -83,3 +78,27 @@ def spawn(
         if failures:
             raise WorkerError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(procs: list, queue) -> tuple[dict[int, Any], list[str]]:
+    """Every rank's report, or the first failure: a raised error, or a process that died
+    without a word (a crash, the out-of-memory killer), which would otherwise leave the
+    parent waiting forever."""
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if not dead:
+                continue
+            try:  # a report written just before its process exited is in the pipe by now
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                return results, [
+                    f"rank {r} exited with code {procs[r].exitcode} without a report" for r in dead
+                ]
+        if not ok:
+            return results, [f"rank {rank} failed:\n{payload}"]  # the others may be stuck in a collective
+        results[rank] = payload
+    return results, []

@@ -116,6 +116,7 @@ class Summary:
     steps_done: int
     start_step: int
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping
     skipped_steps: int = 0
     elapsed_s: float = 0.0
     tokens: int = 0  # whole job
@@ -288,6 +289,7 @@ def train(
             dt = time.perf_counter() - t0
             summary.skipped_steps += skipped
             summary.losses.append(mean_loss)
+            summary.grad_norms.append(float(norm))
             summary.steps_done = step + 1
             summary.tokens += tokens_per_step
             tokens_per_s = tokens_per_step / dt
@@ -383,14 +385,14 @@ def _accumulate(
     With a loss scale, backward runs on the scaled loss (gradients come out scaled); the
     returned loss is unscaled.
     """
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64)  # as precise as a float64 model's loss
     for micro in range(k):
         input_ids, labels = batches(step, micro)  # (B, T), (B, T)
         last = micro == k - 1
         with dp.no_sync() if dp is not None and not last else contextlib.nullcontext():
             loss = loss_of(input_ids, labels) / k
             (loss * scale if scale != 1.0 else loss).backward()
-        total += loss.detach().float().cpu()
+        total += loss.detach().double().cpu()
     if dp is not None:
         dp.finish()
     return total

@@ -66,9 +66,20 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model.to(dtype)` for floating-point parameters and buffers only, in place.
 
     `nn.Module.to(torch.bfloat16)` also casts complex tensors, to a real dtype: a complex64
-    `freqs_cis` buffer would keep its cosines and lose its sines, with only a warning.
+    `freqs_cis` buffer would keep its cosines and lose its sines, with only a warning. Here a
+    complex tensor keeps a complex dtype (complex128 beside float64, else its own), and
+    integer and bool tensors are never touched.
     """
-    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    complex_dtype = torch.complex128 if dtype == torch.float64 else None
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        if t.is_complex() and complex_dtype is not None:
+            return t.to(complex_dtype)
+        return t
+
+    return model._apply(cast)
 
 
 def mixed_precision(gm: fx.GraphModule, spec: PrecisionSpec) -> fx.GraphModule:

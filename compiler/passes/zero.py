@@ -140,10 +140,12 @@ def _span(params: list[fx.Node], order: dict[fx.Node, int]) -> tuple[fx.Node, fx
         for user in frontier.pop().users:
             if user not in readers:
                 readers.add(user)
-                if user.op == "call_function" and all(
+                if user.op in ("call_function", "call_module") and all(
                     a in readers or a in params for a in user.all_input_nodes
                 ):
-                    frontier.append(user)  # a cast of a parameter: its users read it too
+                    # a cast of a parameter, or the tensor-parallel pass's `copy_to` (the
+                    # identity forward of a sequence-parallel bias): its users read it too
+                    frontier.append(user)
     ranked = sorted(readers, key=order.__getitem__)
     return ranked[0], ranked[-1]
 

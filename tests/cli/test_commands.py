@@ -101,13 +101,3 @@ def test_plan_that_does_not_fit_the_model(tmp_path, capsys):
     assert f"{plan}:4:5: error: rule `layers.*.mlp.w4` matches no module" in err
     assert "hint: modules under `layers.0.mlp` are: gate_proj, up_proj, down_proj" in err
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-def test_verify_reports_parity(capsys):
-    assert (
-        main(["verify", "examples/gpt_tp.plan", "--model", "examples/models/gpt.py:build", "--steps", "2"])
-        == 0
-    )
-    out = capsys.readouterr().out
-    assert "largest relative difference" in out and out.rstrip().endswith("ok")

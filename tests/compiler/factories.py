@@ -76,7 +76,7 @@ class NanoGPT(gpt.GPT):
 
 def nanogpt():
     torch.manual_seed(0)
-    model = NanoGPT(gpt.GPTConfig(num_hidden_layers=2))
+    model = NanoGPT(gpt.GPTConfig(num_hidden_layers=2, vocab_size=512))  # ids beyond example_inputs'
     model.lm_head.weight = model.wte.weight
     return model
 

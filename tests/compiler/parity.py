@@ -16,41 +16,23 @@ from pathlib import Path
 import torch
 
 
-def scalar_loss(out) -> torch.Tensor:
-    """The loss among a model's outputs: the one floating-point scalar (a plain loss, a
-    `(logits, loss)` tuple, a Hugging Face output)."""
-    outs = [out] if isinstance(out, torch.Tensor) else list(out.values() if isinstance(out, dict) else out)
-    (loss,) = [o for o in outs if isinstance(o, torch.Tensor) and o.ndim == 0 and o.is_floating_point()]
-    return loss
-
-
-def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating-point parameters and buffers; complex ones (a RoPE table) to the matching
-    complex dtype, never to a real one; integer buffers stay."""
-    complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
-        elif t.is_complex():
-            t.data = t.data.to(complex_dtype)
-
-
 def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dtype: str) -> dict:
-    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.capture import bind_inputs, load_model
     from meshplan.compiler.compile import build_rank_program, compile_plan, local_shard
-    from meshplan.compiler.verify import bind_inputs
+    from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import check_text
     from meshplan.runtime.mesh import init_mesh
 
     source = load_model(model_spec)
-    to_dtype(source.model, getattr(torch, dtype))
+    cast_floating(source.model, getattr(torch, dtype))
     plan = check_text(plan_text, str(Path(tempfile.gettempdir()) / "parity.plan"), world_size=world_size)
     compiled = compile_plan(plan, source, world_size=world_size)
     program = build_rank_program(compiled, source.model, rank, init_mesh(compiled.layout))
 
     reference = source.model
     out = reference(*source.args, **source.kwargs)
-    ref_loss = scalar_loss(out)
+    ref_loss = find_loss(out)
     ref_loss.backward()
     outputs = program(*bind_inputs(reference, compiled.graph, source.args, source.kwargs))
     loss = outputs[0] if isinstance(outputs, (tuple, list)) else outputs

@@ -1,17 +1,13 @@
 """Mixed precision: bf16/fp16 compute from fp32 master weights, fp32 regions, fp32 loss."""
 
 import copy
-from pathlib import Path
 
-import pytest
 import torch
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import build_rank_program, compile_plan
-from meshplan.compiler.verify import VerifyConfig, verify_worker
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.train import _update_scale
 
 BF16 = """
@@ -73,18 +69,6 @@ def test_tensor_parallel_collectives_carry_bf16():
     compiled = compile_plan(check_text(text, "t.plan"), ModelSource("llama", model, llama.example_inputs()))
     rows = [r for r in compiled.ledger.rows if r.shape == (2, 16, 64)]
     assert rows and all(r.bytes == 2 * 16 * 64 * 2 for r in rows)
-
-
-@pytest.mark.slow
-def test_bf16_tensor_parallel_parity(tmp_path):
-    root = Path(__file__).parents[2]
-    plan = tmp_path / "bf16_tp.plan"
-    plan.write_text((root / "examples/llama_tp.plan").read_text() + "\nprecision {\n    compute = bf16\n}\n")
-    model = f"{root}/examples/models/llama.py:build"
-    reports = spawn(verify_worker, 2, (VerifyConfig(str(plan), model, steps=3),))
-    # bf16 against the fp32 single-device run: the looser tolerance the issue states
-    assert max(r.max_loss_rel for r in reports) <= 1e-2
-    assert max(r.max_grad_rel for r in reports) <= 5e-2
 
 
 def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_good_steps():

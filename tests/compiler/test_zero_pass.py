@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from meshplan.compiler.capture import load_model, with_token_shape
+from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.compiler.passes.zero import unit_of
-from meshplan.compiler.verify import bind_inputs
 from meshplan.dsl.check import check_text
 from meshplan.runtime.zero import ZeroGather, ZeroRelease
 

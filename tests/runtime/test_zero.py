@@ -2,11 +2,15 @@
 
 Each worker trains the ZeRO-sharded model for 3 steps (every rank on its half of the
 batch) and, in the same process, the unpartitioned model with `torch.optim.AdamW` on the
-whole batch; it returns the largest relative difference in loss and parameters. The SPEC's
-fp32 tolerance is 1e-5 relative. Every case runs in one spawn (`results`, about 20 s; process
-start-up dominates) and the tests read its results; the checkpoint test has its own spawn.
+whole batch, in float32 and in float64. Losses agree within float32 rounding (`FP32_RTOL`).
+Parameters after AdamW cannot be held to a fixed tolerance: Adam divides by the square root of
+its second moment, so a gradient element near zero moves its parameter by a rounding-sized
+difference times `lr / eps`-ish, and the reduction order of a data-parallel all-reduce differs
+from one device's by rounding. So the parameters' distance to the float64 run is compared with
+the float32 single-device run's own distance to it (the *yardstick*: rounding alone): within
+`YARDSTICK_FACTOR` times it. Every case runs in one spawn (`results`; process start-up
+dominates) and the tests read its results; the checkpoint test has its own spawn.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -31,10 +35,24 @@ MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3}
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 BATCH, SEQ, STEPS = 4, 16, 3
 FP32_RTOL = 1e-5
+FP32_EPS = torch.finfo(torch.float32).eps
+YARDSTICK_FACTOR = 4  # the same ratio `meshplan verify` allows
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _distance(params: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> float:
+    """The whole model's relative distance: ||params - exact|| / ||exact|| over every tensor."""
+    diff = sum(float((params[n].double() - e).norm()) ** 2 for n, e in exact.items())
+    return (diff / sum(float(e.norm()) ** 2 for e in exact.values())) ** 0.5
+
+
+def assert_params_close(result: dict) -> None:
+    """Within `YARDSTICK_FACTOR` times float32 rounding's own distance to the float64 run."""
+    limit = YARDSTICK_FACTOR * max(result["param_yardstick"], FP32_EPS)
+    assert result["param_distance"] <= limit, (result["param_distance"], result["param_yardstick"])
 
 
 class Case(NamedTuple):
@@ -44,9 +62,11 @@ class Case(NamedTuple):
     clip: float | None = None  # max gradient norm
 
 
-def _reference(clip: float | None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _reference(
+    clip: float | None, dtype: torch.dtype = torch.float32
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Single-device AdamW on the global batch: losses, gradient norms (when clipping), final params."""
-    model = build(**MODEL)
+    model = build(**MODEL).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     losses, norms = [], []
     for step in range(STEPS):
@@ -116,7 +136,9 @@ def parity_worker(rank: int, world: int, case: Case) -> dict:
     got = _train_zero(rank, case)
     got["ref_norms"] = ref_norms
     got["loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses, strict=True))
-    got["param_rel"] = max(_rel(got["params"][n], p) for n, p in ref_params.items())
+    exact = _reference(case.clip, torch.float64)[2]
+    got["param_distance"] = _distance(got["params"], exact)
+    got["param_yardstick"] = _distance(ref_params, exact)
     got["num_params"] = sum(p.numel() for p in ref_params.values())
     del got["params"]
     return got
@@ -160,7 +182,7 @@ def results() -> list[dict[str, dict]]:
 def test_parity_with_single_device_adamw(results: list[dict], case: str) -> None:
     for by_case in results:
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 @pytest.mark.parametrize("case", ["zero1-offload", "zero3-offload"])
@@ -169,7 +191,7 @@ def test_offload_parity(results: list[dict], case: str) -> None:
     # path (a separate fp32 master and shard copies every step), not the placement.
     for by_case in results:
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 @pytest.mark.parametrize("case", ["zero2-accumulate", "zero3-accumulate"])
@@ -177,7 +199,7 @@ def test_accumulation_matches_one_larger_batch(results: list[dict], case: str) -
     # 2 ranks x 2 micro-batches of 1 sample, synced once, vs the global batch of 4 on one device
     for by_case in results:
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 @pytest.mark.parametrize("case", ["zero1-clip", "zero3-clip"])
@@ -187,7 +209,7 @@ def test_clip_grad_norm_matches_single_device(results: list[dict], case: str) ->
         assert norms == pytest.approx(ref_norms, rel=FP32_RTOL)
         assert min(norms) > 0.05  # every step is clipped
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 @pytest.mark.parametrize("case", ["zero3-checkpointed"])
@@ -195,7 +217,7 @@ def test_activation_checkpointing_recomputes_with_gathered_params(results: list[
     # the recomputation in backward runs after the layer's params were gathered again
     for by_case in results:
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 @pytest.mark.parametrize("case", ["zero1-exported", "zero2-exported", "zero3-exported", "zero3-unflattened"])
@@ -204,7 +226,7 @@ def test_exported_graph_module(results: list[dict], case: str) -> None:
     `torch.export.unflatten` keeps a forward per layer: per-layer units again."""
     for by_case in results:
         assert by_case[case]["loss_rel"] <= FP32_RTOL
-        assert by_case[case]["param_rel"] <= FP32_RTOL
+        assert_params_close(by_case[case])
 
 
 # ---------------------------------------------------------------------------- ledger and memory

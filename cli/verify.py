@@ -1,0 +1,460 @@
+"""`meshplan verify`: train a plan's program on its ranks beside the unpartitioned model, and tell
+rounding from bugs (importable as `meshplan.verify`).
+
+    meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build
+    meshplan verify my.plan --model hf.py:build --steps 3 --batch 2 --seq 32
+
+Three trainings on the same batches of random token ids (over the whole vocabulary), each with
+`meshplan run`'s own loop (`runtime/train.py`: AdamW, LR schedule, clipping, accumulation, loss
+scaling):
+
+- **partitioned**: the real program on as many gloo processes as the mesh has ranks, built by
+  `meshplan run`'s worker setup (`_prepare`), its weights consolidated as `run --export` writes them;
+- **reference**: the unpartitioned model in float64 (complex tensors in complex128);
+- **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
+  weights, the plan's precision policy and nothing else): rounding alone.
+
+A correct program differs from the reference by rounding, as the yardstick does. AdamW divides
+by the square root of tiny second moments and amplifies rounding, so no fixed tolerance separates
+a correct float32 plan from a broken one; the yardstick's own distance to float64 does. The
+program passes when, for the losses, the gradient norms and the whole model's weights, its
+distance to the reference is within `--tolerance` times the yardstick's, and within
+`TENSOR_FACTOR` times that for every single weight tensor (a small tensor's rounding is a noisy
+sample). A dropped reduction or a wrong shard is off by orders of magnitude.
+
+A model that cannot run in float64 (an op without a float64 kernel here) is compared with the
+yardstick instead, against fixed bounds (`FALLBACK`), and verify says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_MISMATCH = 0, 1  # a mismatch is a program meshplan got wrong: its bug, not the user's
+TENSOR_FACTOR = 4  # a single tensor may be this many times further off than the --tolerance ratio
+FLOOR = 2.0**-23  # float32 epsilon: a distance below it is no distance
+# without a float64 reference: relative differences a correct float32 program stays within
+# after a few AdamW steps; a dropped reduction or a wrong shard is 1e-2 or more
+FALLBACK = {"losses": 1e-5, "gradient norms": 1e-4, "weights (whole model)": 1e-3, "worst tensor": 1e-2}
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank and the references train on."""
+
+    plan: str
+    model: str
+    steps: int
+    batch: int
+    seq: int
+    lr: float
+    seed: int
+    vocab: int  # token ids are drawn from [0, vocab)
+    out: str
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One training: the mean loss and gradient norm (before clipping) of each step, the final weights."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    weights: dict[str, Any]  # name -> full tensor, every name of the model's named_parameters
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How far the partitioned program (and the yardstick) are from the reference."""
+
+    what: str
+    partitioned: float
+    yardstick: float | None  # None: no float64 reference, the yardstick is the reference
+    limit: float  # the largest `partitioned` accepted
+
+    @property
+    def ok(self) -> bool:
+        return self.partitioned <= self.limit
+
+
+@dataclass(frozen=True)
+class Report:
+    job: Job
+    world_size: int
+    reference: Trajectory
+    partitioned: Trajectory
+    yardstick: Trajectory | None
+    measures: list[Measure]
+    float64: bool  # False: the model could not run in float64; compared with the yardstick
+    why_not_float64: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(m.ok for m in self.measures)
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def token_batches(job: Job, *, dp_rank: int, dp_size: int, accumulation: int) -> Callable:
+    """`(step, micro) -> (input_ids, labels)` for one data-parallel rank: uniformly random ids,
+    the same in every process that asks for the same (step, dp rank, micro-step)."""
+    import torch
+
+    def get(step: int, micro: int):
+        index = (step * dp_size + dp_rank) * accumulation + micro
+        g = torch.Generator().manual_seed(job.seed * 1_000_003 + index)
+        tokens = torch.randint(0, job.vocab, (job.batch, job.seq + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as a data loader hands them
+
+    return get
+
+
+def whole_job_batches(job: Job, *, dp_size: int, accumulation: int) -> Callable:
+    """Every rank's micro-batches of a step, for one process: micro-step i is dp rank
+    i // accumulation's micro-step i % accumulation."""
+    ranks = [
+        token_batches(job, dp_rank=r, dp_size=dp_size, accumulation=accumulation) for r in range(dp_size)
+    ]
+
+    def get(step: int, micro: int):
+        rank, m = divmod(micro, accumulation)
+        return ranks[rank](step, m)
+
+    return get
+
+
+# ---------------------------------------------------------------------------- the partitioned run
+
+
+def _rank(rank: int, world_size: int, job: Job):
+    """One rank of the partitioned program, set up and trained exactly as `meshplan run` does."""
+    import torch
+    import torch.distributed as dist
+
+    from meshplan.run import _prepare, _train, build_parser, consolidated_state, train_config
+
+    args = build_parser().parse_args(
+        [
+            job.plan,
+            "--model", job.model,
+            "--steps", str(job.steps),
+            "--batch", str(job.batch),
+            "--seq", str(job.seq),
+            "--lr", str(job.lr),
+            "--warmup", "1",
+            "--seed", str(job.seed),
+            "--out", str(Path(job.out) / "partitioned"),
+        ]
+    )  # fmt: skip
+    prepared = _prepare(args, rank, world_size)
+    dp = prepared.groups.dp
+    dp_rank, dp_size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
+    batches = token_batches(job, dp_rank=dp_rank, dp_size=dp_size, accumulation=prepared.accumulation)
+    prepared = replace(prepared, batches=batches)
+    summary = _train(args, prepared, show_progress=False)
+    weights = consolidated_state(prepared)
+    if rank != 0:
+        return None
+    # through a file: tensors sent back through the result queue would outlive their process
+    torch.save(weights, Path(job.out) / "partitioned.pt")
+    return summary.losses, summary.grad_norms, train_config(args, prepared), dp_size
+
+
+# ---------------------------------------------------------------------------- the unpartitioned runs
+
+
+def _train_one_device(model, loss_of, job: Job, config, dp_size: int, name: str) -> Trajectory:
+    """`model` trained by `runtime.train.train` on one process, on every rank's micro-batches."""
+    from meshplan.runtime.train import train
+
+    one = replace(
+        config, accumulation=dp_size * config.accumulation, run_dir=Path(job.out) / name, save_every=0
+    )
+    batches = whole_job_batches(job, dp_size=dp_size, accumulation=config.accumulation)
+    summary = train(model, loss_of, batches, one, show_progress=False)
+    return Trajectory(summary.losses, summary.grad_norms, _named_weights(model))
+
+
+def _named_weights(module) -> dict[str, Any]:
+    return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _eager_loss(model, source, dtype=None) -> Callable:
+    """The model's own forward, called as `run` calls the program; float inputs cast to `dtype`."""
+    from meshplan.compiler.graph import find_loss
+    from meshplan.run import call_inputs
+
+    def cast(x):
+        return (
+            x.to(dtype)
+            if dtype is not None and hasattr(x, "is_floating_point") and x.is_floating_point()
+            else x
+        )
+
+    def loss_of(input_ids, labels):
+        args, kwargs = call_inputs(source.args, source.kwargs, input_ids, labels)
+        out = model(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+        return find_loss(out)
+
+    return loss_of
+
+
+def _one_device_program(plan, source):
+    """The plan's precision policy alone, compiled for one rank: the unpartitioned model as the
+    plan computes it. Returns (program, loss_of)."""
+    from meshplan.compiler.capture import bind_inputs
+    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.graph import find_loss
+    from meshplan.dsl.check import MeshSpec
+    from meshplan.run import call_inputs
+
+    mesh = MeshSpec(tuple(replace(a, size=1) for a in plan.mesh.axes), plan.mesh.span)
+    alone = replace(plan, mesh=mesh, rules=plan.rules_of("dtype"), pipeline=None, data_parallel=None)
+    compiled = compile_plan(alone, source, world_size=1)
+    program = build_rank_program(compiled, source.model, 0)
+
+    def loss_of(input_ids, labels):
+        args, kwargs = call_inputs(source.args, source.kwargs, input_ids, labels)
+        return find_loss(program(*bind_inputs(source.model, compiled.graph, args, kwargs)))
+
+    return program, loss_of
+
+
+# ---------------------------------------------------------------------------- comparison
+
+
+def relative(a, b) -> float:
+    """||a - b|| / ||b|| (0 when both are 0)."""
+    import torch
+
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+
+
+def measure(
+    partitioned: Trajectory, reference: Trajectory, yardstick: Trajectory | None, tolerance: float
+) -> list[Measure]:
+    """Distances to the reference, with their limits (see the module docstring)."""
+    names = list(reference.weights)
+    missing = [n for n in names if n not in partitioned.weights]
+    if missing:
+        raise RuntimeError(f"the partitioned program's weights lack {', '.join(missing[:3])}")
+
+    def worst_step(run: Trajectory, key: str) -> float:
+        return max(relative(x, r) for x, r in zip(getattr(run, key), getattr(reference, key), strict=True))
+
+    def whole(run: Trajectory) -> float:
+        diff = sum(
+            relative(run.weights[n], reference.weights[n]) ** 2 * _sq(reference.weights[n]) for n in names
+        )
+        norm = sum(_sq(reference.weights[n]) for n in names)
+        return (diff / norm) ** 0.5 if norm else 0.0
+
+    def limited(kind: str, what: str, of: Callable, factor: float = 1.0, floor: float = FLOOR) -> Measure:
+        if yardstick is None:
+            return Measure(what, of(partitioned), None, FALLBACK[kind])
+        theirs = of(yardstick)
+        return Measure(what, of(partitioned), theirs, factor * tolerance * max(theirs, floor))
+
+    model_floor = max(FLOOR, whole(yardstick)) if yardstick else FLOOR
+    tensors = [
+        limited(
+            "worst tensor",
+            f"worst tensor: {n}",
+            lambda run, n=n: relative(run.weights[n], reference.weights[n]),
+            TENSOR_FACTOR,
+            model_floor,
+        )
+        for n in names
+    ]
+    return [
+        limited("losses", "losses", lambda run: worst_step(run, "losses")),
+        limited("gradient norms", "gradient norms", lambda run: worst_step(run, "grad_norms")),
+        limited("weights (whole model)", "weights (whole model)", whole),
+        max(tensors, key=lambda m: m.partitioned / m.limit),
+    ]
+
+
+def _sq(t) -> float:
+    return float(t.double().norm()) ** 2
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def verify(
+    plan_path: str,
+    model_spec: str,
+    *,
+    world_size: int | None = None,
+    steps: int = 3,
+    batch: int = 2,
+    seq: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    tolerance: float = 4.0,
+    timeout_s: float = 900.0,
+    worker: Callable = _rank,
+) -> Report:
+    """Check, compile, train the three ways, compare. Plan and model mistakes raise `PlanError`
+    or `CompileError` (located, before any process starts). `worker(rank, world_size, job)`
+    trains one rank (tests pass a broken one to see verify fail)."""
+    import torch
+
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.passes.precision import cast_floating
+    from meshplan.dsl import load_plan
+    from meshplan.run import RunError, check_supported
+    from meshplan.runtime.launch import spawn
+
+    plan = load_plan(plan_path, world_size=world_size)
+    world = plan.mesh.world_size
+    if world is None:
+        raise RunError(f"{plan_path}: the mesh has a `*` axis; pass --world-size N to size it")
+    check_supported(plan)
+    torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
+    source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
+    compiled = compile_plan(plan, source, world_size=world)  # every refusal, before processes start
+    vocab = token_range(compiled, source)
+
+    with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as out:
+        job = Job(plan_path, model_spec, steps, batch, seq, lr, seed, vocab, out)
+        losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
+        partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
+
+        def one_device(model, loss_of, name):
+            return _train_one_device(model, loss_of, job, config, dp_size, name)
+
+        float64 = cast_floating(copy.deepcopy(source.model), torch.float64)
+        yard_source = replace(source, model=copy.deepcopy(source.model))
+        program, yard_loss = _one_device_program(plan, yard_source)
+        yardstick = one_device(program, yard_loss, "yardstick")
+        _fill_tied(yardstick.weights, source.model)
+        try:
+            reference = one_device(float64, _eager_loss(float64, source, torch.float64), "reference")
+            why_not = ""
+        except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
+            reference, why_not = yardstick, str(e).strip().splitlines()[0]
+    has_yardstick = not why_not
+    measures = measure(partitioned, reference, yardstick if has_yardstick else None, tolerance)
+    return Report(
+        job,
+        world,
+        reference,
+        partitioned,
+        yardstick if has_yardstick else None,
+        measures,
+        has_yardstick,
+        why_not,
+    )
+
+
+def _fill_tied(weights: dict[str, Any], model) -> None:
+    """Give a tied weight every name the model has for it (a program holds it under one)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        held = next((weights[n] for n in group if n in weights), None)
+        if held is not None:
+            weights.update({n: held for n in group if n not in weights})
+
+
+def token_range(compiled, source) -> int:
+    """The vocabulary the token ids are drawn from: rows of the embedding the input ids index
+    (the smallest, if several), else the model's `config.vocab_size`, else one past the largest
+    id in the model's example inputs."""
+    import torch
+
+    graph = compiled.captured.graph_module.graph
+    placeholders = {n for n in graph.nodes if n.op == "placeholder"}
+    rows = []
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.embedding.default and _comes_from(node.args[1], placeholders):
+            rows.append(int(node.args[0].meta["val"].shape[0]))
+    if rows:
+        return min(rows)
+    vocab = getattr(getattr(source.model, "config", None), "vocab_size", None)
+    if vocab:
+        return int(vocab)
+    ids = [
+        x
+        for x in (*source.args, *source.kwargs.values())
+        if isinstance(x, torch.Tensor) and not x.is_floating_point()
+    ]
+    return max((int(x.max()) + 1 for x in ids), default=2)
+
+
+def _comes_from(node, sources: set) -> bool:
+    """Whether `node` is one of `sources` or computed from one through single-input ops (views)."""
+    while node not in sources:
+        inputs = [a for a in node.all_input_nodes]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return True
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Entry of `meshplan verify`."""
+    report = verify(
+        args.plan,
+        args.model,
+        world_size=args.world_size,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        tolerance=args.tolerance,
+    )
+    print(render(report))
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+def render(report: Report) -> str:
+    job = report.job
+    lines = [
+        f"verify {job.plan} on {report.world_size} rank{'s' * (report.world_size != 1)}: {job.steps} steps "
+        f"of `meshplan run`'s AdamW, {job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and micro-step",
+    ]
+    if report.float64:
+        lines.append("  reference  the unpartitioned model in float64")
+        lines.append(
+            "  yardstick  the unpartitioned model as the plan computes on one device: rounding alone"
+        )
+    else:
+        lines.append(f"  the model does not run in float64 here ({report.why_not_float64})")
+        lines.append("  reference  the unpartitioned model as the plan computes on one device; fixed bounds")
+    lines.append("")
+    lines.append(f"  {'step':>4}  {'loss':>12}  {'partitioned':>12}  {'diff':>9}")
+    for step, (ref, mine) in enumerate(zip(report.reference.losses, report.partitioned.losses, strict=True)):
+        lines.append(f"  {step + 1:>4}  {ref:>12.6f}  {mine:>12.6f}  {relative(mine, ref):>9.2e}")
+    lines.append("")
+    title = "relative distance to the reference"
+    width = max(len(title), *(len(m.what) for m in report.measures))
+    head = "yardstick" if report.float64 else ""
+    lines.append(f"  {title:<{width}}  {'partitioned':>11}  {head:>9}  {'limit':>8}")
+    for m in report.measures:
+        theirs = f"{m.yardstick:9.2e}" if m.yardstick is not None else " " * 9
+        verdict = "ok" if m.ok else "FAILED"
+        lines.append(f"  {m.what:<{width}}  {m.partitioned:11.2e}  {theirs}  {m.limit:8.2e}  {verdict}")
+    lines.append("")
+    if report.ok:
+        what = "as close to float64 as one device is" if report.float64 else "within the fixed bounds"
+        lines.append(f"ok: the partitioned program trains {what}")
+    else:
+        failed = ", ".join(m.what for m in report.measures if not m.ok)
+        lines.append(
+            f"FAILED: {failed} differ{'s' * (',' not in failed)} by more than rounding: the program "
+            "meshplan compiled computes something else (a meshplan bug: please report it with the plan)"
+        )
+    return "\n".join(lines)

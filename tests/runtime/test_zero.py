@@ -11,6 +11,7 @@ the float32 single-device run's own distance to it (the *yardstick*: rounding al
 `YARDSTICK_FACTOR` times it. Every case runs in one spawn (`results`; process start-up
 dominates) and the tests read its results; the checkpoint test has its own spawn.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -217,8 +217,12 @@ def _tensor_spec(
     n = layout.size(axis)
     modules = dict(model.named_modules())
     params: dict[str, ParamPlacement] = {}
+    replicated: dict[str, ParamPlacement] = {}  # kept whole by an explicit `replicate` rule
     for path, kinds in resolution.placements.items():
         rule = kinds.get("tensor")
+        if rule is not None and isinstance(rule.action, ast.Replicate):
+            for pname, _ in modules[path].named_parameters(recurse=False):
+                replicated[f"{path}.{pname}"] = ParamPlacement(REPLICATE, rule)
         if rule is None or not isinstance(rule.action, ast.TensorParallel):
             continue
         module = modules[path]
@@ -229,7 +233,7 @@ def _tensor_spec(
     diagnostics = _collapse_repeats(diagnostics)
     heads = _check_heads(plan, model, axis, n, tensor_rules)
     diagnostics = _behind_root_cause(heads, diagnostics, model) + heads
-    diagnostics += _check_ties(model, params)
+    diagnostics += _check_ties(model, {**replicated, **params})
     _share_tied_placements(model, params)
     kv_replicas = _replicate_kv_heads(model, n, params, modules)
     seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
@@ -354,22 +358,22 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _check_ties(model: nn.Module, params: dict[str, ParamPlacement]) -> list[Diagnostic]:
-    """Tied weights are one tensor: every module that uses one must place it the same way."""
+    """Tied weights are one tensor: a rule on any owner places it (BERT's MLM decoder bias is
+    `cls.predictions.bias` too), and rules on two owners must agree."""
     out = []
     for group in _tied_groups(model):
-        placed = {name: params.get(name) for name in group}
-        kinds = {str(pp.placement) if pp else "Replicate()" for pp in placed.values()}
+        placed = {name: params[name] for name in group if name in params}
+        kinds = {str(pp.placement) for pp in placed.values()}
         if len(kinds) > 1:
-            ruled = [(n, pp) for n, pp in placed.items() if pp is not None and pp.rule is not None]
-            first_name, first = ruled[0]
-            others = [n for n in group if n != first_name]
+            (first_name, first), *rest = placed.items()
+            other_name, other = next((n, pp) for n, pp in rest if pp.placement != first.placement)
             out.append(
                 Diagnostic(
-                    first.rule.span,
-                    f"`{first_name}` is tied to `{', '.join(others)}`, which is placed differently "
-                    f"({' vs '.join(sorted(kinds))})",
-                    hint=f"tied weights are one tensor: give `{'`, `'.join(n.rsplit('.', 1)[0] for n in group)}` "
-                    "the same rule (e.g. `vocab` for both the embedding and the LM head)",
+                    other.rule.span,
+                    f"`{other_name}` is tied to `{first_name}`, which another rule places differently "
+                    f"({other.placement} vs {first.placement})",
+                    hint="tied weights are one tensor: give both owners the same rule, or a rule to one of them",
+                    related=((first.rule.span, f"`{first_name}` is placed here"),),
                 )
             )
     return out

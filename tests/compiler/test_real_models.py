@@ -11,7 +11,8 @@ everything downstream of it carries float32 rounding (about 1e-7); Mixtral runs 
 What each family exercises:
 - GPT-2: Conv1D (weights stored (in, out)), fused c_attn, tied embeddings, and `view(-1, H)`
   around every linear, which flattens a sequence shard with the batch (blocks, not a gather);
-- BERT: post-norm LayerNorms under `sequence`, the same flattening;
+- BERT: post-norm LayerNorms under `sequence`, the same flattening; a vocab-parallel MLM head
+  whose decoder bias is also `cls.predictions.bias` (placed through the decoder's rule);
 - Mixtral: the MoE block's dispatch has no sharding rule; under SP it runs on whole tokens;
 - a torchtitan-style Llama: nn.RMSNorm (aten.rms_norm) and complex RoPE (view_as_complex),
   placed by DTensor's own strategies; logits sharded by token into a sum-reduced loss.

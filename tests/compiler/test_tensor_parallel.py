@@ -161,10 +161,21 @@ def test_rule_matching_nothing_lists_what_exists(example_llama):
     assert "modules under `layers.0.mlp` are: gate_proj, up_proj, down_proj" in message
 
 
-def test_tied_weights_placed_differently():
+def test_a_tied_weight_is_placed_through_either_owner():
+    """The example GPT ties `lm_head` to `wte`: a rule on the head alone makes the embedding
+    vocab-parallel too (one tensor, one placement)."""
     source = ModelSource("gpt", gpt.build(num_hidden_layers=1), gpt.example_inputs())
-    message = errors_of("mesh tp=2\nmodules {\n    wte: vocab over tp\n}\n", source)
-    assert "is tied to" in message and "lm_head.weight" in message
+    compiled = compile_text("mesh tp=2\nmodules {\n    lm_head: vocab over tp\n}\n", source)
+    assert compiled.param_placements["wte.weight"] == compiled.param_placements["lm_head.weight"]
+    kinds = {n.meta.get("meshplan.collective", {}).get("kind") for n in compiled.graph.graph.nodes}
+    assert {"vocab_embedding", "vocab_cross_entropy"} <= kinds
+
+
+def test_tied_weights_placed_differently_by_two_rules():
+    source = ModelSource("gpt", gpt.build(num_hidden_layers=1), gpt.example_inputs())
+    message = errors_of("mesh tp=2\nmodules {\n    wte: vocab over tp\n    lm_head: replicate\n}\n", source)
+    assert "test.plan:4:5: error: `lm_head.weight` is tied to `wte.weight`, which another rule" in message
+    assert "test.plan:3:5: note: `wte.weight` is placed here" in message
 
 
 def test_conflicting_equally_specific_rules(example_llama):

@@ -50,6 +50,8 @@ BERT_RULES = """
     bert.encoder.layer.*.attention.output.dense:           row over tp
     bert.encoder.layer.*.intermediate.dense:               column over tp
     bert.encoder.layer.*.output.dense:                     row over tp
+    bert.embeddings.word_embeddings:                       vocab over tp
+    cls.predictions.decoder:                               vocab over tp
 """
 BERT_SEQUENCE = """
     bert.encoder.layer.*.attention.output.LayerNorm: sequence over tp

@@ -162,13 +162,15 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         val = value(node)
         full = shape(node)
         nbytes = math.prod(full) * val.element_size()
-        if kind == "vocab_cross_entropy":  # three all-reduces of one float per token
+        if kind == "vocab_cross_entropy":  # all-reduces of one float per token
             logits = node.args[0]
             full = shape(logits)[:-1]
             nbytes = math.prod(full) * 4
         rule = info.get("rule")
         where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
         forward, backward = _STEPS[kind]
+        if kind == "vocab_cross_entropy" and len(node.args) > 4 and node.args[4]:
+            forward = (("all_reduce", 4),)  # label smoothing: the sum of the logits too
         phases = [("forward", forward, False), ("backward", backward, False)]
         if recomputed:  # a checkpointed region runs its forward again during backward
             phases.append(("backward", forward, True))

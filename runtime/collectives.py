@@ -239,13 +239,22 @@ class VocabParallelEmbedding(AxisCollective):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, H) partial over the axis
 
 
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # ATen's reduction codes
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits sharded on the last (vocab) dim, never gathering them."""
+    """Cross-entropy of logits sharded on the last (vocab) dim, never gathering them.
+
+    Per token i with target t over the global vocabulary V, in float32 at least:
+        loss_i = (1 - smoothing) * (lse_i - x_it) + smoothing * (lse_i - mean_j x_ij)
+    (0 where t is ignore_index), then none / mean over the valid tokens / sum, as ATen.
+    """
 
     @staticmethod
-    def forward(ctx, logits, target, site, ignore_index):
+    def forward(ctx, logits, target, site, ignore_index, reduction, smoothing):
         # logits: (N, V/world) this rank's vocab slice; target: (N,) global vocab ids
         group = site.group
+        world = dist.get_world_size(group)
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
         ctx.input_dtype = logits.dtype
@@ -264,25 +273,49 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         site.note("all_reduce", "target logit")
         dist.all_reduce(target_logit, group=group)
-        losses = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)  # (N,)
+        lse = sum_exp.log()
+        losses = lse - target_logit  # (N,)
+        if smoothing:
+            mean_logit = shifted.sum(dim=-1)
+            site.note("all_reduce", "logit sum")
+            dist.all_reduce(mean_logit, group=group)
+            mean_logit /= local_vocab * world
+            losses = (1 - smoothing) * losses + smoothing * (lse - mean_logit)
+        losses = losses.masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target, outside, valid, count)
-        return losses.sum() / count
+        ctx.reduction, ctx.smoothing, ctx.vocab = reduction, smoothing, local_vocab * world
+        if REDUCTIONS[reduction] == "none":
+            return losses.to(ctx.input_dtype)
+        total = losses.sum()
+        return total / count if REDUCTIONS[reduction] == "mean" else total
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local_target, outside, valid, count = ctx.saved_tensors
         grad_logits = softmax.clone()
+        if ctx.smoothing:
+            grad_logits -= ctx.smoothing / ctx.vocab
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-        grad_logits[rows, local_target] -= (~outside).to(grad_logits.dtype)
-        grad_logits *= (valid.to(grad_logits.dtype) / count).unsqueeze(-1)
-        return (grad_logits * grad).to(ctx.input_dtype), None, None, None
+        grad_logits[rows, local_target] -= (1 - ctx.smoothing) * (~outside).to(grad_logits.dtype)
+        per_token = valid.to(grad_logits.dtype)  # d total / d loss_i
+        if REDUCTIONS[ctx.reduction] == "mean":
+            per_token = per_token / count
+        grad_logits *= (per_token * grad).unsqueeze(-1)  # grad: () or (N,) for "none"
+        return grad_logits.to(ctx.input_dtype), None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(AxisCollective):
-    def forward(self, logits: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
-        return _VocabParallelCrossEntropy.apply(logits, target, self, ignore_index)
+    def forward(
+        self,
+        logits: Tensor,
+        target: Tensor,
+        ignore_index: int = -100,
+        reduction: int = 1,
+        smoothing: float = 0.0,
+    ) -> Tensor:
+        return _VocabParallelCrossEntropy.apply(logits, target, self, ignore_index, reduction, smoothing)
 
 
 def label_collectives(root: nn.Module) -> None:

@@ -573,17 +573,19 @@ def _cross_entropy(w: _Walk, node: fx.Node) -> None:
         reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
         ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
         smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-        if weight is not None or reduction != 1 or smoothing:
+        if weight is not None:
             w.error(
                 node,
-                "vocab-parallel cross-entropy supports mean reduction without class weights or "
-                "label smoothing",
+                "vocab-parallel cross-entropy takes no class weights",
                 hint="replicate the LM head instead",
                 rule=logits.meta.get(RULE),
             )
         with w.graph.inserting_before(node):
             ce = w.graph.call_module(
-                w.module_for("vocab_cross_entropy"), (logits, w_target(w, target), ignore_index)
+                w.module_for("vocab_cross_entropy"),
+                (logits, w_target(w, target), ignore_index)
+                + ((reduction,) if reduction != 1 or smoothing else ())
+                + ((smoothing,) if smoothing else ()),
             )
         ce.meta.update(node.meta)
         ce.meta[COLLECTIVE] = {

@@ -81,6 +81,47 @@ def nanogpt():
     return model
 
 
+class GPTWithLoss(gpt.GPT):
+    """The example GPT with another way of writing the loss (what trainers use besides the mean)."""
+
+    def __init__(self, config, loss: str):
+        super().__init__(config)
+        self.loss = loss
+
+    def forward(self, input_ids, labels):
+        T = input_ids.shape[1]
+        x = self.wte(input_ids) + self.wpe(torch.arange(T, device=input_ids.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x)).flatten(0, 1)  # (B*T, V)
+        labels = labels.flatten()
+        F = torch.nn.functional
+        if self.loss == "sum":  # summed, then divided by the token count
+            return F.cross_entropy(logits, labels, reduction="sum") / labels.numel()
+        if self.loss == "smoothed":
+            return F.cross_entropy(logits, labels, label_smoothing=0.1)
+        per_token = F.cross_entropy(logits, labels, reduction="none")  # (B*T,)
+        weights = torch.linspace(0.5, 1.5, per_token.numel())
+        return (per_token * weights).mean()
+
+
+def _gpt_with_loss(loss: str):
+    torch.manual_seed(0)
+    return GPTWithLoss(gpt.GPTConfig(num_hidden_layers=2), loss)
+
+
+def gpt_sum_loss():
+    return _gpt_with_loss("sum")
+
+
+def gpt_smoothed_loss():
+    return _gpt_with_loss("smoothed")
+
+
+def gpt_token_losses():
+    return _gpt_with_loss("none")
+
+
 # ---------------------------------------------------------------- a dropless mixture of experts
 
 

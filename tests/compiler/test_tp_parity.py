@@ -27,6 +27,8 @@ modules {
 }
 """
 
+GPT_TP = (ROOT / "examples/gpt_tp.plan").read_text()
+
 pytestmark = pytest.mark.slow
 
 
@@ -44,6 +46,11 @@ def cases(rank: int, world_size: int) -> dict[str, dict]:
         "explicit_heads": grad_parity(
             rank, world_size, EXPLICIT_HEADS, f"{HERE}/factories.py:explicit_heads", "float64"
         ),
+        # vocab-parallel cross-entropy as trainers write it: summed, label-smoothed, per token
+        **{
+            loss: grad_parity(rank, world_size, GPT_TP, f"{HERE}/factories.py:{loss}", "float64")
+            for loss in ("gpt_sum_loss", "gpt_smoothed_loss", "gpt_token_losses")
+        },
         # qkv_proj cut into slices of sizes (64, 32, 32): each rank holds half of each
         "phi3_fused": grad_parity(rank, world_size, PHI3_TP, f"{HERE}/hf_factories.py:hf_phi3", "float64"),
     }
@@ -58,6 +65,8 @@ def test_rewrites_are_exact_in_float64():
             # gradient, hence 1e-10 rather than 1e-12 on gradients.
             loss, grad = (1e-6, 1e-6) if case == "phi3_fused" else (1e-12, 1e-10)
             assert r["loss"] <= loss and r["grad"] <= grad, (case, r)
+            if case.startswith("gpt"):  # the logits are never gathered
+                assert "vocab_cross_entropy_tp" in r["collectives"], (case, r["collectives"])
 
 
 def test_llama_tp4_sequence_parallel_trains_like_one_device(tmp_path):

@@ -122,6 +122,27 @@ def gpt_token_losses():
     return _gpt_with_loss("none")
 
 
+class LanguageModelLoss(nn.Module):
+    """A logits-only model (PyTorch's DTensor test Transformer) with a causal-LM loss around it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids)  # (B, T, V) in float32
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def dtensor_transformer():
+    """The Transformer of torch.testing._internal.distributed._tensor.common_dtensor, as PyTorch's
+    own tensor-parallel tests build it: tied embedding and output, learned positions, LayerNorm."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    return LanguageModelLoss(Transformer(ModelArgs(vocab_size=256, max_seq_len=32, dim=32, dropout_p=0.0)))
+
+
 # ---------------------------------------------------------------- a dropless mixture of experts
 
 

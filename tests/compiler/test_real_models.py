@@ -15,7 +15,9 @@ What each family exercises:
   whose decoder bias is also `cls.predictions.bias` (placed through the decoder's rule);
 - Mixtral: the MoE block's dispatch has no sharding rule; under SP it runs on whole tokens;
 - a torchtitan-style Llama: nn.RMSNorm (aten.rms_norm) and complex RoPE (view_as_complex),
-  placed by DTensor's own strategies; logits sharded by token into a sum-reduced loss.
+  placed by DTensor's own strategies; logits sharded by token into a sum-reduced loss;
+- PyTorch's DTensor test Transformer (`common_dtensor`): tied embedding and output, learned
+  positions, logits cast with `.float()` (hence float32 rounding on its loss).
 
 Then GQA with fewer key/value heads than ranks (tp=4), and the families trained under
 dp=2 x tp=2 with SP and ZeRO-3, most with checkpointing, by `meshplan verify` (end of the file).
@@ -28,6 +30,8 @@ from parity import grad_parity
 from tp_plans import (
     BERT_RULES,
     BERT_SEQUENCE,
+    DTENSOR_RULES,
+    DTENSOR_SEQUENCE,
     GPT2_RULES,
     GPT2_SEQUENCE,
     MIXTRAL_RULES,
@@ -49,8 +53,9 @@ FAMILIES = {  # name: (factory, tensor rules, sequence rules, dtype)
     "bert": ("hf_factories.py:hf_bert_mlm", BERT_RULES, BERT_SEQUENCE, "float64"),
     "mixtral": ("hf_factories.py:hf_mixtral", MIXTRAL_RULES, llama_sequence("model."), "float32"),
     "titan_llama": ("factories.py:titan_llama", TITAN_RULES, TITAN_SEQUENCE, "float64"),
+    "dtensor_transformer": ("factories.py:dtensor_transformer", DTENSOR_RULES, DTENSOR_SEQUENCE, "float64"),
 }
-TOLERANCE = {"gpt2": 1e-6, "bert": 1e-12, "mixtral": 1e-5, "titan_llama": 1e-12}
+TOLERANCE = {"gpt2": 1e-6, "bert": 1e-12, "mixtral": 1e-5, "titan_llama": 1e-12, "dtensor_transformer": 1e-6}
 
 
 def cells(rank: int, world_size: int, family: str) -> dict[str, dict]:
@@ -111,13 +116,15 @@ def test_fewer_key_value_heads_than_ranks_are_replicated() -> None:
 # ---------------------------------------------------------------------------- trained: dp2 x tp2 + SP + ZeRO-3
 # The production layout, trained for a few AdamW steps on four gloo processes by `meshplan verify`
 # (`meshplan run`'s own worker setup and loop) beside the float64 model and the one-device
-# yardstick: HF GPT-2, Llama, Qwen2 and the torchtitan-style Llama, with and without checkpointing.
+# yardstick: HF GPT-2, Llama, Qwen2, the torchtitan-style Llama and PyTorch's DTensor test
+# Transformer, with and without checkpointing.
 
 TRAINED = {  # name: (factory, modules block)
     "gpt2": ("hf_factories.py:hf_gpt2", GPT2_RULES + GPT2_SEQUENCE),
     "llama": ("hf_factories.py:hf_llama", llama_rules("model.") + llama_sequence("model.")),
     "qwen2": ("hf_factories.py:hf_qwen2", llama_rules("model.") + llama_sequence("model.")),
     "titan_llama": ("factories.py:titan_llama", TITAN_RULES + TITAN_SEQUENCE),
+    "dtensor_transformer": ("factories.py:dtensor_transformer", DTENSOR_RULES + DTENSOR_SEQUENCE),
 }
 CHECKPOINTED = {"gpt2": "transformer.h.*", "llama": "model.layers.*", "qwen2": "model.layers.*"}
 

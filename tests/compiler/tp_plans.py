@@ -79,6 +79,20 @@ TITAN_SEQUENCE = """
     norm:                               sequence over tp
 """
 
+# PyTorch's DTensor test Transformer, under the loss wrapper in factories.py
+DTENSOR_RULES = """
+    model.layers.*.attention.{wq,wk,wv}: column over tp
+    model.layers.*.attention.wo:         row over tp
+    model.layers.*.feed_forward.w1:      column over tp
+    model.layers.*.feed_forward.w2:      row over tp
+    model.tok_embeddings:                vocab over tp
+    model.output:                        vocab over tp
+"""
+DTENSOR_SEQUENCE = """
+    model.layers.*.{attention_norm,ffn_norm}: sequence over tp
+    model.norm:                               sequence over tp
+"""
+
 
 PHI3_TP = """
 mesh tp=2

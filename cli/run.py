@@ -416,7 +416,7 @@ class Prepared:
     sharded: set[str]
     accumulation: int
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
-    export_sharding: dict = field(default_factory=dict)  # param -> (dim, blocks) over tp, for --export
+    export_sharding: dict = field(default_factory=dict)  # param -> its Cut over tp, for --export
     export_names: frozenset = frozenset()  # the unpartitioned model's state_dict keys
     tied: tuple = ()  # the names of each weight the model holds under several (GPT-2's wte / lm_head)
 
@@ -543,6 +543,7 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     from meshplan.runtime.checkpoint import TensorLayout
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.export import Cut
     from meshplan.runtime.mesh import init_mesh
     from meshplan.runtime.train import Groups
 
@@ -575,17 +576,18 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
                 reduce_dtype=reduce_dtype,
                 axis=dp_spec.axis,
             )
+    cuts = {
+        name: Cut(p.dim, p.blocks, p.padded)
+        for name, placement in compiled.param_placements.items()
+        for p in placement.values()
+        if isinstance(p, Shard)
+    }
     groups = Groups(
         dp=dp_group,
         tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
         layout=TensorLayout(
             mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
-            {
-                name: (p.dim, p.blocks)
-                for name, placement in compiled.param_placements.items()
-                for p in placement.values()
-                if isinstance(p, Shard)
-            },
+            cuts,
         ),
     )
     sharded = {
@@ -632,12 +634,7 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
         sharded,
         plan.train.gradient_accumulation,
         plan.precision.loss_scale,
-        {
-            name: (p.dim, p.blocks)
-            for name, placement in compiled.param_placements.items()
-            for p in placement.values()
-            if isinstance(p, Shard)
-        },
+        cuts,
         frozenset(source.model.state_dict()),
         _tied_names(source.model),
     )

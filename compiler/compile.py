@@ -38,7 +38,7 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
-from meshplan.runtime.export import shard_of
+from meshplan.runtime.export import Cut, shard_of
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import Captured, ModelSource, capture
@@ -279,8 +279,12 @@ def _module_placements(
     dim = 1 if style == "row" else 0
     if _is_conv1d(module):
         dim = 1 - dim  # the weight is stored transposed: (in, out)
+    if style == "vocab" and weight.shape[dim] % n:  # the last ranks' chunks are zero-padded
+        padded = Shard(dim, padded=weight.shape[dim])
+        bias = getattr(module, "bias", None)
+        return {"weight": padded} | ({"bias": Shard(0, padded=bias.shape[0])} if bias is not None else {})
     if weight.shape[dim] % n:
-        what = {"column": "output features", "row": "input features", "vocab": "vocabulary rows"}[style]
+        what = {"column": "output features", "row": "input features"}[style]
         diagnostics.append(
             Diagnostic(
                 rule.span,
@@ -495,5 +499,5 @@ def local_shard(
     local = full
     for axis, p in placement.items():
         if isinstance(p, Shard):
-            local = shard_of(local, p.dim, p.blocks, coords[axis], layout.size(axis))
+            local = shard_of(local, Cut(p.dim, p.blocks, p.padded), coords[axis], layout.size(axis))
     return local

@@ -4,6 +4,8 @@ Replicate()   every rank holds the whole tensor
 Shard(dim)    rank r holds the r-th of `size` equal chunks along `dim`
 Shard(dim, replicas=m)  rank r holds chunk r // m of size / m: each chunk on m neighbouring
               ranks (key/value heads under GQA when the tensor-parallel size exceeds them)
+Shard(dim, padded=V)    `dim` has V entries, which do not divide: each rank holds ceil(V / size),
+              the last chunks zero-padded (a vocabulary not divisible by the axis)
 Partial()     every rank holds a summand; the tensor is their sum
 """
 
@@ -24,16 +26,23 @@ class Shard:
     dim: int
     blocks: tuple[int, ...] = ()  # global sizes of the blocks along `dim`; () is one block
     replicas: int = 1  # neighbouring ranks holding the same chunk
+    padded: int = 0  # the dim's true global size when its chunks are zero-padded to divide; 0 if even
 
     def __str__(self) -> str:
-        extra = (f", blocks={self.blocks}" if self.blocks else "") + (
-            f", replicas={self.replicas}" if self.replicas > 1 else ""
+        extra = (
+            (f", blocks={self.blocks}" if self.blocks else "")
+            + (f", replicas={self.replicas}" if self.replicas > 1 else "")
+            + (f", padded={self.padded}" if self.padded else "")
         )
         return f"Shard({self.dim}{extra})"
 
+    def chunk(self, size: int, n: int) -> int:
+        """Each rank's length of the sharded dim, `size` long globally, over `n` ranks."""
+        return -(-size // (n // self.replicas))  # rounded up: a padded shard's chunk holds its padding
+
     def at(self, dim: int) -> Shard:
         """The same layout on another dim (a transpose, view or unsqueeze moved it)."""
-        return Shard(dim, self.blocks, self.replicas)
+        return Shard(dim, self.blocks, self.replicas, self.padded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,8 +146,9 @@ def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
         full = tuple(params[pname].shape)
         for axis, p in compiled.param_placements[pname].items():
             local = list(full)
+            n = compiled.layout.size(axis)
             if isinstance(p, Shard):
-                local[p.dim] //= compiled.layout.size(axis)
+                local[p.dim] = p.chunk(full[p.dim], n)
             leaf = pname.rsplit(".", 1)[1]
             if pname in compiled.kv_replicas:
                 seen.setdefault(
@@ -157,7 +158,13 @@ def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
                     None,
                 )
                 continue
-            seen.setdefault(f"{leaf} {full} -> {tuple(local)} per rank, {p} over {axis}", None)
+            line = f"{leaf} {full} -> {tuple(local)} per rank, {p} over {axis}"
+            if isinstance(p, Shard) and p.padded:
+                pad = local[p.dim] * n - p.padded
+                line += (
+                    f"; {p.padded} do not divide by {n}: {pad} zero padding at the end, masked by the loss"
+                )
+            seen.setdefault(line, None)
     return list(seen)
 
 

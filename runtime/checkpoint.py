@@ -58,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .export import full_shape, shard_of, unshard
+from .export import Sharding, full_shape, shard_of, unshard
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
@@ -67,10 +67,10 @@ TMP_PREFIX = ".tmp-"
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How this rank's parameters are cut over the tensor axis: name -> (dim, block sizes)."""
+    """How this rank's parameters are cut over the tensor axis."""
 
     tp: dist.ProcessGroup | None = None
-    sharding: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    sharding: Sharding = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -253,10 +253,10 @@ def _make_full(shard: dict, layout: TensorLayout, *, for_load: bool) -> None:
     n = dist.get_world_size(tp)
 
     def full(name: str, local: torch.Tensor) -> torch.Tensor:
-        dim, blocks = layout.sharding[name]
+        cut = layout.sharding[name]
         if for_load:
-            return local.new_empty(full_shape(local, dim, n))
-        return unshard(local.detach(), dim, blocks, tp)
+            return local.new_empty(full_shape(local, cut, n))
+        return unshard(local.detach(), cut, tp)
 
     for name in [k for k in shard["model"] if k in layout.sharding]:
         shard["model"][name] = full(name, shard["model"][name])
@@ -274,8 +274,7 @@ def _keep_local(shard: dict, layout: TensorLayout | None) -> None:
     n, rank = dist.get_world_size(layout.tp), dist.get_rank(layout.tp)
 
     def local(name: str, full: torch.Tensor) -> torch.Tensor:
-        dim, blocks = layout.sharding[name]
-        return shard_of(full, dim, blocks, rank, n).contiguous()
+        return shard_of(full, layout.sharding[name], rank, n).contiguous()
 
     for name in [k for k in shard["model"] if k in layout.sharding]:
         shard["model"][name] = local(name, shard["model"][name])

@@ -248,17 +248,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Per token i with target t over the global vocabulary V, in float32 at least:
         loss_i = (1 - smoothing) * (lse_i - x_it) + smoothing * (lse_i - mean_j x_ij)
     (0 where t is ignore_index), then none / mean over the valid tokens / sum, as ATen.
+    A vocabulary the ranks do not divide (`vocab` < V/world * world) is zero-padded at the end:
+    padded columns are masked out of every sum and get no gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, site, ignore_index, reduction, smoothing):
+    def forward(ctx, logits, target, site, ignore_index, reduction, smoothing, vocab):
         # logits: (N, V/world) this rank's vocab slice; target: (N,) global vocab ids
         group = site.group
         world = dist.get_world_size(group)
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
+        vocab = vocab or local_vocab * world
         ctx.input_dtype = logits.dtype
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: fp32 math
+        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab  # (V/world,)
+        if start + local_vocab > vocab:
+            logits = logits.masked_fill(padding, float("-inf"))
         row_max = logits.max(dim=-1).values
         site.note("all_reduce", "row max")
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -276,16 +282,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lse = sum_exp.log()
         losses = lse - target_logit  # (N,)
         if smoothing:
-            mean_logit = shifted.sum(dim=-1)
+            mean_logit = shifted.masked_fill(padding, 0.0).sum(dim=-1)
             site.note("all_reduce", "logit sum")
             dist.all_reduce(mean_logit, group=group)
-            mean_logit /= local_vocab * world
+            mean_logit /= vocab
             losses = (1 - smoothing) * losses + smoothing * (lse - mean_logit)
         losses = losses.masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)
         softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_target, outside, valid, count)
-        ctx.reduction, ctx.smoothing, ctx.vocab = reduction, smoothing, local_vocab * world
+        ctx.save_for_backward(softmax, local_target, outside, valid, count, padding)
+        ctx.reduction, ctx.smoothing, ctx.vocab = reduction, smoothing, vocab
         if REDUCTIONS[reduction] == "none":
             return losses.to(ctx.input_dtype)
         total = losses.sum()
@@ -293,17 +299,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_target, outside, valid, count = ctx.saved_tensors
+        softmax, local_target, outside, valid, count, padding = ctx.saved_tensors
         grad_logits = softmax.clone()
         if ctx.smoothing:
-            grad_logits -= ctx.smoothing / ctx.vocab
+            grad_logits -= (ctx.smoothing / ctx.vocab) * (~padding).to(grad_logits.dtype)
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_target] -= (1 - ctx.smoothing) * (~outside).to(grad_logits.dtype)
         per_token = valid.to(grad_logits.dtype)  # d total / d loss_i
         if REDUCTIONS[ctx.reduction] == "mean":
             per_token = per_token / count
         grad_logits *= (per_token * grad).unsqueeze(-1)  # grad: () or (N,) for "none"
-        return grad_logits.to(ctx.input_dtype), None, None, None, None, None
+        return grad_logits.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(AxisCollective):
@@ -314,8 +320,11 @@ class VocabParallelCrossEntropy(AxisCollective):
         ignore_index: int = -100,
         reduction: int = 1,
         smoothing: float = 0.0,
+        vocab: int = 0,  # the true vocabulary when the shards are padded; 0: they divide it
     ) -> Tensor:
-        return _VocabParallelCrossEntropy.apply(logits, target, self, ignore_index, reduction, smoothing)
+        return _VocabParallelCrossEntropy.apply(
+            logits, target, self, ignore_index, reduction, smoothing, vocab
+        )
 
 
 def label_collectives(root: nn.Module) -> None:

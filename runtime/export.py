@@ -12,6 +12,7 @@ package; any other suffix is written with `torch.save` (load it with
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,19 @@ from torch import Tensor, nn
 
 from .collectives import all_gather
 
-# parameter name -> (dim, block sizes) of its shard over the tensor axis; () is one block
-Sharding = dict[str, tuple[int, tuple[int, ...]]]
+
+class Cut(NamedTuple):
+    """How a parameter is cut over the tensor axis: along `dim`, each rank holding its chunk of
+    every block (`()` is one block). `size` is the dim's global size when it does not divide by
+    the axis (a vocabulary of 511 over 2 ranks): chunks are ceil(size / n) long, the last ones
+    zero-padded; 0 when it divides."""
+
+    dim: int
+    blocks: tuple[int, ...] = ()
+    size: int = 0
+
+
+Sharding = dict[str, Cut]  # parameter name -> its cut over the tensor axis
 
 
 def consolidate(
@@ -35,30 +47,37 @@ def consolidate(
             continue
         local = tensor.detach()
         if name in sharding and tp is not None:
-            dim, blocks = sharding[name]
-            local = unshard(local, dim, blocks, tp)
+            local = unshard(local, sharding[name], tp)
         out[name] = local.cpu().clone()
     return out
 
 
-def unshard(local: Tensor, dim: int, blocks: tuple[int, ...], tp: dist.ProcessGroup) -> Tensor:
-    """All-gather along `dim`; a blocked shard [q_r, k_r, v_r] is gathered block by block."""
+def unshard(local: Tensor, cut: Cut, tp: dist.ProcessGroup) -> Tensor:
+    """All-gather along the cut's dim; a blocked shard [q_r, k_r, v_r] is gathered block by block,
+    a padded one loses its padding."""
     n = dist.get_world_size(tp)
-    if not blocks:
-        return all_gather(local, dim, tp)
-    pieces = local.split([b // n for b in blocks], dim)  # this rank's chunk of each block
-    return torch.cat([all_gather(piece.contiguous(), dim, tp) for piece in pieces], dim)
+    if not cut.blocks:
+        whole = all_gather(local, cut.dim, tp)
+        return whole.narrow(cut.dim, 0, cut.size) if cut.size else whole
+    pieces = local.split([b // n for b in cut.blocks], cut.dim)  # this rank's chunk of each block
+    return torch.cat([all_gather(piece.contiguous(), cut.dim, tp) for piece in pieces], cut.dim)
 
 
-def shard_of(full: Tensor, dim: int, blocks: tuple[int, ...], rank: int, n: int) -> Tensor:
+def shard_of(full: Tensor, cut: Cut, rank: int, n: int) -> Tensor:
     """This rank's piece of a full tensor cut over `n` ranks (its chunk of each block)."""
-    pieces = full.split(list(blocks), dim) if blocks else (full,)
-    return torch.cat([piece.chunk(n, dim)[rank] for piece in pieces], dim)
+    if cut.size:  # chunks of ceil(size / n), the last ones zero-padded
+        chunk = -(-cut.size // n)
+        start = min(rank * chunk, cut.size)
+        mine = full.narrow(cut.dim, start, min(chunk, cut.size - start))
+        pad = [0, 0] * (full.dim() - 1 - cut.dim) + [0, chunk - mine.shape[cut.dim]]
+        return torch.nn.functional.pad(mine, pad)
+    pieces = full.split(list(cut.blocks), cut.dim) if cut.blocks else (full,)
+    return torch.cat([piece.chunk(n, cut.dim)[rank] for piece in pieces], cut.dim)
 
 
-def full_shape(local: Tensor, dim: int, n: int) -> tuple[int, ...]:
+def full_shape(local: Tensor, cut: Cut, n: int) -> tuple[int, ...]:
     shape = list(local.shape)
-    shape[dim] *= n
+    shape[cut.dim] = cut.size or shape[cut.dim] * n
     return tuple(shape)
 
 

@@ -152,6 +152,9 @@ class _Walk:
                 pp = self.spec.params.get(str(node.target))
                 self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
             elif node.op == "call_function":
+                if self.reads_padding(node):
+                    self.run_whole(node, [a for a in node.all_input_nodes if is_tensor_node(a)])
+                    continue
                 try:
                     _RULES.get(node.target, _Walk.default)(self, node)
                 except GuardOnDataDependentSymNode:
@@ -173,6 +176,16 @@ class _Walk:
             node.meta[REQUIRES_GRAD] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
         elif node.op == "call_function":
             node.meta[REQUIRES_GRAD] = any(self.requires_grad(a) for a in node.all_input_nodes)
+
+    def reads_padding(self, node: fx.Node) -> bool:
+        """Whether `node` reads a padded shard (a vocabulary not divisible by the axis) in a way
+        that could mix the padding into real values: only the LM head's and embedding's own
+        weights, the loss (which masks it) and layout-only ops may; anything else runs whole."""
+        padded = [a for a in node.all_input_nodes if isinstance(p := self.placement(a), Shard) and p.padded]
+        if not padded or node.target in _PADDING_SAFE:
+            return False
+        weights = {aten.linear.default: node.args[1:3], aten.embedding.default: node.args[:1]}
+        return any(a not in weights.get(node.target, ()) for a in padded)
 
     def default(self, node: fx.Node) -> None:
         """Ops without a hand rule: replicated inputs give a replicated output; otherwise
@@ -258,13 +271,18 @@ class _Walk:
                 f"{describe(arg)} holds key/value heads replicated over `{self.axis}` ({have}); "
                 "it can only be repeated to the query heads",
             )
+        if isinstance(target, Shard) and target.padded and have != target:
+            self.error(
+                arg, f"cannot move {describe(arg)} from {have} to a padded {target} over `{self.axis}`"
+            )
         if have == target:
             if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
                 return self.collective("copy_to", arg, None, REPLICATE, because)
             return arg
         if isinstance(have, Shard) and isinstance(target, Replicate):
             kind = "all_gather" if into_sharded else "gather_replicated"
-            return self.collective(kind, arg, have.dim, REPLICATE, because, blocks=len(have.blocks) or 1)
+            whole = self.collective(kind, arg, have.dim, REPLICATE, because, blocks=len(have.blocks) or 1)
+            return self.unpadded(whole, have) if have.padded else whole
         if isinstance(have, Replicate) and isinstance(target, Shard):
             return self.collective("split", arg, target.dim, target, because, blocks=len(target.blocks) or 1)
         self.error(
@@ -273,6 +291,19 @@ class _Walk:
             hint="resharding between two different dims (all-to-all) is not supported yet",
         )
         raise AssertionError("unreachable")
+
+    def unpadded(self, whole: fx.Node, was: Shard) -> fx.Node:
+        """A gathered padded shard without its padding: the first `was.padded` entries of its dim."""
+        key = (whole, "unpad", was.dim, 1)
+        if key not in self.converted:
+            with self.graph.inserting_after(whole):
+                node = self.graph.call_function(aten.slice.Tensor, (whole, was.dim, 0, was.padded))
+            node.meta.update(
+                {k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+            )
+            self.set(node, REPLICATE, whole.meta.get(RULE))
+            self.converted[key] = node
+        return self.converted[key]
 
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
         """Sum a partial result right where it is made (the rule behind it made it partial)."""
@@ -380,10 +411,9 @@ class _Walk:
         """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
         sizes = list(sizes)
         if isinstance(out, Shard) and sizes[out.dim] != -1:
-            pieces = self.n // out.replicas
-            if sizes[out.dim] % pieces:
+            if sizes[out.dim] % (self.n // out.replicas) and not out.padded:
                 raise AssertionError("divisibility is checked when the placement is decided")
-            sizes[out.dim] = sizes[out.dim] // pieces
+            sizes[out.dim] = out.chunk(sizes[out.dim], self.n)
         return sizes
 
 
@@ -488,6 +518,9 @@ def _linear(w: _Walk, node: fx.Node) -> None:
         return
     if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
         w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
+        if wp.padded:  # an LM head over a vocabulary the axis does not divide
+            w.set(node, Shard(last, padded=wp.padded), rule)
+            return
         blocks = w.fuse_blocks(node, last, (weight, bias), weight_dim=0)
         w.set(node, Shard(last, blocks), rule)
         return
@@ -584,8 +617,9 @@ def _cross_entropy(w: _Walk, node: fx.Node) -> None:
             ce = w.graph.call_module(
                 w.module_for("vocab_cross_entropy"),
                 (logits, w_target(w, target), ignore_index)
-                + ((reduction,) if reduction != 1 or smoothing else ())
-                + ((smoothing,) if smoothing else ()),
+                + ((reduction,) if reduction != 1 or smoothing or lp.padded else ())
+                + ((smoothing,) if smoothing or lp.padded else ())
+                + ((lp.padded,) if lp.padded else ()),
             )
         ce.meta.update(node.meta)
         ce.meta[COLLECTIVE] = {
@@ -731,6 +765,22 @@ _ELEMENTWISE = [
 ]
 
 
+# ops that may read a padded shard: they move or cast it, never mix the padding into real values
+_PADDING_SAFE = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.cross_entropy_loss.default,
+}
+
+
 @register(*_ELEMENTWISE)
 def _elementwise(w: _Walk, node: fx.Node) -> None:
     out_ndim = len(shape(node))
@@ -740,9 +790,7 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
             w.use(node, a, w.reduce_partial(a))
     tensors = [a for a in node.all_input_nodes if is_tensor_node(a)]
     dims = set()
-    blocks = {
-        (w.placement(a).blocks, w.placement(a).replicas) for a in tensors if isinstance(w.placement(a), Shard)
-    }
+    blocks = {(p.blocks, p.replicas, p.padded) for a in tensors if isinstance(p := w.placement(a), Shard)}
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -753,7 +801,7 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
     if len(dims) > 1 or len(blocks) > 1:
         w.error(node, f"{describe(node)} combines tensors sharded differently over `{w.axis}`")
     (dim,) = dims
-    ((nblocks, replicas),) = blocks
+    ((nblocks, replicas, padded),) = blocks
     for a in tensors:
         p = w.placement(a)
         if isinstance(p, Shard):
@@ -762,10 +810,10 @@ def _elementwise(w: _Walk, node: fx.Node) -> None:
         spans = a_dim >= 0 and shape(a)[a_dim] != 1
         because = w.rule_for_module(node) or w.rule_near(node)
         if spans:
-            w.use(node, a, w.convert(a, Shard(a_dim, nblocks, replicas), because=because))
+            w.use(node, a, w.convert(a, Shard(a_dim, nblocks, replicas, padded), because=because))
         elif w.requires_grad(a):
             w.use(node, a, w.convert(a, REPLICATE, into_sharded=True, because=because))
-    w.set(node, Shard(dim, nblocks, replicas), w.rule_near(node))
+    w.set(node, Shard(dim, nblocks, replicas, padded), w.rule_near(node))
 
 
 @register(aten.type_as.default)
@@ -877,6 +925,14 @@ def _view(w: _Walk, node: fx.Node) -> None:
         w.set(node, REPLICATE)
         return
     out_dim = _view_dim(shape(x), shape(node), p.dim)
+    if p.padded:  # padded logits keep their vocab dim whole: (B, T, V) -> (B*T, V)
+        if out_dim is None or shape(node)[out_dim] != p.padded:
+            w.run_whole(node, [x])
+            return
+        out = p.at(out_dim)
+        node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
+        w.set(node, out, w.rule_near(node))
+        return
     blocks = p.blocks
     merged = _merged_blocks(shape(x), shape(node), p.dim) if p.replicas == 1 else None
     if out_dim is None and not blocks and merged:
@@ -929,6 +985,9 @@ def _flatten(w: _Walk, node: fx.Node) -> None:
     ndim = len(shape(x))
     start = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
     end = _norm_dim(node.args[2] if len(node.args) > 2 else -1, ndim)
+    if isinstance(p, Shard) and p.padded and start < p.dim <= end:
+        w.run_whole(node, [x])  # a padded dim merged into an outer one would interleave the padding
+        return
     if isinstance(p, Shard):
         merged = (
             _merged_blocks(shape(x), shape(node), p.dim) if start < p.dim <= end and not p.blocks else None

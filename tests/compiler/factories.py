@@ -100,6 +100,8 @@ class GPTWithLoss(gpt.GPT):
             return F.cross_entropy(logits, labels, reduction="sum") / labels.numel()
         if self.loss == "smoothed":
             return F.cross_entropy(logits, labels, label_smoothing=0.1)
+        if self.loss == "log_softmax":  # no vocab-parallel rule: the logits are gathered
+            return -F.log_softmax(logits, dim=-1).gather(1, labels[:, None]).mean()
         per_token = F.cross_entropy(logits, labels, reduction="none")  # (B*T,)
         weights = torch.linspace(0.5, 1.5, per_token.numel())
         return (per_token * weights).mean()
@@ -108,6 +110,21 @@ class GPTWithLoss(gpt.GPT):
 def _gpt_with_loss(loss: str):
     torch.manual_seed(0)
     return GPTWithLoss(gpt.GPTConfig(num_hidden_layers=2), loss)
+
+
+def gpt_odd_vocab():
+    """The example GPT (tied embedding and head) over 511 tokens: no tensor-parallel size divides it."""
+    return gpt.build(vocab_size=511, num_hidden_layers=2)
+
+
+def gpt_odd_vocab_smoothed():
+    torch.manual_seed(0)
+    return GPTWithLoss(gpt.GPTConfig(num_hidden_layers=2, vocab_size=511), "smoothed")
+
+
+def gpt_odd_vocab_log_softmax():
+    torch.manual_seed(0)
+    return GPTWithLoss(gpt.GPTConfig(num_hidden_layers=2, vocab_size=511), "log_softmax")
 
 
 def gpt_sum_loss():

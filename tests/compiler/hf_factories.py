@@ -22,14 +22,14 @@ def hf_llama():
     return LlamaForCausalLM(config)
 
 
-def hf_gpt2():
+def hf_gpt2(vocab_size: int = 256):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_embd=64,
         n_layer=2,
         n_head=4,
-        vocab_size=256,
+        vocab_size=vocab_size,
         n_positions=128,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -39,6 +39,11 @@ def hf_gpt2():
     )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
+
+
+def hf_gpt2_full_vocab():
+    """GPT-2's own vocabulary, 50257 tokens: odd, so every tensor-parallel size pads it."""
+    return hf_gpt2(vocab_size=50257)
 
 
 def _small(config_name: str, model_name: str, **extra):

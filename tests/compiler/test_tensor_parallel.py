@@ -112,6 +112,25 @@ def test_local_shard_of_blocked_placement_takes_a_chunk_of_each_block():
     assert local.tolist() == [[2, 3, 6, 7, 10, 11]]
 
 
+def test_local_shard_of_padded_placement_ends_in_zeros():
+    full = torch.arange(1, 6)  # a vocabulary of 5 over 2 ranks: 3 rows each
+    layout = MeshLayout(("tp",), (2,))
+    shards = [local_shard(full, {"tp": Shard(0, padded=5)}, {"tp": r}, layout) for r in (0, 1)]
+    assert [s.tolist() for s in shards] == [[1, 2, 3], [4, 5, 0]]
+
+
+def test_a_vocabulary_the_axis_does_not_divide_is_padded_and_explained():
+    from meshplan.compiler.printers import explain
+
+    plan = check_text((ROOT / "examples/gpt_tp.plan").read_text(), "gpt_tp.plan")
+    compiled = compile_plan(plan, load_model(f"{HERE}/factories.py:gpt_odd_vocab"))
+    assert compiled.param_placements["wte.weight"] == {"tp": Shard(0, padded=511)}
+    text = explain(compiled)
+    assert "weight (511, 64) -> (256, 64) per rank" in text and "1 zero padding at the end" in text
+    ce = next(n for n in compiled.graph.graph.nodes if str(n.target) == "vocab_cross_entropy_tp")
+    assert ce.args[-1] == 511  # the loss masks the padded logit
+
+
 def test_explicit_head_count_in_view_becomes_local():
     source = load_model(f"{HERE}/factories.py:explicit_heads")
     text = "mesh tp=2\nmodules {\n    {q,k,v}: column over tp\n    out: row over tp\n}\n"

@@ -44,6 +44,7 @@ from meshplan.runtime.mesh import MeshLayout
 from .capture import Captured, ModelSource, capture
 from .graph import for_rank, keep_loss_output, normalize
 from .ledger import DataParallelFacts, Ledger, build_ledger
+from .lint import lint
 from .match import Resolution, resolve
 from .passes.checkpoint import CheckpointError, bind_regions, checkpoint_regions, regions_from
 from .passes.precision import DTYPES, PrecisionSpec, cast_floating, mixed_precision
@@ -79,8 +80,10 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
     captured = capture(traced, source.args, source.kwargs)
     gm = keep_loss_output(normalize(captured.program.module()))
+    lint(gm, layout, after="capture")
     resolution, diagnostics = resolve(plan, captured.modules)
     gm = mixed_precision(gm, _precision_spec(plan, resolution))
+    lint(gm, layout, after="precision")
     tensor_axis, spec, more = _tensor_spec(plan, resolution, source.model, layout)
     diagnostics += more
     warnings: list[Diagnostic] = []
@@ -88,11 +91,13 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
         try:
             gm, found = tensor_parallel(gm, spec)
             diagnostics += found
+            lint(gm, layout, after="tensor-parallel")
         except TensorParallelError as e:
             diagnostics.append(e.diagnostic)
     if not any(d.severity == "error" for d in diagnostics):
         try:
             gm = checkpoint_regions(gm, regions_from(plan, resolution))
+            lint(gm, layout, after="checkpoint")
         except CheckpointError as e:
             diagnostics.append(e.diagnostic)
     diagnostics += check_unsupported(plan, source, resolution)
@@ -102,6 +107,7 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     dp = plan.data_parallel
     if dp is not None and dp.zero > 0 and layout.size(dp.axis) > 1:
         gm = shard_parameters(gm, ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}"))
+        lint(gm, layout, after="zero")
     warnings = [d for d in diagnostics if d.severity == "warning"]
     placements = {name: {tensor_axis: pp.placement} for name, pp in (spec.params if spec else {}).items()}
     rules = {name: pp.rule for name, pp in (spec.params if spec else {}).items() if pp.rule is not None}
@@ -145,7 +151,7 @@ def _data_parallel_facts(
         shape = list(full[name].shape)
         for axis, p in placements.get(name, {}).items():
             if isinstance(p, Shard):
-                shape[p.dim] //= layout.size(axis)
+                shape[p.dim] = p.chunk(shape[p.dim], layout.size(axis))
         params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
     where = f"{dp.span.path}:{dp.span.line}"

@@ -194,6 +194,8 @@ class _Walk:
         if all(isinstance(self.placement(a), Replicate) for a in inputs):
             self.set(node, REPLICATE)
             return
+        if self.heads_shared(node, inputs):
+            return
         strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
         if strategy is None:
             self.run_whole(node, inputs)
@@ -208,6 +210,28 @@ class _Walk:
                 # f: its gradient is partial (a norm weight under sequence parallelism)
                 self.use(node, a, self.convert(a, REPLICATE, into_sharded=True, because=because))
         self.set(node, strategy.output, self.rule_near(node))
+
+    def heads_shared(self, node: fx.Node, inputs: list[fx.Node]) -> bool:
+        """Key/value heads shared by several ranks (`Shard(d, replicas=m)`) through an op that
+        DTensor shards on `d` (complex RoPE on k: view_as_complex, mul, view_as_real): each rank's
+        chunk is computed like any shard's, so ask DTensor as if it were `Shard(d)` and keep the
+        sharing. Only when no other input would have to move. Returns whether it decided `node`."""
+        shared = {a: p for a in inputs if isinstance(p := self.placement(a), Shard) and p.replicas > 1}
+        if not shared or len({p.replicas for p in shared.values()}) > 1:
+            return False
+        (replicas,) = {p.replicas for p in shared.values()}
+        plain = {a: Shard(p.dim, p.blocks) if a in shared else self.placement(a) for a in inputs}
+        # as many distinct chunks as ranks / replicas: that many pieces is what must divide
+        strategy = ask(node.target, node.args, node.kwargs, plain, self.n // replicas)
+        if (
+            strategy is None
+            or any(strategy.inputs.get(a, plain[a]) != plain[a] for a in inputs)
+            or not isinstance(strategy.output, Shard)
+        ):
+            return False
+        out = strategy.output
+        self.set(node, Shard(out.dim, out.blocks, replicas), self.rule_near(node))
+        return True
 
     def run_whole(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         """No rule can run `node` on shards: gather its inputs and run it on whole tensors (every

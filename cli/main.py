@@ -401,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="max global gradient norm, 0 disables, as for `run` (default 1.0)",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=4.0,

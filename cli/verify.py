@@ -54,6 +54,7 @@ class Job:
     batch: int
     seq: int
     lr: float
+    grad_clip: float  # 0: no clipping
     seed: int
     vocab: int  # token ids are drawn from [0, vocab)
     out: str
@@ -147,6 +148,7 @@ def _rank(rank: int, world_size: int, job: Job):
             "--batch", str(job.batch),
             "--seq", str(job.seq),
             "--lr", str(job.lr),
+            "--grad-clip", str(job.grad_clip),
             "--warmup", "1",
             "--seed", str(job.seed),
             "--out", str(Path(job.out) / "partitioned"),
@@ -299,6 +301,7 @@ def verify(
     batch: int = 2,
     seq: int = 32,
     lr: float = 1e-3,
+    grad_clip: float = 1.0,
     seed: int = 0,
     tolerance: float = 4.0,
     timeout_s: float = 900.0,
@@ -327,7 +330,7 @@ def verify(
     vocab = token_range(compiled, source)
 
     with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as out:
-        job = Job(plan_path, model_spec, steps, batch, seq, lr, seed, vocab, out)
+        job = Job(plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out)
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
 
@@ -414,6 +417,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         batch=args.batch,
         seq=args.seq,
         lr=args.lr,
+        grad_clip=args.grad_clip,
         tolerance=args.tolerance,
     )
     print(render(report))
@@ -424,7 +428,8 @@ def render(report: Report) -> str:
     job = report.job
     lines = [
         f"verify {job.plan} on {report.world_size} rank{'s' * (report.world_size != 1)}: {job.steps} steps "
-        f"of `meshplan run`'s AdamW, {job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and micro-step",
+        f"of `meshplan run`'s AdamW ({f'clipped at {job.grad_clip:g}' if job.grad_clip else 'no clipping'}), "
+        f"{job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and micro-step",
     ]
     if report.float64:
         lines.append("  reference  the unpartitioned model in float64")

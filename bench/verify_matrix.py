@@ -1,0 +1,143 @@
+"""Every composition cell on the model families users bring, trained by `meshplan verify`.
+
+    python bench/verify_matrix.py                 # every cell (about 15 minutes on 2 cores)
+    python bench/verify_matrix.py gpt2 llama      # some families
+    python bench/verify_matrix.py --cells tp2 tp4
+
+Families (built in-process from small configs, random weights, no download): Hugging Face
+Llama (GQA), Qwen2 (GQA, q/k/v biases), GPT-2 (Conv1D, fused c_attn, tied), Mixtral (experts
+replicated until expert parallelism lands), BERT MLM (tied decoder bias), PyTorch's DTensor
+test Transformer, and a Llama in plain PyTorch (`nn.RMSNorm`, complex RoPE, sum-reduced loss).
+
+Cells: tp=2, tp=2 + sequence parallelism, tp=4, and dp=2 x tp=2 + SP with ZeRO 1, 2 and 3; the
+plain-PyTorch Llama also with checkpointing and with bf16 compute. Each cell trains 3 AdamW
+steps beside the float64 model and the one-device yardstick (see cli/verify.py) and prints
+the partitioned program's distance to float64 next to the yardstick's; a cell `check`
+refuses prints the refusal. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests/compiler"
+sys.path.insert(0, str(TESTS))
+
+from tp_plans import (  # noqa: E402
+    BERT_RULES,
+    BERT_SEQUENCE,
+    DTENSOR_RULES,
+    DTENSOR_SEQUENCE,
+    GPT2_RULES,
+    GPT2_SEQUENCE,
+    MIXTRAL_RULES,
+    TITAN_RULES,
+    TITAN_SEQUENCE,
+    llama_rules,
+    llama_sequence,
+    plan,
+)
+
+FAMILIES = {  # name: (factory, tensor rules, sequence rules, checkpointed modules)
+    "llama": ("hf_factories.py:hf_llama", llama_rules("model."), llama_sequence("model."), "model.layers.*"),
+    "qwen2": ("hf_factories.py:hf_qwen2", llama_rules("model."), llama_sequence("model."), "model.layers.*"),
+    "gpt2": ("hf_factories.py:hf_gpt2", GPT2_RULES, GPT2_SEQUENCE, "transformer.h.*"),
+    "mixtral": ("hf_factories.py:hf_mixtral", MIXTRAL_RULES, llama_sequence("model."), "model.layers.*"),
+    "bert": ("hf_factories.py:hf_bert_mlm", BERT_RULES, BERT_SEQUENCE, "bert.encoder.layer.*"),
+    "dtensor": ("factories.py:dtensor_transformer", DTENSOR_RULES, DTENSOR_SEQUENCE, "model.layers.*"),
+    "plain_llama": ("factories.py:titan_llama", TITAN_RULES, TITAN_SEQUENCE, "layers.*"),
+}
+
+BF16 = "\nprecision {\n    compute = bf16\n}\n"
+
+
+def zero(stage: int) -> str:
+    return f"\ndata_parallel over dp {{\n    zero = {stage}\n}}\n"
+
+
+def cells(family: str) -> dict[str, str]:
+    """Cell name -> plan text."""
+    _, tensor, sequence, checkpointed = FAMILIES[family]
+    out = {
+        "tp2": plan(tensor),
+        "tp2+sp": plan(tensor + sequence),
+        "tp4": plan(tensor, mesh="tp=4"),
+        **{
+            f"dp2xtp2+sp+zero{s}": plan(tensor + sequence, mesh="dp=2, tp=2", extra=zero(s))
+            for s in (1, 2, 3)
+        },
+    }
+    if family == "plain_llama":
+        composed = plan(
+            tensor + sequence + f"    {checkpointed}: checkpoint\n", mesh="dp=2, tp=2", extra=zero(3)
+        )
+        out["dp2xtp2+sp+zero3+ckpt"] = composed
+        out["tp2 bf16"] = out["tp2"] + BF16
+        out["tp2+sp bf16"] = out["tp2+sp"] + BF16
+        out["dp2xtp2+sp+zero3+ckpt bf16"] = composed + BF16
+    return out
+
+
+def run_cell(family: str, text: str, folder: Path) -> str:
+    """One Markdown row's measurements (everything after the family and cell names)."""
+    from meshplan.compiler.errors import CompileError
+    from meshplan.dsl import PlanError
+    from meshplan.verify import verify
+
+    path = folder / f"{family}.plan"
+    path.write_text(text)
+    start = time.perf_counter()
+    try:
+        report = verify(str(path), f"{TESTS}/{FAMILIES[family][0]}", steps=3)
+    except (PlanError, CompileError) as error:
+        first = str(error).strip().splitlines()
+        return f"refused: {' / '.join(line.strip() for line in first[:2])} | | | | |"
+    seconds = time.perf_counter() - start
+    by_what = {m.what.split(":")[0]: m for m in report.measures}
+
+    def pair(what: str) -> str:
+        m = by_what[what]
+        theirs = f"{m.yardstick:.2e}" if m.yardstick is not None else "—"
+        return f"{m.partitioned:.2e} / {theirs}"
+
+    verdict = "ok" if report.ok else "**FAILED**"
+    if not report.float64:
+        verdict += " (no float64: fixed bounds)"
+    return (
+        f"{verdict} | {pair('losses')} | {pair('gradient norms')} | {pair('weights (whole model)')} | "
+        f"{pair('worst tensor')} | {seconds:.0f} s"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help=f"some of: {', '.join(FAMILIES)} (default: all)")
+    parser.add_argument("--cells", nargs="*", help="only these cells (e.g. tp2 tp4)")
+    args = parser.parse_args()
+    unknown = set(args.families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+    print(
+        "| family | cell | verdict | losses | gradient norms | weights | worst tensor | time |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    print("| | | | partitioned / yardstick: relative distance to float64 after 3 AdamW steps | | | | |")
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families or FAMILIES:
+            for cell, text in cells(family).items():
+                if args.cells and cell not in args.cells:
+                    continue
+                row = run_cell(family, text, Path(tmp))
+                failed += "FAILED" in row
+                print(f"| {family} | {cell} | {row} |", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

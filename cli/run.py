@@ -540,11 +540,12 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.placement import Shard
     from meshplan.dsl import load_plan
+    from meshplan.examples import CORPUS
     from meshplan.runtime.checkpoint import TensorLayout
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
-    from meshplan.runtime.export import Cut
     from meshplan.runtime.mesh import init_mesh
+    from meshplan.runtime.shards import Cut
     from meshplan.runtime.train import Groups
 
     plan = load_plan(args.plan, world_size=world_size)
@@ -597,7 +598,7 @@ def _prepare(args: argparse.Namespace, rank: int, world_size: int) -> Prepared:
     }
     dp_size = layout.size(dp_axis) if dp_axis else 1
     batches = make_batches(
-        args.data,
+        args.data or str(CORPUS),
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,
@@ -655,8 +656,9 @@ def _shard_for_zero(args: argparse.Namespace, program: Any, dp_group: Any, dp_sp
     The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
     ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
     """
+    from meshplan.runtime.buckets import decays
     from meshplan.runtime.data_parallel import broadcast_parameters
-    from meshplan.runtime.train import TrainConfig, decays
+    from meshplan.runtime.train import TrainConfig
     from meshplan.runtime.zero import ZeroConfig, shard_for_zero
 
     # every rank built the same seeded model, but only each rank's own shard survives sharding

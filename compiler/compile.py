@@ -38,8 +38,8 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
-from meshplan.runtime.export import Cut, shard_of
 from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.shards import Cut, shard_of
 
 from .capture import Captured, ModelSource, capture
 from .graph import for_rank, keep_loss_output, normalize
@@ -135,7 +135,7 @@ def _data_parallel_facts(
     dp = plan.data_parallel
     if dp is None:
         return None
-    from meshplan.runtime.train import decays
+    from meshplan.runtime.buckets import decays
 
     full = dict(model.named_parameters(remove_duplicate=False))
     params: dict[str, torch.Tensor] = {}

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from meshplan.runtime.data_parallel import bucket_sizes
+from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.mesh import MeshLayout
-from meshplan.runtime.zero import ZeroGather, ZeroRelease, bucket_params, group_by_kind
+from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from .graph import COLLECTIVE, shape, value
 from .passes.checkpoint import collective_nodes

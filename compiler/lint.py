@@ -26,7 +26,7 @@ from torch import fx
 
 from meshplan.runtime.collectives import AxisCollective, CopyToAxis, KeyValueGroup
 from meshplan.runtime.mesh import MeshLayout
-from meshplan.runtime.zero import ZeroGather, ZeroRelease
+from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from .graph import PLACEMENT, describe, is_tensor_node, shape
 from .placement import Shard

@@ -58,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .export import Sharding, full_shape, shard_of, unshard
+from .shards import Sharding, full_shape, shard_of, unshard
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")

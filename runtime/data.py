@@ -47,13 +47,6 @@ class DataError(ValueError):
     """A problem with the user's data (missing file, too short, bad factory); one line, with a hint."""
 
 
-def default_corpus() -> Path:
-    """The corpus shipped in the repository (and in the wheel, as package data of meshplan.examples)."""
-    import meshplan.examples
-
-    return Path(meshplan.examples.__file__).parent / "data" / "corpus.txt"
-
-
 def read_bytes(path: str | Path) -> Tensor:
     """A text file as a 1-D uint8 tensor of its bytes."""
     p = Path(path)
@@ -111,14 +104,12 @@ def _mix(seed: int, step: int) -> int:
 
 
 def make_batches(
-    spec: str | None, *, batch: int, seq: int, seed: int, dp_rank: int, dp_size: int, accumulation: int
+    spec: str, *, batch: int, seq: int, seed: int, dp_rank: int, dp_size: int, accumulation: int
 ) -> BatchFn:
-    """`spec` is None (the shipped corpus), a text file, or `file.py:factory` (see the module docstring)."""
+    """`spec` is a text file or `file.py:factory` (see the module docstring)."""
     kwargs = dict(
         batch=batch, seq=seq, seed=seed, dp_rank=dp_rank, dp_size=dp_size, accumulation=accumulation
     )
-    if spec is None:
-        return TextBatches.from_file(default_corpus(), **kwargs)
     path, colon, factory = spec.rpartition(":")
     if colon and path.endswith(".py"):
         return _checked(_load_factory(path, factory)(**kwargs), spec, batch, seq)

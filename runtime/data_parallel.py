@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import watchdog
+from .buckets import dp_buckets
 
 
 @dataclass
@@ -164,27 +165,12 @@ def _unique_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def bucket_sizes(params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None) -> list[int]:
-    """Bytes of each bucket `DataParallel` makes of these params, in launch order (for ledgers)."""
-    return [b.nbytes for b in _make_buckets(list(params), bucket_bytes, reduce_dtype)]
-
-
 def _make_buckets(
     params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None
 ) -> list[Bucket]:
-    """Reverse registration order, cut whenever a bucket reaches `bucket_bytes` (at least one param each)."""
-    buckets: list[Bucket] = []
-    current: list[Tensor] = []
-    size = 0
-    for p in reversed(params):
-        current.append(p)
-        size += p.numel() * (reduce_dtype or p.dtype).itemsize
-        if size >= bucket_bytes:
-            buckets.append(Bucket(len(buckets), current, size))
-            current, size = [], 0
-    if current:
-        buckets.append(Bucket(len(buckets), current, size))
-    return buckets
+    return [
+        Bucket(i, ps, nbytes) for i, (ps, nbytes) in enumerate(dp_buckets(params, bucket_bytes, reduce_dtype))
+    ]
 
 
 def _flatten_grads(params: list[Tensor], dtype: torch.dtype | None) -> Tensor:

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import checkpoint, watchdog
+from .buckets import decays
 from .collectives import label_collectives
 from .data_parallel import DataParallel
 from .zero import Zero
@@ -138,11 +139,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     progress = min((step - config.warmup_steps) / span, 1.0)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-
-
-def decays(name: str, param: nn.Parameter) -> bool:
-    """Whether AdamW decays `param`: not 1-D ones (norm weights, biases), as is usual for transformers."""
-    return param.dim() >= 2
 
 
 def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:

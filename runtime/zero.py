@@ -83,6 +83,8 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten
 
 from . import watchdog
+from .buckets import bucket_params, group_by_kind
+from .zero_nodes import ZeroGather, ZeroRelease, graph_units
 
 # torch >= 2.12 names the tensor-in/tensor-out collectives *_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -760,88 +762,6 @@ class Zero:
             self.wait_params()
 
 
-class ZeroGather(nn.Module):
-    """A compiled graph's node before a layer's first parameter use (see the module docstring).
-
-    Stage 3: gather the layer's params (or wait for their prefetch) and prefetch the next
-    layer's; stages 1/2: wait for the all-gather of the layer's updated params. Unbound
-    (no ZeRO engine, e.g. under `meshplan verify`) it does nothing: the params are whole.
-    """
-
-    _is_impure = True  # no output: keep fx's dead-code elimination away from it
-
-    def __init__(self, axis: str, unit: str, params: Sequence[str]) -> None:
-        super().__init__()
-        self.axis, self.unit, self.params = axis, unit, tuple(params)
-        self._engine: Zero | None = None
-        self._index = -1
-
-    def bind(self, engine: Zero | None, index: int) -> None:
-        self._engine, self._index = engine, index
-
-    def forward(self, *params: Tensor) -> None:
-        if self._engine is not None:
-            self._engine.on_gather(self._index)
-
-    def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, unit={self.unit!r}, params={len(self.params)}"
-
-
-class ZeroRelease(nn.Module):
-    """A compiled graph's node on the values leaving a layer, after its last parameter use.
-
-    Forward frees the layer's gathered params (stage 3); the values pass through an
-    autograd function whose backward gathers them again before the layer's backward runs
-    (every gradient into the layer flows through these values). Identity when unbound.
-    """
-
-    def __init__(self, axis: str, unit: str, position: int) -> None:
-        super().__init__()
-        self.axis, self.unit, self.position = axis, unit, position  # position: order in the graph
-        self._engine: Zero | None = None
-        self._index = -1
-
-    def bind(self, engine: Zero | None, index: int) -> None:
-        self._engine, self._index = engine, index
-
-    def forward(self, *values: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if self._engine is None:
-            return values[0] if len(values) == 1 else values
-        out = _Release.apply(self._engine, self._index, *values)
-        return out[0] if len(values) == 1 else out
-
-    def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, unit={self.unit!r}"
-
-
-class _Release(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, engine: Zero, index: int, *values: Tensor) -> tuple[Tensor, ...]:
-        ctx.engine, ctx.index = engine, index
-        engine.on_release(index)
-        return tuple(v.view_as(v) for v in values)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        ctx.engine.before_backward(ctx.index)
-        return (None, None, *grads)
-
-
-def graph_units(module: nn.Module) -> list[tuple[ZeroGather, ZeroRelease | None]]:
-    """The `ZeroGather` nodes a compiled program calls, in program order, each with the
-    `ZeroRelease` of the same layer (None where the layer stays gathered)."""
-    if not isinstance(module, fx.GraphModule):
-        return []
-    releases = {m.unit: m for m in module.modules() if isinstance(m, ZeroRelease)}
-    out = []
-    for node in module.graph.nodes:
-        if node.op == "call_module":
-            target = module.get_submodule(str(node.target))
-            if isinstance(target, ZeroGather):
-                out.append((target, releases.get(target.unit)))
-    return out
-
-
 def shard_for_zero(
     module: nn.Module,
     group: dist.ProcessGroup,
@@ -881,30 +801,6 @@ def shard_for_zero(
 
 
 # ---------------------------------------------------------------------- grouping
-
-
-def bucket_params(
-    params: Sequence[tuple[str, Tensor]], bucket_bytes: int, decays: dict[int, bool]
-) -> list[tuple[list[str], list]]:
-    """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param).
-
-    Decayed and undecayed params (`decays[id(p)]`) fill separate buckets side by side, so
-    the small undecayed ones (norms, biases) do not cut the stream of large ones.
-    """
-    buckets: list[tuple[list[str], list]] = []
-    open_bucket: dict[bool, int] = {}  # decay class -> index of its bucket being filled
-    size: dict[bool, int] = {}
-    for name, p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        kind = decays[id(p)]
-        current = buckets[open_bucket[kind]] if kind in open_bucket else None
-        if current is None or current[1][0].dtype != p.dtype or size[kind] + nbytes > bucket_bytes:
-            buckets.append(([], []))
-            open_bucket[kind], size[kind] = len(buckets) - 1, 0
-        buckets[open_bucket[kind]][0].append(name)
-        buckets[open_bucket[kind]][1].append(p)
-        size[kind] += nbytes
-    return buckets
 
 
 def _unit_modules(module: nn.Module, names: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
@@ -1007,16 +903,6 @@ def _flats(
         )
         for ps in group_by_kind(params, decays)
     ]
-
-
-def group_by_kind(
-    params: Sequence[tuple[str, Tensor]], decays: dict[int, bool]
-) -> list[list[tuple[str, Tensor]]]:
-    """Stage 3: a unit's params split by dtype and decay class, each group one flat."""
-    by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, Tensor]]] = {}
-    for name, p in params:
-        by_kind.setdefault((p.dtype, decays[id(p)]), []).append((name, p))
-    return list(by_kind.values())
 
 
 def _unique(flats: Iterable[_Flat]) -> list[_Flat]:

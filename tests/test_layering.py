@@ -1,5 +1,8 @@
-"""The layering rules (STYLE.md): `dsl` imports neither torch nor `compiler` nor `runtime`;
-`runtime` imports neither `dsl` nor `compiler`; `compiler` may import both.
+"""The layering rules (STYLE.md, docs/ARCHITECTURE.md): `dsl` imports neither torch nor
+`compiler` nor `runtime`; `runtime` imports neither `dsl` nor `compiler`, nor `examples` nor
+the command line; `compiler` imports from `runtime` only the library compiled programs are
+made of (collectives, ZeRO nodes, the mesh, how tensors are cut and parameters grouped),
+never the training loop, the engines, checkpoints or export; only `cli` composes them all.
 
 Checked statically on every .py file under dsl/ and runtime/ (so a lazy import inside a
 function counts too), and at run time for the promise users see: `import meshplan.dsl`
@@ -18,10 +21,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+CLI = tuple(f"meshplan.{p.stem}" for p in sorted((REPO / "cli").glob("*.py")) if p.stem != "__init__")
+# what compiled programs are made of: the only runtime modules the compiler may import
+PROGRAM_LIBRARY = {"collectives", "zero_nodes", "mesh", "shards", "buckets", "__init__"}
+RUNTIME_ENGINE = tuple(
+    f"meshplan.runtime.{p.stem}"
+    for p in sorted((REPO / "runtime").glob("*.py"))
+    if p.stem not in PROGRAM_LIBRARY
+)
+
 # folder -> (its import name, the import names it must not use, with their submodules)
 RULES = {
     "dsl": ("meshplan.dsl", ("torch", "meshplan.compiler", "meshplan.runtime", "compiler", "runtime")),
-    "runtime": ("meshplan.runtime", ("meshplan.dsl", "meshplan.compiler", "dsl", "compiler")),
+    "runtime": (
+        "meshplan.runtime",
+        ("meshplan.dsl", "meshplan.compiler", "dsl", "compiler", "meshplan.examples", "examples", *CLI),
+    ),
+    "compiler": ("meshplan.compiler", (*RUNTIME_ENGINE, "meshplan.examples", *CLI)),
 }
 
 
@@ -136,3 +152,18 @@ def test_importing_and_using_the_dsl_does_not_load_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_compiler_may_use_the_program_library_but_not_the_engines() -> None:
+    forbidden = RULES["compiler"][1]
+    uses = imported_modules(
+        "from meshplan.runtime.collectives import COLLECTIVES\nfrom meshplan.runtime.shards import Cut\n"
+        "from meshplan.runtime.train import make_optimizer\nfrom ..runtime import zero\n",
+        "meshplan.compiler.compile",
+        is_package=False,
+    )
+    assert _violations(uses, forbidden) == [
+        "meshplan.runtime.train",
+        "meshplan.runtime.train.make_optimizer",
+        "meshplan.runtime.zero",
+    ]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from meshplan.runtime.zero import ZeroGather, ZeroRelease
+from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node
 

@@ -16,7 +16,7 @@ from meshplan.compiler.lint import GraphLintError, lint
 from meshplan.compiler.placement import Shard
 from meshplan.dsl.check import check_text
 from meshplan.runtime.mesh import MeshLayout
-from meshplan.runtime.zero import ZeroRelease
+from meshplan.runtime.zero_nodes import ZeroRelease
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = "meshplan.examples.models.gpt:build"

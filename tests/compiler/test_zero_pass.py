@@ -10,7 +10,7 @@ from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.compiler.passes.zero import unit_of
 from meshplan.dsl.check import check_text
-from meshplan.runtime.zero import ZeroGather, ZeroRelease
+from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 GPT = "meshplan.examples.models.gpt:build"  # embedding and LM head are one tied parameter
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
+from meshplan.examples import CORPUS
+from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer
 
 
@@ -17,7 +18,7 @@ def single_device_losses(
     on the shipped corpus, each on the whole global batch of `batch` sequences; `model` is trained
     in place and the losses returned."""
     optimizer = make_optimizer(model, cfg)
-    batches = TextBatches(read_bytes(default_corpus()), batch=batch, seq=seq, seed=0)
+    batches = TextBatches(read_bytes(CORPUS), batch=batch, seq=seq, seed=0)
     losses = []
     for step in range(cfg.steps):
         for group in optimizer.param_groups:

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshplan.examples import CORPUS
 from meshplan.examples.models.llama import build
 from meshplan.runtime import checkpoint
-from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
+from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.train import Groups, TrainConfig, train
@@ -80,7 +81,7 @@ class Crash(RuntimeError):
 
 
 def resume_worker(rank: int, world_size: int, tmp: str) -> dict[str, list[float]]:
-    tokens = read_bytes(default_corpus())
+    tokens = read_bytes(CORPUS)
 
     def run(run_dir: str, *, save_every: int = 0, resume: bool = False, crash_at: int | None = None):
         model = build(num_hidden_layers=1)

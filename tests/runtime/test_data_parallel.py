@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshplan.examples import CORPUS
 from meshplan.examples.models.llama import build
-from meshplan.runtime.data import TextBatches, default_corpus, read_bytes
+from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.train import Groups, TrainConfig, lr_at, make_optimizer, train
@@ -102,7 +103,7 @@ def data_parallel_run(rank: int, tokens: torch.Tensor, cfg: TrainConfig, micro_b
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict:
-    tokens = read_bytes(default_corpus())
+    tokens = read_bytes(CORPUS)
     ref_losses, ref_params = reference(tokens, config(tmp, "ref", 1))
     plain = data_parallel_run(rank, tokens, config(tmp, "dp", 1), micro_batch=GLOBAL_BATCH // 2)
     accumulated = data_parallel_run(rank, tokens, config(tmp, "acc", 4), micro_batch=GLOBAL_BATCH // 8)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshplan.examples import CORPUS
 from meshplan.examples.models import llama
-from meshplan.runtime.data import TextBatches, default_corpus
+from meshplan.runtime.data import TextBatches
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def test_tensor_parallel_run_exports_a_loadable_state_dict(tmp_path, suffix):
     assert set(model.state_dict()) - set(state) <= {"lm_head.weight"}  # safetensors keeps one name per tie
     assert not torch.equal(model.lm_head.weight, untrained.lm_head.weight)
     # the trained weights, put back together from both ranks' shards, predict the corpus better
-    batch = TextBatches.from_file(default_corpus(), batch=4, seq=32, seed=123)
+    batch = TextBatches.from_file(CORPUS, batch=4, seq=32, seed=123)
     input_ids, labels = batch(0, 0)
     with torch.no_grad():
         assert model(input_ids, labels) < untrained(input_ids, labels) - 1.0

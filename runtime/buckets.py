@@ -1,0 +1,79 @@
+"""How parameters are grouped for communication: one rule, shared by the data-parallel and
+ZeRO engines and by the compiler's ledger, so the ledger's bytes are the engines' by
+construction (tests compare them with what was issued).
+
+- `decays`: which parameters AdamW decays; the others get flats and buckets of their own;
+- `dp_buckets`: `DataParallel`'s gradient buckets;
+- `bucket_params`: ZeRO-1/2's flats (gradient buckets by dtype and decay class);
+- `group_by_kind`: a ZeRO-3 unit's flats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def decays(name: str, param: nn.Parameter) -> bool:
+    """Whether AdamW decays `param`: not 1-D ones (norm weights, biases), as is usual for transformers."""
+    return param.dim() >= 2
+
+
+def dp_buckets(
+    params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None
+) -> list[tuple[list[Tensor], int]]:
+    """`DataParallel`'s buckets, in launch order: (params, bytes on the wire in the reduce dtype).
+    Reverse registration order, cut whenever a bucket reaches `bucket_bytes` (at least one param each)."""
+    buckets: list[tuple[list[Tensor], int]] = []
+    current: list[Tensor] = []
+    size = 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * (reduce_dtype or p.dtype).itemsize
+        if size >= bucket_bytes:
+            buckets.append((current, size))
+            current, size = [], 0
+    if current:
+        buckets.append((current, size))
+    return buckets
+
+
+def bucket_sizes(params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None) -> list[int]:
+    """Bytes of each bucket `DataParallel` makes of these params, in launch order (for ledgers)."""
+    return [nbytes for _, nbytes in dp_buckets(params, bucket_bytes, reduce_dtype)]
+
+
+def bucket_params(
+    params: Sequence[tuple[str, Tensor]], bucket_bytes: int, decays: dict[int, bool]
+) -> list[tuple[list[str], list]]:
+    """Consecutive same-dtype params, in reverse order, up to `bucket_bytes` each (at least one param).
+
+    Decayed and undecayed params (`decays[id(p)]`) fill separate buckets side by side, so
+    the small undecayed ones (norms, biases) do not cut the stream of large ones.
+    """
+    buckets: list[tuple[list[str], list]] = []
+    open_bucket: dict[bool, int] = {}  # decay class -> index of its bucket being filled
+    size: dict[bool, int] = {}
+    for name, p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        kind = decays[id(p)]
+        current = buckets[open_bucket[kind]] if kind in open_bucket else None
+        if current is None or current[1][0].dtype != p.dtype or size[kind] + nbytes > bucket_bytes:
+            buckets.append(([], []))
+            open_bucket[kind], size[kind] = len(buckets) - 1, 0
+        buckets[open_bucket[kind]][0].append(name)
+        buckets[open_bucket[kind]][1].append(p)
+        size[kind] += nbytes
+    return buckets
+
+
+def group_by_kind(
+    params: Sequence[tuple[str, Tensor]], decays: dict[int, bool]
+) -> list[list[tuple[str, Tensor]]]:
+    """Stage 3: a unit's params split by dtype and decay class, each group one flat."""
+    by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, Tensor]]] = {}
+    for name, p in params:
+        by_kind.setdefault((p.dtype, decays[id(p)]), []).append((name, p))
+    return list(by_kind.values())

@@ -46,6 +46,7 @@ _STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]
     "gather_replicated": ((("all_gather", 1),), ()),
     "reduce_scatter": ((("reduce_scatter", 1),), (("all_gather", 1),)),
     "split": ((), (("all_gather", 1),)),
+    "all_to_all": ((("all_to_all", 1),), (("all_to_all", 1),)),
     "vocab_embedding": ((), ()),
     "vocab_cross_entropy": ((("all_reduce", 3),), ()),
 }

@@ -18,6 +18,7 @@ Each forward collective has its conjugate in backward (Megatron's f/g pairs):
     ReduceScatter(dim)     reduce-scatter on dim   all-gather on dim
     Split(dim)             take the local chunk    all-gather on dim
         (these four also take `blocks`: dim cut into equal blocks, each block sharded)
+    AllToAll(src, dst)     shard on src -> on dst  shard on dst -> on src   (Ulysses, expert dispatch)
     VocabParallelEmbedding lookup of the local vocab rows, partial sums; the caller reduces
     VocabParallelCrossEntropy  cross-entropy over vocab-sharded logits (3 small all-reduces)
 
@@ -61,6 +62,17 @@ def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
     _reduce_scatter(out, moved, group=group)
     return out.movedim(0, dim)
+
+
+def all_to_all(x: Tensor, src: int, dst: int, group: dist.ProcessGroup) -> Tensor:
+    """A shard on `src` -> a shard on `dst`: `x` (this rank's chunk of `src`) is cut into `world`
+    pieces along `dst`, piece j sent to rank j; the pieces received (every rank's chunk of `src`,
+    this rank's of `dst`) are laid side by side along `src`: (.., S/n, .., D, ..) -> (.., S, .., D/n, ..)."""
+    world = dist.get_world_size(group)
+    sends = [piece.contiguous() for piece in x.chunk(world, dst)]
+    received = [torch.empty_like(sends[0]) for _ in range(world)]
+    dist.all_to_all(received, sends, group=group)
+    return torch.cat(received, src)
 
 
 def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
@@ -129,6 +141,19 @@ class _Split(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.site.note("all_gather", "backward")
         return all_gather(grad, ctx.dim, ctx.site.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, site):
+        ctx.src, ctx.dst, ctx.site = src, dst, site
+        site.note("all_to_all")
+        return all_to_all(x, src, dst, site.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.site.note("all_to_all", "backward")
+        return all_to_all(grad, ctx.dst, ctx.src, ctx.site.group), None, None, None
 
 
 def _in_blocks(op, x: Tensor, dim: int, blocks: int) -> Tensor:
@@ -204,6 +229,14 @@ class Split(AxisCollective):
 
     def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
         return _in_blocks(lambda t, d: _Split.apply(t, d, self), x, dim, blocks)
+
+
+class AllToAll(AxisCollective):
+    """A shard on one dim -> a shard on another, without ever holding the whole tensor; backward
+    is the reverse all-to-all."""
+
+    def forward(self, x: Tensor, src: int, dst: int) -> Tensor:
+        return _AllToAll.apply(x, src, dst, self)
 
 
 class KeyValueGroup(AxisCollective):
@@ -342,6 +375,7 @@ COLLECTIVES: dict[str, type[AxisCollective]] = {
     "gather_replicated": GatherReplicated,
     "reduce_scatter": ReduceScatter,
     "split": Split,
+    "all_to_all": AllToAll,
     "kv_group": KeyValueGroup,
     "vocab_embedding": VocabParallelEmbedding,
     "vocab_cross_entropy": VocabParallelCrossEntropy,

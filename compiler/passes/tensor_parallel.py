@@ -107,7 +107,7 @@ class _Walk:
         self.gm, self.graph, self.spec = gm, gm.graph, spec
         self.axis, self.n = spec.axis, spec.size
         self.diagnostics: list[Diagnostic] = []
-        self.converted: dict[tuple[fx.Node, str, int | None, int], fx.Node] = {}
+        self.converted: dict[tuple[fx.Node, str, int | None, int, int | None], fx.Node] = {}
         # (rows, blocks) of the token dim once a sequence shard is flattened with the batch:
         # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
         self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
@@ -309,16 +309,19 @@ class _Walk:
             return self.unpadded(whole, have) if have.padded else whole
         if isinstance(have, Replicate) and isinstance(target, Shard):
             return self.collective("split", arg, target.dim, target, because, blocks=len(target.blocks) or 1)
+        if isinstance(have, Shard) and isinstance(target, Shard) and not (have.blocks or target.blocks):
+            return self.collective("all_to_all", arg, have.dim, target, because, to=target.dim)
         self.error(
             arg,
             f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
-            hint="resharding between two different dims (all-to-all) is not supported yet",
+            hint="a blocked shard (a fused projection's, or a sequence flattened with the batch) "
+            "moves to another dim only through a whole tensor",
         )
         raise AssertionError("unreachable")
 
     def unpadded(self, whole: fx.Node, was: Shard) -> fx.Node:
         """A gathered padded shard without its padding: the first `was.padded` entries of its dim."""
-        key = (whole, "unpad", was.dim, 1)
+        key = (whole, "unpad", was.dim, 1, None)
         if key not in self.converted:
             with self.graph.inserting_after(whole):
                 node = self.graph.call_function(aten.slice.Tensor, (whole, was.dim, 0, was.padded))
@@ -376,14 +379,18 @@ class _Walk:
         because: PlanRule | None = None,
         *,
         blocks: int = 1,
+        to: int | None = None,
     ) -> fx.Node:
         """A `kind` collective of `arg` over the axis; `blocks` > 1 runs it on each of that many
-        equal blocks of `dim` (a sequence shard flattened with the batch)."""
-        key = (arg, kind, dim, blocks)
+        equal blocks of `dim` (a sequence shard flattened with the batch); `to` is an all-to-all's
+        destination dim."""
+        key = (arg, kind, dim, blocks, to)
         if key in self.converted:
             return self.converted[key]
         name = self.module_for(kind)
         args = (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
+        if to is not None:
+            args = (arg, dim, to)
         with self.graph.inserting_after(arg):
             node = self.graph.call_module(name, args)
         node.meta.update(
@@ -877,10 +884,26 @@ def _reduce(w: _Walk, node: fx.Node) -> None:
 def _softmax(w: _Walk, node: fx.Node) -> None:
     x = node.args[0]
     p = w.placement(x)
+    if isinstance(p, Partial):
+        p = w.placement(w.use(node, x, w.reduce_partial(x)))
     dim = _norm_dim(node.args[1], len(shape(x)))
-    if isinstance(p, Shard) and p.dim == dim:
-        w.error(node, f"{describe(node)} normalizes over dim {dim}, which is sharded over `{w.axis}`")
-    w.set(node, p if not isinstance(p, Partial) else REPLICATE, w.rule_near(node))
+    if isinstance(p, Shard) and p.dim == dim:  # move the shard to another dim: one all-to-all
+        other = _another_dim(w, node.args[0], p, dim)
+        if other is None:
+            w.error(node, f"{describe(node)} normalizes over dim {dim}, which is sharded over `{w.axis}`")
+        p = Shard(other)
+        w.use(node, node.args[0], w.convert(node.args[0], p, because=w.rule_near(node)))
+    w.set(node, p, w.rule_near(node))
+
+
+def _another_dim(w: _Walk, x: fx.Node, p: Shard, busy: int) -> int | None:
+    """The dim a plain shard of `x` can move to when an op needs `busy` whole: the largest other
+    dim the axis divides (the all-to-all's pieces stay large), or None."""
+    if p.blocks or p.replicas > 1 or p.padded:
+        return None
+    sizes = shape(x)
+    free = [d for d, s in enumerate(sizes) if d != busy and isinstance(s, int) and s % w.n == 0]
+    return max(free, key=lambda d: (sizes[d], d), default=None)
 
 
 @register(aten.layer_norm.default)

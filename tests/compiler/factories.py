@@ -260,3 +260,31 @@ def llama_gqa():
     return llama.build(
         num_attention_heads=8, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2
     )
+
+
+class TokenMix(nn.Module):
+    """A toy whose activations must move between dims while sharded: an MLP whose row split
+    reduce-scatters onto tokens (sequence parallelism), a norm on the token shards, a softmax
+    over the tokens (which cannot stay sharded there), a softmax over the features (which
+    cannot be sharded there either)."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.down(torch.nn.functional.gelu(self.up(self.embed(input_ids))))  # (B, T, H)
+        x = self.norm(x)
+        x = torch.softmax(x, dim=1)  # over tokens
+        x = torch.softmax(x * 4.0, dim=2)  # over features
+        logits = self.head(x)  # (B, T, V)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def token_mix():
+    torch.manual_seed(0)
+    return TokenMix()

@@ -131,6 +131,20 @@ def test_a_vocabulary_the_axis_does_not_divide_is_padded_and_explained():
     assert ce.args[-1] == 511  # the loss masks the padded logit
 
 
+def test_a_shard_moves_between_dims_by_all_to_all():
+    """Sequence shards (dim 1) reach a softmax over the tokens: one all-to-all moves them to the
+    feature dim; the next softmax, over the features, moves them back. Numerics: test_tp_parity."""
+    text = (
+        "mesh tp=2\nmodules {\n    up: column over tp\n    down: row over tp\n    norm: sequence over tp\n}\n"
+    )
+    compiled = compile_text(text, load_model(f"{HERE}/factories.py:token_mix"))
+    moves = [n.args[1:] for n in compiled.graph.graph.nodes if str(n.target) == "all_to_all_tp"]
+    assert moves == [(1, 2), (2, 1)]
+    rows = [r for r in compiled.ledger.rows if r.op == "all_to_all"]
+    assert sorted((r.phase, r.count) for r in rows) == [("backward", 1)] * 2 + [("forward", 1)] * 2
+    assert all(r.bytes == 2 * 16 * 16 * 4 for r in rows)
+
+
 def test_explicit_head_count_in_view_becomes_local():
     source = load_model(f"{HERE}/factories.py:explicit_heads")
     text = "mesh tp=2\nmodules {\n    {q,k,v}: column over tp\n    out: row over tp\n}\n"

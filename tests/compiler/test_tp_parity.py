@@ -28,6 +28,9 @@ modules {
 """
 
 GPT_TP = (ROOT / "examples/gpt_tp.plan").read_text()
+TOKEN_MIX = (
+    "mesh tp=2\n\nmodules {\n    up: column over tp\n    down: row over tp\n    norm: sequence over tp\n}\n"
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +60,8 @@ def cases(rank: int, world_size: int) -> dict[str, dict]:
             name: grad_parity(rank, world_size, GPT_TP, f"{HERE}/factories.py:{name}", "float64")
             for name in ("gpt_odd_vocab", "gpt_odd_vocab_smoothed", "gpt_odd_vocab_log_softmax")
         },
+        # a sequence shard moved to the feature dim and back by all-to-alls (softmax over tokens)
+        "token_mix": grad_parity(rank, world_size, TOKEN_MIX, f"{HERE}/factories.py:token_mix", "float64"),
         # qkv_proj cut into slices of sizes (64, 32, 32): each rank holds half of each
         "phi3_fused": grad_parity(rank, world_size, PHI3_TP, f"{HERE}/hf_factories.py:hf_phi3", "float64"),
     }
@@ -71,6 +76,8 @@ def test_rewrites_are_exact_in_float64():
             # gradient, hence 1e-10 rather than 1e-12 on gradients.
             loss, grad = (1e-6, 1e-6) if case == "phi3_fused" else (1e-12, 1e-10)
             assert r["loss"] <= loss and r["grad"] <= grad, (case, r)
+            if case == "token_mix":
+                assert "all_to_all_tp" in r["collectives"], r["collectives"]
             if case.startswith("gpt") and not case.endswith("log_softmax"):  # the logits are never gathered
                 assert "vocab_cross_entropy_tp" in r["collectives"], (case, r["collectives"])
                 assert "gather_replicated_tp" not in r["collectives"], (case, r["collectives"])

@@ -178,7 +178,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--rank {args.rank} is outside the compiled world of {world} ranks (0..{world - 1})"
         )
-    code = (folder / f"rank{args.rank}.py").read_text(encoding="utf-8")
+    from meshplan.compiler.printers import rank_line
+
+    program = folder / "program.py"
+    if not program.is_file():
+        raise UsageError(f"{folder} holds no program.py: compile it again with this meshplan")
+    mesh = manifest["mesh"]
+    code = rank_line(list(mesh), list(mesh.values()), args.rank) + "\n" + program.read_text(encoding="utf-8")
     title = f"{manifest['plan']}: rank {args.rank} of {world}"
     if args.format == "text":
         print(_highlight(code) if _use_color(sys.stdout) else code, end="")
@@ -346,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "compile",
         cmd_compile,
-        "compile a plan for a model: per-rank code, resolved plan, collective ledger",
+        "compile a plan for a model: the program every rank runs, resolved plan, collective ledger",
         """
              meshplan compile examples/llama_tp.plan --model examples/models/llama.py:build -o build/llama_tp
              meshplan inspect build/llama_tp --rank 1

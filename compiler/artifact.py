@@ -4,16 +4,23 @@ DIR/manifest.json     what was compiled: plan, model, mesh, versions
 DIR/plan.txt          the resolved plan: mesh sizes, per-parameter placements
 DIR/explain.txt       rule by rule: matched modules, local shapes, collectives
 DIR/ledger.txt        collectives per step (and ledger.json, machine-readable)
-DIR/rank{R}.py        each rank's program as readable Python, collectives marked
+DIR/program.py        the program every rank runs, as readable Python, collectives marked
 DIR/graph.json        the graph with placements, for `meshplan inspect`
+
+One program serves every rank (SPMD): a rank binds its own shards and process groups, its
+mesh coordinates, when the program is built, so the artifact's size and the time to write it
+do not grow with the mesh. The manifest names the plan and the model by content (hashes of
+the plan text and of the model's structure), not by where they were on the compiling machine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from meshplan import __version__
 
@@ -27,8 +34,10 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
     manifest = {
         "meshplan": __version__,
         "torch": torch.__version__,
-        "plan": compiled.plan.path,
+        "plan": Path(compiled.plan.path).name,
+        "plan_sha256": hashlib.sha256(compiled.plan.source.encode()).hexdigest(),
         "model": model_spec,
+        "model_sha256": model_fingerprint(compiled.captured.model),
         "mesh": dict(zip(layout.names, layout.sizes, strict=True)),
         "world_size": layout.world_size,
         "tensor_axis": compiled.tensor_axis,
@@ -43,17 +52,27 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
         "ledger.json": json.dumps(compiled.ledger.to_json(), indent=1) + "\n",
         "graph.json": json.dumps(graph_records(compiled), indent=1) + "\n",
     }
-    for rank in range(layout.world_size):
-        written[f"rank{rank}.py"] = annotated_code(compiled, rank)
+    written["program.py"] = annotated_code(compiled)
     for name, text in written.items():
         (out / name).write_text(text, encoding="utf-8")
     return [out / name for name in written]
 
 
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's structure: every module's path and type, every parameter's and
+    buffer's name, shape and dtype (not the values: a retrained model is the same structure)."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__qualname__}\n".encode())
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\n".encode())
+    return digest.hexdigest()
+
+
 def resolved_plan(compiled: Compiled) -> str:
     layout = compiled.layout
     lines = [
-        f"# resolved from {compiled.plan.path}",
+        f"# resolved from {Path(compiled.plan.path).name}",
         "mesh " + ", ".join(f"{n}={s}" for n, s in zip(layout.names, layout.sizes, strict=True)),
         "",
     ]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import html
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from meshplan.dsl.fmt import action_text
+from meshplan.runtime.mesh import MeshLayout
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape
@@ -198,15 +200,23 @@ def ledger_table(compiled: Compiled) -> str:
     return "\n".join(lines) + "\n"
 
 
-def annotated_code(compiled: Compiled, rank: int) -> str:
-    """The rank's program as Python, each collective and checkpointed region marked on the right,
-    followed by the code of each checkpointed region."""
-    coords = compiled.layout.coords(rank)
+def rank_line(names: Sequence[str], sizes: Sequence[int], rank: int) -> str:
+    """`# meshplan rank 5 of 8: dp=1, pp=0, tp=1`: where a rank sits in the mesh."""
+    layout = MeshLayout(tuple(names), tuple(sizes))
+    coords = ", ".join(f"{k}={v}" for k, v in layout.coords(rank).items())
+    return f"# meshplan rank {rank} of {layout.world_size}: {coords}"
+
+
+def annotated_code(compiled: Compiled) -> str:
+    """The program every rank runs (SPMD) as Python, each collective and checkpointed region
+    marked on the right, followed by the code of each checkpointed region. A rank binds its
+    own shards and process groups (its mesh coordinates) when the program is built."""
+    layout = compiled.layout
+    mesh = ", ".join(f"{n}={s}" for n, s in zip(layout.names, layout.sizes, strict=True))
     header = [
-        f"# meshplan rank {rank} of {compiled.layout.world_size}: "
-        + ", ".join(f"{k}={v}" for k, v in coords.items()),
-        f"# plan: {compiled.plan.path}",
-        "# parameters are this rank's shards; collectives are marked on the right",
+        f"# meshplan program for every rank of `mesh {mesh}` ({layout.world_size} ranks)",
+        f"# plan: {Path(compiled.plan.path).name}",
+        "# parameters are each rank's shards; collectives are marked on the right",
     ]
     sections = [_annotated(compiled.graph, compiled.ledger)]
     for call, region in region_modules(compiled.graph):

@@ -42,13 +42,30 @@ def expect(name: str, text: str) -> None:
 def test_compile_writes_the_artifact(compiled_dir):
     names = {p.name for p in compiled_dir.iterdir()}
     assert {"manifest.json", "plan.txt", "explain.txt", "ledger.txt", "ledger.json", "graph.json"} <= names
-    assert {"rank0.py", "rank1.py"} <= names
+    assert "program.py" in names and not any(n.startswith("rank") for n in names)  # one program (SPMD)
     manifest = json.loads((compiled_dir / "manifest.json").read_text())
     assert manifest["mesh"] == {"tp": 2} and manifest["collectives_per_step"] == 48
+    assert manifest["plan"] == "llama_tp.plan" and len(manifest["plan_sha256"]) == 64
+    assert str(ROOT) not in (compiled_dir / "manifest.json").read_text()  # movable: no absolute paths
 
 
-def test_rank_code_golden(compiled_dir):
-    expect("llama_tp_rank0.expect", (compiled_dir / "rank0.py").read_text())
+def test_the_artifact_does_not_grow_with_the_mesh(tmp_path):
+    """dp=512 x tp=2 (1,024 ranks) writes what dp=1 x tp=2 writes, within a few bytes of mesh sizes."""
+    tp = (ROOT / "examples/llama_tp.plan").read_text()
+    sizes = {}
+    for dp in (1, 512):
+        plan = tmp_path / f"dp{dp}.plan"
+        plan.write_text(tp.replace("mesh tp=2", f"mesh dp={dp}, tp=2") + "\ndata_parallel over dp {}\n")
+        out = tmp_path / f"dp{dp}"
+        assert main(["compile", str(plan), "--model", LLAMA, "-o", str(out)]) == 0
+        files = list(out.iterdir())
+        sizes[dp] = (len(files), sum(f.stat().st_size for f in files))
+    assert sizes[1][0] == sizes[512][0]
+    assert abs(sizes[512][1] - sizes[1][1]) <= 0.1 * sizes[1][1], sizes
+
+
+def test_program_code_golden(compiled_dir):
+    expect("llama_tp_program.expect", (compiled_dir / "program.py").read_text())
 
 
 def test_ledger_golden(compiled_dir):

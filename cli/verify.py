@@ -9,7 +9,7 @@ Three trainings on the same batches of random token ids (over the whole vocabula
 scaling):
 
 - **partitioned**: the real program on as many gloo processes as the mesh has ranks, built by
-  `meshplan run`'s worker setup (`_prepare`), its weights consolidated as `run --export` writes them;
+  `meshplan run`'s worker setup (`session.open_session`), its weights consolidated as `run --export` writes them;
 - **reference**: the unpartitioned model in float64 (complex tensors in complex128);
 - **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
   weights, the plan's precision policy and nothing else): rounding alone.
@@ -138,7 +138,8 @@ def _rank(rank: int, world_size: int, job: Job):
     import torch
     import torch.distributed as dist
 
-    from meshplan.run import _prepare, _train, build_parser, consolidated_state, train_config
+    from meshplan.run import build_parser
+    from meshplan.session import consolidated_state, open_session, train_config, train_session
 
     args = build_parser().parse_args(
         [
@@ -154,12 +155,12 @@ def _rank(rank: int, world_size: int, job: Job):
             "--out", str(Path(job.out) / "partitioned"),
         ]
     )  # fmt: skip
-    prepared = _prepare(args, rank, world_size)
+    prepared = open_session(args, rank, world_size)
     dp = prepared.groups.dp
     dp_rank, dp_size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
     batches = token_batches(job, dp_rank=dp_rank, dp_size=dp_size, accumulation=prepared.accumulation)
     prepared = replace(prepared, batches=batches)
-    summary = _train(args, prepared, show_progress=False)
+    summary = train_session(args, prepared, show_progress=False)
     weights = consolidated_state(prepared)
     if rank != 0:
         return None
@@ -190,7 +191,7 @@ def _named_weights(module) -> dict[str, Any]:
 def _eager_loss(model, source, dtype=None) -> Callable:
     """The model's own forward, called as `run` calls the program; float inputs cast to `dtype`."""
     from meshplan.compiler.graph import find_loss
-    from meshplan.run import call_inputs
+    from meshplan.session import call_inputs
 
     def cast(x):
         return (
@@ -214,7 +215,7 @@ def _one_device_program(plan, source):
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.graph import find_loss
     from meshplan.dsl.check import MeshSpec
-    from meshplan.run import call_inputs
+    from meshplan.session import call_inputs
 
     mesh = MeshSpec(tuple(replace(a, size=1) for a in plan.mesh.axes), plan.mesh.span)
     alone = replace(plan, mesh=mesh, rules=plan.rules_of("dtype"), pipeline=None, data_parallel=None)
@@ -316,8 +317,9 @@ def verify(
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import load_plan
-    from meshplan.run import RunError, check_supported
+    from meshplan.run import RunError
     from meshplan.runtime.launch import spawn
+    from meshplan.session import check_supported
 
     plan = load_plan(plan_path, world_size=world_size)
     world = plan.mesh.world_size

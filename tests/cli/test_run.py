@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from meshplan.launcher import first_failure, torchrun_command, worker_argv
 from meshplan.main import build_parser, main
-from meshplan.run import Fault, first_failure, injected_fault, torchrun_command, worker_argv
+from meshplan.run import Fault, injected_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DP = str(ROOT / "examples" / "tiny_dp.plan")

@@ -2,7 +2,7 @@
 
 The matrix: {TP, TP+SP} x ZeRO {0, 1, 2, 3} x {activation checkpointing, bf16 compute,
 gradient accumulation}. Each cell is trained for a few AdamW steps through `meshplan run`'s
-own worker setup (`_prepare`, `_train`) and compared with the unpartitioned model trained on
+own worker setup (`session.open_session`, `train_session`) and compared with the unpartitioned model trained on
 the whole global batch in the same process:
 
 - fp32 cells (checkpointing, accumulation) against the eager model: losses and final
@@ -29,8 +29,8 @@ from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.main import build_parser
-from meshplan.run import _prepare, _train, train_config
 from meshplan.runtime.launch import spawn
+from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
 
@@ -118,10 +118,10 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
             *RUN_FLAGS,
         ]
     )
-    prepared = _prepare(args, rank, world_size)
+    prepared = open_session(args, rank, world_size)
     if cell == BROKEN:
         prepared.program.all_reduce_tp.forward = lambda x: x  # each rank keeps its partial sums
-    summary = _train(args, prepared, show_progress=False)
+    summary = train_session(args, prepared, show_progress=False)
     cfg = train_config(args, prepared)
     global_batch = DP * MICRO_BATCH * prepared.accumulation
 

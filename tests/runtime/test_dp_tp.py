@@ -1,6 +1,6 @@
 """DP x TP 2x2 on 4 gloo processes, through `meshplan run`'s own worker setup, vs one device.
 
-Each rank builds what a `meshplan run` worker builds (`meshplan.run._prepare`: compile for
+Each rank builds what a `meshplan run` worker builds (`meshplan.session.open_session`: compile for
 the micro-batch, bind the rank's shards, data parallel over dp) and trains 3 AdamW steps
 with gradient clipping; the reference is the unpartitioned model on the whole global
 batch with `clip_grad_norm_`. Clipping is active (max norm 0.5), so the global gradient
@@ -17,8 +17,8 @@ from reference import single_device_losses
 from meshplan.compiler.compile import local_shard
 from meshplan.examples.models.llama import build
 from meshplan.main import build_parser
-from meshplan.run import _prepare, _train, train_config
 from meshplan.runtime.launch import spawn
+from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +52,8 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     args = build_parser().parse_args(
         ["run", str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp, *RUN_FLAGS]
     )
-    prepared = _prepare(args, rank, world_size)
-    summary = _train(args, prepared, show_progress=False)
+    prepared = open_session(args, rank, world_size)
+    summary = train_session(args, prepared, show_progress=False)
     cfg = train_config(args, prepared)
 
     reference = build()  # the factory's fixed seed: the weights the program was sharded from

@@ -1,5 +1,5 @@
 """ZeRO on compiled programs: the compiler's gather/release nodes, trained through `meshplan run`'s
-own worker setup (`_prepare`) on gloo processes, against the unpartitioned model on one device.
+own worker setup (`session.open_session`) on gloo processes, against the unpartitioned model on one device.
 
 - ZeRO-3 x TP on dp=2 x tp=2, with one checkpointed layer: per-layer units from the graph's
   `ZeroGather` nodes (root first, then layers.0 ...), the compiler's ledger equal to what the
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from meshplan.main import build_parser
-from meshplan.run import _prepare, _train
 from meshplan.runtime.launch import spawn
+from meshplan.session import open_session, train_session
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +65,9 @@ def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
             *RUN_FLAGS,
         ]
     )
-    prepared = _prepare(args, rank, world_size)
+    prepared = open_session(args, rank, world_size)
     zero = prepared.dp
-    _train(args, prepared, show_progress=False)
+    train_session(args, prepared, show_progress=False)
     plan = load_plan(plan_path, world_size=world_size)
     compiled = compile_plan(plan, with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ))
     ledger: Counter[tuple[str, int]] = Counter()

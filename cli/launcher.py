@@ -1,0 +1,185 @@
+"""The `meshplan run` launcher: check what can be checked before any process starts, start
+torchrun with one worker per rank of the mesh, and turn its outcome into one message and an
+exit code (0 success, 2 the user's input, 3 a rank lost or stuck, 1 a meshplan bug).
+
+Workers that stop on a user mistake leave their message in a folder (`ERRORS_ENV`), read
+after torchrun is done: printing from the worker races with torchrun stopping it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, run_dir
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Check what can be checked before starting processes, then exec torchrun and return its status."""
+    import tempfile
+
+    world_size = _check_before_launch(args)
+    command = torchrun_command(args, world_size)
+    with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            return _run_torchrun(command, env, Path(errors))
+        except KeyboardInterrupt:
+            return 130
+
+
+# The folder where a worker that stops on a user mistake leaves its message (`rank<R>.txt`).
+# Printing it from the worker races with torchrun, which may stop rank 0 before it prints,
+# or print its failure report first: the launcher reads the files after torchrun is done.
+ERRORS_ENV = "MESHPLAN_ERRORS"
+
+
+# torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
+_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_USER_ERROR_EXIT = re.compile(r"exitcode\s*:\s*2\b")
+# a worker's report of a collective that failed (`PeerFailure`, runtime/watchdog.py), and its hint line
+_PEER_FAILURE = re.compile(r"^meshplan: error: (rank (\d+) (?:waited|timed out|failed)\b.*)$", re.M)
+HINT = "  hint: "
+
+
+def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
+    """Run torchrun, passing the workers' stderr through live. When a worker stopped on a user
+    mistake (exit 2), its message (left in `errors`) is the report: torchrun's failure report
+    and traceback are noise and are dropped; for any other failure they are shown. A worker's
+    report of a failed collective is held back too: when that rank failed first it is the summary."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stderr is not None
+    held: list[str] = []
+    for line in proc.stderr:
+        failing = _PEER_FAILURE.match(line) or (
+            _TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))
+        )
+        if held or failing:
+            held.append(line)  # the failure reports (and all after them), kept for later
+        else:
+            sys.stderr.write(line)
+    status = proc.wait()
+    report = "".join(held)
+    if status != 0 and _USER_ERROR_EXIT.search(report):
+        said = sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem[4:]))
+        sys.stderr.write(said[0].read_text() if said else report)
+        return EXIT_USER
+    culprit = first_failure(report)
+    if status != 0 and culprit is not None and not os.environ.get("MESHPLAN_DEBUG"):
+        reports = [line for line in held if _PEER_FAILURE.match(line) and culprit not in line]
+        hints = [line for line in held if line.startswith(HINT)]
+        sys.stderr.writelines(reports)  # the other ranks' collectives
+        print(
+            f"meshplan: error: {culprit}; torchrun stopped the other ranks "
+            "(MESHPLAN_DEBUG=1 shows torchrun's report)",
+            file=sys.stderr,
+        )
+        sys.stderr.writelines(hints[:1])
+        return status
+    sys.stderr.writelines(held)
+    return status
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def first_failure(report: str) -> str | None:
+    """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report; when that
+    rank gave up on a collective and said so in `report`, its own line: `rank 0 waited 10 s in
+    all_reduce over dp (...); rank 1 did not join it (stuck or dead)`.
+
+    torchrun's root cause is the failure it observed first, which can be a peer of a rank that
+    died (both exit within milliseconds): a rank that died on its own (killed, crashed) is the
+    cause whenever the root cause is only a collective that failed because of it."""
+    m = _ROOT_CAUSE.search(report)
+    if m is None:
+        return None
+    rank, code = int(m.group(1)), int(m.group(2))
+    if code == EXIT_PEER:
+        died = [(r, c) for r, c in _failures(report) if c not in (EXIT_PEER, -signal.SIGTERM)]
+        rank, code = died[0] if died else (rank, code)
+    said = {int(p.group(2)): p.group(1) for p in _PEER_FAILURE.finditer(report)}
+    if code == EXIT_PEER and rank in said:
+        return said[rank]
+    if code < 0:
+        how = f"killed by signal {-code}"
+    elif code == 137:
+        how = "exit code 137: killed"
+    elif code == EXIT_PEER:
+        how = "a collective failed"
+    else:
+        how = f"exit code {code}"
+    return f"rank {rank} failed first ({how})"
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _failures(report: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of every failed worker torchrun's report lists."""
+    return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(report)]
+
+
+def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
+    """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
+    nnodes = str(args.nnodes)
+    nproc = args.nproc_per_node or _per_node(world_size, nnodes)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    if args.rdzv_endpoint is None and nnodes == "1":
+        cmd.append("--standalone")  # a free local port: runs side by side never collide
+    for dest in TORCHRUN_FLAGS[1:]:
+        value = getattr(args, dest)
+        if value is not None:
+            cmd.append(f"--{dest.replace('_', '-')}={value}")
+    return [*cmd, "-m", "meshplan.run", *worker_argv(args)]
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The options a worker gets: the user's, minus torchrun's."""
+    out = [args.plan]
+    for dest, flag in WORKER_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            out += [flag, str(value)]
+    if args.resume:
+        out.append("--resume")
+    return out
+
+
+def _per_node(world_size: int, nnodes: str) -> int:
+    if not nnodes.isdigit() or int(nnodes) < 1:
+        raise RunError(f"--nnodes {nnodes}: give a fixed number of nodes, or pass --nproc-per-node too")
+    n = int(nnodes)
+    if world_size % n:
+        raise RunError(f"the mesh has {world_size} ranks, not divisible over --nnodes {n}")
+    return world_size // n
+
+
+def _check_before_launch(args: argparse.Namespace) -> int:
+    """The plan, the features `run` supports, the data: errors here cost no process start-up."""
+    from meshplan.dsl import PlanError, load_plan
+    from meshplan.main import _report
+    from meshplan.session import check_supported
+
+    world = None
+    if args.nproc_per_node is not None and str(args.nnodes).isdigit():
+        world = args.nproc_per_node * int(args.nnodes)
+    try:
+        plan = load_plan(args.plan, world_size=world)
+    except PlanError as e:
+        _report(e)
+        raise RunError(f"{args.plan} has errors (see above)") from None
+    if plan.mesh.world_size is None:
+        raise RunError(f"{args.plan}: the mesh has a `*` axis; pass --nproc-per-node N to size it")
+    check_supported(plan)
+    if args.data is not None and ":" not in args.data and not Path(args.data).is_file():
+        raise RunError(f"data file {args.data!r} does not exist (hint: pass a text file or FILE.py:factory)")
+    if args.resume and args.out is None and not run_dir(args).exists():
+        raise RunError(f"--resume: no run folder {run_dir(args)} (hint: pass the --out of the run to resume)")
+    return plan.mesh.world_size

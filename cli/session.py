@@ -1,0 +1,320 @@
+"""One rank's training session under `meshplan run` (and `meshplan verify`'s partitioned run):
+compile the plan for this rank's micro-batch, bind its shards and process groups, wrap the
+program in data parallel or ZeRO, and train it with `runtime/train.py`.
+
+    session = open_session(args, rank, world_size)     # inside an initialized process group
+    summary = train_session(args, session)
+    state = consolidated_state(session)                # the unpartitioned model's state_dict
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshplan.run import RunError, injected_fault, run_dir
+
+if TYPE_CHECKING:  # torch stays unimported until a session opens
+    import torch
+    from torch import fx, nn
+
+    from meshplan.dsl.check import DataParallelSpec, Plan
+    from meshplan.runtime.data import BatchFn
+    from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.shards import Sharding
+    from meshplan.runtime.train import Groups
+    from meshplan.runtime.zero import Zero
+
+
+def check_supported(plan: Plan) -> None:
+    """Plan features the compiler accepts but `meshplan run` does not execute yet: refuse, don't ignore."""
+    missing = []
+    if plan.pipeline is not None:
+        missing.append("pipeline parallelism")
+    dp = plan.data_parallel
+    if dp is not None and dp.zero == 0 and dp.offload_optimizer:
+        missing.append("optimizer offload without ZeRO (use zero = 1 or more)")
+    pr = plan.precision
+    if (pr.params, pr.grads) != ("fp32", "fp32"):
+        missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
+    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint"})
+    missing += [f"`{kind}` rules" for kind in kinds]
+    if missing:
+        raise RunError(
+            f"{plan.path}: meshplan run does not execute {', '.join(missing)} yet "
+            "(hint: `meshplan check`/`explain` accept the plan; remove these for now to train)"
+        )
+
+
+@dataclass(frozen=True)
+class Session:
+    """Everything one rank trains with: its program, data, process groups and data-parallel engine."""
+
+    program: fx.GraphModule  # this rank's: its shards bound, its collectives on its groups
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> loss
+    batches: BatchFn
+    groups: Groups
+    dp: DataParallel | Zero | None  # None: no data-parallel axis
+    sharded: set[str]  # parameters cut over the tensor axis (clipping sums their norms across it)
+    accumulation: int
+    loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
+    export_sharding: Sharding = field(default_factory=dict)  # param -> its Cut over tp, for --export
+    export_names: frozenset[str] = frozenset()  # the unpartitioned model's state_dict keys
+    tied: tuple[tuple[str, ...], ...] = ()  # each weight held under several names (GPT-2's wte / lm_head)
+
+
+def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
+    import torch
+
+    from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
+    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.placement import Shard
+    from meshplan.dsl import load_plan
+    from meshplan.examples import CORPUS
+    from meshplan.runtime.checkpoint import TensorLayout
+    from meshplan.runtime.data import make_batches
+    from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.mesh import init_mesh
+    from meshplan.runtime.shards import Cut
+    from meshplan.runtime.train import Groups
+
+    plan = load_plan(args.plan, world_size=world_size)
+    check_supported(plan)
+    torch.manual_seed(args.seed)
+    # the graph bakes in its example shapes: compile for this rank's micro-batch
+    source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
+    compiled = compile_plan(plan, source, world_size=world_size)
+    layout = compiled.layout
+    mesh = init_mesh(layout, "cuda" if torch.cuda.is_available() else "cpu")
+    program = build_rank_program(compiled, source.model, rank, mesh)
+    if torch.cuda.is_available():
+        program = program.cuda()
+    coords = layout.coords(rank)
+    dp_spec = plan.data_parallel
+    dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
+    dp_group = mesh.get_group(dp_axis) if dp_axis else None
+    tp_axis = compiled.tensor_axis
+    dp = None
+    if dp_group is not None and dp_spec is not None:
+        reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+        if dp_spec.zero > 0:
+            dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype)
+        else:
+            dp = DataParallel(
+                program,
+                dp_group,
+                bucket_bytes=dp_spec.bucket_bytes,
+                reduce_dtype=reduce_dtype,
+                axis=dp_spec.axis,
+            )
+    cuts = {
+        name: Cut(p.dim, p.blocks, p.padded)
+        for name, placement in compiled.param_placements.items()
+        for p in placement.values()
+        if isinstance(p, Shard)
+    }
+    groups = Groups(
+        dp=dp_group,
+        tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
+        layout=TensorLayout(
+            mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
+            cuts,
+        ),
+    )
+    sharded = {
+        name
+        for name, placement in compiled.param_placements.items()
+        if any(isinstance(p, Shard) for p in placement.values())
+    }
+    dp_size = layout.size(dp_axis) if dp_axis else 1
+    batches = make_batches(
+        args.data or str(CORPUS),
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        dp_rank=coords[dp_axis] if dp_axis else 0,
+        dp_size=dp_size,
+        accumulation=plan.train.gradient_accumulation,
+    )
+    fault = injected_fault(rank)
+    if fault is not None:
+        clean_batches = batches
+
+        def batches(step: int, micro: int):  # the same batches, with a fault injected
+            if step == fault.step:
+                fault.strike()
+            return clean_batches(step, micro)
+
+    forward = dp if isinstance(dp, DataParallel) else program  # ZeRO works through hooks on `program`
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, graph, template = source.model, compiled.graph, source
+
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        call_args, call_kwargs = call_inputs(
+            template.args, template.kwargs, input_ids.to(device), labels.to(device)
+        )
+        outputs = forward(*bind_inputs(model, graph, call_args, call_kwargs))
+        return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+
+    return Session(
+        program,
+        loss_of,
+        batches,
+        groups,
+        dp,
+        sharded,
+        plan.train.gradient_accumulation,
+        plan.precision.loss_scale,
+        cuts,
+        frozenset(source.model.state_dict()),
+        _tied_names(source.model),
+    )
+
+
+def _tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of each weight the model holds under several: the program holds it under one
+    of them, an export writes all."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _shard_for_zero(
+    args: argparse.Namespace,
+    program: fx.GraphModule,
+    dp_group: torch.distributed.ProcessGroup,
+    dp_spec: DataParallelSpec,
+    reduce_dtype: torch.dtype | None,
+) -> Zero:
+    """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
+
+    The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
+    ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
+    """
+    from meshplan.runtime.buckets import decays
+    from meshplan.runtime.data_parallel import broadcast_parameters
+    from meshplan.runtime.train import TrainConfig
+    from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+
+    # every rank built the same seeded model, but only each rank's own shard survives sharding
+    broadcast_parameters([p for p in program.parameters() if p.requires_grad], dp_group)
+    config = ZeroConfig(
+        stage=dp_spec.zero,
+        bucket_bytes=dp_spec.bucket_bytes,
+        offload_optimizer=dp_spec.offload_optimizer,
+        offload_params=dp_spec.offload_params,
+        reduce_dtype=reduce_dtype,
+    )
+    return shard_for_zero(
+        program,
+        dp_group,
+        config,
+        lr=args.lr,
+        betas=TrainConfig.betas,
+        weight_decay=args.weight_decay,
+        decay=decays,
+        axis=dp_spec.axis,
+    )
+
+
+def call_inputs(
+    args: tuple, kwargs: dict[str, Any], input_ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[tuple, dict[str, Any]]:
+    """A forward call shaped like the model's example inputs, with this micro-batch's tokens.
+
+    Positional (input_ids, labels): labels as given (already shifted, like the built-in
+    Llama). Keyword `input_ids`/`labels` (Hugging Face): labels = input_ids, because those
+    models shift the labels themselves.
+    """
+    import torch
+
+    if "input_ids" in kwargs:
+        new = dict(kwargs, input_ids=input_ids)
+        if "labels" in new:
+            new["labels"] = input_ids
+        return args, new
+    tokens = iter((input_ids, labels))
+    out = tuple(
+        next(tokens, a) if isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point() else a
+        for a in args
+    )
+    return out, kwargs
+
+
+INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve it within a few steps
+
+
+def export_weights(args: argparse.Namespace, prepared: Session, rank: int) -> None:
+    """Consolidate this rank's shards into full tensors; rank 0 writes them."""
+
+    from meshplan.runtime.export import write_state_dict
+
+    state = consolidated_state(prepared)
+    if rank == 0:
+        write_state_dict(state, Path(args.export))
+        print(f"exported {len(state)} tensors to {args.export}")
+
+
+def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
+    """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
+    shards gathered over tp, ZeRO's gathered, and each tied weight under every name it has."""
+    import contextlib
+
+    from meshplan.runtime.export import consolidate
+    from meshplan.runtime.zero import Zero
+
+    gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
+    with gathered:
+        state = consolidate(
+            prepared.program, prepared.export_sharding, prepared.groups.tp, set(prepared.export_names)
+        )
+    for group in prepared.tied:
+        held = next((state[name] for name in group if name in state), None)
+        if held is not None:
+            state.update({name: held for name in group if name not in state})
+    return state
+
+
+def train_config(args: argparse.Namespace, prepared: Session):
+    """The `TrainConfig` of a run: its command line, with the plan's accumulation and loss scale."""
+    from meshplan.runtime.train import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        accumulation=prepared.accumulation,
+        seed=args.seed,
+        tokens_per_micro_step=args.batch * args.seq,
+        run_dir=run_dir(args),
+        save_every=args.save_every,
+        resume=args.resume,
+        log_every=args.log_every,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        loss_scale=None
+        if prepared.loss_scale is None
+        else (INITIAL_DYNAMIC_SCALE if prepared.loss_scale == "dynamic" else float(prepared.loss_scale)),
+        dynamic_loss_scale=prepared.loss_scale == "dynamic",
+    )
+
+
+def train_session(args: argparse.Namespace, prepared: Session, *, show_progress: bool | None = None):
+    from meshplan.runtime.train import train
+
+    return train(
+        prepared.program,
+        prepared.loss_of,
+        prepared.batches,
+        train_config(args, prepared),
+        groups=prepared.groups,
+        dp=prepared.dp,
+        sharded=prepared.sharded,
+        show_progress=show_progress,
+    )

@@ -7,7 +7,8 @@ resolution, the tensor-parallel pass, the ledger. Measured for the tp=2 plan
 `bench/plans/llama_tp_nosp.plan` on the example Llama at its default width (H=64, B=2,
 S=16): the graph grows with the layers, the tensors do not matter. The `capture` inside each
 compile is timed too, to split the total into export and meshplan's own work (rule
-resolution, the tensor-parallel pass, the ledger: "rest"). Each time is the best of
+resolution, the tensor-parallel pass, the ledger: "rest"), and so is the graph lint run
+after every pass (`compiler/lint.py`), part of "rest". Each time is the best of
 `--repeats` runs, taken round robin over the sizes after one warm-up compile (first use
 of torch.export imports and caches a lot), each after a `gc.collect()`; the process's CPU
 time is printed beside the wall time because the machine may be shared. Model building
@@ -27,6 +28,7 @@ from common import PLAN_TP, llama_source
 
 from meshplan.compiler import compile as compile_module
 from meshplan.compiler.capture import capture
+from meshplan.compiler.lint import lint
 from meshplan.dsl import load_plan
 
 WORLD = 2
@@ -37,29 +39,34 @@ class Timing:
     wall: float  # first: `min` of Timings is the fastest wall time
     cpu: float  # this process's CPU time: less sensitive to other load on the machine
     capture: float  # wall seconds inside `capture`
+    lint: float  # wall seconds inside the lint after each pass
     nodes: int
 
 
 def timed_compile(plan, source) -> Timing:
     """One `compile_plan`, with the `capture` inside it timed by wrapping the name
     `compile_plan` calls, so the split is not blurred by run-to-run noise."""
-    spent = []
+    spent: dict[str, float] = {"capture": 0.0, "lint": 0.0}
 
-    def timed_capture(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return capture(*args, **kwargs)
-        finally:
-            spent.append(time.perf_counter() - t0)
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
 
-    compile_module.capture = timed_capture
+        return wrapper
+
+    compile_module.capture = timed("capture", capture)
+    compile_module.lint = timed("lint", lint)
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         compiled = compile_module.compile_plan(plan, source, world_size=WORLD)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
-        compile_module.capture = capture
-    return Timing(wall, cpu, spent[0], len(compiled.graph.graph.nodes))
+        compile_module.capture, compile_module.lint = capture, lint
+    return Timing(wall, cpu, spent["capture"], spent["lint"], len(compiled.graph.graph.nodes))
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
@@ -94,7 +101,7 @@ def main() -> None:
     )
     header = (
         f"{'layers':>6}{'nodes':>7}{'wall s':>9}{'s/layer':>9}{'+s/layer':>10}{'cpu s':>8}{'cpu/layer':>10}"
-        f"{'capture s':>11}{'rest s':>8}"
+        f"{'capture s':>11}{'rest s':>8}{'lint s':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -103,7 +110,7 @@ def main() -> None:
         added = f"{(t.wall - previous[1].wall) / (n - previous[0]):.4f}" if previous else "-"
         print(
             f"{n:>6}{t.nodes:>7}{t.wall:>9.3f}{t.wall / n:>9.4f}{added:>10}{t.cpu:>8.3f}{t.cpu / n:>10.4f}"
-            f"{t.capture:>11.3f}{t.wall - t.capture:>8.3f}"
+            f"{t.capture:>11.3f}{t.wall - t.capture:>8.3f}{t.lint:>8.3f}"
         )
         previous = (n, t)
 

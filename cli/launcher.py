@@ -180,6 +180,61 @@ def _check_before_launch(args: argparse.Namespace) -> int:
     check_supported(plan)
     if args.data is not None and ":" not in args.data and not Path(args.data).is_file():
         raise RunError(f"data file {args.data!r} does not exist (hint: pass a text file or FILE.py:factory)")
-    if args.resume and args.out is None and not run_dir(args).exists():
-        raise RunError(f"--resume: no run folder {run_dir(args)} (hint: pass the --out of the run to resume)")
+    _check_run_folder(args)
+    if args.export:
+        export = Path(args.export)
+        if export.is_file() and not args.overwrite:
+            raise RunError(
+                f"--export {export} exists (hint: name another file, or pass --overwrite to replace it)"
+            )
+        _check_writable(export)
     return plan.mesh.world_size
+
+
+# what a run leaves in its folder: `--overwrite` removes these, and only these
+RUN_PARTS = ("checkpoints", "metrics")
+
+
+def _check_run_folder(args: argparse.Namespace) -> None:
+    """Never lose a run: a folder that holds one is continued (`--resume`) or replaced on request
+    (`--overwrite`), not trained over; `--resume` with nothing to resume is said, not ignored."""
+    import shutil
+
+    folder = run_dir(args)
+    if folder.exists() and not folder.is_dir():
+        raise RunError(f"--out {folder} is a file, not a folder (hint: pass a folder for the run)")
+    checkpoints = sorted(folder.glob("checkpoints/step*/.metadata"))
+    if args.resume and args.overwrite:
+        raise RunError("--resume continues the run in --out and --overwrite replaces it: pass one")
+    if args.resume:
+        if not checkpoints:
+            where = "no run folder" if not folder.exists() else "no complete checkpoint in"
+            raise RunError(
+                f"--resume: {where} {folder} (hint: pass the --out of the run to resume, or leave "
+                "out --resume to start from step 0)"
+            )
+        return
+    held = [part for part in RUN_PARTS if any((folder / part).glob("*"))]
+    if held and not args.overwrite:
+        what = f"{len(checkpoints)} checkpoint{'s' * (len(checkpoints) != 1)}" if checkpoints else "metrics"
+        raise RunError(
+            f"{folder} already holds a run ({what}) (hint: continue it with --resume, pick another "
+            "--out, or pass --overwrite to replace it)"
+        )
+    for part in held:
+        shutil.rmtree(folder / part)
+    _check_writable(folder / "metrics" / "rank0.jsonl")
+
+
+def _check_writable(path: Path) -> None:
+    """That a file can be created at `path` (its folder made if needed), before hours of training."""
+    import tempfile
+
+    if path.is_dir():
+        raise RunError(f"{path} is a folder; name a file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".meshplan-probe-"):
+            pass
+    except OSError as e:
+        raise RunError(f"cannot write {path}: {e.strerror or e} (hint: pick a writable place)") from None

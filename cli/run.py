@@ -116,6 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the latest complete checkpoint in --out"
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoints and metrics of a run already in --out (without it, `run` refuses)",
+    )
+    p.add_argument(
         "--export",
         metavar="FILE",
         help="after training, write the full (unpartitioned) weights: FILE.safetensors or FILE.pt",

@@ -147,3 +147,69 @@ def test_a_mistake_found_inside_the_workers_is_one_error_without_torchruns_repor
     assert done.returncode == 2
     assert "model file 'no_such_model.py' does not exist" in done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
+def a_finished_run(folder: Path) -> Path:
+    """A run folder as a run leaves it: one complete checkpoint, metrics."""
+    (folder / "checkpoints" / "step00000010").mkdir(parents=True)
+    (folder / "checkpoints" / "step00000010" / ".metadata").write_bytes(b"dcp")
+    (folder / "metrics").mkdir()
+    (folder / "metrics" / "rank0.jsonl").write_text('{"step": 10}\n')
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "already holds a run (1 checkpoint) (hint: continue it with --resume, pick another --out"),
+        (["--resume", "--overwrite"], "--resume continues the run in --out and --overwrite replaces it"),
+    ],
+)
+def test_a_second_run_into_a_run_folder_is_refused_and_loses_nothing(
+    tmp_path, capsys, extra, message
+) -> None:
+    folder = a_finished_run(tmp_path / "run")
+    assert main(["run", TINY_DP, "--out", str(folder), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert (folder / "checkpoints" / "step00000010" / ".metadata").read_bytes() == b"dcp"
+    assert (folder / "metrics" / "rank0.jsonl").read_text() == '{"step": 10}\n'
+
+
+def test_resume_with_nothing_to_resume_is_said(tmp_path, capsys) -> None:
+    folder = tmp_path / "run"
+    (folder / "metrics").mkdir(parents=True)
+    (folder / "metrics" / "rank0.jsonl").write_text("{}\n")
+    assert main(["run", TINY_DP, "--out", str(folder), "--resume"]) == 2
+    assert f"--resume: no complete checkpoint in {folder}" in capsys.readouterr().err
+    assert main(["run", TINY_DP, "--out", str(tmp_path / "never"), "--resume"]) == 2
+    assert "--resume: no run folder" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_only_what_a_run_leaves(tmp_path) -> None:
+    from meshplan.launcher import _check_run_folder
+
+    folder = a_finished_run(tmp_path / "run")
+    (folder / "notes.txt").write_text("mine")
+    _check_run_folder(parse(TINY_DP, "--out", str(folder), "--overwrite"))
+    assert not (folder / "checkpoints").exists() and not any((folder / "metrics").iterdir())
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "case", ["out_is_a_file", "export_exists", "export_unwritable", "export_is_a_folder"]
+)
+def test_paths_that_cannot_work_are_found_before_training(tmp_path, capsys, case) -> None:
+    a_file = tmp_path / "model.pt"
+    a_file.write_bytes(b"weights")
+    argv, message = {
+        "out_is_a_file": (["--out", str(a_file)], "is a file, not a folder"),
+        "export_exists": (["--export", str(a_file)], "exists (hint: name another file, or pass --overwrite"),
+        "export_unwritable": (["--export", str(a_file / "model.pt")], "cannot write"),
+        "export_is_a_folder": (["--export", str(tmp_path)], "is a folder; name a file to write"),
+    }[case]
+    out = [] if case == "out_is_a_file" else ["--out", str(tmp_path / "run")]
+    assert main(["run", TINY_DP, *out, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert a_file.read_bytes() == b"weights"

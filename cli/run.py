@@ -227,6 +227,7 @@ def _worker(args: argparse.Namespace) -> int:
     from meshplan.dsl import PlanError
     from meshplan.launcher import HINT
     from meshplan.runtime import watchdog
+    from meshplan.runtime.checkpoint import CheckpointError
     from meshplan.runtime.data import DataError
     from meshplan.runtime.train import PeerFailure, is_peer_failure
     from meshplan.session import export_weights, open_session, train_session
@@ -246,7 +247,7 @@ def _worker(args: argparse.Namespace) -> int:
         if args.export:
             export_weights(args, prepared, rank)
         _teardown_in_order()
-    except (PlanError, CompileError, DataError, RunError) as e:
+    except (PlanError, CompileError, DataError, CheckpointError, RunError) as e:
         _say_user_error(e, rank)
         return EXIT_USER
     except RuntimeError as e:  # a collective timed out or lost its peer: one line naming it and who

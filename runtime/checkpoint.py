@@ -35,6 +35,12 @@ and ZeRO-3 resumes with dp=4 and ZeRO-1, or without ZeRO, or with tp=4 (the data
 depends on the global batch only). The cost is a full copy of the model's training
 state on each rank while saving or loading.
 
+Integrity: before the rename, rank 0 writes `checksums.json` (every file's size and
+SHA-256); loading verifies them first, so a damaged, truncated or incomplete checkpoint is
+one message naming the file (`CheckpointError`), never a model silently trained from
+corrupt weights. A checkpoint that does not fit the model (another model, a layout that
+cannot be resharded) is one message too, naming the first tensor that does not fit.
+
 Trust: DCP reads `.metadata` (and any non-tensor value) with pickle, so a checkpoint
 folder is trusted input, like a model file: load only checkpoints you wrote. meshplan
 only loads from the run folder given on the command line, never from a path in a plan
@@ -44,6 +50,8 @@ file, and calls no `torch.load` of its own (any added must pass `weights_only=Tr
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -56,6 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .shards import Sharding, full_shape, shard_of, unshard
@@ -63,6 +72,11 @@ from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
 TMP_PREFIX = ".tmp-"
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: damaged, incomplete, or not this model's (one line)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,16 @@ def latest(root: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def before(path: Path) -> Path | None:
+    """The newest complete checkpoint older than `path`, in the same folder, or None."""
+    older = [
+        (int(m.group(1)), p)
+        for p in path.parent.iterdir()
+        if (m := _FINAL.match(p.name)) and (p / ".metadata").is_file() and p.name < path.name
+    ]
+    return max(older)[1] if older else None
+
+
 def save(
     root: str | Path,
     step: int,
@@ -109,6 +133,7 @@ def save(
     tmp = write_temporary(root, step, model, optimizer, layout=layout)
     final = Path(root) / checkpoint_name(step)
     if _rank() == 0:
+        write_checksums(tmp)
         publish(tmp, final)
         prune(root, keep=keep)
     _barrier()  # nobody goes on (or reads `latest`) before the rename
@@ -151,6 +176,45 @@ def publish(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def write_checksums(folder: Path) -> None:
+    """Record every file's size and SHA-256 in `folder/checksums.json` (rank 0, before publishing)."""
+    sums = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.iterdir())}
+    (folder / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
+
+
+def verify_checksums(folder: Path) -> None:
+    """Raise `CheckpointError` naming the first file that is missing, truncated or changed.
+    A checkpoint without `checksums.json` (written before meshplan recorded them) is loaded as is."""
+    listing = folder / CHECKSUMS
+    if not listing.is_file():
+        return
+    try:
+        sums = json.loads(listing.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {CHECKSUMS} cannot be read ({e})") from None
+    for name, want in sums.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder} is incomplete: {name} is missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {folder} is damaged: {name} has {size} bytes, {want['bytes']} were written"
+            )
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {folder} is damaged: {name} does not match the checksum written with it"
+            )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def prune(root: str | Path, *, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (keep <= 0 keeps everything)."""
     if keep <= 0:
@@ -168,9 +232,15 @@ def load(
     layout: TensorLayout | None = None,
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
+    verify_checksums(Path(path))
     state = _state(model, optimizer, 0, layout, for_load=True)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    except dist.DistError:
+        raise  # a peer lost while loading: not the checkpoint's fault
+    except (Exception, CheckpointException) as e:  # DCP's report: every rank's error, with tracebacks
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_cause(e)}") from None
     shard = state[_REPLICATED]
     _keep_local(shard, layout)
     if isinstance(optimizer, Zero):
@@ -185,6 +255,33 @@ def load(
     if "cuda_" + _rng_key() in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda_" + _rng_key()])
     return Restored(int(state["train"]["step"]), Path(path))
+
+
+def _first_cause(error: BaseException) -> str:
+    """What does not fit, from DCP's report (every rank's error with its traceback): a key the
+    checkpoint lacks or a tensor saved with another shape."""
+    text = str(error)
+    missing = re.search(r"Missing key in checkpoint state_dict: ([\w.]+?)\.?$", text, re.M)
+    if missing:
+        return f"it holds no `{_key(missing.group(1))}` (saved from another model?)"
+    size = re.search(
+        r"Size mismatch between saved (torch\.Size\(\[[^]]*\]\)) and current: "
+        r"(torch\.Size\(\[[^]]*\]\)) for ([\w.]+)",
+        text,
+    )
+    if size:
+        saved, current, key = size.groups()
+        return f"`{_key(key)}` was saved as {saved[11:-1]}, this run's is {current[11:-1]}"
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(" ")]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _key(fqn: str) -> str:
+    """A state-dict key as the model names it (without the checkpoint's grouping prefix)."""
+    for prefix in (f"{_REPLICATED}.model.", f"{_REPLICATED}.optim.state.", f"{_REPLICATED}."):
+        if fqn.startswith(prefix):
+            return fqn[len(prefix) :]
+    return fqn
 
 
 _REPLICATED = "replicated"  # the key of the layout-free state (a name older checkpoints share)

@@ -422,7 +422,15 @@ def _maybe_resume(
     path = checkpoint.latest(root)
     if path is None:
         return 0
-    return checkpoint.load(path, program, optimizer, layout=groups.layout).step
+    try:
+        return checkpoint.load(path, program, optimizer, layout=groups.layout).step
+    except checkpoint.CheckpointError as e:
+        older = checkpoint.before(path)
+        if older is None:
+            raise
+        raise checkpoint.CheckpointError(
+            f"{e} (hint: move {path.name} out of {root} to resume from {older.name})"
+        ) from None
 
 
 def _should_save(done: int, config: TrainConfig) -> bool:

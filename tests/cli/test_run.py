@@ -213,3 +213,22 @@ def test_paths_that_cannot_work_are_found_before_training(tmp_path, capsys, case
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert a_file.read_bytes() == b"weights"
+
+
+def test_a_damaged_checkpoint_stops_the_resume_with_one_line(tmp_path: Path) -> None:
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        argv = ["meshplan", "run", TINY_DP, "--out", str(tmp_path), "--batch", "2", "--seq", "16", *extra]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=240)
+
+    assert run("--steps", "2", "--save-every", "1").returncode == 0
+    shard = tmp_path / "checkpoints" / "step00000002" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-200:-136] = bytes(64)
+    shard.write_bytes(bytes(data))
+    done = run("--steps", "3", "--resume")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"meshplan: error: checkpoint {tmp_path}/checkpoints/step00000002 is damaged: __1_0.distcp does "
+        f"not match the checksum written with it (hint: move step00000002 out of {tmp_path}/checkpoints "
+        "to resume from step00000001)"
+    )

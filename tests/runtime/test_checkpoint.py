@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,57 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
         assert r["same_params"]
     metrics = (tmp_path / "interrupted" / "metrics" / "rank0.jsonl").read_text().splitlines()
     assert len(metrics) == 4 + 3  # steps 1-4 before the crash, 4-6 after the resume
+
+
+def saved_twice(tmp_path: Path) -> Path:
+    model, optimizer = tiny()
+    for step in (1, 2):
+        one_step(model, optimizer, step)
+        checkpoint.save(tmp_path, step, model, optimizer)
+    return tmp_path / "step00000002"
+
+
+def shard_of(folder: Path) -> Path:
+    return next(folder.glob("*.distcp"))
+
+
+def test_a_checkpoint_records_a_checksum_of_every_file(tmp_path: Path) -> None:
+    folder = saved_twice(tmp_path)
+    sums = json.loads((folder / checkpoint.CHECKSUMS).read_text())
+    assert set(sums) == {p.name for p in folder.iterdir()} - {checkpoint.CHECKSUMS}
+    assert sums[".metadata"]["bytes"] == (folder / ".metadata").stat().st_size
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("zeroed", r"is damaged: __0_0\.distcp does not match the checksum written with it"),
+        ("truncated", r"is damaged: __0_0\.distcp has 100 bytes, \d+ were written"),
+        ("missing", r"is incomplete: __0_0\.distcp is missing"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path: Path, damage: str, message: str) -> None:
+    """64 zeroed bytes in a shard once loaded silently and training diverged."""
+    folder = saved_twice(tmp_path)
+    shard = shard_of(folder)
+    data = bytearray(shard.read_bytes())
+    if damage == "zeroed":
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        shard.write_bytes(bytes(data))
+    elif damage == "truncated":
+        shard.write_bytes(bytes(data[:100]))
+    else:
+        shard.unlink()
+    fresh, fresh_opt = tiny()
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.load(folder, fresh, fresh_opt)
+
+
+def test_a_checkpoint_of_another_model_names_what_does_not_fit(tmp_path: Path) -> None:
+    folder = saved_twice(tmp_path)
+    other = build(num_hidden_layers=1, hidden_size=16, intermediate_size=64)
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"does not fit this run: `\S+` was saved as \["
+    ) as info:
+        checkpoint.load(folder, other, torch.optim.AdamW(other.parameters()))
+    assert "Traceback" not in str(info.value)

@@ -28,10 +28,23 @@ def launch(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
         env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            return _run_torchrun(command, env, Path(errors))
-        except KeyboardInterrupt:
-            return 130
+        return _run_torchrun(command, env, Path(errors))
+
+
+# Signals that end a run: passed on to torchrun, which stops its workers (a worker killed
+# mid-save leaves the previous checkpoint: saves are atomic). The launcher then exits with
+# 128 + the signal's number, as a shell reports a process ended by it.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _die_with_parent() -> None:
+    """In torchrun's process, before it starts: a SIGTERM when the launcher dies, even by SIGKILL,
+    so torchrun never trains on as an orphan (Linux; elsewhere the launcher's handlers only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # The folder where a worker that stops on a user mistake leaves its message (`rank<R>.txt`).
@@ -53,18 +66,39 @@ def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
     mistake (exit 2), its message (left in `errors`) is the report: torchrun's failure report
     and traceback are noise and are dropped; for any other failure they are shown. A worker's
     report of a failed collective is held back too: when that rank failed first it is the summary."""
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
+    )
     assert proc.stderr is not None
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     held: list[str] = []
-    for line in proc.stderr:
-        failing = _PEER_FAILURE.match(line) or (
-            _TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))
+    try:
+        for line in proc.stderr:
+            failing = _PEER_FAILURE.match(line) or (
+                _TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))
+            )
+            if held or failing:
+                held.append(line)  # the failure reports (and all after them), kept for later
+            else:
+                sys.stderr.write(line)
+        status = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        print(
+            f"meshplan: stopped by {name}: every worker has ended; checkpoints already written are "
+            "complete (continue with --resume)",
+            file=sys.stderr,
         )
-        if held or failing:
-            held.append(line)  # the failure reports (and all after them), kept for later
-        else:
-            sys.stderr.write(line)
-    status = proc.wait()
+        return 128 + received[0]
     report = "".join(held)
     if status != 0 and _USER_ERROR_EXIT.search(report):
         said = sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem[4:]))

@@ -106,3 +106,52 @@ def test_a_stuck_rank_ends_the_job_with_a_message_naming_it_and_the_collective(t
     assert "continue with --resume" in done.stderr.splitlines()[-1]
     assert "Traceback" not in done.stderr
     assert elapsed < 90  # start-up + 5 s timeout + 2 s grace + teardown; a hang would be 300 s
+
+
+def processes_of(out: Path) -> list[str]:
+    """Every live process whose command line names this run's folder (torchrun and its workers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(out) in command:
+                found.append(f"{proc.name}: {command[:100]}")
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="lists processes through /proc")
+@pytest.mark.parametrize(("signum", "code"), [(15, 143), (9, -9)])
+def test_a_signal_to_the_launcher_alone_leaves_no_process_behind(
+    tmp_path: Path, signum: int, code: int
+) -> None:
+    """SIGTERM is passed on to torchrun, which stops the workers; SIGKILL cannot be caught, so
+    torchrun was started to get SIGTERM when the launcher dies. The checkpoints written stay whole."""
+    from meshplan.runtime import checkpoint
+
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [
+            *("meshplan", "run", str(ROOT / "examples/tiny_dp.plan"), "--steps", "5000", "--save-every", "5"),
+            *("--batch", "2", "--seq", "16", "--out", str(out), "--log-every", "1000"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while checkpoint.latest(out / "checkpoints") is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.latest(out / "checkpoints") is not None, "no checkpoint within 120 s"
+    os.kill(launcher.pid, signum)  # the launcher only, not its process group
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == code, err
+    if signum == 15:
+        assert "meshplan: stopped by SIGTERM: every worker has ended" in err
+    deadline = time.monotonic() + 60
+    while processes_of(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(out) == []
+    checkpoint.verify_checksums(checkpoint.latest(out / "checkpoints"))

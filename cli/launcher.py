@@ -160,10 +160,22 @@ def _failures(report: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(report)]
 
 
+def most_processes_per_node() -> int:
+    """The most workers `run` starts on one node: a few per core (CPU runs oversubscribe on
+    purpose: tests run 4 ranks on 2 cores), never thousands by a typo in a mesh size."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
     """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
     nnodes = str(args.nnodes)
     nproc = args.nproc_per_node or _per_node(world_size, nnodes)
+    if nproc > most_processes_per_node():
+        raise RunError(
+            f"the mesh needs {world_size:,} processes, {nproc:,} on this node, which has "
+            f"{os.cpu_count()} CPUs; meshplan starts at most {most_processes_per_node()} per node "
+            "(hint: check the mesh sizes, or spread the run over nodes with --nnodes)"
+        )
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if args.rdzv_endpoint is None and nnodes == "1":
         cmd.append("--standalone")  # a free local port: runs side by side never collide

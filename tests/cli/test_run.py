@@ -232,3 +232,11 @@ def test_a_damaged_checkpoint_stops_the_resume_with_one_line(tmp_path: Path) -> 
         f"not match the checksum written with it (hint: move step00000002 out of {tmp_path}/checkpoints "
         "to resume from step00000001)"
     )
+
+
+def test_a_mesh_too_large_to_launch_is_refused_before_any_process(tmp_path, capsys) -> None:
+    plan = tmp_path / "typo.plan"
+    plan.write_text("mesh dp=100000\n\ndata_parallel over dp {}\n")
+    assert main(["run", str(plan), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "the mesh needs 100,000 processes, 100,000 on this node" in err and len(err.splitlines()) == 1

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, run_dir
+from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, parse_fault, run_dir
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -227,6 +227,8 @@ def _check_before_launch(args: argparse.Namespace) -> int:
     if args.data is not None and ":" not in args.data and not Path(args.data).is_file():
         raise RunError(f"data file {args.data!r} does not exist (hint: pass a text file or FILE.py:factory)")
     _check_run_folder(args)
+    if os.environ.get("MESHPLAN_FAULT"):
+        parse_fault(os.environ["MESHPLAN_FAULT"])
     if args.export:
         export = Path(args.export)
         if export.is_file() and not args.overwrite:

@@ -201,11 +201,23 @@ def injected_fault(rank: int) -> Fault | None:
     spec = os.environ.get("MESHPLAN_FAULT")
     if not spec or restart_attempt() > 0:
         return None
+    fault_rank, fault = parse_fault(spec)
+    return fault if fault_rank == rank else None
+
+
+def parse_fault(spec: str) -> tuple[int, Fault]:
+    """`rank=R,step=S[,hang]` -> (R, its fault); anything else is a `RunError` saying the form."""
     parts = spec.split(",")
     fields = dict(part.split("=", 1) for part in parts if "=" in part)
-    if int(fields["rank"]) != rank:
-        return None
-    return Fault(int(fields["step"]), hang="hang" in parts)
+    extra = [p for p in parts if "=" not in p and p != "hang"] + sorted(set(fields) - {"rank", "step"})
+    try:
+        if extra:
+            raise ValueError
+        return int(fields["rank"]), Fault(int(fields["step"]), hang="hang" in parts)
+    except (KeyError, ValueError):
+        raise RunError(
+            f"MESHPLAN_FAULT={spec!r} is not `rank=R,step=S` or `rank=R,step=S,hang` (a testing hook)"
+        ) from None
 
 
 def under_torchrun() -> bool:

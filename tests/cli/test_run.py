@@ -240,3 +240,11 @@ def test_a_mesh_too_large_to_launch_is_refused_before_any_process(tmp_path, caps
     assert main(["run", str(plan), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "the mesh needs 100,000 processes, 100,000 on this node" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec", ["rank=1", "rank=x,step=3", "rank=1,step=3,stuck", "garbage"])
+def test_a_malformed_fault_hook_is_one_error_before_launch(tmp_path, capsys, monkeypatch, spec) -> None:
+    monkeypatch.setenv("MESHPLAN_FAULT", spec)
+    assert main(["run", TINY_DP, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"MESHPLAN_FAULT={spec!r} is not `rank=R,step=S`" in err and len(err.splitlines()) == 1

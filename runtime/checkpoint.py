@@ -207,6 +207,23 @@ def verify_checksums(folder: Path) -> None:
             )
 
 
+def _verified_once(folder: Path) -> None:
+    """`verify_checksums` on rank 0 only (every rank would read the whole checkpoint again),
+    its verdict sent to the others so that all stop, or none."""
+    problem = None
+    if _rank() == 0:
+        try:
+            verify_checksums(folder)
+        except CheckpointError as e:
+            problem = str(e)
+    if _distributed():
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -232,7 +249,7 @@ def load(
     layout: TensorLayout | None = None,
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
-    verify_checksums(Path(path))
+    _verified_once(Path(path))
     state = _state(model, optimizer, 0, layout, for_load=True)
     try:
         with _single_process_quiet():

@@ -59,6 +59,13 @@ CELLS = [
     )
 ]
 BROKEN = "tp-zero1-broken"  # the row splits' forward all-reduce dropped: the check must fail
+# The same program on other meshes of the same four ranks: axis order (the rank layout follows
+# the plan's order, so here tp groups are {0,2} {1,3}) and an axis of size one in the middle.
+MESHES = {"tp_first": "tp=2, dp=2", "three_axes": "dp=2, cp=1, tp=2"}
+MESH_CELLS = {
+    "tp_sp-zero2-accumulation-tp_first": "tp_sp-zero2-accumulation",
+    "tp-zero3-checkpoint-three_axes": "tp-zero3-checkpoint",
+}
 
 STEPS, MICRO_BATCH, SEQ, CLIP, DP = 3, 2, 32, 0.5, 2
 RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
@@ -81,18 +88,17 @@ BF16_TENSOR_YARDSTICK = 6.0
 
 
 def plan_text(cell: str) -> str:
-    tp, zero, extra = cell.split("-")
+    tp, zero, extra, *mesh = cell.split("-")
     modules, blocks = EXTRAS[extra]
     rules = TENSOR + (SEQUENCE if tp == "tp_sp" else "") + modules
-    text = (
-        f"mesh dp={DP}, tp=2\n\nmodules {{{rules}}}\n\ndata_parallel over dp {{\n    zero = {zero[-1]}\n}}\n"
-    )
+    axes = MESHES[mesh[0]] if mesh else f"dp={DP}, tp=2"
+    text = f"mesh {axes}\n\nmodules {{{rules}}}\n\ndata_parallel over dp {{\n    zero = {zero[-1]}\n}}\n"
     return text + blocks
 
 
 def one_rank_plan_text(cell: str) -> str:
     """The cell's precision policy alone: the unpartitioned model as the plan would run it."""
-    _, _, extra = cell.split("-")
+    extra = cell.split("-")[2]
     return "mesh dp=1\n\n" + EXTRAS[extra][1]
 
 
@@ -192,7 +198,7 @@ class _nothing:
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict[str, dict]:
-    return {cell: run_cell(rank, world_size, Path(tmp), cell) for cell in [*CELLS, BROKEN]}
+    return {cell: run_cell(rank, world_size, Path(tmp), cell) for cell in [*CELLS, *MESH_CELLS, BROKEN]}
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +225,16 @@ def problems(r: dict, *, bf16: bool) -> list[str]:
 def test_cell_matches_one_device(results, cell: str) -> None:
     for rank, by_cell in enumerate(results):
         assert problems(by_cell[cell], bf16=cell.endswith("bf16")) == [], (rank, by_cell[cell])
+
+
+@pytest.mark.parametrize("cell", MESH_CELLS)
+def test_axis_order_and_unit_axes_change_nothing(results, cell: str) -> None:
+    """Another order of the same axes, or an extra axis of size one, trains the same model: it
+    matches one device, and its losses are the dp=2 x tp=2 cell's up to float32 rounding."""
+    for rank, by_cell in enumerate(results):
+        r, same = by_cell[cell], by_cell[MESH_CELLS[cell]]
+        assert problems(r, bf16=False) == [], (rank, r)
+        assert r["losses"] == pytest.approx(same["losses"], rel=FP32_TOL), rank
 
 
 def test_a_broken_program_fails_the_same_check(results) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +21,12 @@ if TYPE_CHECKING:  # torch stays unimported until a session opens
     import torch
     from torch import fx, nn
 
+    from meshplan.compiler.compile import Compiled
+    from meshplan.compiler.executable import Executable
     from meshplan.dsl.check import DataParallelSpec, Plan
+    from meshplan.runtime.axes import Axes
     from meshplan.runtime.data import BatchFn
     from meshplan.runtime.data_parallel import DataParallel
-    from meshplan.runtime.shards import Sharding
-    from meshplan.runtime.train import Groups
     from meshplan.runtime.zero import Zero
 
 
@@ -56,12 +57,10 @@ class Session:
     program: fx.GraphModule  # this rank's: its shards bound, its collectives on its groups
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> loss
     batches: BatchFn
-    groups: Groups
+    axes: Axes  # process groups by axis name, the data axes, each parameter's cuts
     dp: DataParallel | Zero | None  # None: no data-parallel axis
-    sharded: set[str]  # parameters cut over the tensor axis (clipping sums their norms across it)
     accumulation: int
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
-    export_sharding: Sharding = field(default_factory=dict)  # param -> its Cut over tp, for --export
     export_names: frozenset[str] = frozenset()  # the unpartitioned model's state_dict keys
     tied: tuple[tuple[str, ...], ...] = ()  # each weight held under several names (GPT-2's wte / lm_head)
 
@@ -73,20 +72,25 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.placement import Shard
     from meshplan.dsl import load_plan
+    from meshplan.dsl.check import check_text
     from meshplan.examples import CORPUS
-    from meshplan.runtime.checkpoint import TensorLayout
+    from meshplan.runtime.axes import Axes
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.mesh import init_mesh
-    from meshplan.runtime.shards import Cut
-    from meshplan.runtime.train import Groups
+    from meshplan.runtime.shards import AxisCut, Cut
 
-    plan = load_plan(args.plan, world_size=world_size)
-    check_supported(plan)
     torch.manual_seed(args.seed)
-    # the graph bakes in its example shapes: compile for this rank's micro-batch
+    # the graph bakes in its example shapes: compiled for this rank's micro-batch
     source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
-    compiled = compile_plan(plan, source, world_size=world_size)
+    compiled: Compiled | Executable
+    if getattr(args, "program", None):  # compiled once, by the launcher or `meshplan compile`
+        compiled = load_program(Path(args.program), source.model, batch=args.batch, seq=args.seq)
+        plan = check_text(compiled.plan_text, compiled.plan_name, world_size=world_size)
+    else:
+        plan = load_plan(args.plan, world_size=world_size)
+        check_supported(plan)
+        compiled = compile_plan(plan, source, world_size=world_size)
     layout = compiled.layout
     mesh = init_mesh(layout, "cuda" if torch.cuda.is_available() else "cpu")
     program = build_rank_program(compiled, source.model, rank, mesh)
@@ -96,7 +100,6 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
     dp_group = mesh.get_group(dp_axis) if dp_axis else None
-    tp_axis = compiled.tensor_axis
     dp = None
     if dp_group is not None and dp_spec is not None:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
@@ -110,26 +113,20 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
                 reduce_dtype=reduce_dtype,
                 axis=dp_spec.axis,
             )
-    cuts = {
-        name: Cut(p.dim, p.blocks, p.padded)
-        for name, placement in compiled.param_placements.items()
-        for p in placement.values()
-        if isinstance(p, Shard)
-    }
-    groups = Groups(
-        dp=dp_group,
-        tp=mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
-        layout=TensorLayout(
-            mesh.get_group(tp_axis) if tp_axis and layout.size(tp_axis) > 1 else None,
-            cuts,
-        ),
+    axes = Axes(
+        groups={name: mesh.get_group(name) for name in layout.names if layout.size(name) > 1},
+        data=(dp_spec.axis,) if dp_spec is not None else (),
+        sharding={
+            name: tuple(
+                AxisCut(axis, Cut(p.dim, p.blocks, p.padded))
+                for axis, p in placement.items()
+                if isinstance(p, Shard)
+            )
+            for name, placement in compiled.param_placements.items()
+            if any(isinstance(p, Shard) for p in placement.values())
+        },
     )
-    sharded = {
-        name
-        for name, placement in compiled.param_placements.items()
-        if any(isinstance(p, Shard) for p in placement.values())
-    }
-    dp_size = layout.size(dp_axis) if dp_axis else 1
+    dp_size = axes.data_size
     batches = make_batches(
         args.data or str(CORPUS),
         batch=args.batch,
@@ -163,15 +160,31 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         program,
         loss_of,
         batches,
-        groups,
+        axes,
         dp,
-        sharded,
         plan.train.gradient_accumulation,
         plan.precision.loss_scale,
-        cuts,
         frozenset(source.model.state_dict()),
         _tied_names(source.model),
     )
+
+
+def load_program(path: Path, model: nn.Module, *, batch: int, seq: int) -> Executable:
+    """The compiled program at `path`, checked against the run: the same model structure and the
+    (batch, seq) it was compiled for. A mismatch is the user's to fix (`RunError`)."""
+    from meshplan.compiler.executable import ExecutableError, load_executable
+
+    try:
+        executable = load_executable(path, model)
+    except ExecutableError as e:
+        raise RunError(str(e)) from None
+    if executable.token_shape is not None and executable.token_shape != (batch, seq):
+        b, t = executable.token_shape
+        raise RunError(
+            f"{path} was compiled for --batch {b} --seq {t}, not --batch {batch} --seq {seq} "
+            f"(hint: run with --batch {b} --seq {t}, or compile again with the shapes you want)"
+        )
+    return executable
 
 
 def _tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -261,7 +274,7 @@ def export_weights(args: argparse.Namespace, prepared: Session, rank: int) -> No
 
 def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
-    shards gathered over tp, ZeRO's gathered, and each tied weight under every name it has."""
+    shards gathered over their axes, ZeRO's gathered, and each tied weight under every name it has."""
     import contextlib
 
     from meshplan.runtime.export import consolidate
@@ -269,9 +282,7 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
 
     gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
     with gathered:
-        state = consolidate(
-            prepared.program, prepared.export_sharding, prepared.groups.tp, set(prepared.export_names)
-        )
+        state = consolidate(prepared.program, prepared.axes, set(prepared.export_names))
     for group in prepared.tied:
         held = next((state[name] for name in group if name in state), None)
         if held is not None:
@@ -313,8 +324,7 @@ def train_session(args: argparse.Namespace, prepared: Session, *, show_progress:
         prepared.loss_of,
         prepared.batches,
         train_config(args, prepared),
-        groups=prepared.groups,
-        dp=prepared.dp,
-        sharded=prepared.sharded,
+        axes=prepared.axes,
+        sync=prepared.dp,
         show_progress=show_progress,
     )

@@ -156,7 +156,7 @@ def _rank(rank: int, world_size: int, job: Job):
         ]
     )  # fmt: skip
     prepared = open_session(args, rank, world_size)
-    dp = prepared.groups.dp
+    dp = prepared.axes.data_group
     dp_rank, dp_size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
     batches = token_batches(job, dp_rank=dp_rank, dp_size=dp_size, accumulation=prepared.accumulation)
     prepared = replace(prepared, batches=batches)

@@ -6,6 +6,7 @@ DIR/explain.txt       rule by rule: matched modules, local shapes, collectives
 DIR/ledger.txt        collectives per step (and ledger.json, machine-readable)
 DIR/program.py        the program every rank runs, as readable Python, collectives marked
 DIR/graph.json        the graph with placements, for `meshplan inspect`
+DIR/program.pt        the program itself, no weights: what `meshplan run DIR` executes
 
 One program serves every rank (SPMD): a rank binds its own shards and process groups, its
 mesh coordinates, when the program is built, so the artifact's size and the time to write it
@@ -25,6 +26,7 @@ from torch import nn
 from meshplan import __version__
 
 from .compile import Compiled
+from .executable import PROGRAM, save_executable, to_executable
 from .printers import annotated_code, explain, graph_records, ledger_table
 
 
@@ -37,7 +39,9 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
         "plan": Path(compiled.plan.path).name,
         "plan_sha256": hashlib.sha256(compiled.plan.source.encode()).hexdigest(),
         "model": model_spec,
-        "model_sha256": model_fingerprint(compiled.captured.model),
+        "model_sha256": model_fingerprint(
+            compiled.source.model if compiled.source else compiled.captured.model
+        ),
         "mesh": dict(zip(layout.names, layout.sizes, strict=True)),
         "world_size": layout.world_size,
         "tensor_axis": compiled.tensor_axis,
@@ -55,7 +59,8 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
     written["program.py"] = annotated_code(compiled)
     for name, text in written.items():
         (out / name).write_text(text, encoding="utf-8")
-    return [out / name for name in written]
+    save_executable(to_executable(compiled), out / PROGRAM)
+    return [out / name for name in [*written, PROGRAM]]
 
 
 def model_fingerprint(model: nn.Module) -> str:

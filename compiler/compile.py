@@ -42,6 +42,7 @@ from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
 from .capture import Captured, ModelSource, capture
+from .executable import Executable
 from .graph import for_rank, keep_loss_output, normalize
 from .ledger import DataParallelFacts, Ledger, build_ledger
 from .lint import lint
@@ -69,6 +70,7 @@ class Compiled:
     ledger: Ledger
     warnings: list[Diagnostic] = field(default_factory=list)
     kv_replicas: dict[str, int] = field(default_factory=dict)  # GQA: kv weight -> ranks per head
+    source: ModelSource | None = None  # the model (fp32, unpartitioned) and the inputs compiled for
 
 
 def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = None) -> Compiled:
@@ -119,7 +121,7 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     )
     kv = spec.kv_replicas if spec else {}
     return Compiled(
-        plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings, kv
+        plan, layout, captured, resolution, gm, placements, rules, tensor_axis, ledger, warnings, kv, source
     )
 
 
@@ -155,8 +157,14 @@ def _data_parallel_facts(
         params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
     where = f"{dp.span.path}:{dp.span.line}"
+    # the gradient norm sums squares per set of axes that shard a parameter, and one for the rest
+    kinds = {
+        tuple(a for a, p in placements.get(name, {}).items() if isinstance(p, Shard) and layout.size(a) > 1)
+        for name in params
+    }
+    norm_sums = len(kinds - {()}) + 1
     return DataParallelFacts(
-        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where
+        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where, norm_sums
     )
 
 
@@ -458,10 +466,13 @@ def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[Pl
 # ---------------------------------------------------------------------------- per-rank programs
 
 
-def build_rank_program(compiled: Compiled, model: nn.Module, rank: int, mesh=None) -> fx.GraphModule:
+def build_rank_program(
+    compiled: Compiled | Executable, model: nn.Module, rank: int, mesh=None
+) -> fx.GraphModule:
     """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
 
-    `model` holds the full (unpartitioned) parameters and buffers; `mesh` is the
+    `compiled` is a fresh compile or one loaded from disk (`executable.py`); `model` holds
+    the full (unpartitioned) parameters and buffers; `mesh` is the
     DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))

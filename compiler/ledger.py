@@ -19,7 +19,8 @@ the collectives `meshplan run` issues, byte for byte (a test compares them):
     3     reduce_scatter per unit flat;    -
           all_gather per flat before each unit's forward, and again before its backward
           (not for the unit released last)
-    1-3   an all_reduce of 16 bytes: the gradient norm's sums of squares
+    1-3   an all_reduce of 8 bytes per sum of squares the gradient norm needs (one per set of
+          axes that shard parameters, one for the rest)
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ class DataParallelFacts:
     aliases: dict[str, str]  # every name a param has in the graph -> its name in `params` (ties)
     decay: Callable[[str, torch.Tensor], bool]  # which params AdamW decays (they get their own flats)
     where: str  # `file:line` of the plan's data_parallel block
+    norm_sums: int = (
+        2  # float64 sums the gradient norm all-reduces: one per set of sharding axes, one for the rest
+    )
 
 
 def build_ledger(
@@ -256,6 +260,17 @@ def _data_parallel_rows(
                     row(node.name, "zero_gather", "reduce_scatter", "backward", numel, reduce_dtype(group), 1)
                 )
     rows.append(
-        LedgerRow("grad norm", "zero_norm", "all_reduce", "step", data.axis, (2,), 16, 1, n, data.where)
+        LedgerRow(
+            "grad norm",
+            "zero_norm",
+            "all_reduce",
+            "step",
+            data.axis,
+            (data.norm_sums,),
+            8 * data.norm_sums,
+            1,
+            n,
+            data.where,
+        )
     )
     return rows

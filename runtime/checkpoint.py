@@ -26,8 +26,8 @@ a resumed run takes them from its own command line.
     replicated/optim/state/layers.0.mlp.up_proj.weight/exp_avg
     train/step, rng/rank0, rng/rank1, ...
 
-Every tensor is whole: tensor-parallel shards are all-gathered over the tensor axis
-(`TensorLayout`) and, under ZeRO, the data-parallel shards of the fp32 master weights
+Every tensor is whole: shards are all-gathered over each axis that cuts them
+(`Axes.unshard`) and, under ZeRO, the data-parallel shards of the fp32 master weights
 and moments are gathered too (`Zero.full_state`). Every rank then holds the same value
 for a key and DCP writes it once; loading reads the whole tensor and keeps this rank's
 piece. So the checkpoint does not depend on the layout: a run saved with dp=2 x tp=2
@@ -56,8 +56,8 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .shards import Sharding, full_shape, shard_of, unshard
+from .axes import Axes
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
@@ -77,14 +77,6 @@ CHECKSUMS = "checksums.json"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: damaged, incomplete, or not this model's (one line)."""
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """How this rank's parameters are cut over the tensor axis."""
-
-    tp: dist.ProcessGroup | None = None
-    sharding: Sharding = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,11 +118,11 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    layout: TensorLayout | None = None,
+    axes: Axes | None = None,
     keep: int = 2,
 ) -> Path:
     """Write the checkpoint of `step` atomically (all ranks call this); return its final path."""
-    tmp = write_temporary(root, step, model, optimizer, layout=layout)
+    tmp = write_temporary(root, step, model, optimizer, axes=axes)
     final = Path(root) / checkpoint_name(step)
     if _rank() == 0:
         write_checksums(tmp)
@@ -146,7 +138,7 @@ def write_temporary(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    layout: TensorLayout | None = None,
+    axes: Axes | None = None,
 ) -> Path:
     """The first half of `save`: every rank writes into `.tmp-stepN`. Nothing is published yet."""
     tmp = Path(root) / (TMP_PREFIX + checkpoint_name(step))
@@ -156,7 +148,7 @@ def write_temporary(
     _barrier()
     with _single_process_quiet():
         dcp.save(
-            _state(model, optimizer, step, layout),
+            _state(model, optimizer, step, axes),
             checkpoint_id=str(tmp),
             no_dist=not _distributed(),
         )
@@ -246,11 +238,11 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     *,
-    layout: TensorLayout | None = None,
+    axes: Axes | None = None,
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
     _verified_once(Path(path))
-    state = _state(model, optimizer, 0, layout, for_load=True)
+    state = _state(model, optimizer, 0, axes, for_load=True)
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
@@ -259,7 +251,7 @@ def load(
     except (Exception, CheckpointException) as e:  # DCP's report: every rank's error, with tracebacks
         raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_cause(e)}") from None
     shard = state[_REPLICATED]
-    _keep_local(shard, layout)
+    _keep_local(shard, axes)
     if isinstance(optimizer, Zero):
         optimizer.load_full_state(shard["model"], shard["optim"]["state"])
         model.load_state_dict(_buffers(model, shard["model"]), strict=False)
@@ -308,7 +300,7 @@ def _state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     step: int,
-    layout: TensorLayout | None = None,
+    axes: Axes | None = None,
     *,
     for_load: bool = False,
 ) -> dict:
@@ -317,8 +309,8 @@ def _state(
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         shard = {"model": model_sd, "optim": {"state": optim_sd.get("state", {})}}
-    if layout is not None and layout.tp is not None:
-        _make_full(shard, layout, for_load=for_load)
+    if axes is not None:
+        _make_full(shard, axes, for_load=for_load)
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
@@ -359,44 +351,33 @@ def _buffers(model: nn.Module, state: dict) -> dict:
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _make_full(shard: dict, layout: TensorLayout, *, for_load: bool) -> None:
-    """Replace each tensor-parallel shard (parameter and Adam moments) by the full tensor:
-    gathered when saving, an empty full-size buffer for DCP to fill when loading."""
-    tp = layout.tp
-    assert tp is not None
-    n = dist.get_world_size(tp)
+def _make_full(shard: dict, axes: Axes, *, for_load: bool) -> None:
+    """Replace each sharded parameter and its Adam moments by the full tensor: gathered over
+    the axes that cut it when saving, an empty full-size buffer for DCP to fill when loading."""
 
     def full(name: str, local: torch.Tensor) -> torch.Tensor:
-        cut = layout.sharding[name]
         if for_load:
-            return local.new_empty(full_shape(local, cut, n))
-        return unshard(local.detach(), cut, tp)
+            return local.new_empty(axes.full_shape(name, local))
+        return axes.unshard(name, local.detach())
 
-    for name in [k for k in shard["model"] if k in layout.sharding]:
-        shard["model"][name] = full(name, shard["model"][name])
-    for name, moments in shard["optim"].get("state", {}).items():
-        if name in layout.sharding:
-            for key in _MOMENTS:
-                if key in moments:
-                    moments[key] = full(name, moments[key])
+    _each_sharded(shard, axes, full)
 
 
-def _keep_local(shard: dict, layout: TensorLayout | None) -> None:
+def _keep_local(shard: dict, axes: Axes | None) -> None:
     """After loading full tensors, keep this rank's piece of each sharded one."""
-    if layout is None or layout.tp is None:
-        return
-    n, rank = dist.get_world_size(layout.tp), dist.get_rank(layout.tp)
+    if axes is not None:
+        _each_sharded(shard, axes, lambda name, whole: axes.shard(name, whole).contiguous())
 
-    def local(name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard_of(full, layout.sharding[name], rank, n).contiguous()
 
-    for name in [k for k in shard["model"] if k in layout.sharding]:
-        shard["model"][name] = local(name, shard["model"][name])
+def _each_sharded(shard: dict, axes: Axes, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter cut over an axis, and its moments, by `fn(name, tensor)`."""
+    for name in [k for k in shard["model"] if axes.sharded_over(k)]:
+        shard["model"][name] = fn(name, shard["model"][name])
     for name, moments in shard["optim"].get("state", {}).items():
-        if name in layout.sharding:
+        if axes.sharded_over(name):
             for key in _MOMENTS:
                 if key in moments:
-                    moments[key] = local(name, moments[key])
+                    moments[key] = fn(name, moments[key])
 
 
 def _rng_key() -> str:

@@ -40,7 +40,7 @@ for reporting next to the compiler's collective ledger.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .buckets import dp_buckets
+from .grad_sync import param_grad_squares, scale_param_grads_
 
 
 @dataclass
@@ -132,6 +133,13 @@ class DataParallel(nn.Module):
             _unflatten_into_grads(bucket.flat.div_(self.world), bucket.params)
             bucket.work, bucket.flat, bucket.ready = None, None, 0
         self._next = 0
+
+    def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
+        """After `finish()` every replica holds the same averaged gradient: local sums."""
+        return param_grad_squares(self.module.named_parameters(), kinds)
+
+    def scale_grads_(self, factor: Tensor | float) -> None:
+        scale_param_grads_(self.module.parameters(), factor)
 
     def _on_grad(self, param: Tensor) -> None:
         if not self._sync:

@@ -2,8 +2,8 @@
 
     meshplan run examples/llama_tp.plan --steps 100 --export runs/llama_tp/model.safetensors
 
-Every rank takes part: tensor-parallel shards are all-gathered over the tensor axis
-(fused projections block by block), ZeRO-3 parameters are gathered by the caller
+Every rank takes part: shards are all-gathered over each axis that cuts them (fused
+projections block by block), ZeRO-3 parameters are gathered by the caller
 (`Zero.gathered()`), and rank 0 writes the file. `.safetensors` needs the safetensors
 package; any other suffix is written with `torch.save` (load it with
 `torch.load(path, weights_only=True)`).
@@ -14,26 +14,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from .shards import Sharding, unshard
+from .axes import Axes
 
 
-def consolidate(
-    module: nn.Module, sharding: Sharding, tp: dist.ProcessGroup | None, names: set[str] | None = None
-) -> dict[str, Tensor]:
+def consolidate(module: nn.Module, axes: Axes, names: set[str] | None = None) -> dict[str, Tensor]:
     """Full tensors for the parameters and buffers of `module` named in `names` (all if None),
-    on every rank of the tp group. `names` is the unpartitioned model's `state_dict()` keys,
+    on every rank. `names` is the unpartitioned model's `state_dict()` keys,
     which leaves out buffers it does not persist (e.g. RoPE tables)."""
     out: dict[str, Tensor] = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
         if names is not None and name not in names:
             continue
-        local = tensor.detach()
-        if name in sharding and tp is not None:
-            local = unshard(local, sharding[name], tp)
-        out[name] = local.cpu().clone()
+        out[name] = axes.unshard(name, tensor.detach()).cpu().clone()
     return out
 
 

@@ -1,14 +1,19 @@
-"""How a parameter is cut over the tensor axis, and the two directions between a whole tensor
-and a rank's piece of it: the one cutting rule that rank programs (`compiler.compile`),
-checkpoints and exports all use.
+"""How a parameter is cut over the mesh axes that shard it, and the two directions between a
+whole tensor and a rank's piece of it: the one cutting rule that rank programs
+(`compiler.compile`), checkpoints and exports all use.
 
     cut = Cut(dim=0, size=511)                       # a vocabulary of 511 rows over 2 ranks
     shard_of(full, cut, rank=1, n=2)                 # rows 256..510 and one zero row: (256, H)
     unshard(local, cut, tp_group)                    # all-gathered, padding dropped: (511, H)
+
+A parameter may be cut over several axes (an expert's matrix: experts over `ep`, columns over
+`tp`): its `Sharding` entry lists one `AxisCut` per axis, in the order the cuts are applied;
+they are undone in the reverse order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -19,7 +24,7 @@ from .collectives import all_gather
 
 
 class Cut(NamedTuple):
-    """How a parameter is cut over the tensor axis: along `dim`, each rank holding its chunk of
+    """How a parameter is cut over one mesh axis: along `dim`, each rank holding its chunk of
     every block (`()` is one block). `size` is the dim's global size when it does not divide by
     the axis (a vocabulary of 511 over 2 ranks): chunks are ceil(size / n) long, the last ones
     zero-padded; 0 when it divides."""
@@ -29,18 +34,23 @@ class Cut(NamedTuple):
     size: int = 0
 
 
-Sharding = dict[str, Cut]  # parameter name -> its cut over the tensor axis
+class AxisCut(NamedTuple):
+    axis: str  # the mesh axis, by name
+    cut: Cut
 
 
-def unshard(local: Tensor, cut: Cut, tp: dist.ProcessGroup) -> Tensor:
+Sharding = dict[str, tuple[AxisCut, ...]]  # parameter name -> its cuts, in the order applied
+
+
+def unshard(local: Tensor, cut: Cut, group: dist.ProcessGroup) -> Tensor:
     """All-gather along the cut's dim; a blocked shard [q_r, k_r, v_r] is gathered block by block,
     a padded one loses its padding."""
-    n = dist.get_world_size(tp)
+    n = dist.get_world_size(group)
     if not cut.blocks:
-        whole = all_gather(local, cut.dim, tp)
+        whole = all_gather(local, cut.dim, group)
         return whole.narrow(cut.dim, 0, cut.size) if cut.size else whole
     pieces = local.split([b // n for b in cut.blocks], cut.dim)  # this rank's chunk of each block
-    return torch.cat([all_gather(piece.contiguous(), cut.dim, tp) for piece in pieces], cut.dim)
+    return torch.cat([all_gather(piece.contiguous(), cut.dim, group) for piece in pieces], cut.dim)
 
 
 def shard_of(full: Tensor, cut: Cut, rank: int, n: int) -> Tensor:
@@ -55,7 +65,8 @@ def shard_of(full: Tensor, cut: Cut, rank: int, n: int) -> Tensor:
     return torch.cat([piece.chunk(n, cut.dim)[rank] for piece in pieces], cut.dim)
 
 
-def full_shape(local: Tensor, cut: Cut, n: int) -> tuple[int, ...]:
-    shape = list(local.shape)
+def full_shape(local: Sequence[int], cut: Cut, n: int) -> tuple[int, ...]:
+    """The shape of the whole tensor whose piece on one of `n` ranks has shape `local`."""
+    shape = list(local)
     shape[cut.dim] = cut.size or shape[cut.dim] * n
     return tuple(shape)

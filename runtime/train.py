@@ -3,25 +3,26 @@ gradient accumulation, checkpoints, a progress bar on rank 0 and JSONL metrics o
 
     meshplan run examples/tiny_dp.plan --steps 200          # launches: torchrun ... -m meshplan.run ...
 
-    summary = train(program, loss_of, batches, config, groups=Groups(dp=dp_group, tp=tp_group),
-                    dp=DataParallel(program, dp_group), sharded={"layers.0.mlp.up_proj.weight", ...})
+    axes = Axes(groups={"dp": dp_group, "tp": tp_group}, data=("dp",), sharding=cuts)
+    summary = train(program, loss_of, batches, config, axes=axes, sync=DataParallel(program, dp_group))
 
 One optimizer step is `config.accumulation` micro-steps; gradients are synchronized over
 the data axis only on the last (`DataParallel.no_sync` before), and each micro-loss is
 divided by the number of micro-steps, so k micro-batches of b train exactly like one
 batch of k*b (for a mean-reduced loss over equally many tokens).
 
-Gradient clipping by global norm under tensor parallelism: the norm is over the *full*
-model. A parameter sharded over tp contributes the sum of squares of its local shard,
-summed over the tp group; a replicated one is identical on every tp rank and counts once
-(locally). Data-parallel replicas hold the same averaged gradient after `finish()`, so
-nothing is summed over dp.
+Gradients are synchronized over the data axis by one `GradSync` engine (`grad_sync.py`):
+`Local` (no data axis), `DataParallel` or `Zero`. The loop reads and scales the gradient
+only through it, so clipping and loss scaling are one code path for all three.
 
-Under ZeRO (`dp` is a `runtime.zero.Zero`) the optimizer is `zero.optimizer`, AdamW over
-this rank's fp32 shards, and each dp rank holds only its shard of the averaged gradient:
-`Zero.grad_squares` sums squares inside the shard and all-reduces them over dp, keeping
-tp-sharded and replicated params apart, and the tp rule above is applied to the result.
-Unscaling and clipping multiply the gradient shards; checkpoints hold `zero.full_state()`.
+Gradient clipping by global norm: the norm is over the *full* model. Parameters are grouped
+by the axes that shard them (`Axes.sharded_over`: () for a whole one, ("tp",) for a column
+split, ("ep", "tp") later for an expert's matrix); the engine sums each group's squares over
+the data axis (`grad_squares`), and each sum is then summed over the axes that shard its
+group. A whole parameter is identical on every rank of those axes and counts once.
+
+Under ZeRO the optimizer is `zero.optimizer`, AdamW over this rank's fp32 shards, and each
+data rank holds only its shard of the averaged gradient; checkpoints hold `zero.full_state()`.
 
 Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:
@@ -32,7 +33,7 @@ Metrics: every rank appends one JSON object per optimizer step to
 plus, under ZeRO, `"zero_memory": {"params": ..., "grads": ..., "optimizer": ..., "total": ...}`:
 the bytes of training state this rank holds right after the optimizer step (`Zero.memory()`).
 
-`loss` is the mean over the data-parallel group; `tokens_per_s` is for the whole job
+`loss` is the mean over the data axes; `tokens_per_s` is for the whole job
 (every dp rank's tokens over the step's wall time); `peak_memory` is bytes: on CPU the
 process's peak resident set (`getrusage` maxrss), on GPU `torch.cuda.max_memory_allocated`.
 `mfu` = 6 * (this rank's parameters) * (this rank's tokens/s) / peak FLOP/s: the usual
@@ -66,9 +67,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import checkpoint, watchdog
+from .axes import Axes
 from .buckets import decays
 from .collectives import label_collectives
 from .data_parallel import DataParallel
+from .grad_sync import GradSync, Local
 from .zero import Zero
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
@@ -101,15 +104,6 @@ class TrainConfig:
     loss_scale: float | None = None
     dynamic_loss_scale: bool = False
     scale_growth_interval: int = 1000
-
-
-@dataclass(frozen=True)
-class Groups:
-    """The process groups the loop reduces over (None: that axis is absent), and this rank's identity."""
-
-    dp: dist.ProcessGroup | None = None
-    tp: dist.ProcessGroup | None = None
-    layout: checkpoint.TensorLayout | None = None  # tensor-parallel cuts, for layout-free checkpoints
 
 
 @dataclass
@@ -153,33 +147,17 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas)
 
 
-def global_grad_norm(
-    named_params: Iterable[tuple[str, nn.Parameter]], sharded: set[str], tp: dist.ProcessGroup | None
-) -> Tensor:
-    """The L2 norm of the whole model's gradient, from this rank's shards (see the module docstring)."""
-    sharded_sq = torch.zeros((), dtype=torch.float64)
-    replicated_sq = torch.zeros((), dtype=torch.float64)
-    for name, p in named_params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if name in sharded:
-            sharded_sq += sq
-        else:
-            replicated_sq += sq
-    if tp is not None and dist.get_world_size(tp) > 1:
-        sharded_sq = _all_reduce(sharded_sq, tp, "tp", "gradient norm")
-    return (sharded_sq + replicated_sq).sqrt()
-
-
-def clip_gradients(params: Iterable[nn.Parameter], total_norm: Tensor, max_norm: float) -> None:
-    """Scale gradients by min(1, max_norm / (norm + 1e-6)), the formula of `clip_grad_norm_`."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if max_norm <= 0 or not grads:
-        return
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype).to(g.device))
+def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor:
+    """The L2 norm of the whole model's gradient, the same on every rank (see the module docstring)."""
+    kinds: dict[tuple[str, ...], set[str]] = {}
+    for name in names:
+        kinds.setdefault(axes.sharded_over(name), set()).add(name)
+    sharded = sorted(k for k in kinds if k)  # the same order on every rank
+    squares = sync.grad_squares([kinds[k] for k in sharded])
+    total = squares[-1]  # whole parameters: counted once
+    for i, over in enumerate(sharded):
+        total = total + axes.sum_over(squares[i], over, "gradient norm")
+    return total.sqrt()
 
 
 def peak_memory_bytes() -> int:
@@ -225,32 +203,34 @@ def train(
     batches: BatchFn,
     config: TrainConfig,
     *,
-    groups: Groups = Groups(),
-    dp: DataParallel | Zero | None = None,
-    sharded: set[str] | frozenset[str] = frozenset(),
+    axes: Axes | None = None,
+    sync: DataParallel | Zero | None = None,
     show_progress: bool | None = None,
 ) -> Summary:
     """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
 
-    `loss_of` runs one micro-batch forward (through `dp` when there is one) and returns the
-    loss; `sharded` names the parameters sharded over `groups.tp` (for the gradient norm).
-    `dp` is data parallel or ZeRO over `groups.dp` (ZeRO: its own optimizer, built with
-    `decays` and this config's hyperparameters; the LR is set here every step).
+    `loss_of` runs one micro-batch forward (through `sync` when it is `DataParallel`) and
+    returns the loss. `axes` are this rank's process groups by axis name (None: one process), with the plan's
+    roles and each parameter's cuts; `sync` synchronizes gradients over the data axis (None:
+    there is none). ZeRO brings its own optimizer, built with `decays` and this config's
+    hyperparameters; the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    axes = axes or Axes()
     torch.manual_seed(config.seed)
-    zero = dp if isinstance(dp, Zero) else None
+    zero = sync if isinstance(sync, Zero) else None
+    grads: GradSync = sync if sync is not None else Local(program)
     optimizer = zero.optimizer if zero is not None else make_optimizer(program, config)
     ckpt_root = config.run_dir / "checkpoints"
-    start = _maybe_resume(ckpt_root, program, zero or optimizer, config, groups)
+    start = _maybe_resume(ckpt_root, program, zero or optimizer, config, axes)
     metrics = MetricsWriter(config.run_dir, rank)
-    dp_size = dist.get_world_size(groups.dp) if groups.dp is not None else 1
+    dp_size = axes.data_size
     tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
     local_params = sum(p.numel() for p in program.parameters())
     flops = peak_flops(config)
     summary = Summary(steps_done=start, start_step=start)
     display = _Display(rank == 0 if show_progress is None else show_progress, config, start)
-    named = list(program.named_parameters())
+    names = [name for name, _ in program.named_parameters()]
     label_collectives(program)  # the watchdog's report names the graph node a rank waits in
     scale = config.loss_scale
     good_steps = 0
@@ -262,26 +242,17 @@ def train(
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = _accumulate(loss_of, batches, step, config.accumulation, dp, scale or 1.0)  # () mean loss
+            loss = _accumulate(
+                loss_of, batches, step, config.accumulation, grads, scale or 1.0
+            )  # () mean loss
+            norm = _optimizer_step(grads, zero or optimizer, axes, names, scale, config.grad_clip)
+            skipped = not bool(torch.isfinite(norm))
             if zero is not None:
-                norm, zero_memory = _zero_step(zero, scale, set(sharded), groups.tp, config.grad_clip)
-                skipped = not bool(torch.isfinite(norm))
-            else:
-                if scale is not None:
-                    _unscale(program.parameters(), scale)
-                norm = global_grad_norm(named, set(sharded), groups.tp)  # the same on every rank
-                skipped = not bool(torch.isfinite(norm))
-                if not skipped:
-                    clip_gradients(program.parameters(), norm, config.grad_clip)
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                zero_memory = zero.memory()
+            (zero or optimizer).zero_grad()
             if scale is not None and config.dynamic_loss_scale:
                 scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
-            mean_loss = (
-                float(_all_reduce(loss, groups.dp, "dp", "mean loss") / dp_size)
-                if groups.dp is not None
-                else float(loss)
-            )
+            mean_loss = float(axes.mean_over_data(loss, "mean loss"))
             dt = time.perf_counter() - t0
             summary.skipped_steps += skipped
             summary.losses.append(mean_loss)
@@ -313,7 +284,7 @@ def train(
                     step + 1,
                     program,
                     zero or optimizer,
-                    layout=groups.layout,
+                    axes=axes,
                 )
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
     except RuntimeError as e:
@@ -327,26 +298,25 @@ def train(
     return summary
 
 
-def _zero_step(
-    zero: Zero, scale: float | None, sharded: set[str], tp: dist.ProcessGroup | None, max_norm: float
-) -> tuple[Tensor, dict[str, int]]:
-    """One optimizer step under ZeRO, after `_accumulate`: unscale and clip the gradient shards,
-    step unless the global norm is not finite, drop the gradients. Returns the norm (the same on
-    every rank, so every rank skips the same steps) and `zero.memory()` taken before the drop."""
+def _optimizer_step(
+    grads: GradSync,
+    optimizer: torch.optim.Optimizer | Zero,
+    axes: Axes,
+    names: list[str],
+    scale: float | None,
+    max_norm: float,
+) -> Tensor:
+    """One optimizer step after `_accumulate`: unscale and clip the averaged gradient, step
+    unless its global norm is not finite. Returns the norm, the same on every rank (so every
+    rank skips the same steps)."""
     if scale is not None:
-        zero.scale_grads_(1.0 / scale)
-    squares = zero.grad_squares(sharded)  # (tp-sharded, replicated), summed over dp
-    sharded_sq, replicated_sq = squares[0].cpu(), squares[1].cpu()
-    if tp is not None and dist.get_world_size(tp) > 1:
-        sharded_sq = _all_reduce(sharded_sq, tp, "tp", "gradient norm")
-    norm = (sharded_sq + replicated_sq).sqrt()
+        grads.scale_grads_(1.0 / scale)
+    norm = global_grad_norm(grads, axes, names)
     if bool(torch.isfinite(norm)):
         if max_norm > 0:
-            zero.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        zero.step()
-    memory = zero.memory()
-    zero.zero_grad()
-    return norm, memory
+            grads.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        optimizer.step()
+    return norm
 
 
 class PeerFailure(RuntimeError):
@@ -374,7 +344,7 @@ def is_peer_failure(e: BaseException) -> bool:
 
 
 def _accumulate(
-    loss_of: LossFn, batches: BatchFn, step: int, k: int, dp: DataParallel | Zero | None, scale: float = 1.0
+    loss_of: LossFn, batches: BatchFn, step: int, k: int, grads: GradSync, scale: float = 1.0
 ) -> Tensor:
     """k micro-steps of forward and backward; gradients are synchronized on the last one only.
 
@@ -385,19 +355,12 @@ def _accumulate(
     for micro in range(k):
         input_ids, labels = batches(step, micro)  # (B, T), (B, T)
         last = micro == k - 1
-        with dp.no_sync() if dp is not None and not last else contextlib.nullcontext():
+        with grads.no_sync() if not last else contextlib.nullcontext():
             loss = loss_of(input_ids, labels) / k
             (loss * scale if scale != 1.0 else loss).backward()
         total += loss.detach().double().cpu()
-    if dp is not None:
-        dp.finish()
+    grads.finish()
     return total
-
-
-def _unscale(params: Iterable[nn.Parameter], scale: float) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, 1.0 / scale)
 
 
 def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int) -> tuple[float, int]:
@@ -415,7 +378,7 @@ def _maybe_resume(
     program: nn.Module,
     optimizer: torch.optim.Optimizer | Zero,
     config: TrainConfig,
-    groups: Groups,
+    axes: Axes,
 ) -> int:
     if not config.resume:
         return 0
@@ -423,7 +386,7 @@ def _maybe_resume(
     if path is None:
         return 0
     try:
-        return checkpoint.load(path, program, optimizer, layout=groups.layout).step
+        return checkpoint.load(path, program, optimizer, axes=axes).step
     except checkpoint.CheckpointError as e:
         older = checkpoint.before(path)
         if older is None:
@@ -437,14 +400,6 @@ def _should_save(done: int, config: TrainConfig) -> bool:
     if config.save_every > 0 and done % config.save_every == 0:
         return True
     return config.save_every > 0 and done == config.steps
-
-
-def _all_reduce(x: Tensor, group: dist.ProcessGroup | None, axis: str, what: str) -> Tensor:
-    x = x.clone()
-    if group is not None:
-        watchdog.note("all_reduce", axis, what, group)
-        dist.all_reduce(x, group=group)
-    return x
 
 
 class _Display:

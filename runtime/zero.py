@@ -438,26 +438,26 @@ class Zero:
         self.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
-    def grad_squares(self, names: Collection[str] = ()) -> Tensor:
-        """Sums of squares of the averaged gradient over the whole group, in float64:
-        `[params named in names, every other param]` (2,), the same on every rank.
+    def grad_squares(self, kinds: Sequence[Collection[str]] = ()) -> Tensor:
+        """`GradSync.grad_squares`: sums of squares of the averaged gradient over the whole group,
+        in float64, one per kind of parameter (names) and one for the rest; the same on every rank.
 
-        Each rank sums the part of each param inside its own shard, then one all-reduce
-        adds the shards. Under tensor parallelism the first entry is what a tp-sharded
-        param contributes on this tp rank (the caller sums it over tp), the second is a
-        replicated param's full contribution.
+        Each rank sums the part of each param inside its own shard, then one all-reduce adds
+        the shards. A kind cut over other axes (tensor parallel) is this rank's piece of it:
+        the caller sums it over those axes.
         """
         self._finish_grad_sync()
-        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # (named, other)
+        squares = torch.zeros(len(kinds) + 1, dtype=torch.float64, device=self.device)
         for f in self.flats:
             g = f.own_grad()
             if g is None:
                 continue
             for name, start, end in f.own_ranges():
-                squares[0 if name in names else 1] += g[start:end].double().pow(2).sum()
+                kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
+                squares[kind] += g[start:end].double().pow(2).sum()
         self._record("all_reduce", squares.nbytes)
         dist.all_reduce(squares, group=self.group)
-        return squares
+        return squares.cpu()
 
     def scale_grads_(self, factor: Tensor | float) -> None:
         """Multiply this rank's gradient shards by `factor` (loss-scale unscaling, clipping)."""

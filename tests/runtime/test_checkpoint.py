@@ -13,10 +13,11 @@ import torch.distributed as dist
 from meshplan.examples import CORPUS
 from meshplan.examples.models.llama import build
 from meshplan.runtime import checkpoint
+from meshplan.runtime.axes import Axes
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import Groups, TrainConfig, train
+from meshplan.runtime.train import TrainConfig, train
 
 
 def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -98,7 +99,14 @@ def resume_worker(rank: int, world_size: int, tmp: str) -> dict[str, list[float]
             steps=STEPS, warmup_steps=2, accumulation=2, seed=7, run_dir=Path(tmp) / run_dir,
             save_every=save_every, resume=resume,
         )  # fmt: skip
-        summary = train(model, lambda x, y: dp(x, y), batches, cfg, groups=Groups(dp=dist.group.WORLD), dp=dp)
+        summary = train(
+            model,
+            lambda x, y: dp(x, y),
+            batches,
+            cfg,
+            axes=Axes(groups={"dp": dist.group.WORLD}, data=("dp",)),
+            sync=dp,
+        )
         return summary.losses, [p.detach().numpy().copy() for p in model.parameters()]
 
     straight, straight_params = run("straight")

@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from meshplan.examples import CORPUS
 from meshplan.examples.models.llama import build
+from meshplan.runtime.axes import Axes
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.train import Groups, TrainConfig, lr_at, make_optimizer, train
+from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer, train
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +90,8 @@ def data_parallel_run(rank: int, tokens: torch.Tensor, cfg: TrainConfig, micro_b
         lambda x, y: dp(x, y),
         batches,
         cfg,
-        groups=Groups(dp=dist.group.WORLD),
-        dp=dp,
+        axes=Axes(groups={"dp": dist.group.WORLD}, data=("dp",)),
+        sync=dp,
         show_progress=False,
     )
     return {

@@ -75,7 +75,7 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
         "losses": summary.losses,
         "ref_losses": ref_losses,
         "worst_param": worst,
-        "sharded": len(prepared.sharded),
+        "sharded": len(prepared.axes.sharding),
     }
 
 

@@ -1,0 +1,193 @@
+"""The compiled program as it runs: what `meshplan compile -o DIR` writes as `DIR/program.pt`,
+and what every rank of `meshplan run` loads instead of capturing the model again.
+
+    executable = to_executable(compiled)                       # compiled for --batch/--seq
+    save_executable(executable, out / "program.pt")
+    executable = load_executable(out / "program.pt", model)   # refuses another model
+    program = build_rank_program(executable, model, rank, mesh)
+
+It holds the one SPMD graph (with its checkpoint regions and group-less collective modules),
+each parameter's placement per axis, the mesh layout, the plan's text and the shapes the
+graph was compiled for. It holds no weights: parameters and buffers are stored as shapes
+only, and each rank binds its shards from the model the factory builds (seeded, the same on
+every rank). Constants the graph made itself (not the model's) are kept.
+
+The format is a pickle, with two twists: ATen operators are stored by name
+(`aten::linear.default`), since torch's operator objects cannot be pickled, and graph modules
+are stored as their `fx.Graph` (node names, arguments and the facts meshplan needs at run
+time: checkpoint regions, collectives), not as generated code to trace again. Node facts
+that only the compiler uses (export's fake tensors) are dropped. Like any pickle, and like a
+checkpoint, the file is trusted input: load only artifacts you made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx, nn
+
+from meshplan.runtime.mesh import MeshLayout
+
+from .capture import ModelSource
+from .placement import Placement
+
+if TYPE_CHECKING:
+    from .compile import Compiled
+
+FORMAT = 1
+PROGRAM = "program.pt"  # its name in a compile folder and in a run folder
+# node facts a rank program needs: the rest (export's fake tensors, stack traces) are compile-time
+_RUNTIME_META = ("meshplan.checkpoint", "meshplan.collective", "meshplan.module")
+
+
+class ExecutableError(ValueError):
+    """A `program.pt` that cannot run here: missing, damaged, another format, or another model."""
+
+
+@dataclass
+class Executable:
+    graph: fx.GraphModule  # parameters and buffers as meta tensors: shapes only
+    param_placements: dict[str, dict[str, Placement]]
+    layout: MeshLayout
+    plan_name: str
+    plan_text: str
+    model_sha256: str  # the structure of the model it was compiled for (`model_fingerprint`)
+    token_shape: tuple[int, int] | None = None  # (batch, seq) per rank and micro-step
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+
+    @property
+    def plan_sha256(self) -> str:
+        return hashlib.sha256(self.plan_text.encode()).hexdigest()
+
+
+def to_executable(compiled: Compiled) -> Executable:
+    """The runnable part of a `Compiled`, without the model's values."""
+    from .artifact import model_fingerprint
+
+    assert compiled.source is not None, "compile_plan records its source"
+    model = compiled.source.model
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    return Executable(
+        graph=_shapes_only(compiled.graph, names),
+        param_placements=compiled.param_placements,
+        layout=compiled.layout,
+        plan_name=Path(compiled.plan.path).name,
+        plan_text=compiled.plan.source,
+        model_sha256=model_fingerprint(model),
+        token_shape=_token_shape(compiled.source),
+    )
+
+
+def _token_shape(source: ModelSource) -> tuple[int, int] | None:
+    """(batch, seq) of the token inputs the graph was compiled for (see `with_token_shape`)."""
+    for x in [*source.args, *source.kwargs.values()]:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point():
+            return (int(x.shape[0]), int(x.shape[1]))
+    return None
+
+
+def save_executable(executable: Executable, path: Path) -> None:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump((FORMAT, executable))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buffer.getvalue())
+    tmp.replace(path)
+
+
+def load_executable(path: Path, model: nn.Module | None = None) -> Executable:
+    """Read `path`; with `model`, refuse a program compiled for another model structure."""
+    from .artifact import model_fingerprint
+
+    if not path.is_file():
+        raise ExecutableError(f"{path} does not exist: compile the plan with `meshplan compile ... -o DIR`")
+    try:
+        with path.open("rb") as f:
+            version, executable = pickle.load(f)
+    except Exception as e:  # truncated, not a pickle, a class that moved
+        raise ExecutableError(
+            f"{path} cannot be read ({type(e).__name__}: {e}); compile the plan again"
+        ) from e
+    if version != FORMAT or not isinstance(executable, Executable):
+        raise ExecutableError(f"{path} was written by another meshplan version; compile the plan again")
+    if model is not None and model_fingerprint(model) != executable.model_sha256:
+        raise ExecutableError(
+            f"{path} was compiled for another model (its structure differs from this one's); "
+            "compile the plan again for this model"
+        )
+    return executable
+
+
+# ---------------------------------------------------------------------------- pickling
+
+
+def _shapes_only(gm: fx.GraphModule, names: set[str]) -> fx.GraphModule:
+    """A copy of `gm` whose model parameters and buffers are meta tensors (no values)."""
+    root: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            target = str(node.target)
+            attr = _get_attr(gm, target)
+            if target in names and isinstance(attr, torch.Tensor):
+                meta = torch.empty_like(attr, device="meta")
+                attr = nn.Parameter(meta, attr.requires_grad) if isinstance(attr, nn.Parameter) else meta
+            root[target] = attr
+        elif node.op == "call_module":
+            root[str(node.target)] = gm.get_submodule(str(node.target))
+    return fx.GraphModule(root, gm.graph, class_name="Program")
+
+
+def _get_attr(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _operator(qualified: str) -> Any:
+    """`aten::linear.default` -> torch.ops.aten.linear.default."""
+    namespace, _, rest = qualified.partition("::")
+    name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return getattr(packet, overload or "default")
+
+
+def _higher_order(name: str) -> Any:
+    return getattr(torch.ops.higher_order, name)
+
+
+def _rebuild(attrs: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    return fx.GraphModule(attrs, graph, class_name=class_name)
+
+
+def _portable_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of `gm.graph` holding only picklable, run-time node facts."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        copy = graph.node_copy(node, lambda n: env[n])
+        copy.meta = {k: v for k, v in node.meta.items() if k in _RUNTIME_META}
+        env[node] = copy
+    return graph
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _operator, (f"{obj._schema.name}.{obj._overloadname}",)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return _higher_order, (obj.name(),)
+        if isinstance(obj, fx.GraphModule):
+            attrs: dict[str, Any] = {}
+            for node in obj.graph.nodes:
+                if node.op == "get_attr":
+                    attrs[str(node.target)] = _get_attr(obj, str(node.target))
+                elif node.op == "call_module":
+                    attrs[str(node.target)] = obj.get_submodule(str(node.target))
+            return _rebuild, (attrs, _portable_graph(obj), type(obj).__name__)
+        return NotImplemented

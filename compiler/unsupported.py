@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan
@@ -36,6 +36,7 @@ from meshplan.dsl.errors import Diagnostic, Span
 
 from .capture import ModelSource
 from .match import Resolution
+from .passes import Context, Pass
 
 _REMOVE_RULE = (
     "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"
@@ -250,3 +251,17 @@ def _modules_phrase(paths: list[str]) -> str:
 def _divisors(count: int) -> str:
     found = [str(d) for d in range(1, count + 1) if count % d == 0]
     return ", ".join(found[:-1]) + " or " + found[-1] if len(found) > 1 else found[0]
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    ctx.diagnostics += check_unsupported(ctx.plan, ctx.source, ctx.resolution)
+    return gm
+
+
+PASS = Pass(
+    "unsupported",
+    run,
+    requires="rules resolved",
+    ensures="nothing changes: rules the compiler cannot lower yet are located errors, never ignored",
+    checks_after_errors=True,
+)

@@ -56,6 +56,7 @@ from meshplan.dsl.errors import Diagnostic
 
 from ..graph import COLLECTIVE, for_rank, module_path
 from ..match import Resolution
+from . import Context, Pass
 
 CHECKPOINT = "meshplan.checkpoint"
 aten = torch.ops.aten
@@ -126,6 +127,22 @@ def regions_from(plan: Plan, resolution: Resolution) -> list[Region]:
                 chosen[path] = Region(path, action.mode or "full", rule)
     regions = sorted(chosen.values(), key=lambda r: _path_key(r.path))
     return [r for r in regions if not any(o is not r and o.contains(r.path) for o in regions)]
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    try:
+        return checkpoint_regions(gm, regions_from(ctx.plan, ctx.resolution))
+    except CheckpointError as e:
+        ctx.diagnostics.append(e.diagnostic)
+        return gm
+
+
+PASS = Pass(
+    "checkpoint",
+    run,
+    requires="a graph whose collectives are nodes (so regions recompute them too)",
+    ensures="each checkpoint region outlined into a submodule called through torch.utils.checkpoint",
+)
 
 
 def _path_key(path: str) -> tuple:

@@ -36,9 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from meshplan.dsl.check import PlanRule
+from meshplan.dsl import ast
+from meshplan.dsl.check import Plan, PlanRule
 
 from ..graph import module_path
+from ..match import Resolution
+from . import Context, Pass
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 aten = torch.ops.aten
@@ -156,3 +159,25 @@ def _retype(node: fx.Node) -> None:
     inputs = [_dtype(a) for a in node.all_input_nodes if _is_float_tensor(a)]
     if inputs:
         node.meta["val"] = val.to(functools.reduce(torch.promote_types, inputs))
+
+
+def precision_spec(plan: Plan, resolution: Resolution) -> PrecisionSpec:
+    overrides = {}
+    for path, kinds in resolution.placements.items():
+        rule = kinds.get("dtype")
+        if rule is not None and isinstance(rule.action, ast.DtypeOverride):
+            overrides[path] = (DTYPES[rule.action.dtype], rule)
+    return PrecisionSpec(DTYPES[plan.precision.compute], overrides)
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    return mixed_precision(gm, precision_spec(ctx.plan, ctx.resolution))
+
+
+PASS = Pass(
+    "precision",
+    run,
+    requires="a graph captured in the compute dtype; `precision` rules resolved",
+    ensures="fp32 parameters cast at each use to their region's dtype; an fp32 loss",
+    checks_after_errors=True,
+)

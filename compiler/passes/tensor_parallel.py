@@ -56,6 +56,7 @@ from ..graph import (
 )
 from ..placement import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
 from ..strategies import ask
+from . import Context, Pass
 
 aten = torch.ops.aten
 
@@ -97,6 +98,32 @@ def tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec) -> tuple[fx.Gr
     gm.graph.lint()
     gm.recompile()
     return gm, walk.diagnostics
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """The pass: parameter placements from the tensor rules (their problems are reported even
+    when other rules have errors), then, on a plan without errors, the walk."""
+    from ..tensor_rules import tensor_spec
+
+    _, ctx.tensor, found = tensor_spec(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout)
+    ctx.diagnostics += found
+    if ctx.tensor is None or ctx.failed:
+        return gm
+    try:
+        gm, found = tensor_parallel(gm, ctx.tensor)
+        ctx.diagnostics += found
+    except TensorParallelError as e:
+        ctx.diagnostics.append(e.diagnostic)
+    return gm
+
+
+PASS = Pass(
+    "tensor-parallel",
+    run,
+    requires="a normalized graph with export's `val` and module paths; tensor/sequence rules resolved",
+    ensures="a placement per tensor node, the collectives it demands as nodes, local view sizes",
+    checks_after_errors=True,
+)
 
 
 # ---------------------------------------------------------------------------- the walk

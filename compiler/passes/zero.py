@@ -42,6 +42,7 @@ from torch import fx
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node
+from . import Context, Pass
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,21 @@ class ZeroSpec:
     axis: str
     stage: int
     where: str  # `file:line` of the plan's `data_parallel` block, for printers
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    dp = ctx.plan.data_parallel
+    if dp is None or dp.zero == 0 or ctx.layout.size(dp.axis) == 1:
+        return gm
+    return shard_parameters(gm, ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}"))
+
+
+PASS = Pass(
+    "zero",
+    run,
+    requires="the final graph, checkpoint regions outlined (a checkpointed layer is one call node)",
+    ensures="a gather node before each unit's first parameter use; under ZeRO-3 a release after its last",
+)
 
 
 def unit_of(param: str) -> str:

@@ -1,0 +1,290 @@
+"""What a plan's tensor rules mean for each parameter: its placement over the tensor axis.
+
+`tensor_spec` reads the winning `column`/`row`/`vocab`/`replicate` rule of every module and
+turns it into a `Shard` or `Replicate()` per parameter, with the model's facts checked on
+the way: heads divisible by the axis (GQA's key/value heads replicated when fewer than the
+ranks), weights tied across modules placed alike, fused projections left to the pass. It
+also collects the `sequence` rules, and returns the `TensorParallelSpec` the
+tensor-parallel pass walks the graph with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from torch import nn
+
+from meshplan.dsl import ast
+from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.mesh import MeshLayout
+
+from .match import Resolution
+from .passes.tensor_parallel import ParamPlacement, TensorParallelSpec
+from .placement import REPLICATE, Placement, Shard
+
+_EMBEDDING_LIKE = (nn.Embedding,)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or Hugging Face's Conv1D (GPT-2), a linear layer whose weight is stored (in, out)."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def tensor_spec(
+    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout
+) -> tuple[str | None, TensorParallelSpec | None, list[Diagnostic]]:
+    """Parameter placements over the tensor axis, from the winning tensor rules."""
+    diagnostics: list[Diagnostic] = []
+    tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
+    axes = sorted({r.axis for r in tensor_rules if r.axis})
+    if not axes:
+        return None, None, diagnostics
+    if len(axes) > 1:
+        diagnostics.append(
+            Diagnostic(
+                tensor_rules[-1].span,
+                f"tensor rules use two axes ({', '.join(axes)}); meshplan splits tensors over one axis",
+                hint="use one tensor axis",
+            )
+        )
+        return None, None, diagnostics
+    axis = axes[0]
+    n = layout.size(axis)
+    modules = dict(model.named_modules())
+    params: dict[str, ParamPlacement] = {}
+    replicated: dict[str, ParamPlacement] = {}  # kept whole by an explicit `replicate` rule
+    for path, kinds in resolution.placements.items():
+        rule = kinds.get("tensor")
+        if rule is not None and isinstance(rule.action, ast.Replicate):
+            for pname, _ in modules[path].named_parameters(recurse=False):
+                replicated[f"{path}.{pname}"] = ParamPlacement(REPLICATE, rule)
+        if rule is None or not isinstance(rule.action, ast.TensorParallel):
+            continue
+        module = modules[path]
+        style = rule.action.style
+        placement = _module_placements(style, module, path, rule, n, diagnostics)
+        for pname, p in placement.items():
+            params[f"{path}.{pname}"] = ParamPlacement(p, rule)
+    diagnostics = _collapse_repeats(diagnostics)
+    heads = _check_heads(plan, model, axis, n, tensor_rules)
+    diagnostics = _behind_root_cause(heads, diagnostics, model) + heads
+    diagnostics += _check_ties(model, {**replicated, **params})
+    _share_tied_placements(model, params)
+    kv_replicas = _replicate_kv_heads(model, n, params, modules)
+    seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
+    sequence_modules = {p: k["sequence"] for p, k in resolution.placements.items() if "sequence" in k}
+    spec = TensorParallelSpec(
+        axis,
+        n,
+        params,
+        sequence_parallel=bool(seq_rules),
+        sequence_modules=sequence_modules,
+        fallback_span=plan.mesh.span,
+        kv_replicas=kv_replicas,
+    )
+    return axis, spec, diagnostics
+
+
+def _module_placements(
+    style: str, module: nn.Module, path: str, rule: PlanRule, n: int, diagnostics: list[Diagnostic]
+) -> dict[str, Placement]:
+    """Which parameters of the module are split, and along which dim, for a tensor rule."""
+    kind = type(module).__name__
+    if style in ("column", "row") and not is_linear(module):
+        linears = [name for name, m in module.named_modules() if name and is_linear(m)]
+        hint = (
+            f"linear layers inside it: {', '.join(linears[:8])}"
+            if linears
+            else "column and row splits apply to nn.Linear layers"
+        )
+        diagnostics.append(
+            Diagnostic(
+                rule.pattern_span, f"`{style}` needs a linear layer, but `{path}` is a {kind}", hint=hint
+            )
+        )
+        return {}
+    if style == "vocab" and not (is_linear(module) or isinstance(module, _EMBEDDING_LIKE)):
+        diagnostics.append(
+            Diagnostic(
+                rule.pattern_span, f"`vocab` needs an embedding or an LM head, but `{path}` is a {kind}"
+            )
+        )
+        return {}
+    weight = module.weight
+    dim = 1 if style == "row" else 0
+    if _is_conv1d(module):
+        dim = 1 - dim  # the weight is stored transposed: (in, out)
+    if style == "vocab" and weight.shape[dim] % n:  # the last ranks' chunks are zero-padded
+        padded = Shard(dim, padded=weight.shape[dim])
+        bias = getattr(module, "bias", None)
+        return {"weight": padded} | ({"bias": Shard(0, padded=bias.shape[0])} if bias is not None else {})
+    if weight.shape[dim] % n:
+        what = {"column": "output features", "row": "input features"}[style]
+        diagnostics.append(
+            Diagnostic(
+                rule.span,
+                f"`{path}` has {weight.shape[dim]} {what}, not divisible by {n} ranks over `{rule.axis}`",
+                hint="pick a tensor-parallel size that divides it",
+            )
+        )
+        return {}
+    out: dict[str, Placement] = {"weight": Shard(dim)}
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = REPLICATE if style == "row" else Shard(0)
+    return out
+
+
+_NOT_DIVISIBLE = re.compile(
+    r"^`(?P<path>[^`]+)`(?: and (?P<more>\d+) more like it)? ha(?:s|ve) (?P<size>\d+) (?P<rest>.*not divisible by .*)$"
+)
+
+
+def _collapse_repeats(diagnostics: list[Diagnostic]) -> list[Diagnostic]:
+    """One error per rule for the same size problem in every layer it matches:
+    "`layers.0.mlp.up_proj` and 7 more like it have 128 output features, not divisible by 3"."""
+    groups: dict[tuple, list[Diagnostic]] = {}
+    out: list[Diagnostic] = []
+    for d in diagnostics:
+        m = _NOT_DIVISIBLE.match(d.message)
+        if m is None:
+            out.append(d)
+            continue
+        key = (d.span, m["size"], m["rest"])
+        if key not in groups:
+            groups[key] = []
+            out.append(d)
+        groups[key].append(d)
+    for (_, size, rest), group in groups.items():
+        if len(group) > 1:
+            first = _NOT_DIVISIBLE.match(group[0].message)
+            assert first is not None
+            message = f"`{first['path']}` and {len(group) - 1} more like it have {size} {rest}"
+            out[out.index(group[0])] = dataclasses.replace(group[0], message=message)
+    return out
+
+
+def _behind_root_cause(
+    heads: list[Diagnostic], diagnostics: list[Diagnostic], model: nn.Module
+) -> list[Diagnostic]:
+    """When the head count does not divide, every projection sized in heads fails to divide as
+    a consequence: leave those out, and count them on the root cause."""
+    config = getattr(model, "config", None)
+    hidden, num_heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not heads or not isinstance(hidden, int) or not isinstance(num_heads, int):
+        return diagnostics
+    head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+    kept, hidden_away = [], 0
+    for d in diagnostics:
+        m = _NOT_DIVISIBLE.match(d.message)
+        if m is not None and int(m["size"]) % head_dim == 0 and "attn" in m["path"]:
+            hidden_away += 1 + int(m["more"] or 0)
+        else:
+            kept.append(d)
+    if hidden_away:
+        root = heads[0]
+        heads[0] = dataclasses.replace(
+            root, message=f"{root.message} (so {hidden_away} attention projections do not split either)"
+        )
+    return kept
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter that has more than one (tied weights), in named_parameters order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _check_ties(model: nn.Module, params: dict[str, ParamPlacement]) -> list[Diagnostic]:
+    """Tied weights are one tensor: a rule on any owner places it (BERT's MLM decoder bias is
+    `cls.predictions.bias` too), and rules on two owners must agree."""
+    out = []
+    for group in _tied_groups(model):
+        placed = {name: params[name] for name in group if name in params}
+        kinds = {str(pp.placement) for pp in placed.values()}
+        if len(kinds) > 1:
+            (first_name, first), *rest = placed.items()
+            other_name, other = next((n, pp) for n, pp in rest if pp.placement != first.placement)
+            out.append(
+                Diagnostic(
+                    other.rule.span,
+                    f"`{other_name}` is tied to `{first_name}`, which another rule places differently "
+                    f"({other.placement} vs {first.placement})",
+                    hint="tied weights are one tensor: give both owners the same rule, or a rule to one of them",
+                    related=((first.rule.span, f"`{first_name}` is placed here"),),
+                )
+            )
+    return out
+
+
+def _share_tied_placements(model: nn.Module, params: dict[str, ParamPlacement]) -> None:
+    """Export names a tied weight by one of its names; make every name carry the placement."""
+    for group in _tied_groups(model):
+        placed = next((params[n] for n in group if n in params), None)
+        if placed is not None:
+            for name in group:
+                params.setdefault(name, placed)
+
+
+def _replicate_kv_heads(
+    model: nn.Module, n: int, params: dict[str, ParamPlacement], modules: dict[str, nn.Module]
+) -> dict[str, int]:
+    """GQA with fewer key/value heads than ranks (Qwen2's 2 at tp=4): the key and value
+    projections stay whole and each rank keeps the head its query heads use, n / kv ranks per
+    head, as Megatron and vLLM replicate them. Returns weight name -> ranks per head; the
+    projections' placements become Replicate() (the pass slices their outputs)."""
+    config = getattr(model, "config", None)
+    kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not all(isinstance(v, int) for v in (kv, heads, hidden)) or kv >= n or n % kv or kv == heads:
+        return {}
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    out = {}
+    for name, pp in list(params.items()):
+        path = name.rpartition(".")[0]
+        module = modules.get(path)
+        if (
+            name.endswith(".weight")
+            and isinstance(module, nn.Linear)
+            and pp.placement == Shard(0)
+            and module.out_features == kv * head_dim
+        ):
+            out[name] = n // kv
+            params[name] = ParamPlacement(REPLICATE, pp.rule)
+            if f"{path}.bias" in params:
+                params[f"{path}.bias"] = ParamPlacement(REPLICATE, params[f"{path}.bias"].rule)
+    return out
+
+
+def _check_heads(plan: Plan, model: nn.Module, axis: str, n: int, rules: list[PlanRule]) -> list[Diagnostic]:
+    """Attention heads and kv heads must divide by the tensor-parallel size (config-based models)."""
+    config = getattr(model, "config", None)
+    out = []
+    for attr, what in (
+        ("num_attention_heads", "attention heads"),
+        ("num_key_value_heads", "key/value heads"),
+    ):
+        count = getattr(config, attr, None)
+        replicated = attr == "num_key_value_heads" and isinstance(count, int) and n % count == 0
+        if isinstance(count, int) and count % n and not replicated:
+            rule = next((r for r in rules if "attn" in r.pattern), rules[0])
+            out.append(
+                Diagnostic(
+                    rule.span,
+                    f"the model has {count} {what}, not divisible by {n} ranks over `{axis}`",
+                    hint=f"use a tensor-parallel size that divides {count}"
+                    + (
+                        " (or a multiple of it: kv heads are replicated)"
+                        if attr == "num_key_value_heads"
+                        else ""
+                    ),
+                )
+            )
+    return out

@@ -15,8 +15,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from meshplan.args import given
 from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, parse_fault, run_dir
+
+if TYPE_CHECKING:
+    from meshplan.compiler.executable import Executable
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -24,6 +29,7 @@ def launch(args: argparse.Namespace) -> int:
     import tempfile
 
     world_size = _check_before_launch(args)
+    args.program = str(_compile_once(args, world_size))
     command = torchrun_command(args, world_size)
     with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
@@ -209,7 +215,7 @@ def _per_node(world_size: int, nnodes: str) -> int:
 
 def _check_before_launch(args: argparse.Namespace) -> int:
     """The plan, the features `run` supports, the data: errors here cost no process start-up."""
-    from meshplan.dsl import PlanError, load_plan
+    from meshplan.dsl import PlanError, check_text, load_plan
     from meshplan.main import _report
     from meshplan.session import check_supported
 
@@ -217,7 +223,12 @@ def _check_before_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and str(args.nnodes).isdigit():
         world = args.nproc_per_node * int(args.nnodes)
     try:
-        plan = load_plan(args.plan, world_size=world)
+        if Path(args.plan).is_dir():
+            executable = _compiled_folder(args)
+            world = executable.layout.world_size
+            plan = check_text(executable.plan_text, executable.plan_name, world_size=world)
+        else:
+            plan = load_plan(args.plan, world_size=world)
     except PlanError as e:
         _report(e)
         raise RunError(f"{args.plan} has errors (see above)") from None
@@ -237,6 +248,58 @@ def _check_before_launch(args: argparse.Namespace) -> int:
             )
         _check_writable(export)
     return plan.mesh.world_size
+
+
+def _compiled_folder(args: argparse.Namespace) -> Executable:
+    """`meshplan run DIR` of a `meshplan compile -o DIR` folder: its program, and the options it
+    was compiled for where the command line does not give them (the model, --batch, --seq)."""
+    from meshplan.compiler.artifact import ArtifactError, read_artifact
+    from meshplan.compiler.executable import PROGRAM, ExecutableError, load_executable
+
+    folder = Path(args.plan)
+    try:
+        manifest = read_artifact(folder)
+        executable = load_executable(folder / PROGRAM)
+    except (ArtifactError, ExecutableError) as e:
+        raise RunError(str(e)) from None
+    if not given(args.model) and manifest.get("model"):
+        args.model = manifest["model"]
+    if executable.token_shape is not None:
+        batch, seq = executable.token_shape
+        args.batch = args.batch if given(args.batch) else batch
+        args.seq = args.seq if given(args.seq) else seq
+    return executable
+
+
+def _compile_once(args: argparse.Namespace, world_size: int) -> Path:
+    """The program every worker runs, compiled here before any process starts: plan and model
+    problems cost no start-up, and each rank loads it instead of capturing the model again.
+    A compile folder's program is only checked against the model; a plan's is compiled for the
+    run's micro-batch and kept in the run folder (`program.pt`)."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.errors import CompileError
+    from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
+    from meshplan.dsl import PlanError, load_plan
+    from meshplan.main import _report
+    from meshplan.session import load_program
+
+    try:
+        source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
+        if Path(args.plan).is_dir():
+            program = Path(args.plan) / PROGRAM
+            load_program(program, source.model, batch=args.batch, seq=args.seq)
+            return program
+        compiled = compile_plan(load_plan(args.plan, world_size=world_size), source, world_size=world_size)
+    except PlanError as e:
+        _report(e)
+        raise RunError(f"{args.plan} does not fit the model (see above)") from None
+    except CompileError as e:
+        raise RunError(str(e)) from None
+    out = run_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
+    save_executable(to_executable(compiled), out / PROGRAM)
+    return out / PROGRAM
 
 
 # what a run leaves in its folder: `--overwrite` removes these, and only these

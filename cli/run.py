@@ -6,13 +6,16 @@
     meshplan run plan.plan --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500   # multi-node
     torchrun --nproc-per-node 2 -m meshplan.run examples/tiny_dp.plan   # or call torchrun yourself
 
-Outside torchrun, this re-launches itself as
+Outside torchrun (`cli/launcher.py`), the plan is compiled once for the micro-batch each
+data-parallel rank runs (`--batch` sequences of `--seq` tokens) into `RUN_DIR/program.pt`,
+and this re-launches itself as
 `python -m torch.distributed.run --nproc-per-node <mesh world size> -m meshplan.run ...`
-with the same options; inside (RANK/WORLD_SIZE/LOCAL_RANK set) it is one worker:
-init the process group (gloo on CPU, NCCL on GPUs), load the plan for the world size,
-build the model, compile it for the micro-batch each data-parallel rank runs
-(`--batch` sequences of `--seq` tokens), bind this rank's shards, wrap them in data
-parallel over the plan's data axis, and train (`runtime/train.py`).
+with the same options and `--program`; inside (RANK/WORLD_SIZE/LOCAL_RANK set) it is one
+worker: init the process group (gloo on CPU, NCCL on GPUs), build the model from its
+factory, load the program, bind this rank's shards and groups, wrap them in data parallel
+over the plan's data axis, and train (`runtime/train.py`). `meshplan run DIR` runs a
+`meshplan compile -o DIR` folder's program; a worker started by the user's own torchrun on
+a plan (no `--program`) compiles it itself.
 
 Restarts (`--max-restarts N`): a restarted attempt could read the previous attempt's keys
 from torchrun's shared store (pytorch#135712) and fail to connect. The launcher sets
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshplan.args import non_negative_int, positive_int
+from meshplan.args import DefaultInt, DefaultStr, non_negative_int, positive_int
 
 DEFAULT_MODEL = "meshplan.examples.models.llama:build"
 EXIT_OK, EXIT_USER = 0, 2
@@ -47,6 +50,7 @@ TORCHRUN_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_
 # (dest, flag) of every option the workers receive again
 WORKER_FLAGS = (
     ("model", "--model"),
+    ("program", "--program"),
     ("steps", "--steps"),
     ("data", "--data"),
     ("batch", "--batch"),
@@ -72,12 +76,17 @@ class RunError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `meshplan run` (and of `python -m meshplan.run`)."""
-    p.add_argument("plan", metavar="PLAN", help="the plan file; its mesh gives the number of processes")
+    p.add_argument(
+        "plan",
+        metavar="PLAN",
+        help="the plan file (its mesh gives the number of processes), or a `meshplan compile -o` folder",
+    )
     p.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
+        default=DefaultStr(DEFAULT_MODEL),
         metavar="SPEC",
-        help=f"FILE.py:factory or module:factory (default: {DEFAULT_MODEL}, a tiny Llama)",
+        help=f"FILE.py:factory or module:factory (default: {DEFAULT_MODEL}, a tiny Llama; "
+        "for a compile folder, the model it was compiled for)",
     )
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument(
@@ -88,13 +97,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
         type=positive_int,
-        default=8,
+        default=DefaultInt(8),
         metavar="B",
-        help="sequences per micro-step per data-parallel rank (default 8)",
+        help="sequences per micro-step per data-parallel rank (default 8; for a compile folder, its own)",
     )
     p.add_argument(
-        "--seq", type=positive_int, default=64, metavar="T", help="tokens per sequence (default 64)"
+        "--seq",
+        type=positive_int,
+        default=DefaultInt(64),
+        metavar="T",
+        help="tokens per sequence (default 64; for a compile folder, its own)",
     )
+    p.add_argument("--program", help=argparse.SUPPRESS)  # the launcher's compiled program.pt
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument(
         "--warmup", type=non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
@@ -225,7 +239,18 @@ def under_torchrun() -> bool:
 
 
 def run_dir(args: argparse.Namespace) -> Path:
-    return Path(args.out) if args.out else Path("runs") / Path(args.plan).stem
+    """`--out`, else `runs/<plan name>` (for a compile folder, the name of the plan it compiled)."""
+    if args.out:
+        return Path(args.out)
+    plan = Path(args.plan)
+    if plan.is_dir():
+        from meshplan.compiler.artifact import ArtifactError, read_artifact
+
+        try:
+            return Path("runs") / Path(read_artifact(plan)["plan"]).stem
+        except (ArtifactError, KeyError, ValueError) as e:
+            raise RunError(str(e)) from None
+    return Path("runs") / plan.stem
 
 
 # ---------------------------------------------------------------------------- worker

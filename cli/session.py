@@ -84,8 +84,11 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     # the graph bakes in its example shapes: compiled for this rank's micro-batch
     source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
     compiled: Compiled | Executable
-    if getattr(args, "program", None):  # compiled once, by the launcher or `meshplan compile`
-        compiled = load_program(Path(args.program), source.model, batch=args.batch, seq=args.seq)
+    program_file = getattr(args, "program", None)
+    if program_file is None and Path(args.plan).is_dir():  # a compile folder, under the user's torchrun
+        program_file = str(Path(args.plan) / "program.pt")
+    if program_file:  # compiled once, by the launcher or `meshplan compile`
+        compiled = load_program(Path(program_file), source.model, batch=args.batch, seq=args.seq)
         plan = check_text(compiled.plan_text, compiled.plan_name, world_size=world_size)
     else:
         plan = load_plan(args.plan, world_size=world_size)

@@ -1,0 +1,81 @@
+"""The compiled program is what runs: `meshplan run` compiles once, before any worker starts,
+and every rank loads that program; `meshplan run DIR` runs a `meshplan compile -o DIR` folder.
+
+Through the real command line and torchrun: a compile folder trains exactly like its plan
+(the same losses, step by step); a folder that does not fit the run (other shapes, another
+model) and a plan that does not fit the model are one error from the launcher, exit 2,
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "examples" / "llama_tp.plan"
+LLAMA = "meshplan.examples.models.llama:build"
+SHAPE = ("--batch", "2", "--seq", "32")
+
+
+def meshplan(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_COLOR="1")
+    return subprocess.run(["meshplan", *argv], capture_output=True, text=True, env=env, timeout=240)
+
+
+def losses(run: Path) -> list[float]:
+    lines = (run / "metrics" / "rank0.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("compiled") / "build"
+    done = meshplan("compile", str(PLAN), "--model", LLAMA, *SHAPE, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_compile_folder_trains_like_its_plan(compiled: Path, tmp_path: Path) -> None:
+    from_plan = meshplan("run", str(PLAN), *SHAPE, "--steps", "4", "--out", str(tmp_path / "plan"))
+    assert from_plan.returncode == 0, from_plan.stderr
+    assert (tmp_path / "plan" / "program.pt").is_file()  # what the workers ran, kept with the run
+    # the folder knows its model and shapes: none of them is given again
+    from_folder = meshplan("run", str(compiled), "--steps", "4", "--out", str(tmp_path / "folder"))
+    assert from_folder.returncode == 0, from_folder.stderr
+    assert losses(tmp_path / "folder") == losses(tmp_path / "plan")
+    assert len(losses(tmp_path / "plan")) == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "4"], "was compiled for --batch 2 --seq 32, not --batch 4 --seq 32"),
+        (["--model", str(ROOT / "examples" / "models" / "gpt.py:build")], "compiled for another model"),
+    ],
+)
+def test_a_folder_that_does_not_fit_the_run_is_refused_before_launch(
+    compiled: Path, tmp_path: Path, argv: list[str], message: str
+) -> None:
+    done = meshplan("run", str(compiled), "--steps", "1", "--out", str(tmp_path / "run"), *argv)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and "torch.distributed" not in done.stderr
+    assert not list((tmp_path / "run").glob("metrics/*.jsonl"))  # no worker wrote a step
+
+
+def test_a_plan_that_does_not_fit_the_model_is_refused_before_launch(tmp_path: Path) -> None:
+    plan = tmp_path / "typo.plan"
+    plan.write_text(PLAN.read_text().replace("o_proj:", "out_proj:"))
+    done = meshplan("run", str(plan), *SHAPE, "--steps", "1", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert "typo.plan:" in done.stderr and "matches no module" in done.stderr
+    assert done.stderr.count("matches no module") == 1  # once, from the launcher, not once per rank
+    assert "torch.distributed" not in done.stderr
+    assert not list((tmp_path / "run").glob("metrics/*.jsonl"))  # no worker wrote a step

@@ -15,13 +15,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from meshplan.args import given
 from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, parse_fault, run_dir
-
-if TYPE_CHECKING:
-    from meshplan.compiler.executable import Executable
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -217,14 +212,14 @@ def _check_before_launch(args: argparse.Namespace) -> int:
     """The plan, the features `run` supports, the data: errors here cost no process start-up."""
     from meshplan.dsl import PlanError, check_text, load_plan
     from meshplan.main import _report
-    from meshplan.session import check_supported
+    from meshplan.session import check_supported, compiled_folder
 
     world = None
     if args.nproc_per_node is not None and str(args.nnodes).isdigit():
         world = args.nproc_per_node * int(args.nnodes)
     try:
         if Path(args.plan).is_dir():
-            executable = _compiled_folder(args)
+            executable = compiled_folder(args)
             world = executable.layout.world_size
             plan = check_text(executable.plan_text, executable.plan_name, world_size=world)
         else:
@@ -248,27 +243,6 @@ def _check_before_launch(args: argparse.Namespace) -> int:
             )
         _check_writable(export)
     return plan.mesh.world_size
-
-
-def _compiled_folder(args: argparse.Namespace) -> Executable:
-    """`meshplan run DIR` of a `meshplan compile -o DIR` folder: its program, and the options it
-    was compiled for where the command line does not give them (the model, --batch, --seq)."""
-    from meshplan.compiler.artifact import ArtifactError, read_artifact
-    from meshplan.compiler.executable import PROGRAM, ExecutableError, load_executable
-
-    folder = Path(args.plan)
-    try:
-        manifest = read_artifact(folder)
-        executable = load_executable(folder / PROGRAM)
-    except (ArtifactError, ExecutableError) as e:
-        raise RunError(str(e)) from None
-    if not given(args.model) and manifest.get("model"):
-        args.model = manifest["model"]
-    if executable.token_shape is not None:
-        batch, seq = executable.token_shape
-        args.batch = args.batch if given(args.batch) else batch
-        args.seq = args.seq if given(args.seq) else seq
-    return executable
 
 
 def _compile_once(args: argparse.Namespace, world_size: int) -> Path:

@@ -80,13 +80,14 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     from meshplan.runtime.mesh import init_mesh
     from meshplan.runtime.shards import AxisCut, Cut
 
+    program_file = getattr(args, "program", None)
+    if program_file is None and Path(args.plan).is_dir():  # a compile folder, under the user's torchrun
+        compiled_folder(args)
+        program_file = str(Path(args.plan) / "program.pt")
     torch.manual_seed(args.seed)
     # the graph bakes in its example shapes: compiled for this rank's micro-batch
     source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
     compiled: Compiled | Executable
-    program_file = getattr(args, "program", None)
-    if program_file is None and Path(args.plan).is_dir():  # a compile folder, under the user's torchrun
-        program_file = str(Path(args.plan) / "program.pt")
     if program_file:  # compiled once, by the launcher or `meshplan compile`
         compiled = load_program(Path(program_file), source.model, batch=args.batch, seq=args.seq)
         plan = check_text(compiled.plan_text, compiled.plan_name, world_size=world_size)
@@ -170,6 +171,28 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         frozenset(source.model.state_dict()),
         _tied_names(source.model),
     )
+
+
+def compiled_folder(args: argparse.Namespace) -> Executable:
+    """`meshplan run DIR` of a `meshplan compile -o DIR` folder: its program, and the options it
+    was compiled for where the command line does not give them (the model, --batch, --seq)."""
+    from meshplan.args import given
+    from meshplan.compiler.artifact import ArtifactError, read_artifact
+    from meshplan.compiler.executable import PROGRAM, ExecutableError, load_executable
+
+    folder = Path(args.plan)
+    try:
+        manifest = read_artifact(folder)
+        executable = load_executable(folder / PROGRAM)
+    except (ArtifactError, ExecutableError) as e:
+        raise RunError(str(e)) from None
+    if not given(args.model) and manifest.get("model"):
+        args.model = manifest["model"]
+    if executable.token_shape is not None:
+        batch, seq = executable.token_shape
+        args.batch = args.batch if given(args.batch) else batch
+        args.seq = args.seq if given(args.seq) else seq
+    return executable
 
 
 def load_program(path: Path, model: nn.Module, *, batch: int, seq: int) -> Executable:

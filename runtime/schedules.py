@@ -1,0 +1,219 @@
+"""Pipeline schedules as action lists, and the simulation that checks them before they run.
+
+A schedule says, for each rank, the order in which it runs its stages' work on each
+microbatch. Stages are virtual (`v` chunks per rank under interleaving); stage `s` runs on
+rank `owner[s]`. The actions:
+
+    F(s, i)   forward of stage s on microbatch i (its output goes to stage s + 1)
+    B(s, i)   backward of stage s on microbatch i: input and weight gradients
+    I(s, i)   input gradient only (zero-bubble schedules split B into I and W)
+    W(s, i)   weight gradient of stage s on microbatch i, any time after I(s, i)
+
+Sends and receives are implied by the owners: F(s, i) on another rank than stage s + 1
+means a send and its matching receive, and likewise backward. Dependencies:
+
+    F(s, i)        after F(s - 1, i)
+    B/I(s, i)      after F(s, i) and B/I(s + 1, i) (the last stage: after its own F)
+    W(s, i)        after I(s, i)
+
+`simulate` runs the lists with a cost per action kind (unit costs F=1, B=2, I=W=1 give the
+textbook bubbles) and checks them on the way: every (stage, microbatch) runs each of its
+actions exactly once, on the rank that owns the stage, and nothing waits forever. A list
+that breaks one of these is a `ScheduleError` naming the rank and action, never a hang.
+
+    schedule = one_f_one_b(ranks=4, microbatches=8)
+    timeline = simulate(schedule)
+    timeline.bubble          # 0.273 = (p - 1) / (m + p - 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["F", "B", "I", "W"]
+UNIT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    kind: Kind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    ranks: int
+    microbatches: int
+    owner: tuple[int, ...]  # virtual stage -> the rank that runs it
+    actions: tuple[tuple[Action, ...], ...]  # per rank, in the order it runs them
+
+    @property
+    def stages(self) -> int:
+        return len(self.owner)
+
+
+class ScheduleError(ValueError):
+    """An action list that cannot run as written (one line naming the rank and the action)."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    schedule: Schedule
+    start: Mapping[Action, float]
+    end: Mapping[Action, float]
+    makespan: float
+    busy: tuple[float, ...]  # per rank
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of rank-time spent idle, over the whole step."""
+        total = self.makespan * self.schedule.ranks
+        return 1.0 - sum(self.busy) / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def gpipe(ranks: int, microbatches: int) -> Schedule:
+    """Every forward, then every backward (all microbatches' activations are alive at once)."""
+    lists = tuple(
+        tuple(Action("F", r, i) for i in range(microbatches))
+        + tuple(Action("B", r, i) for i in range(microbatches))
+        for r in range(ranks)
+    )
+    return Schedule("gpipe", ranks, microbatches, tuple(range(ranks)), lists)
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
+    """1F1B: rank r runs p - r - 1 forwards ahead, then alternates one forward and one backward,
+    so at most p - r microbatches are in flight on it."""
+    lists = []
+    for r in range(ranks):
+        warmup = min(ranks - r - 1, microbatches)
+        order = [Action("F", r, i) for i in range(warmup)]
+        backward = 0
+        for i in range(warmup, microbatches):
+            order += [Action("F", r, i), Action("B", r, backward)]
+            backward += 1
+        order += [Action("B", r, i) for i in range(backward, microbatches)]
+        lists.append(tuple(order))
+    return Schedule("1f1b", ranks, microbatches, tuple(range(ranks)), tuple(lists))
+
+
+def interleaved_one_f_one_b(ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """Megatron's interleaved 1F1B: `chunks` virtual stages per rank (stage s on rank s % p),
+    microbatches taken in groups of p through each chunk in turn. Needs m divisible by p."""
+    if microbatches % ranks:
+        raise ScheduleError(
+            f"interleaved 1F1B needs the microbatches ({microbatches}) to be a multiple of the "
+            f"pipeline ranks ({ranks})"
+        )
+    total = microbatches * chunks
+
+    def forward(r: int, k: int) -> Action:
+        chunk = (k // ranks) % chunks
+        return Action("F", chunk * ranks + r, (k // (ranks * chunks)) * ranks + k % ranks)
+
+    def backward(r: int, k: int) -> Action:
+        chunk = chunks - 1 - (k // ranks) % chunks
+        return Action("B", chunk * ranks + r, (k // (ranks * chunks)) * ranks + k % ranks)
+
+    lists = []
+    for r in range(ranks):
+        warmup = min((ranks - r - 1) * 2 + (chunks - 1) * ranks, total)
+        order = [forward(r, k) for k in range(warmup)]
+        done = 0
+        for k in range(warmup, total):
+            order += [forward(r, k), backward(r, done)]
+            done += 1
+        order += [backward(r, k) for k in range(done, total)]
+        lists.append(tuple(order))
+    owner = tuple(s % ranks for s in range(ranks * chunks))
+    return Schedule(f"interleaved-1f1b(v={chunks})", ranks, microbatches, owner, tuple(lists))
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+def simulate(schedule: Schedule, costs: Mapping[str, float] = UNIT_COSTS) -> Timeline:
+    """Run the action lists in dependency order with the given costs; raise `ScheduleError` if an
+    action is missing, repeated, on the wrong rank, or waits forever."""
+    _check_coverage(schedule)
+    split = {(a.stage, a.microbatch) for rank in schedule.actions for a in rank if a.kind == "I"}
+    end: dict[Action, float] = {}
+    start: dict[Action, float] = {}
+    position = [0] * schedule.ranks
+    clock = [0.0] * schedule.ranks
+    busy = [0.0] * schedule.ranks
+    remaining = sum(len(a) for a in schedule.actions)
+    while remaining:
+        progressed = False
+        for r, actions in enumerate(schedule.actions):
+            while position[r] < len(actions):
+                action = actions[position[r]]
+                deps = _dependencies(action, schedule.stages, split)
+                if any(d not in end for d in deps):
+                    break
+                start[action] = max([clock[r], *(end[d] for d in deps)])
+                end[action] = start[action] + costs[action.kind]
+                clock[r] = end[action]
+                busy[r] += costs[action.kind]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for r, actions in enumerate(schedule.actions):
+                if position[r] < len(actions):
+                    waiting = actions[position[r]]
+                    missing = [d for d in _dependencies(waiting, schedule.stages, split) if d not in end]
+                    stuck.append(f"rank {r} waits forever at {waiting} for {', '.join(map(str, missing))}")
+            raise ScheduleError(f"{schedule.name}: {'; '.join(stuck)}")
+    return Timeline(schedule, start, end, max(clock, default=0.0), tuple(busy))
+
+
+def _dependencies(action: Action, stages: int, split: set[tuple[int, int]]) -> list[Action]:
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return [Action("F", s - 1, i)] if s > 0 else []
+    if action.kind == "W":
+        return [Action("I", s, i)]
+    deps = [Action("F", s, i)]
+    if s < stages - 1:
+        deps.append(Action("I" if (s + 1, i) in split else "B", s + 1, i))
+    return deps
+
+
+def _check_coverage(schedule: Schedule) -> None:
+    """Each (stage, microbatch) runs F once, and B once or I and W once each, on its owner."""
+    seen: dict[Action, int] = {}
+    for r, actions in enumerate(schedule.actions):
+        for a in actions:
+            if not (0 <= a.stage < schedule.stages and 0 <= a.microbatch < schedule.microbatches):
+                raise ScheduleError(
+                    f"{schedule.name}: rank {r} runs {a}, outside {schedule.stages} stages x "
+                    f"{schedule.microbatches} microbatches (numbered from 0)"
+                )
+            if schedule.owner[a.stage] != r:
+                raise ScheduleError(
+                    f"{schedule.name}: rank {r} runs {a}, but stage {a.stage} is on rank {schedule.owner[a.stage]}"
+                )
+            if a in seen:
+                raise ScheduleError(f"{schedule.name}: rank {r} runs {a} twice")
+            seen[a] = r
+    for s in range(schedule.stages):
+        for i in range(schedule.microbatches):
+            kinds = {k for k in ("F", "B", "I", "W") if Action(k, s, i) in seen}  # type: ignore[arg-type]
+            if kinds not in ({"F", "B"}, {"F", "I", "W"}):
+                lacking = sorted({"F", "B"} - kinds) if "I" not in kinds else sorted({"F", "I", "W"} - kinds)
+                raise ScheduleError(
+                    f"{schedule.name}: stage {s}, microbatch {i} never runs {', '.join(lacking) or 'consistently'}"
+                    + (" (both B and I/W)" if "B" in kinds and "I" in kinds else "")
+                )

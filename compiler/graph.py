@@ -10,9 +10,11 @@ Facts the compiler adds live in `node.meta` under namespaced keys:
 from __future__ import annotations
 
 import copy
+from typing import TypeGuard
 
 import torch
 from torch import fx, nn
+from torch.fx.node import Argument
 
 PLACEMENT = "meshplan.placement"
 RULE = "meshplan.rule"
@@ -57,7 +59,44 @@ def value(node: fx.Node):
     return node.meta.get("val")
 
 
-def is_tensor_node(node) -> bool:
+def as_node(arg: Argument, *, of: fx.Node | None = None) -> fx.Node:
+    """`arg`, an argument the op's schema makes a tensor: a node of the graph. Anything else is
+    a bug in meshplan (a pass broke the graph), not a user error; `of` names the node for it."""
+    if not isinstance(arg, fx.Node):
+        raise AssertionError(f"{_where(of)}expected a graph node as a tensor argument, got {arg!r}")
+    return arg
+
+
+def arg_node(node: fx.Node, i: int) -> fx.Node:
+    """`node.args[i]`, a tensor argument: a node of the graph."""
+    return as_node(node.args[i], of=node)
+
+
+def optional_arg_node(node: fx.Node, i: int) -> fx.Node | None:
+    """`node.args[i]`, an optional tensor argument (`Tensor?`, a bias): None if absent or None."""
+    arg = node.args[i] if len(node.args) > i else None
+    return None if arg is None else as_node(arg, of=node)
+
+
+def as_int(arg: Argument, *, of: fx.Node | None = None) -> int:
+    """`arg`, an argument the op's schema makes an `int` (a dim, a count)."""
+    if not isinstance(arg, int):
+        raise AssertionError(f"{_where(of)}expected an int argument, got {arg!r}")
+    return arg
+
+
+def as_list(arg: Argument, *, of: fx.Node | None = None) -> list[Argument]:
+    """`arg`, an argument the op's schema makes a list (`int[]`, `SymInt[]` sizes, `Tensor[]`)."""
+    if not isinstance(arg, (list, tuple)):
+        raise AssertionError(f"{_where(of)}expected a list argument, got {arg!r}")
+    return list(arg)
+
+
+def _where(node: fx.Node | None) -> str:
+    return f"{describe(node)}: " if node is not None else ""
+
+
+def is_tensor_node(node: object) -> TypeGuard[fx.Node]:
     return isinstance(node, fx.Node) and isinstance(value(node), torch.Tensor)
 
 

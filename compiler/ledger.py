@@ -36,7 +36,7 @@ from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from .graph import COLLECTIVE, shape, value
+from .graph import COLLECTIVE, arg_node, shape, value
 from .passes.checkpoint import collective_nodes
 
 # kind -> ((op, count) in forward, (op, count) in backward)
@@ -60,7 +60,7 @@ class LedgerRow:
     op: str  # the collective on the wire: all_reduce, all_gather, reduce_scatter
     phase: str  # forward, backward, or step (after the optimizer step)
     axis: str
-    shape: tuple[int, ...]  # the full tensor's shape
+    shape: tuple[int | torch.SymInt, ...]  # the full tensor's (a data-dependent size stays symbolic)
     bytes: int
     count: int
     group_size: int
@@ -168,7 +168,7 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         full = shape(node)
         nbytes = math.prod(full) * val.element_size()
         if kind == "vocab_cross_entropy":  # all-reduces of one float per token
-            logits = node.args[0]
+            logits = arg_node(node, 0)
             full = shape(logits)[:-1]
             nbytes = math.prod(full) * 4
         rule = info.get("rule")

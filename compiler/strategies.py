@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import cast
 
 import torch
 from torch import fx
@@ -81,7 +82,7 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
         return None
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
     from torch.utils._pytree import tree_leaves, tree_map
 
     mesh = _mesh(size)
@@ -99,16 +100,18 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
     # Equal blocks (a sequence shard flattened with the batch) are asked about as a plain shard
     # of that dim: an op that leaves the dim alone (row-wise) cannot tell them apart. So they
     # are only accepted when every sharded input is placed the same and nothing moves.
-    blocked = {
-        placements[a] for a in tensors if isinstance(placements.get(a), Shard) and placements[a].blocks
-    }
+    given = [placements[a] for a in tensors if a in placements]
+    blocked = {p for p in given if isinstance(p, Shard) and p.blocks}
     if blocked:
-        sharded = {placements[a] for a in tensors if isinstance(placements.get(a), (Shard, Partial))}
+        sharded = {p for p in given if isinstance(p, (Shard, Partial))}
         if len(sharded) != 1 or len(set(next(iter(blocked)).blocks)) != 1:
             return None
     try:
         schema = OpSchema(op, tree_map(spec, tuple(args)), tree_map(spec, dict(kwargs)))
-        sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+        # the propagator's cache returns what it wraps returns (DTensor casts it the same way)
+        sharding = cast(
+            OutputSharding, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+        )
     except _Unsupported:
         return None
     except Exception:  # no strategy registered, or one that rejects these inputs
@@ -129,7 +132,7 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
             converted = have
         inputs[node] = converted
     outs = sharding.output_spec
-    specs = [s for s in (outs if isinstance(outs, (list, tuple)) else [outs]) if s is not None]
+    specs = [s for s in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(s, DTensorSpec)]
     placed = {_from_dtensor(s.placements[0]) for s in specs}
     if len(placed) != 1 or None in placed:
         return None  # no tensor output, or outputs placed differently (one placement per node here)

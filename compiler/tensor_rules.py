@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from meshplan.dsl import ast
@@ -93,7 +95,7 @@ def tensor_spec(
 
 def _module_placements(
     style: str, module: nn.Module, path: str, rule: PlanRule, n: int, diagnostics: list[Diagnostic]
-) -> dict[str, Placement]:
+) -> Mapping[str, Placement]:
     """Which parameters of the module are split, and along which dim, for a tensor rule."""
     kind = type(module).__name__
     if style in ("column", "row") and not is_linear(module):
@@ -117,6 +119,7 @@ def _module_placements(
         )
         return {}
     weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # a linear layer's or an embedding's (checked above)
     dim = 1 if style == "row" else 0
     if _is_conv1d(module):
         dim = 1 - dim  # the weight is stored transposed: (in, out)
@@ -243,7 +246,12 @@ def _replicate_kv_heads(
     config = getattr(model, "config", None)
     kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
-    if not all(isinstance(v, int) for v in (kv, heads, hidden)) or kv >= n or n % kv or kv == heads:
+    if (
+        not (isinstance(kv, int) and isinstance(heads, int) and isinstance(hidden, int))
+        or kv >= n
+        or n % kv
+        or kv == heads
+    ):
         return {}
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     out = {}

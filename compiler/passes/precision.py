@@ -39,7 +39,7 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 
-from ..graph import module_path
+from ..graph import arg_node, module_path
 from ..match import Resolution
 from . import Context, Pass
 
@@ -154,9 +154,9 @@ def _retype(node: fx.Node) -> None:
     if node.target in (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout):
         return
     if node.target is aten.type_as.default:
-        node.meta["val"] = val.to(_dtype(node.args[1]) or val.dtype)
+        node.meta["val"] = val.to(_dtype(arg_node(node, 1)) or val.dtype)
         return
-    inputs = [_dtype(a) for a in node.all_input_nodes if _is_float_tensor(a)]
+    inputs = [d for d in map(_dtype, node.all_input_nodes) if d is not None and d.is_floating_point]
     if inputs:
         node.meta["val"] = val.to(functools.reduce(torch.promote_types, inputs))
 

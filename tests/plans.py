@@ -1,4 +1,8 @@
-"""Tensor-parallel plan texts shared by the compiler tests (Megatron layouts per model family)."""
+"""Plan texts shared by the tests: the Megatron layout of each model family, and the blocks
+around it. A test builds the plan it needs from these instead of copying rule text:
+
+    plan(llama_rules() + llama_sequence(), mesh="dp=2, tp=2", extra=data_parallel(zero=3))
+"""
 
 
 def plan(rules: str, *, mesh: str = "tp=2", extra: str = "") -> str:
@@ -6,17 +10,26 @@ def plan(rules: str, *, mesh: str = "tp=2", extra: str = "") -> str:
     return f"mesh {mesh}\n\nmodules {{{rules}}}\n{extra}"
 
 
-def llama_rules(prefix: str = "") -> str:
-    """Column/row pairs for attention and MLP, vocab-parallel embedding and LM head.
-    `prefix` is `model.` for Hugging Face's LlamaForCausalLM family."""
-    return f"""
+def data_parallel(*, zero: int | str = 0, bucket: str | None = None, axis: str = "dp") -> str:
+    """A `data_parallel` block (`zero` may be a placeholder a test substitutes)."""
+    bucket_line = f"    bucket = {bucket}\n" if bucket else ""
+    return f"\ndata_parallel over {axis} {{\n    zero = {zero}\n{bucket_line}}}\n"
+
+
+def llama_rules(prefix: str = "", *, vocab: bool = True) -> str:
+    """Column/row pairs for attention and MLP and (with `vocab`) vocab-parallel embedding and
+    LM head. `prefix` is `model.` for Hugging Face's LlamaForCausalLM family."""
+    rules = f"""
     {prefix}layers.*.self_attn.{{q,k,v}}_proj: column over tp
     {prefix}layers.*.self_attn.o_proj:       row over tp
     {prefix}layers.*.mlp.{{gate,up}}_proj:     column over tp
     {prefix}layers.*.mlp.down_proj:          row over tp
-    {prefix}embed_tokens:                    vocab over tp
-    lm_head:                            vocab over tp
 """
+    if vocab:
+        rules += f"""    {prefix}embed_tokens:                    vocab over tp
+    {"lm_head:":<{33 + len(prefix)}}vocab over tp
+"""
+    return rules
 
 
 def llama_sequence(prefix: str = "") -> str:

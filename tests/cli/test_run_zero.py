@@ -19,20 +19,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plans import llama_rules
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-TP_RULES = """
-modules {
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    embed_tokens:                    vocab over tp
-    lm_head:                         vocab over tp
-}
-"""
 MODEL = """
 from meshplan.examples.models.llama import build as _build
 
@@ -46,7 +37,7 @@ def plan_text(zero: int, *, tp: bool = False, offload: str = "") -> str:
     mesh = "mesh dp=2, tp=2\n" if tp else "mesh dp=2\n"
     offload_line = f"    offload = {offload}\n" if offload else ""
     block = f"data_parallel over dp {{\n    zero = {zero}\n    bucket = 16KB\n{offload_line}}}\n"
-    return mesh + (TP_RULES if tp else "") + block
+    return mesh + ("modules {" + llama_rules() + "}\n" if tp else "") + block
 
 
 # name -> plan; the buckets are small so that every stage has several flats

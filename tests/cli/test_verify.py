@@ -85,7 +85,7 @@ def test_hf_gpt2_sequence_parallel_zero3_without_checkpointing(tmp_path, factory
     import sys
 
     sys.path.insert(0, str(COMPILER_TESTS))
-    from tp_plans import GPT2_RULES, GPT2_SEQUENCE, plan
+    from plans import GPT2_RULES, GPT2_SEQUENCE, plan
 
     text = plan(
         GPT2_RULES + GPT2_SEQUENCE, mesh="dp=2, tp=2", extra="data_parallel over dp {\n    zero = 3\n}\n"

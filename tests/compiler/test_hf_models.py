@@ -7,7 +7,7 @@ layout is in test_tp_parity.py; here: compile, the ledger, and the fused-weight 
 from pathlib import Path
 
 import pytest
-from tp_plans import NEOX_TP, PHI3_TP, llama_tp
+from plans import NEOX_TP, PHI3_TP, llama_tp
 
 from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from parity import grad_parity
-from tp_plans import (
+from plans import (
     BERT_RULES,
     BERT_SEQUENCE,
     DTENSOR_RULES,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from parity import grad_parity
-from tp_plans import PHI3_TP, llama_rules, llama_sequence, plan
+from plans import PHI3_TP, llama_rules, llama_sequence, plan
 
 from meshplan.runtime.launch import spawn
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import llama_rules, llama_sequence
 from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
@@ -34,18 +35,7 @@ from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
 
-TENSOR = """
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    embed_tokens:                    vocab over tp
-    lm_head:                         vocab over tp
-"""
-SEQUENCE = """
-    layers.*.{input,post_attention}_layernorm: sequence over tp
-    norm:                                      sequence over tp
-"""
+TENSOR, SEQUENCE = llama_rules(), llama_sequence()
 EXTRAS = {
     "checkpoint": ("    layers.*: checkpoint every 2\n", ""),
     "bf16": ("", "precision {\n    compute = bf16\n}\n"),

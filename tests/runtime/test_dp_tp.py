@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from plans import data_parallel, llama_rules, plan
 from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
@@ -22,22 +23,7 @@ from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
 
-PLAN = """
-mesh dp=2, tp=2
-
-modules {
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    embed_tokens:                    vocab over tp
-    lm_head:                         vocab over tp
-}
-
-data_parallel over dp {
-    bucket = 64KB
-}
-"""
+PLAN = plan(llama_rules(), mesh="dp=2, tp=2", extra=data_parallel(bucket="64KB"))
 
 STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
 RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))

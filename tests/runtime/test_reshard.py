@@ -13,24 +13,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plans import data_parallel, llama_rules, plan
 
 pytestmark = pytest.mark.slow
 
-DP_TP = """
-mesh dp=2, tp=2
-
-modules {
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-}
-
-data_parallel over dp {
-    zero = ZERO
-}
-"""
-
+DP_TP = plan(llama_rules(vocab=False), mesh="dp=2, tp=2", extra=data_parallel(zero="ZERO"))
 DP4 = """
 mesh dp=4
 

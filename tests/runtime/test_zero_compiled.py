@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from plans import data_parallel, llama_rules, plan
 
 from meshplan.main import build_parser
 from meshplan.runtime.launch import spawn
@@ -25,18 +26,17 @@ from meshplan.session import open_session, train_session
 
 pytestmark = pytest.mark.slow
 
-TP_RULES = """
-modules {
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    layers.1:                        checkpoint
-}
-"""
 LLAMA, GPT = "meshplan.examples.models.llama:build", "meshplan.examples.models.gpt:build"
 PLANS = {  # name: (plan, world size, model)
-    "zero3_tp": ("mesh dp=2, tp=2\n" + TP_RULES + "data_parallel over dp {\n    zero = 3\n}\n", 4, LLAMA),
+    "zero3_tp": (
+        plan(
+            llama_rules(vocab=False) + "    layers.1: checkpoint\n",
+            mesh="dp=2, tp=2",
+            extra=data_parallel(zero=3),
+        ),
+        4,
+        LLAMA,
+    ),
     "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2, LLAMA),
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
 }

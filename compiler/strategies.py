@@ -131,7 +131,7 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
                 return None
             converted = have
         inputs[node] = converted
-    outs = sharding.output_spec
+    outs: object = sharding.output_spec  # a spec, a sequence of them (None for a non-tensor), or None
     specs = [s for s in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(s, DTensorSpec)]
     placed = {_from_dtensor(s.placements[0]) for s in specs}
     if len(placed) != 1 or None in placed:

@@ -34,10 +34,12 @@ import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.node import Argument, Target
 
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic, Span
@@ -48,9 +50,14 @@ from ..graph import (
     PLACEMENT,
     REQUIRES_GRAD,
     RULE,
+    arg_node,
+    as_int,
+    as_list,
+    as_node,
     describe,
     is_tensor_node,
     module_path,
+    optional_arg_node,
     shape,
     value,
 )
@@ -66,7 +73,7 @@ class ParamPlacement:
     """A parameter's layout over the tensor axis and the rule that set it."""
 
     placement: Placement
-    rule: PlanRule | None
+    rule: PlanRule
 
 
 @dataclass
@@ -142,7 +149,7 @@ class _Walk:
         self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
 
     # -- facts
-    def placement(self, node) -> Placement:
+    def placement(self, node: Argument) -> Placement:
         if not isinstance(node, fx.Node):
             return REPLICATE
         return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
@@ -152,12 +159,12 @@ class _Walk:
         if rule is not None:
             node.meta[RULE] = rule
 
-    def requires_grad(self, node) -> bool:
+    def requires_grad(self, node: Argument) -> bool:
         return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
 
     def error(
         self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
-    ) -> None:
+    ) -> NoReturn:
         rule = rule or self.rule_near(node)
         span = rule.span if rule else self.spec.fallback_span
         raise TensorParallelError(Diagnostic(span, message, hint))
@@ -211,7 +218,10 @@ class _Walk:
         padded = [a for a in node.all_input_nodes if isinstance(p := self.placement(a), Shard) and p.padded]
         if not padded or node.target in _PADDING_SAFE:
             return False
-        weights = {aten.linear.default: node.args[1:3], aten.embedding.default: node.args[:1]}
+        weights: dict[Target, tuple[Argument, ...]] = {
+            aten.linear.default: node.args[1:3],
+            aten.embedding.default: node.args[:1],
+        }
         return any(a not in weights.get(node.target, ()) for a in padded)
 
     def default(self, node: fx.Node) -> None:
@@ -247,7 +257,10 @@ class _Walk:
         if not shared or len({p.replicas for p in shared.values()}) > 1:
             return False
         (replicas,) = {p.replicas for p in shared.values()}
-        plain = {a: Shard(p.dim, p.blocks) if a in shared else self.placement(a) for a in inputs}
+        # FIXME: `p` here is the walrus's leftover from `shared` above (the last input's placement),
+        # not `shared[a]`: an AttributeError when that input is no shard. Left as it behaves until
+        # the fix (`shared[a].dim, shared[a].blocks`) lands with the test that shows it.
+        plain = {a: Shard(p.dim, p.blocks) if a in shared else self.placement(a) for a in inputs}  # type: ignore[union-attr]
         # as many distinct chunks as ranks / replicas: that many pieces is what must divide
         strategy = ask(node.target, node.args, node.kwargs, plain, self.n // replicas)
         if (
@@ -415,7 +428,9 @@ class _Walk:
         if key in self.converted:
             return self.converted[key]
         name = self.module_for(kind)
-        args = (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
+        args: tuple[Argument, ...] = (
+            (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
+        )
         if to is not None:
             args = (arg, dim, to)
         with self.graph.inserting_after(arg):
@@ -440,7 +455,9 @@ class _Walk:
             self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
         return name
 
-    def fuse_blocks(self, node: fx.Node, dim: int, params, *, weight_dim: int) -> tuple[int, ...]:
+    def fuse_blocks(
+        self, node: fx.Node, dim: int, params: tuple[fx.Node, fx.Node | None], *, weight_dim: int
+    ) -> tuple[int, ...]:
         """The blocks a column-split output is cut into downstream: fused q/k/v, fused gate/up.
 
         A fused projection's output is split into q, k and v; each must be sharded by heads,
@@ -456,8 +473,8 @@ class _Walk:
                     f"{self.n} ranks over `{self.axis}`",
                 )
             for param, pdim in zip(params, (weight_dim, 0), strict=False):
-                param = _through_casts(param)
-                if isinstance(param, fx.Node) and param.op == "get_attr":
+                param = _through_casts(param) if param is not None else None
+                if param is not None and param.op == "get_attr":
                     placement = Shard(pdim, blocks)
                     name = str(param.target)
                     self.spec.params[name] = ParamPlacement(placement, self.spec.params[name].rule)
@@ -465,24 +482,25 @@ class _Walk:
         return blocks
 
     # -- shapes
-    def local_sizes(self, sizes, out: Placement) -> list:
+    def local_sizes(self, sizes: Argument, out: Placement) -> list[Argument]:
         """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
-        sizes = list(sizes)
-        if isinstance(out, Shard) and sizes[out.dim] != -1:
-            if sizes[out.dim] % (self.n // out.replicas) and not out.padded:
+        local = as_list(sizes)
+        if isinstance(out, Shard) and local[out.dim] != -1:
+            size = as_int(local[out.dim])  # a data-dependent size is never sharded into
+            if size % (self.n // out.replicas) and not out.padded:
                 raise AssertionError("divisibility is checked when the placement is decided")
-            sizes[out.dim] = out.chunk(sizes[out.dim], self.n)
-        return sizes
+            local[out.dim] = out.chunk(size, self.n)
+        return local
 
 
 Rule = Callable[[_Walk, fx.Node], None]
 _RULES: dict[object, Rule] = {}
 
 
-def _through_casts(node):
+def _through_casts(node: fx.Node) -> fx.Node:
     """The node a chain of dtype casts starts from (a parameter behind its compute-dtype cast)."""
-    while isinstance(node, fx.Node) and node.target in (aten._to_copy.default, aten.to.dtype):
-        node = node.args[0]
+    while node.target in (aten._to_copy.default, aten.to.dtype):
+        node = arg_node(node, 0)
     return node
 
 
@@ -533,14 +551,18 @@ def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]]
     return None
 
 
-def _norm_dim(dim: int, ndim: int) -> int:
+def _norm_dim(dim: Argument, ndim: int) -> int:
+    """A dim argument (an `int` by the op's schema) counted from the front."""
+    dim = as_int(dim)
     return dim + ndim if dim < 0 else dim
 
 
 # ---------------------------------------------------------------------------- linear and embedding
 
 
-def _kv_group(w: _Walk, node: fx.Node, x: fx.Node, params: tuple, replicas: int) -> None:
+def _kv_group(
+    w: _Walk, node: fx.Node, x: fx.Node, params: tuple[fx.Node, fx.Node | None], replicas: int
+) -> None:
     """A key/value projection with fewer heads than ranks (GQA): every rank computes all kv heads
     from the whole weight, then keeps the one its query heads use, `replicas` ranks per head.
     The weight's and the input's gradients are partial (each rank's heads), summed by f.
@@ -565,8 +587,8 @@ def _kv_group(w: _Walk, node: fx.Node, x: fx.Node, params: tuple, replicas: int)
 
 @register(aten.linear.default)
 def _linear(w: _Walk, node: fx.Node) -> None:
-    x, weight = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
+    x, weight = arg_node(node, 0), arg_node(node, 1)
+    bias = optional_arg_node(node, 2)
     wp = w.placement(weight)
     rule = weight.meta.get(RULE)
     last = len(shape(node)) - 1
@@ -588,6 +610,7 @@ def _linear(w: _Walk, node: fx.Node) -> None:
             if not isinstance(xp, Replicate):
                 x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
             w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1), because=rule))
+            assert rule is not None  # a split weight's placement came from its tensor rule
             w.diagnostics.append(
                 Diagnostic(
                     rule.span,
@@ -627,7 +650,7 @@ def _linear(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.embedding.default)
 def _embedding(w: _Walk, node: fx.Node) -> None:
-    weight, ids = node.args[0], node.args[1]
+    weight, ids = arg_node(node, 0), node.args[1]
     wp = w.placement(weight)
     rule = weight.meta.get(RULE)
     if isinstance(wp, Shard) and wp.dim == 0:
@@ -654,7 +677,7 @@ def _embedding(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.cross_entropy_loss.default)
 def _cross_entropy(w: _Walk, node: fx.Node) -> None:
-    logits, target = node.args[0], node.args[1]
+    logits, target = arg_node(node, 0), arg_node(node, 1)
     lp = w.placement(logits)
     ndim = len(shape(logits))
     if isinstance(lp, Shard) and lp.dim == 0 and ndim == 2:
@@ -712,7 +735,7 @@ def _token_sharded_loss(w: _Walk, node: fx.Node, placement: Shard) -> None:
     }
     if values["weight"] is not None:
         w.error(node, f"{describe(node)}: class weights are not supported on logits sharded by token")
-    target = values["target"]
+    target = as_node(values["target"], of=node)
     if isinstance(w.placement(target), Partial) or (
         isinstance(w.placement(target), Shard) and w.placement(target) != placement
     ):
@@ -885,14 +908,18 @@ def _type_as(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
 def _reduce(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Partial):
         x = w.use(node, x, w.reduce_partial(x))
         p = w.placement(x)
     ndim = len(shape(x))
-    dims = node.args[1] if len(node.args) > 1 else None
-    dims = list(range(ndim)) if dims in (None, []) else [_norm_dim(d, ndim) for d in dims]
+    requested = node.args[1] if len(node.args) > 1 else None
+    dims = (
+        list(range(ndim))
+        if requested in (None, [])
+        else [_norm_dim(d, ndim) for d in as_list(requested, of=node)]
+    )
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if isinstance(p, Shard):
         if p.dim in dims:
@@ -909,17 +936,18 @@ def _reduce(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 def _softmax(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Partial):
         p = w.placement(w.use(node, x, w.reduce_partial(x)))
     dim = _norm_dim(node.args[1], len(shape(x)))
     if isinstance(p, Shard) and p.dim == dim:  # move the shard to another dim: one all-to-all
-        other = _another_dim(w, node.args[0], p, dim)
+        x = arg_node(node, 0)  # the reduced partial sums, if they were partial
+        other = _another_dim(w, x, p, dim)
         if other is None:
             w.error(node, f"{describe(node)} normalizes over dim {dim}, which is sharded over `{w.axis}`")
         p = Shard(other)
-        w.use(node, node.args[0], w.convert(node.args[0], p, because=w.rule_near(node)))
+        w.use(node, x, w.convert(x, p, because=w.rule_near(node)))
     w.set(node, p, w.rule_near(node))
 
 
@@ -935,12 +963,12 @@ def _another_dim(w: _Walk, x: fx.Node, p: Shard, busy: int) -> int | None:
 
 @register(aten.layer_norm.default)
 def _layer_norm(w: _Walk, node: fx.Node) -> None:
-    x, normalized = node.args[0], node.args[1]
+    x, normalized = arg_node(node, 0), node.args[1]
     p = w.placement(x)
     if isinstance(p, Partial):
         p = w.placement(w.use(node, x, w.reduce_partial(x)))
     ndim = len(shape(node))
-    if isinstance(p, Shard) and p.dim >= ndim - len(normalized):
+    if isinstance(p, Shard) and p.dim >= ndim - len(as_list(normalized, of=node)):
         w.error(node, f"{describe(node)} normalizes over a dim sharded over `{w.axis}`")
     if isinstance(p, Shard):
         for param in node.args[2:4]:
@@ -990,7 +1018,7 @@ def _view_dim(in_shape, out_shape, dim: int) -> int | None:
 
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _view(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Partial):
         x = w.use(node, x, w.reduce_partial(x))
@@ -1054,7 +1082,7 @@ def _set_merged(w: _Walk, node: fx.Node, merged: tuple[int, tuple[int, ...]], p:
 
 @register(aten.flatten.using_ints)
 def _flatten(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     ndim = len(shape(x))
     start = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
@@ -1079,7 +1107,7 @@ def _flatten(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.transpose.int)
 def _transpose(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Shard):
         ndim = len(shape(x))
@@ -1097,10 +1125,10 @@ def _t(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.permute.default)
 def _permute(w: _Walk, node: fx.Node) -> None:
-    x, order = node.args[0], node.args[1]
+    x, dims = arg_node(node, 0), as_list(node.args[1], of=node)
     p = w.placement(x)
     if isinstance(p, Shard):
-        order = [_norm_dim(d, len(order)) for d in order]
+        order = [_norm_dim(d, len(dims)) for d in dims]
         w.set(node, p.at(order.index(p.dim)), w.rule_near(node))
     else:
         w.set(node, p)
@@ -1118,11 +1146,11 @@ def _unsqueeze(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Shard):
-        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = [_norm_dim(d, len(shape(x))) for d in dims if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
+        requested = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [_norm_dim(d, len(shape(x))) for d in requested if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
         w.set(node, p.at(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
     else:
         w.set(node, p)
@@ -1130,7 +1158,7 @@ def _squeeze(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.expand.default)
 def _expand(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Shard):
         out = p.at(p.dim + len(shape(node)) - len(shape(x)))
@@ -1139,13 +1167,14 @@ def _expand(w: _Walk, node: fx.Node) -> None:
             repeat = out.dim + 1
             if repeat >= len(sizes) or shape(x)[repeat - len(shape(node)) + len(shape(x))] != 1:
                 w.error(node, f"{describe(node)} expands key/value heads replicated over `{w.axis}`")
-            if sizes[repeat] % p.replicas:
+            heads = as_int(sizes[repeat], of=node)
+            if heads % p.replicas:
                 w.error(
                     node,
-                    f"{describe(node)}: {sizes[repeat]} query heads per key/value head do not divide by "
+                    f"{describe(node)}: {heads} query heads per key/value head do not divide by "
                     f"{p.replicas} ranks sharing it over `{w.axis}`",
                 )
-            sizes[repeat] //= p.replicas
+            sizes[repeat] = heads // p.replicas
             w.repeated.add(node)
         node.args = (x, sizes, *node.args[2:])
         w.set(node, out, w.rule_near(node))
@@ -1163,7 +1192,7 @@ def _expand(w: _Walk, node: fx.Node) -> None:
     aten.unbind.int,
 )
 def _slice_like(w: _Walk, node: fx.Node) -> None:
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Partial):
         p = w.placement(w.use(node, x, w.reduce_partial(x)))
@@ -1197,17 +1226,21 @@ def _split_local_blocks(w: _Walk, node: fx.Node, blocks: tuple[int, ...]) -> boo
     args = list(node.args)
     if node.target is aten.split.Tensor and isinstance(args[1], int) and set(blocks) == {args[1]}:
         args[1] //= n
-    elif node.target is aten.split_with_sizes.default and list(args[1]) == list(blocks):
+    elif (
+        node.target is aten.split_with_sizes.default
+        and isinstance(args[1], (list, tuple))
+        and list(args[1]) == list(blocks)
+    ):
         args[1] = [b // n for b in blocks]
     elif node.target is aten.chunk.default and args[1] == len(blocks) and len(set(blocks)) == 1:
         pass
     elif node.target is aten.slice.Tensor:
         total = sum(blocks)
         start = args[2] if len(args) > 2 and args[2] is not None else 0
-        end = min(args[3] if len(args) > 3 and args[3] is not None else total, total)
+        end = min(as_int(args[3], of=node) if len(args) > 3 and args[3] is not None else total, total)
         bounds = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
         step = args[4] if len(args) > 4 else 1
-        if start not in bounds or end not in bounds or step != 1:
+        if not isinstance(start, int) or start not in bounds or end not in bounds or step != 1:
             return False
         args = [args[0], args[1], start // n, end // n]
     else:
@@ -1223,7 +1256,7 @@ def _getitem(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.cat.default)
 def _cat(w: _Walk, node: fx.Node) -> None:
-    parts = node.args[0]
+    parts = as_list(node.args[0], of=node)
     dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape(node)))
     placements = {w.placement(p) for p in parts}
     if len(placements) == 1:
@@ -1266,15 +1299,18 @@ def _sdpa(w: _Walk, node: fx.Node) -> None:
 
 @register(aten.matmul.default, aten.bmm.default)
 def _matmul(w: _Walk, node: fx.Node) -> None:
-    a, b = node.args[0], node.args[1]
+    a, b = arg_node(node, 0), arg_node(node, 1)
     pa, pb = w.placement(a), w.placement(b)
     if pa == pb == REPLICATE:
         w.set(node, REPLICATE)
         return
     nd = len(shape(node))
-    batch_a = isinstance(pa, Shard) and pa.dim < len(shape(a)) - 2
-    batch_b = isinstance(pb, Shard) and pb.dim < len(shape(b)) - 2
-    if batch_a and batch_b:
+    if (  # both sharded on a batch dim
+        isinstance(pa, Shard)
+        and isinstance(pb, Shard)
+        and pa.dim < len(shape(a)) - 2
+        and pb.dim < len(shape(b)) - 2
+    ):
         out = pa.dim + nd - len(shape(a))
         if out == pb.dim + nd - len(shape(b)):
             w.set(node, Shard(out), w.rule_near(node))
@@ -1311,7 +1347,7 @@ for _t_ in (
 def _repeat_interleave(w: _Walk, node: fx.Node) -> None:
     # Repeating each element in place keeps contiguous chunks contiguous, so a shard on the
     # repeated dim stays a shard: GQA's kv-head repeat maps kv-head shards onto head shards.
-    x = node.args[0]
+    x = arg_node(node, 0)
     p = w.placement(x)
     if isinstance(p, Shard):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
@@ -1334,6 +1370,8 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
     with fewer kv heads).
     """
     size = shape(node)[dim]
+    # the callers ask about a column split's output features: a weight's size, never data-dependent
+    assert isinstance(size, int)
     current, current_dim = node, dim
     while len(current.users) == 1:
         (user,) = current.users
@@ -1356,17 +1394,21 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
                 and size % user.args[1] == 0
             ):
                 return (user.args[1],) * (size // user.args[1]) if size // user.args[1] > 1 else ()
-            if user.target is aten.chunk.default and size % user.args[1] == 0 and user.args[1] > 1:
-                return (size // user.args[1],) * user.args[1]
-            if user.target is aten.split_with_sizes.default and len(user.args[1]) > 1:
-                return tuple(user.args[1])
+            if user.target is aten.chunk.default:
+                chunks = as_int(user.args[1], of=user)
+                if size % chunks == 0 and chunks > 1:
+                    return (size // chunks,) * chunks
+            if user.target is aten.split_with_sizes.default:
+                sizes = as_list(user.args[1], of=user)
+                if len(sizes) > 1:
+                    return tuple(as_int(s, of=user) for s in sizes)
     if len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
         ranges = []
         for u in users:
             if _norm_dim(u.args[1], ndim) != current_dim or (len(u.args) > 4 and u.args[4] != 1):
                 return ()
-            start = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
-            end = min(u.args[3] if len(u.args) > 3 and u.args[3] is not None else size, size)
+            start = as_int(u.args[2], of=u) if len(u.args) > 2 and u.args[2] is not None else 0
+            end = min(as_int(u.args[3], of=u) if len(u.args) > 3 and u.args[3] is not None else size, size)
             ranges.append((start, end))
         ranges.sort()
         if (
@@ -1382,8 +1424,8 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
 def _matmul_2d(w: _Walk, node: fx.Node) -> None:
     """`addmm(bias, x, W)` / `mm(x, W)` with W stored (in, out), as Hugging Face's Conv1D does."""
     has_bias = node.target is aten.addmm.default
-    bias = node.args[0] if has_bias else None
-    x, weight = (node.args[1], node.args[2]) if has_bias else (node.args[0], node.args[1])
+    bias = arg_node(node, 0) if has_bias else None
+    x, weight = (arg_node(node, 1), arg_node(node, 2)) if has_bias else (arg_node(node, 0), arg_node(node, 1))
     wp = w.placement(weight)
     rule = weight.meta.get(RULE)
     if isinstance(wp, Shard) and wp.dim == 1:  # column

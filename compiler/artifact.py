@@ -44,7 +44,7 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
         ),
         "mesh": dict(zip(layout.names, layout.sizes, strict=True)),
         "world_size": layout.world_size,
-        "tensor_axis": compiled.tensor_axis,
+        "tensor_axes": list(compiled.tensor_axes),
         "collectives_per_step": compiled.ledger.count(),
         "bytes_per_step": compiled.ledger.total_bytes(),
     }

@@ -67,7 +67,7 @@ class Compiled:
     graph: fx.GraphModule  # shared by every rank; parameters are materialized per rank
     param_placements: dict[str, dict[str, Placement]]  # param/buffer name -> {axis: placement}
     param_rules: dict[str, PlanRule]
-    tensor_axis: str | None
+    tensor_axes: tuple[str, ...]  # the axes tensor rules split over, in mesh order
     ledger: Ledger
     warnings: list[Diagnostic] = field(default_factory=list)
     kv_replicas: dict[str, int] = field(default_factory=dict)  # GQA: kv weight -> ranks per head
@@ -106,9 +106,15 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
     if ctx.failed:
         raise PlanValidationError(ctx.diagnostics, {plan.path: plan.source})
     warnings = [d for d in ctx.diagnostics if d.severity == "warning"]
-    spec = ctx.tensor
-    placements = {name: {spec.axis: pp.placement} for name, pp in spec.params.items()} if spec else {}
-    rules = {name: pp.rule for name, pp in spec.params.items() if pp.rule is not None} if spec else {}
+    placements: dict[str, dict[str, Placement]] = {}
+    rules: dict[str, PlanRule] = {}
+    kv: dict[str, int] = {}
+    for spec in ctx.tensor:
+        for name, pp in spec.params.items():
+            placements.setdefault(name, {})[spec.axis] = pp.placement
+            if pp.rule is not None:
+                rules.setdefault(name, pp.rule)
+        kv.update(spec.kv_replicas)
     ledger = build_ledger(
         gm,
         layout,
@@ -123,10 +129,10 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
         gm,
         placements,
         rules,
-        spec.axis if spec else None,
+        tuple(spec.axis for spec in ctx.tensor),
         ledger,
         warnings,
-        spec.kv_replicas if spec else {},
+        kv,
         source,
     )
 

@@ -36,8 +36,9 @@ from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from .graph import COLLECTIVE, arg_node, shape, value
+from .graph import COLLECTIVE, PLACEMENT, arg_node, shape, value
 from .passes.checkpoint import collective_nodes
+from .placement import Shard
 
 # kind -> ((op, count) in forward, (op, count) in backward)
 _STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]] = {
@@ -157,6 +158,18 @@ def build_ledger(
     return Ledger(tuple(rows))
 
 
+def _held(
+    node: fx.Node, full: tuple[int | torch.SymInt, ...], axis: str, layout: MeshLayout
+) -> tuple[int | torch.SymInt, ...]:
+    """The shape of `node` as one rank of `axis`'s group holds it: cut by every other axis that
+    shards it (a tensor on sequence shards over `tp` is all-reduced over `tq` a shard at a time)."""
+    held = list(full)
+    for other, p in node.meta.get(PLACEMENT, {}).items():
+        if other != axis and isinstance(p, Shard) and p.dim < len(held) and isinstance(held[p.dim], int):
+            held[p.dim] = p.chunk(int(held[p.dim]), layout.size(other))
+    return tuple(held)
+
+
 def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
     rows = []
     for node, recomputed in collective_nodes(gm):
@@ -165,11 +178,11 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             continue  # listed with the data-parallel rows
         kind, axis = info["kind"], info["axis"]
         val = value(node)
-        full = shape(node)
+        full = _held(node, shape(node), axis, layout)
         nbytes = math.prod(full) * val.element_size()
         if kind == "vocab_cross_entropy":  # all-reduces of one float per token
             logits = arg_node(node, 0)
-            full = shape(logits)[:-1]
+            full = _held(logits, shape(logits), axis, layout)[:-1]
             nbytes = math.prod(full) * 4
         rule = info.get("rule")
         where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""

@@ -90,7 +90,7 @@ def explain(compiled: Compiled) -> str:
             lines.append(f"    collectives per step: {summary}")
         lines.append("")
     lines += _data_parallel_lines(compiled)
-    replicated = _replicated_linears(compiled) if compiled.tensor_axis else []
+    replicated = _replicated_linears(compiled) if compiled.tensor_axes else []
     if replicated:
         lines.append("replicated on every rank (no tensor rule):")
         lines += [f"    {p}" for p in compress_paths(replicated)]

@@ -1,11 +1,11 @@
 """What a plan's tensor rules mean for each parameter: its placement over the tensor axis.
 
-`tensor_spec` reads the winning `column`/`row`/`vocab`/`replicate` rule of every module and
+`tensor_specs` reads the winning `column`/`row`/`vocab`/`replicate` rule of every module and
 turns it into a `Shard` or `Replicate()` per parameter, with the model's facts checked on
 the way: heads divisible by the axis (GQA's key/value heads replicated when fewer than the
 ranks), weights tied across modules placed alike, fused projections left to the pass. It
-also collects the `sequence` rules, and returns the `TensorParallelSpec` the
-tensor-parallel pass walks the graph with.
+also collects the `sequence` rules, and returns one `TensorParallelSpec` per tensor axis,
+which the tensor-parallel pass walks the graph with, axis after axis.
 """
 
 from __future__ import annotations
@@ -38,25 +38,27 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def tensor_spec(
+def tensor_specs(
     plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout
-) -> tuple[str | None, TensorParallelSpec | None, list[Diagnostic]]:
-    """Parameter placements over the tensor axis, from the winning tensor rules."""
-    diagnostics: list[Diagnostic] = []
+) -> tuple[list[TensorParallelSpec], list[Diagnostic]]:
+    """One spec per mesh axis that tensor rules name, in mesh order: each parameter's placement
+    over that axis, from the winning tensor rules. A module has one winning tensor rule, so a
+    parameter is split over at most one of them; the walk gives every tensor a placement on each."""
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
-    axes = sorted({r.axis for r in tensor_rules if r.axis})
-    if not axes:
-        return None, None, diagnostics
-    if len(axes) > 1:
-        diagnostics.append(
-            Diagnostic(
-                tensor_rules[-1].span,
-                f"tensor rules use two axes ({', '.join(axes)}); meshplan splits tensors over one axis",
-                hint="use one tensor axis",
-            )
-        )
-        return None, None, diagnostics
-    axis = axes[0]
+    named = {r.axis for r in tensor_rules if r.axis}
+    specs, diagnostics = [], []
+    for axis in [a for a in layout.names if a in named]:
+        spec, found = _axis_spec(plan, resolution, model, layout, axis)
+        specs.append(spec)
+        diagnostics += found
+    return specs, diagnostics
+
+
+def _axis_spec(
+    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, axis: str
+) -> tuple[TensorParallelSpec, list[Diagnostic]]:
+    diagnostics: list[Diagnostic] = []
+    tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel) and r.axis == axis]
     n = layout.size(axis)
     modules = dict(model.named_modules())
     params: dict[str, ParamPlacement] = {}
@@ -66,7 +68,7 @@ def tensor_spec(
         if rule is not None and isinstance(rule.action, ast.Replicate):
             for pname, _ in modules[path].named_parameters(recurse=False):
                 replicated[f"{path}.{pname}"] = ParamPlacement(REPLICATE, rule)
-        if rule is None or not isinstance(rule.action, ast.TensorParallel):
+        if rule is None or not isinstance(rule.action, ast.TensorParallel) or rule.axis != axis:
             continue
         module = modules[path]
         style = rule.action.style
@@ -80,7 +82,11 @@ def tensor_spec(
     _share_tied_placements(model, params)
     kv_replicas = _replicate_kv_heads(model, n, params, modules)
     seq_rules = [r for r in plan.rules if isinstance(r.action, ast.SequenceParallel) and r.axis == axis]
-    sequence_modules = {p: k["sequence"] for p, k in resolution.placements.items() if "sequence" in k}
+    sequence_modules = {
+        p: k["sequence"]
+        for p, k in resolution.placements.items()
+        if "sequence" in k and k["sequence"].axis == axis
+    }
     spec = TensorParallelSpec(
         axis,
         n,
@@ -90,7 +96,7 @@ def tensor_spec(
         fallback_span=plan.mesh.span,
         kv_replicas=kv_replicas,
     )
-    return axis, spec, diagnostics
+    return spec, diagnostics
 
 
 def _module_placements(

@@ -35,7 +35,7 @@ class Context:
     source: ModelSource  # the unpartitioned fp32 model and the inputs the graph is compiled for
     resolution: Resolution  # rules -> modules
     diagnostics: list[Diagnostic] = field(default_factory=list)
-    tensor: TensorParallelSpec | None = None  # the tensor-parallel pass's parameter placements
+    tensor: list[TensorParallelSpec] = field(default_factory=list)  # per tensor axis, in mesh order
 
     @property
     def failed(self) -> bool:

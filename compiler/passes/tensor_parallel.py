@@ -1,4 +1,10 @@
-"""Tensor and sequence parallelism over one mesh axis: placements, collectives, local shapes.
+"""Tensor and sequence parallelism over each tensor axis: placements, collectives, local shapes.
+
+One walk per axis that tensor rules name, in mesh order, with the same op rules (written
+for any axis): a walk sets its axis's entry of every node's placements, keeps the others',
+and passes them through the collectives an earlier walk inserted (they move data over their
+own axis only). So `mesh tp=2, tq=2` with attention over `tp` and the MLP over `tq` is two
+walks over one graph, and each collective's ledger bytes are what a rank holds.
 
 Requires: a normalized captured graph (`compiler.graph.normalize`) whose nodes carry
 export's `val` and `nn_module_stack`, and the plan's resolved tensor/sequence rules.
@@ -43,7 +49,17 @@ from torch.fx.node import Argument, Target
 
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic, Span
-from meshplan.runtime.collectives import COLLECTIVES
+from meshplan.runtime.collectives import (
+    COLLECTIVES,
+    AllGather,
+    AllReduce,
+    AllToAll,
+    CopyToAxis,
+    GatherReplicated,
+    KeyValueGroup,
+    ReduceScatter,
+    Split,
+)
 
 from ..graph import (
     COLLECTIVE,
@@ -66,6 +82,17 @@ from ..strategies import ask
 from . import Context, Pass
 
 aten = torch.ops.aten
+# collectives that move data over their own axis only: every other axis's layout passes through
+_LAYOUT_KEEPING = (
+    CopyToAxis,
+    AllReduce,
+    AllGather,
+    GatherReplicated,
+    ReduceScatter,
+    Split,
+    AllToAll,
+    KeyValueGroup,
+)
 
 
 @dataclass(frozen=True)
@@ -109,16 +136,20 @@ def tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec) -> tuple[fx.Gr
 
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The pass: parameter placements from the tensor rules (their problems are reported even
-    when other rules have errors), then, on a plan without errors, the walk."""
-    from ..tensor_rules import tensor_spec
+    when other rules have errors), then, on a plan without errors, one walk per tensor axis in
+    mesh order. A walk keeps the placements the earlier ones gave (every node has one per axis)
+    and passes them through the collectives they inserted, which move data over their own
+    axis only."""
+    from ..tensor_rules import tensor_specs
 
-    _, ctx.tensor, found = tensor_spec(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout)
+    ctx.tensor, found = tensor_specs(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout)
     ctx.diagnostics += found
-    if ctx.tensor is None or ctx.failed:
+    if ctx.failed:
         return gm
     try:
-        gm, found = tensor_parallel(gm, ctx.tensor)
-        ctx.diagnostics += found
+        for spec in ctx.tensor:
+            gm, found = tensor_parallel(gm, spec)
+            ctx.diagnostics += found
     except TensorParallelError as e:
         ctx.diagnostics.append(e.diagnostic)
     return gm
@@ -159,6 +190,10 @@ class _Walk:
         if rule is not None:
             node.meta[RULE] = rule
 
+    def other_axes(self, node: fx.Node) -> dict[str, Placement]:
+        """`node`'s placements over the other axes: what a node this walk derives from it keeps."""
+        return {k: v for k, v in node.meta.get(PLACEMENT, {}).items() if k != self.axis}
+
     def requires_grad(self, node: Argument) -> bool:
         return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
 
@@ -198,11 +233,26 @@ class _Walk:
                         f"count) of a tensor sharded over `{self.axis}`",
                         hint="keep tensors whose sizes depend on the data replicated over this axis",
                     )
+            elif node.op == "call_module":
+                self.other_axis_module(node)
             elif node.op == "output":
                 outs = node.args[0]
                 flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 new = [self.convert(o, REPLICATE) if is_tensor_node(o) else o for o in flat]
                 node.args = (type(outs)(new) if isinstance(outs, (list, tuple)) else new[0],)
+
+    def other_axis_module(self, node: fx.Node) -> None:
+        """A node an earlier axis's walk inserted. Its collectives move data over their own axis
+        only, so this axis's layout of the input passes through; anything else (a vocab-parallel
+        embedding or loss) sees whole tensors over this axis."""
+        module = self.gm.get_submodule(str(node.target))
+        inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+        if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+            self.set(node, self.placement(inputs[0]))
+        elif all(isinstance(self.placement(a), Replicate) for a in inputs):
+            self.set(node, REPLICATE)
+        else:
+            self.run_whole(node, inputs)
 
     def mark_requires_grad(self, node: fx.Node) -> None:
         if node.op == "get_attr":
@@ -368,6 +418,7 @@ class _Walk:
             node.meta.update(
                 {k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
             )
+            node.meta[PLACEMENT] = self.other_axes(whole)
             self.set(node, REPLICATE, whole.meta.get(RULE))
             self.converted[key] = node
         return self.converted[key]
@@ -438,6 +489,7 @@ class _Walk:
         node.meta.update(
             {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
         )
+        node.meta[PLACEMENT] = self.other_axes(arg)
         node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
         sequence = self.spec.sequence_parallel and isinstance(out, Shard) and kind == "reduce_scatter"
         self.set(node, out, self.sequence_rule_near(arg) if sequence else arg.meta.get(RULE))

@@ -32,7 +32,7 @@ def test_wheel_contents(wheel):
         "meshplan/main.py",
         "meshplan/grammar/plan.lark",
         "meshplan/dsl/parser.py",
-        "meshplan/compiler/passes/tensor_parallel.py",
+        "meshplan/compiler/passes/tensor_parallel/walk.py",
         "meshplan/runtime/collectives.py",
         "meshplan/examples/models/llama.py",
         "meshplan/examples/tiny_dp.plan",

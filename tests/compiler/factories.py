@@ -255,6 +255,34 @@ def titan_llama():
     return llama_complex.build()
 
 
+def titan_llama_lerp():
+    """The torchtitan-style Llama with an op after RoPE whose last input is whole: at tp=4 the
+    shared kv heads meet a replicated tensor (`lerp(k, zeros, 0)`, k unchanged)."""
+    import types
+
+    model = llama_complex.build()
+    for layer in model.layers:
+        attention = layer.attention
+        rotate = llama_complex.apply_rotary_emb
+
+        def forward(self, x, freqs_cis, _rotate=rotate):
+            b, t, _ = x.shape
+            q = self.wq(x).view(b, t, -1, self.head_dim)
+            k = self.wk(x).view(b, t, -1, self.head_dim)
+            v = self.wv(x).view(b, t, -1, self.head_dim)
+            q, k = _rotate(q, k, freqs_cis)
+            k = torch.lerp(k, torch.zeros(k.shape[-1], dtype=k.dtype), 0.0)  # last input: whole
+            k = k.repeat_interleave(self.num_kv_groups, dim=2)
+            v = v.repeat_interleave(self.num_kv_groups, dim=2)
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+        attention.forward = types.MethodType(forward, attention)
+    return model
+
+
 def llama_gqa():
     """8 query heads over 2 key/value heads: at tp=4 each kv head is shared by two ranks."""
     return llama.build(

@@ -109,6 +109,14 @@ def gqa_cells(rank: int, world_size: int) -> dict[str, dict]:
             f"{HERE}/factories.py:titan_llama",
             "float64",
         ),
+        # the same with a whole tensor meeting the shared kv heads after RoPE
+        "titan_llama_lerp": grad_parity(
+            rank,
+            world_size,
+            plan(TITAN_RULES, mesh="tp=4"),
+            f"{HERE}/factories.py:titan_llama_lerp",
+            "float64",
+        ),
     }
 
 
@@ -120,7 +128,7 @@ def test_fewer_key_value_heads_than_ranks_are_replicated() -> None:
         for cell, r in by_cell.items():
             # the torchtitan-style Llama rotates k in float32 (`xk.float()`): under replication its
             # backward rounds each rank's share of a kv head's gradient before the sum
-            tolerance = 1e-6 if cell in ("qwen2", "titan_llama_sp") else 1e-12
+            tolerance = 1e-6 if cell in ("qwen2", "titan_llama_sp", "titan_llama_lerp") else 1e-12
             assert r["loss"] <= tolerance and r["grad"] <= tolerance, (cell, r)
             assert "kv_group_tp" in r["collectives"], cell
 

@@ -1,0 +1,44 @@
+"""What the tensor-parallel walk of one axis is told: the axis, its size, each parameter's placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshplan.dsl.check import PlanRule
+from meshplan.dsl.errors import Diagnostic, Span
+
+from ...placement import Placement
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """A parameter's layout over the tensor axis and the rule that set it."""
+
+    placement: Placement
+    rule: PlanRule
+
+
+@dataclass
+class TensorParallelSpec:
+    """What the pass needs to know: the axis, its size, and each parameter's placement."""
+
+    axis: str
+    size: int
+    params: dict[str, ParamPlacement]  # "layers.0.mlp.up_proj.weight" -> placement
+    sequence_parallel: bool = False
+    seq_dim: int = 1
+    sequence_modules: dict[str, PlanRule] = field(default_factory=dict)  # module path -> `sequence` rule
+    # key/value projection weight -> ranks sharing each of its heads (GQA with fewer kv heads
+    # than ranks): the weight stays whole and each rank keeps its head after the projection
+    kv_replicas: dict[str, int] = field(default_factory=dict)
+    fallback_span: Span | None = None  # where to point when no rule is near the problem
+
+
+class TensorParallelError(Exception):
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic

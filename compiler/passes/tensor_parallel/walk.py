@@ -1,0 +1,577 @@
+"""The walk of one tensor axis over the graph: placements, conversions between them (the
+collectives), and the registry of op rules the other modules of this package fill."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.node import Argument, Target
+
+from meshplan.dsl.check import PlanRule
+from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.collectives import (
+    COLLECTIVES,
+    AllGather,
+    AllReduce,
+    AllToAll,
+    CopyToAxis,
+    GatherReplicated,
+    KeyValueGroup,
+    ReduceScatter,
+    Split,
+)
+
+from ...graph import (
+    COLLECTIVE,
+    PLACEMENT,
+    REQUIRES_GRAD,
+    RULE,
+    arg_node,
+    as_int,
+    as_list,
+    describe,
+    is_tensor_node,
+    module_path,
+    shape,
+    value,
+)
+from ...placement import REPLICATE, Partial, Placement, Replicate, Shard
+from ...strategies import ask
+from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
+
+aten = torch.ops.aten
+
+# collectives that move data over their own axis only: every other axis's layout passes through
+_LAYOUT_KEEPING = (
+    CopyToAxis,
+    AllReduce,
+    AllGather,
+    GatherReplicated,
+    ReduceScatter,
+    Split,
+    AllToAll,
+    KeyValueGroup,
+)
+
+
+# ---------------------------------------------------------------------------- the walk
+
+
+class Walk:
+    def __init__(self, gm: fx.GraphModule, spec: TensorParallelSpec):
+        self.gm, self.graph, self.spec = gm, gm.graph, spec
+        self.axis, self.n = spec.axis, spec.size
+        self.diagnostics: list[Diagnostic] = []
+        self.converted: dict[tuple[fx.Node, str, int | None, int, int | None], fx.Node] = {}
+        # (rows, blocks) of the token dim once a sequence shard is flattened with the batch:
+        # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
+        self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
+        self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
+        self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
+
+    # -- facts
+    def placement(self, node: Argument) -> Placement:
+        if not isinstance(node, fx.Node):
+            return REPLICATE
+        return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
+
+    def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
+        node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
+        if rule is not None:
+            node.meta[RULE] = rule
+
+    def other_axes(self, node: fx.Node) -> dict[str, Placement]:
+        """`node`'s placements over the other axes: what a node this walk derives from it keeps."""
+        return {k: v for k, v in node.meta.get(PLACEMENT, {}).items() if k != self.axis}
+
+    def requires_grad(self, node: Argument) -> bool:
+        return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
+
+    def error(
+        self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
+    ) -> NoReturn:
+        rule = rule or self.rule_near(node)
+        span = rule.span if rule else self.spec.fallback_span
+        raise TensorParallelError(Diagnostic(span, message, hint))
+
+    def rule_near(self, node: fx.Node) -> PlanRule | None:
+        for arg in node.all_input_nodes:
+            rule = arg.meta.get(RULE)
+            if rule is not None:
+                return rule
+        return None
+
+    # -- driver
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            self.mark_requires_grad(node)
+            if node.op == "placeholder":
+                self.set(node, REPLICATE)
+            elif node.op == "get_attr":
+                pp = self.spec.params.get(str(node.target))
+                self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
+            elif node.op == "call_function":
+                if self.reads_padding(node):
+                    self.run_whole(node, [a for a in node.all_input_nodes if is_tensor_node(a)])
+                    continue
+                try:
+                    _RULES.get(node.target, Walk.default)(self, node)
+                except GuardOnDataDependentSymNode:
+                    self.error(
+                        node,
+                        f"{describe(node)} would need a data-dependent size (e.g. a per-expert token "
+                        f"count) of a tensor sharded over `{self.axis}`",
+                        hint="keep tensors whose sizes depend on the data replicated over this axis",
+                    )
+            elif node.op == "call_module":
+                self.other_axis_module(node)
+            elif node.op == "output":
+                outs = node.args[0]
+                flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                new = [self.convert(o, REPLICATE) if is_tensor_node(o) else o for o in flat]
+                node.args = (type(outs)(new) if isinstance(outs, (list, tuple)) else new[0],)
+
+    def other_axis_module(self, node: fx.Node) -> None:
+        """A node an earlier axis's walk inserted. Its collectives move data over their own axis
+        only, so this axis's layout of the input passes through; anything else (a vocab-parallel
+        embedding or loss) sees whole tensors over this axis."""
+        module = self.gm.get_submodule(str(node.target))
+        inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+        if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+            self.set(node, self.placement(inputs[0]))
+        elif all(isinstance(self.placement(a), Replicate) for a in inputs):
+            self.set(node, REPLICATE)
+        else:
+            self.run_whole(node, inputs)
+
+    def mark_requires_grad(self, node: fx.Node) -> None:
+        if node.op == "get_attr":
+            attr = _get_attr(self.gm, str(node.target))
+            node.meta[REQUIRES_GRAD] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
+        elif node.op == "call_function":
+            node.meta[REQUIRES_GRAD] = any(self.requires_grad(a) for a in node.all_input_nodes)
+
+    def reads_padding(self, node: fx.Node) -> bool:
+        """Whether `node` reads a padded shard (a vocabulary not divisible by the axis) in a way
+        that could mix the padding into real values: only the LM head's and embedding's own
+        weights, the loss (which masks it) and layout-only ops may; anything else runs whole."""
+        padded = [a for a in node.all_input_nodes if isinstance(p := self.placement(a), Shard) and p.padded]
+        if not padded or node.target in _PADDING_SAFE:
+            return False
+        weights: dict[Target, tuple[Argument, ...]] = {
+            aten.linear.default: node.args[1:3],
+            aten.embedding.default: node.args[:1],
+        }
+        return any(a not in weights.get(node.target, ()) for a in padded)
+
+    def default(self, node: fx.Node) -> None:
+        """Ops without a hand rule: replicated inputs give a replicated output; otherwise
+        DTensor's strategy for the op decides (`compiler/strategies.py`)."""
+        inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+        if all(isinstance(self.placement(a), Replicate) for a in inputs):
+            self.set(node, REPLICATE)
+            return
+        if self.heads_shared(node, inputs):
+            return
+        strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
+        if strategy is None:
+            self.run_whole(node, inputs)
+            return
+        into_sharded = not isinstance(strategy.output, Replicate)
+        because = self.rule_for_module(node) or self.rule_near(node)
+        for a, target in strategy.inputs.items():
+            have = self.placement(a)
+            if have != target:
+                self.use(node, a, self.convert(a, target, into_sharded=into_sharded, because=because))
+            elif into_sharded and isinstance(have, Replicate) and self.requires_grad(a):
+                # f: its gradient is partial (a norm weight under sequence parallelism)
+                self.use(node, a, self.convert(a, REPLICATE, into_sharded=True, because=because))
+        self.set(node, strategy.output, self.rule_near(node))
+
+    def heads_shared(self, node: fx.Node, inputs: list[fx.Node]) -> bool:
+        """Key/value heads shared by several ranks (`Shard(d, replicas=m)`) through an op that
+        DTensor shards on `d` (complex RoPE on k: view_as_complex, mul, view_as_real): each rank's
+        chunk is computed like any shard's, so ask DTensor as if it were `Shard(d)` and keep the
+        sharing. Only when no other input would have to move. Returns whether it decided `node`."""
+        shared = {a: p for a in inputs if isinstance(p := self.placement(a), Shard) and p.replicas > 1}
+        if not shared or len({p.replicas for p in shared.values()}) > 1:
+            return False
+        (replicas,) = {p.replicas for p in shared.values()}
+        plain = {
+            a: Shard(shared[a].dim, shared[a].blocks) if a in shared else self.placement(a) for a in inputs
+        }
+        # as many distinct chunks as ranks / replicas: that many pieces is what must divide
+        strategy = ask(node.target, node.args, node.kwargs, plain, self.n // replicas)
+        if (
+            strategy is None
+            or any(strategy.inputs.get(a, plain[a]) != plain[a] for a in inputs)
+            or not isinstance(strategy.output, Shard)
+        ):
+            return False
+        out = strategy.output
+        self.set(node, Shard(out.dim, out.blocks, replicas), self.rule_near(node))
+        return True
+
+    def run_whole(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        """No rule can run `node` on shards: gather its inputs and run it on whole tensors (every
+        rank computes the same), with a warning naming the op and what the gather costs."""
+        gathered = 0
+        for a in inputs:
+            p = self.placement(a)
+            if isinstance(p, Shard) and _uneven(p):
+                self.error(
+                    node,
+                    f"{describe(node)} uses a fused projection's output ({p}) as a whole",
+                    hint="use the fused output only through its split into q, k and v",
+                )
+            if not isinstance(p, Replicate):
+                if isinstance(p, Shard):
+                    gathered += value(a).numel() * value(a).element_size()
+                self.use(node, a, self.convert(a, REPLICATE))
+        rule = self.rule_for_module(node) or self.rule_near(node)
+        if rule is not None and gathered and module_path(node) not in self.whole_modules:
+            self.whole_modules.add(module_path(node))
+            self.diagnostics.append(
+                Diagnostic(
+                    rule.span,
+                    f"{describe(node)} has no sharding rule: its inputs are all-gathered over "
+                    f"`{self.axis}` ({gathered / 1e6:.3g} MB) and it runs on whole tensors",
+                    hint="correct, but each rank repeats the work; report the op if it should shard",
+                    severity="warning",
+                )
+            )
+        self.set(node, REPLICATE, rule)
+
+    # -- conversions
+    def use(self, node: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
+        """Make `node` read `new` where it read `old`; returns `new`."""
+        if new is not old:
+            node.replace_input_with(old, new)
+        return new
+
+    def convert(
+        self, arg: fx.Node, target: Placement, *, into_sharded: bool = False, because: PlanRule | None = None
+    ) -> fx.Node:
+        """A node holding `arg` in `target` placement; `into_sharded` marks use by sharded compute,
+        whose gradient w.r.t. `arg` is partial and must be summed in backward (Megatron's f).
+        `because` is the rule that demands the conversion, for the ledger and `explain`."""
+        have = self.placement(arg)
+        if isinstance(have, Partial):
+            arg = self.reduce_partial(arg)
+            have = self.placement(arg)
+        if (isinstance(have, Shard) and _uneven(have) and have != target) or (
+            isinstance(target, Shard) and _uneven(target) and have != target
+        ):
+            self.error(
+                arg,
+                f"{describe(arg)} is a fused projection's output ({have}); meshplan can only split it "
+                "into its blocks",
+                hint="use the fused output only through its split into q, k and v",
+            )
+        if have != target and any(isinstance(p, Shard) and p.replicas > 1 for p in (have, target)):
+            self.error(
+                arg,
+                f"{describe(arg)} holds key/value heads replicated over `{self.axis}` ({have}); "
+                "it can only be repeated to the query heads",
+            )
+        if isinstance(target, Shard) and target.padded and have != target:
+            self.error(
+                arg, f"cannot move {describe(arg)} from {have} to a padded {target} over `{self.axis}`"
+            )
+        if have == target:
+            if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
+                return self.collective("copy_to", arg, None, REPLICATE, because)
+            return arg
+        if isinstance(have, Shard) and isinstance(target, Replicate):
+            kind = "all_gather" if into_sharded else "gather_replicated"
+            whole = self.collective(kind, arg, have.dim, REPLICATE, because, blocks=len(have.blocks) or 1)
+            return self.unpadded(whole, have) if have.padded else whole
+        if isinstance(have, Replicate) and isinstance(target, Shard):
+            return self.collective("split", arg, target.dim, target, because, blocks=len(target.blocks) or 1)
+        if isinstance(have, Shard) and isinstance(target, Shard) and not (have.blocks or target.blocks):
+            return self.collective("all_to_all", arg, have.dim, target, because, to=target.dim)
+        self.error(
+            arg,
+            f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
+            hint="a blocked shard (a fused projection's, or a sequence flattened with the batch) "
+            "moves to another dim only through a whole tensor",
+        )
+        raise AssertionError("unreachable")
+
+    def unpadded(self, whole: fx.Node, was: Shard) -> fx.Node:
+        """A gathered padded shard without its padding: the first `was.padded` entries of its dim."""
+        key = (whole, "unpad", was.dim, 1, None)
+        if key not in self.converted:
+            with self.graph.inserting_after(whole):
+                node = self.graph.call_function(aten.slice.Tensor, (whole, was.dim, 0, was.padded))
+            node.meta.update(
+                {k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+            )
+            node.meta[PLACEMENT] = self.other_axes(whole)
+            self.set(node, REPLICATE, whole.meta.get(RULE))
+            self.converted[key] = node
+        return self.converted[key]
+
+    def reduce_partial(self, arg: fx.Node) -> fx.Node:
+        """Sum a partial result right where it is made (the rule behind it made it partial)."""
+        because = arg.meta.get(RULE)
+        if self.spec.sequence_parallel and self.flat_tokens and shape(arg)[:1] == self.flat_tokens[:1]:
+            _, blocks = self.flat_tokens  # tokens flattened with the batch: scatter each sequence
+            return self.collective("reduce_scatter", arg, 0, Shard(0, blocks), because, blocks=len(blocks))
+        if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
+            return self.collective(
+                "reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim), because
+            )
+        return self.collective("all_reduce", arg, None, REPLICATE, because)
+
+    def rule_for_module(self, node: fx.Node) -> PlanRule | None:
+        """The `sequence` rule of the module `node` runs in, if any (it is why the node is sharded)."""
+        path = module_path(node)
+        while path:
+            if path in self.spec.sequence_modules:
+                return self.spec.sequence_modules[path]
+            path = path.rpartition(".")[0]
+        return None
+
+    def sequence_rule_near(self, node: fx.Node) -> PlanRule | None:
+        """The `sequence` rule that put a tensor on sequence shards near `node`: its module's own,
+        else the one whose module shares the longest path prefix with it (the layer's norm)."""
+        own = self.rule_for_module(node)
+        if own is not None or not self.spec.sequence_modules:
+            return own
+        parts = module_path(node).split(".")
+
+        def shared(path: str) -> int:
+            return next(
+                (i for i, (a, b) in enumerate(zip(parts, path.split("."), strict=False)) if a != b),
+                len(parts),
+            )
+
+        best = max(self.spec.sequence_modules, key=shared)
+        return self.spec.sequence_modules[best]
+
+    def collective(
+        self,
+        kind: str,
+        arg: fx.Node,
+        dim: int | None,
+        out: Placement,
+        because: PlanRule | None = None,
+        *,
+        blocks: int = 1,
+        to: int | None = None,
+    ) -> fx.Node:
+        """A `kind` collective of `arg` over the axis; `blocks` > 1 runs it on each of that many
+        equal blocks of `dim` (a sequence shard flattened with the batch); `to` is an all-to-all's
+        destination dim."""
+        key = (arg, kind, dim, blocks, to)
+        if key in self.converted:
+            return self.converted[key]
+        name = self.module_for(kind)
+        args: tuple[Argument, ...] = (
+            (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
+        )
+        if to is not None:
+            args = (arg, dim, to)
+        with self.graph.inserting_after(arg):
+            node = self.graph.call_module(name, args)
+        node.meta.update(
+            {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
+        )
+        node.meta[PLACEMENT] = self.other_axes(arg)
+        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
+        sequence = self.spec.sequence_parallel and isinstance(out, Shard) and kind == "reduce_scatter"
+        self.set(node, out, self.sequence_rule_near(arg) if sequence else arg.meta.get(RULE))
+        self.converted[key] = node
+        return node
+
+    def module_for(self, kind: str) -> str:
+        """The name of the graph's submodule for collective `kind` on this axis, created on first use.
+
+        The compiled graph holds group-less instances; `build_rank_program` binds each
+        rank's process groups.
+        """
+        name = f"{kind}_{self.axis}"
+        if not hasattr(self.gm, name):
+            self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
+        return name
+
+    def fuse_blocks(
+        self, node: fx.Node, dim: int, params: tuple[fx.Node, fx.Node | None], *, weight_dim: int
+    ) -> tuple[int, ...]:
+        """The blocks a column-split output is cut into downstream: fused q/k/v, fused gate/up.
+
+        A fused projection's output is split into q, k and v; each must be sharded by heads,
+        so every rank holds its chunk of each block. Seen here, the weight and bias take
+        `Shard(dim, blocks=sizes)` and `build_rank_program` cuts them that way.
+        """
+        blocks = _downstream_blocks(node, dim)
+        if blocks:
+            if any(b % self.n for b in blocks):
+                self.error(
+                    node,
+                    f"{describe(node)}: the fused output's blocks {blocks} do not divide by "
+                    f"{self.n} ranks over `{self.axis}`",
+                )
+            for param, pdim in zip(params, (weight_dim, 0), strict=False):
+                param = _through_casts(param) if param is not None else None
+                if param is not None and param.op == "get_attr":
+                    placement = Shard(pdim, blocks)
+                    name = str(param.target)
+                    self.spec.params[name] = ParamPlacement(placement, self.spec.params[name].rule)
+                    self.set(param, placement)
+        return blocks
+
+    # -- shapes
+    def local_sizes(self, sizes: Argument, out: Placement) -> list[Argument]:
+        """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
+        local = as_list(sizes)
+        if isinstance(out, Shard) and local[out.dim] != -1:
+            size = as_int(local[out.dim])  # a data-dependent size is never sharded into
+            if size % (self.n // out.replicas) and not out.padded:
+                raise AssertionError("divisibility is checked when the placement is decided")
+            local[out.dim] = out.chunk(size, self.n)
+        return local
+
+
+Rule = Callable[[Walk, fx.Node], None]
+_RULES: dict[object, Rule] = {}
+
+
+def _through_casts(node: fx.Node) -> fx.Node:
+    """The node a chain of dtype casts starts from (a parameter behind its compute-dtype cast)."""
+    while node.target in (aten._to_copy.default, aten.to.dtype):
+        node = arg_node(node, 0)
+    return node
+
+
+def _get_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def _uneven(p: Shard) -> bool:
+    """A blocked shard whose blocks differ in size (Phi-3's q/k/v under GQA): only the split
+    into its blocks can use it. Equal blocks are a strided layout collectives handle."""
+    return len(set(p.blocks)) > 1
+
+
+def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]] | None:
+    """Where a shard on `dim` lands when a reshape merges `dim` with outer dims into one output
+    dim, and the blocks it is then cut in: (B, T, H) Shard(1) -> (B*T, H) is (0, (T,) * B).
+
+    Each rank's rows stay in place: its chunk of every block. None if the reshape does not
+    merge `dim` that way (or sizes are not static).
+    """
+    if not all(isinstance(s, int) for s in (*in_shape, *out_shape)):
+        return None
+    prefix_in = [1]
+    for s in in_shape:
+        prefix_in.append(prefix_in[-1] * s)
+    prefix_out = 1
+    for j, size in enumerate(out_shape):
+        if prefix_out in prefix_in and prefix_out * size in prefix_in:
+            first, last = prefix_in.index(prefix_out), prefix_in.index(prefix_out * size) - 1
+            while first < len(in_shape) and in_shape[first] == 1 and first < dim:
+                first += 1
+            if first < dim <= last:
+                outer = prefix_in[dim] // prefix_in[first]
+                return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
+        prefix_out *= size
+    return None
+
+
+def _norm_dim(dim: Argument, ndim: int) -> int:
+    """A dim argument (an `int` by the op's schema) counted from the front."""
+    dim = as_int(dim)
+    return dim + ndim if dim < 0 else dim
+
+
+# ops that may read a padded shard: they move or cast it, never mix the padding into real values
+_PADDING_SAFE = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.cross_entropy_loss.default,
+}
+
+
+def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
+    """Block sizes when the output's `dim` is cut into pieces downstream, else ().
+
+    Follows views that keep `dim`'s size, then looks for a split into equal parts
+    (GPT-2's q/k/v, fused gate/up) or slices that partition the dim (Phi-3's q/k/v
+    with fewer kv heads).
+    """
+    size = shape(node)[dim]
+    # the callers ask about a column split's output features: a weight's size, never data-dependent
+    assert isinstance(size, int)
+    current, current_dim = node, dim
+    while len(current.users) == 1:
+        (user,) = current.users
+        if user.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            break
+        matches = [i for i, s in enumerate(shape(user)) if s == size]
+        if len(matches) != 1:
+            return ()
+        current, current_dim = user, matches[0]
+    users = list(current.users)
+    ndim = len(shape(current))
+    splits = (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default)
+    if len(users) == 1 and users[0].target in splits:
+        user = users[0]
+        split_dim = _norm_dim(user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0), ndim)
+        if split_dim == current_dim:
+            if (
+                user.target is aten.split.Tensor
+                and isinstance(user.args[1], int)
+                and size % user.args[1] == 0
+            ):
+                return (user.args[1],) * (size // user.args[1]) if size // user.args[1] > 1 else ()
+            if user.target is aten.chunk.default:
+                chunks = as_int(user.args[1], of=user)
+                if size % chunks == 0 and chunks > 1:
+                    return (size // chunks,) * chunks
+            if user.target is aten.split_with_sizes.default:
+                sizes = as_list(user.args[1], of=user)
+                if len(sizes) > 1:
+                    return tuple(as_int(s, of=user) for s in sizes)
+    if len(users) > 1 and all(u.target is aten.slice.Tensor for u in users):
+        ranges = []
+        for u in users:
+            if _norm_dim(u.args[1], ndim) != current_dim or (len(u.args) > 4 and u.args[4] != 1):
+                return ()
+            start = as_int(u.args[2], of=u) if len(u.args) > 2 and u.args[2] is not None else 0
+            end = min(as_int(u.args[3], of=u) if len(u.args) > 3 and u.args[3] is not None else size, size)
+            ranges.append((start, end))
+        ranges.sort()
+        if (
+            ranges[0][0] == 0
+            and ranges[-1][1] == size
+            and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        ):
+            return tuple(end - start for start, end in ranges)
+    return ()

@@ -70,3 +70,23 @@ def test_two_tensor_axes_train_like_one_device(tmp_path: Path, rules: str) -> No
     report = verify(str(path), LLAMA, steps=3, batch=2, seq=32)
     assert report.world_size == 4
     assert report.ok and report.float64, render(report)
+
+
+def test_one_dim_split_over_two_axes_is_refused_where_it_happens() -> None:
+    """Sequence rules on both axes would shard the tokens over tp and again over tq: nesting two
+    axes' shards of one dim is refused, located at the rule that would do it."""
+    from meshplan.dsl import PlanError
+
+    text = plan(
+        RULES
+        + """
+    layers.*.input_layernorm:          sequence over tp
+    layers.*.post_attention_layernorm: sequence over tq
+""",
+        mesh="tp=2, tq=2",
+    )
+    with pytest.raises(PlanError) as e:
+        compiled(text)
+    (error,) = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert "over both `tp` and `tq`" in error.message
+    assert "post_attention_layernorm: sequence over tq" in text.splitlines()[error.span.line - 1]

@@ -81,6 +81,18 @@ class Walk:
         return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
 
     def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
+        if isinstance(placement, Shard):
+            nested = [
+                a for a, p in self.other_axes(node).items() if isinstance(p, Shard) and p.dim == placement.dim
+            ]
+            if nested:
+                self.error(
+                    node,
+                    f"{describe(node)} would be sharded along dim {placement.dim} over both `{nested[0]}` and "
+                    f"`{self.axis}`; meshplan does not nest two axes' shards of one dim yet",
+                    hint="split each dim over one axis (e.g. keep `sequence` rules on one tensor axis)",
+                    rule=rule,
+                )
         node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
         if rule is not None:
             node.meta[RULE] = rule

@@ -27,7 +27,7 @@ import io
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -161,19 +161,46 @@ def _higher_order(name: str) -> Any:
     return getattr(torch.ops.higher_order, name)
 
 
-def _rebuild(attrs: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
-    return fx.GraphModule(attrs, graph, class_name=class_name)
+class _Ref(NamedTuple):
+    """A node argument in the flat record: the index of the node it names."""
+
+    position: int
 
 
-def _portable_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of `gm.graph` holding only picklable, run-time node facts."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+def _flat_graph(gm: fx.GraphModule) -> list[tuple]:
+    """`gm.graph` as a flat list of node records, arguments naming earlier nodes by index, only
+    the run-time node facts kept. Flat on purpose: a `fx.Graph` pickles as a linked list, which
+    recurses once per node and overflows Python's stack on a real model's graph."""
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    records = []
     for node in gm.graph.nodes:
-        copy = graph.node_copy(node, lambda n: env[n])
-        copy.meta = {k: v for k, v in node.meta.items() if k in _RUNTIME_META}
-        env[node] = copy
-    return graph
+        args = fx.node.map_arg(node.args, lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
+        meta = {k: v for k, v in node.meta.items() if k in _RUNTIME_META}
+        records.append((node.op, node.name, node.target, args, kwargs, meta))
+    return records
+
+
+def _rebuild(attrs: dict[str, Any], records: list[tuple], class_name: str) -> fx.GraphModule:
+    graph = fx.Graph()
+    nodes: list[fx.Node] = []
+
+    def resolve(a: Any) -> Any:
+        if isinstance(a, _Ref):
+            return nodes[a.position]
+        if isinstance(a, (tuple, list)):
+            return type(a)(resolve(x) for x in a)
+        if isinstance(a, dict):
+            return {k: resolve(v) for k, v in a.items()}
+        if isinstance(a, slice):
+            return slice(resolve(a.start), resolve(a.stop), resolve(a.step))
+        return a
+
+    for op, name, target, args, kwargs, meta in records:
+        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
+        node.meta.update(meta)
+        nodes.append(node)
+    return fx.GraphModule(attrs, graph, class_name=class_name)
 
 
 class _Pickler(pickle.Pickler):
@@ -189,5 +216,5 @@ class _Pickler(pickle.Pickler):
                     attrs[str(node.target)] = _get_attr(obj, str(node.target))
                 elif node.op == "call_module":
                     attrs[str(node.target)] = obj.get_submodule(str(node.target))
-            return _rebuild, (attrs, _portable_graph(obj), type(obj).__name__)
+            return _rebuild, (attrs, _flat_graph(obj), type(obj).__name__)
         return NotImplemented

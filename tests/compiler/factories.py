@@ -283,6 +283,11 @@ def titan_llama_lerp():
     return model
 
 
+def llama_deep():
+    """32 layers: a graph of thousands of nodes."""
+    return llama.build(num_hidden_layers=32, intermediate_size=64)
+
+
 def llama_gqa():
     """8 query heads over 2 key/value heads: at tp=4 each kv head is shared by two ranks."""
     return llama.build(

@@ -102,6 +102,15 @@ def test_a_loaded_tp_zero3_program_is_the_same_code(tmp_path: Path) -> None:
     assert all(p.is_meta for p in loaded.graph.parameters())
 
 
+def test_a_deep_graph_is_saved_without_recursion(tmp_path: Path) -> None:
+    """A graph pickles as a linked list of nodes; the file holds it flat, so thousands of nodes
+    (32 layers, fp16 casts at every parameter use) neither overflow the stack nor change the code."""
+    text = ONE_RANK.replace("LAYERS", "layers.*").replace("bf16", "fp16")
+    _, compiled, loaded = round_trip(text, f"{HERE}/factories.py:llama_deep", tmp_path, 1)
+    assert len(compiled.graph.graph.nodes) > 1500
+    assert loaded.graph.code == compiled.graph.code
+
+
 def test_another_model_is_refused(tmp_path: Path) -> None:
     round_trip(ONE_RANK.replace("LAYERS", "layers.*"), LLAMA, tmp_path, 1)
     other = load_model(f"{HERE}/factories.py:gpt_small").model

@@ -15,16 +15,27 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, parse_fault, run_dir
+
+if TYPE_CHECKING:  # torch stays unimported until the checks that need it
+    from torch import nn
+
+    from meshplan.compiler.capture import ModelSource
+    from meshplan.dsl.check import Plan
 
 
 def launch(args: argparse.Namespace) -> int:
     """Check what can be checked before starting processes, then exec torchrun and return its status."""
     import tempfile
 
-    world_size = _check_before_launch(args)
-    args.program = str(_compile_once(args, world_size))
+    plan = _check_before_launch(args)
+    world_size = plan.mesh.world_size
+    assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
+    source = _model_source(args)
+    _check_data(args, plan, source.model)
+    args.program = str(_compile_once(args, world_size, source))
     command = torchrun_command(args, world_size)
     with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
@@ -208,8 +219,8 @@ def _per_node(world_size: int, nnodes: str) -> int:
     return world_size // n
 
 
-def _check_before_launch(args: argparse.Namespace) -> int:
-    """The plan, the features `run` supports, the data: errors here cost no process start-up."""
+def _check_before_launch(args: argparse.Namespace) -> Plan:
+    """The plan, the features `run` supports, the paths: errors here cost no process start-up."""
     from meshplan.dsl import PlanError, check_text, load_plan
     from meshplan.main import _report
     from meshplan.session import check_supported, compiled_folder
@@ -242,15 +253,53 @@ def _check_before_launch(args: argparse.Namespace) -> int:
                 f"--export {export} exists (hint: name another file, or pass --overwrite to replace it)"
             )
         _check_writable(export)
-    return plan.mesh.world_size
+    return plan
 
 
-def _compile_once(args: argparse.Namespace, world_size: int) -> Path:
+def _model_source(args: argparse.Namespace) -> ModelSource:
+    """The model from its factory, on CPU, with token inputs of the run's micro-batch: a factory
+    that fails, or a `--seq` beyond the positions the model's config allows, is said here."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.errors import CompileError
+
+    try:
+        return with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
+    except CompileError as e:
+        raise RunError(str(e)) from None
+
+
+def _check_data(args: argparse.Namespace, plan: Plan, model: nn.Module) -> None:
+    """The run's data as the first rank of the data axis sees it, before any process starts: the
+    file exists, a factory runs, its first batch has the run's shapes, and the token ids (every
+    byte of a text file) are ids the model embeds. The workers check every later batch against
+    the same vocabulary (`--vocab-size`)."""
+    from meshplan.compiler.capture import vocab_size
+    from meshplan.examples import CORPUS
+    from meshplan.runtime.data import DataError, make_batches
+
+    dp = plan.data_parallel
+    args.vocab_size = vocab_size(model)
+    try:
+        batches = make_batches(
+            args.data or str(CORPUS),
+            batch=args.batch,
+            seq=args.seq,
+            seed=args.seed,
+            dp_rank=0,
+            dp_size=(plan.mesh.size(dp.axis) or 1) if dp is not None else 1,
+            accumulation=plan.train.gradient_accumulation,
+            vocab_size=args.vocab_size,
+        )
+        batches(0, 0)
+    except DataError as e:
+        raise RunError(str(e)) from None
+
+
+def _compile_once(args: argparse.Namespace, world_size: int, source: ModelSource) -> Path:
     """The program every worker runs, compiled here before any process starts: plan and model
     problems cost no start-up, and each rank loads it instead of capturing the model again.
     A compile folder's program is only checked against the model; a plan's is compiled for the
     run's micro-batch and kept in the run folder (`program.pt`)."""
-    from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.errors import CompileError
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
@@ -259,7 +308,6 @@ def _compile_once(args: argparse.Namespace, world_size: int) -> Path:
     from meshplan.session import load_program
 
     try:
-        source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
         if Path(args.plan).is_dir():
             program = Path(args.plan) / PROGRAM
             load_program(program, source.model, batch=args.batch, seq=args.seq)

@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshplan.args import DefaultInt, DefaultStr, non_negative_int, positive_int
@@ -51,6 +51,7 @@ TORCHRUN_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_
 WORKER_FLAGS = (
     ("model", "--model"),
     ("program", "--program"),
+    ("vocab_size", "--vocab-size"),
     ("steps", "--steps"),
     ("data", "--data"),
     ("batch", "--batch"),
@@ -109,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens per sequence (default 64; for a compile folder, its own)",
     )
     p.add_argument("--program", help=argparse.SUPPRESS)  # the launcher's compiled program.pt
+    # the model's vocabulary, found by the launcher: every batch's token ids are checked against it
+    p.add_argument("--vocab-size", type=positive_int, help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument(
         "--warmup", type=non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
@@ -262,10 +265,11 @@ def _worker(args: argparse.Namespace) -> int:
 
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
+    from meshplan.examples import CORPUS
     from meshplan.launcher import HINT
     from meshplan.runtime import watchdog
     from meshplan.runtime.checkpoint import CheckpointError
-    from meshplan.runtime.data import DataError
+    from meshplan.runtime.data import DataError, within_vocab
     from meshplan.runtime.train import PeerFailure, is_peer_failure
     from meshplan.session import export_weights, open_session, train_session
 
@@ -280,6 +284,9 @@ def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         prepared = open_session(args, rank, dist.get_world_size())
+        if args.vocab_size is not None:  # an id beyond it is a located DataError, not an IndexError
+            spec = args.data or str(CORPUS)
+            prepared = replace(prepared, batches=within_vocab(prepared.batches, args.vocab_size, spec))
         summary = train_session(args, prepared)
         if args.export:
             export_weights(args, prepared, rank)

@@ -337,6 +337,35 @@ def token_inputs(
     return (), kwargs
 
 
+# The config fields that bound a model's sequence length, as model families name them:
+# GPT-2's n_positions, Hugging Face's max_position_embeddings, the DTensor test Transformer's
+# max_seq_len, nanoGPT's block_size.
+_POSITION_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len", "block_size")
+
+
+def _config(model: nn.Module) -> object | None:
+    """The model's hyperparameters: `config` (Hugging Face, the examples), else `model_args`."""
+    config = getattr(model, "config", None)
+    return config if config is not None else getattr(model, "model_args", None)
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """How many token ids the model embeds (`config.vocab_size`), or None when it does not say."""
+    value = getattr(_config(model), "vocab_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def max_positions(model: nn.Module) -> tuple[str, int] | None:
+    """The longest sequence the model's config allows, with the field that says so
+    (`("max_position_embeddings", 128)`), or None when it does not say."""
+    config = _config(model)
+    for name in _POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
 def _describe(exc: BaseException) -> str:
     # A SyntaxError's str() repeats the location that `_location` adds.
     text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)
@@ -518,10 +547,19 @@ def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int 
     the shapes it will run with (per data-parallel rank, per microbatch).
 
     Every integer tensor argument of shape (B, T) (input ids, labels) is replaced by fresh
-    token ids in the range the original used; other arguments are kept.
+    token ids in the range the original used; other arguments are kept. A `seq` beyond the
+    positions the model's config allows is refused here, before capture fails on it or (a
+    learned position table, which export does not bounds-check) training does.
     """
     if batch is None and seq is None:
         return source
+    limit = max_positions(source.model)
+    if seq is not None and limit is not None and seq > limit[1]:
+        field_name, positions = limit
+        raise ModelLoadError(
+            f"--seq {seq} is longer than {source.spec!r} allows: its config.{field_name} is {positions}",
+            hint=f"pass --seq {positions} or less, or build the model with {field_name} >= {seq}",
+        )
 
     def reshape(x: Any) -> Any:
         if not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):

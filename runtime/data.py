@@ -15,6 +15,9 @@ global batch is trained whether it is split over 2 ranks, 4 micro-steps, or neit
 which is what the parity tests compare (and what resuming on another dp size needs).
 
 Tokens are bytes (vocabulary 256), matching the built-in tiny Llama's `vocab_size`.
+Given the model's `vocab_size`, ids it cannot embed are a `DataError` naming the source and
+the batch, not an IndexError deep in an embedding: a text file's bytes are checked when it
+is read, a factory's batches as they are made (`within_vocab`).
 
 A user's own data is a Python factory, `--data path/to/file.py:make_batches`:
 
@@ -23,7 +26,9 @@ A user's own data is a Python factory, `--data path/to/file.py:make_batches`:
             ...                                  # (batch, seq) input ids and labels
         return get
 
-Only the file named is run (as a private module); nothing next to it is imported.
+Only the file named is run (as a private module); nothing next to it is imported. An
+exception raised by the file, the factory or `get` is the user's to fix: a `DataError`
+naming the source and the line of the file where it was raised.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +45,9 @@ import torch
 from torch import Tensor
 
 VOCAB_SIZE = 256
+IGNORE_INDEX = -100  # a label cross-entropy skips (torch's and Hugging Face's default)
+
+_FACTORY_ARGS = "(*, batch, seq, seed, dp_rank, dp_size, accumulation)"  # how a data factory is called
 
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
 
@@ -71,12 +80,19 @@ class TextBatches:
     accumulation: int = 1
 
     @classmethod
-    def from_file(cls, path: str | Path, **kwargs: int) -> TextBatches:
+    def from_file(cls, path: str | Path, *, vocab_size: int | None = None, **kwargs: int) -> TextBatches:
         source = cls(read_bytes(path), **kwargs)
         if source.tokens.numel() < source.seq + 2:
             raise DataError(
                 f"data file {str(path)!r} has {source.tokens.numel()} bytes, fewer than --seq {source.seq} + 2 "
                 "(hint: use a longer text or a smaller --seq)"
+            )
+        top = int(source.tokens.max())
+        if vocab_size is not None and top >= vocab_size:
+            raise DataError(
+                f"data file {str(path)!r} is byte-level and has byte values up to {top}, but the model "
+                f"embeds only {vocab_size} token ids (0..{vocab_size - 1}) (hint: build the model with "
+                f"vocab_size >= {top + 1}, or pass --data FILE.py:factory with ids below {vocab_size})"
             )
         return source
 
@@ -104,16 +120,62 @@ def _mix(seed: int, step: int) -> int:
 
 
 def make_batches(
-    spec: str, *, batch: int, seq: int, seed: int, dp_rank: int, dp_size: int, accumulation: int
+    spec: str,
+    *,
+    batch: int,
+    seq: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+    accumulation: int,
+    vocab_size: int | None = None,
 ) -> BatchFn:
-    """`spec` is a text file or `file.py:factory` (see the module docstring)."""
+    """`spec` is a text file or `file.py:factory` (see the module docstring); with `vocab_size`,
+    a token id the model cannot embed is a `DataError`."""
     kwargs = dict(
         batch=batch, seq=seq, seed=seed, dp_rank=dp_rank, dp_size=dp_size, accumulation=accumulation
     )
     path, colon, factory = spec.rpartition(":")
     if colon and path.endswith(".py"):
-        return _checked(_load_factory(path, factory)(**kwargs), spec, batch, seq)
-    return TextBatches.from_file(spec, **kwargs)
+        make = _load_factory(path, factory)
+        try:
+            fn = make(**kwargs)
+        except Exception as exc:
+            raise DataError(
+                f"--data {spec} raised {_describe(exc, path)} (hint: it is called as {factory}{_FACTORY_ARGS})"
+            ) from exc
+        checked = _checked(fn, spec, batch, seq, path)
+        return checked if vocab_size is None else within_vocab(checked, vocab_size, spec)
+    return TextBatches.from_file(spec, vocab_size=vocab_size, **kwargs)
+
+
+def within_vocab(batches: BatchFn, vocab_size: int, spec: str) -> BatchFn:
+    """`batches` with every batch checked against the model's vocabulary: input ids in
+    [0, vocab_size), labels too or `IGNORE_INDEX`. One reduction per tensor, before the forward
+    (on a GPU an out-of-range id is a device-side assert that leaves the process unusable)."""
+
+    def get(step: int, micro_step: int = 0) -> tuple[Tensor, Tensor]:
+        ids, labels = batches(step, micro_step)
+        for what, tensor in (("input id", ids), ("label", labels[labels != IGNORE_INDEX])):
+            if tensor.numel() == 0:
+                continue
+            low, high = (int(v) for v in torch.aminmax(tensor))
+            if low >= 0 and high < vocab_size:
+                continue
+            if low < 0:
+                bad, fix = low, "token ids start at 0"
+            else:
+                bad, fix = (
+                    high,
+                    f"map the ids below {vocab_size}, or build the model with vocab_size >= {high + 1}",
+                )
+            raise DataError(
+                f"--data {spec}: step {step}, micro-step {micro_step} has {what} {bad}, outside the "
+                f"model's vocabulary of {vocab_size} token ids (0..{vocab_size - 1}) (hint: {fix})"
+            )
+        return ids, labels
+
+    return get
 
 
 def _load_factory(path: str, name: str) -> Callable[..., BatchFn]:
@@ -130,25 +192,35 @@ def _load_factory(path: str, name: str) -> Callable[..., BatchFn]:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise DataError(
-            f"running {path!r} raised {type(exc).__name__}: {exc} (hint: run `python {path}`)"
+            f"running {path!r} raised {_describe(exc, path)} (hint: run `python {path}`)"
         ) from exc
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise DataError(f"{path!r} defines no function {name!r} (hint: def {name}(*, batch, seq, seed, ...))")
+        raise DataError(f"{path!r} defines no function {name!r} (hint: def {name}{_FACTORY_ARGS})")
     return factory
 
 
-def _checked(fn: object, spec: str, batch: int, seq: int) -> BatchFn:
-    """Wrap a user's batch function so a wrong shape or dtype is one clear error, at the first batch."""
+def _checked(fn: object, spec: str, batch: int, seq: int, path: str) -> BatchFn:
+    """Wrap a user's batch function so a wrong shape or dtype, or an exception it raises, is one
+    clear error naming the batch."""
     if not callable(fn):
         raise DataError(
             f"{spec} returned {type(fn).__name__}, not a function (step, micro_step) -> (ids, labels)"
         )
 
     def get(step: int, micro_step: int = 0) -> tuple[Tensor, Tensor]:
-        out = fn(step, micro_step)
+        try:
+            out = fn(step, micro_step)
+        except torch.distributed.DistError:
+            raise  # a peer lost while the function communicated: the run's failure, not the data's
+        except Exception as exc:
+            raise DataError(
+                f"--data {spec}: the batch of step {step}, micro-step {micro_step} raised "
+                f"{_describe(exc, path)} (hint: call the function it returned as get({step}, {micro_step}) "
+                "to see the full traceback)"
+            ) from exc
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
             raise DataError(f"{spec}: a batch must be a tuple (input_ids, labels) of tensors")
         ids, labels = out
@@ -160,3 +232,16 @@ def _checked(fn: object, spec: str, batch: int, seq: int) -> BatchFn:
         return ids.long(), labels.long()
 
     return get
+
+
+def _describe(exc: BaseException, path: str) -> str:
+    """`KeyError: 'shard 7' (at data.py:12)`: the exception and the innermost line of the user's
+    file that raised it, so no traceback is needed."""
+    text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)
+    lines = text.strip().splitlines()
+    what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{what} (at {path}:{exc.lineno})"
+    wanted = Path(path).resolve()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == wanted]
+    return f"{what} (at {path}:{frames[-1].lineno})" if frames else what

@@ -10,6 +10,7 @@ user's input (plan, model, arguments), reported with its location.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
@@ -148,18 +149,45 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    _check_output_folder(out)  # before torch is imported and the model compiled: seconds to minutes
+
     from meshplan.compiler.artifact import write_artifact
 
     compiled = _load_for_model(args)
-    out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a folder")
-    files = write_artifact(compiled, out, model_spec=args.model)
+    try:
+        files = write_artifact(compiled, out, model_spec=args.model)
+    except OSError as e:  # the folder changed, or the disk filled up, since the check
+        raise UsageError(f"-o {out}: cannot write {e.filename or out}: {e.strerror or e}") from None
     ledger = compiled.ledger
     print(f"compiled {args.plan} for {compiled.layout.world_size} ranks -> {out}/")
     print(f"  {len(files)} files: {', '.join(f.name for f in files[:6])}, ...")
     print(f"  {ledger.summary()}")
     return EXIT_OK
+
+
+def _check_output_folder(out: Path) -> None:
+    """That `compile -o` can write its files into `out`, found by creating a file there; folders
+    made for the probe are removed again, so a compile that then fails leaves nothing behind."""
+    import tempfile
+
+    hint = "hint: pass -o a folder you can write to"
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking == out:
+        raise UsageError(f"-o {out}: {out} is a file, not a folder ({hint})")
+    if blocking is not None:
+        raise UsageError(f"-o {out}: {blocking} is a file, so it cannot hold the folder {out} ({hint})")
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".meshplan-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"-o {out}: cannot create files there ({e.strerror or e}) ({hint})") from None
+    finally:
+        for folder in made:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -17,7 +17,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshplan.run import EXIT_PEER, EXIT_USER, TORCHRUN_FLAGS, WORKER_FLAGS, RunError, parse_fault, run_dir
+from meshplan.run import (
+    EXIT_INTERNAL,
+    EXIT_PEER,
+    EXIT_USER,
+    TORCHRUN_FLAGS,
+    WORKER_FLAGS,
+    RunError,
+    parse_fault,
+    run_dir,
+)
 
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
     from torch import nn
@@ -116,8 +125,14 @@ def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
         said = sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem[4:]))
         sys.stderr.write(said[0].read_text() if said else report)
         return EXIT_USER
-    culprit = first_failure(report)
-    if status != 0 and culprit is not None and not os.environ.get("MESHPLAN_DEBUG"):
+    found = _first_failure(report) if status != 0 else None
+    if found is None:
+        sys.stderr.writelines(held)
+        return status
+    culprit, code = found
+    if os.environ.get("MESHPLAN_DEBUG"):
+        sys.stderr.writelines(held)
+    else:
         reports = [line for line in held if _PEER_FAILURE.match(line) and culprit not in line]
         hints = [line for line in held if line.startswith(HINT)]
         sys.stderr.writelines(reports)  # the other ranks' collectives
@@ -127,9 +142,9 @@ def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
             file=sys.stderr,
         )
         sys.stderr.writelines(hints[:1])
-        return status
-    sys.stderr.writelines(held)
-    return status
+    # torchrun itself exits 1 whatever failed: a worker that exited 1 hit a meshplan bug (and said
+    # so); one killed, crashed or stopped in a collective is a rank lost or stuck
+    return EXIT_INTERNAL if code == EXIT_INTERNAL else EXIT_PEER
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -143,6 +158,12 @@ def first_failure(report: str) -> str | None:
     torchrun's root cause is the failure it observed first, which can be a peer of a rank that
     died (both exit within milliseconds): a rank that died on its own (killed, crashed) is the
     cause whenever the root cause is only a collective that failed because of it."""
+    found = _first_failure(report)
+    return found[0] if found is not None else None
+
+
+def _first_failure(report: str) -> tuple[str, int] | None:
+    """`first_failure`'s line and the exit code of the rank it names."""
     m = _ROOT_CAUSE.search(report)
     if m is None:
         return None
@@ -152,7 +173,7 @@ def first_failure(report: str) -> str | None:
         rank, code = died[0] if died else (rank, code)
     said = {int(p.group(2)): p.group(1) for p in _PEER_FAILURE.finditer(report)}
     if code == EXIT_PEER and rank in said:
-        return said[rank]
+        return said[rank], code
     if code < 0:
         how = f"killed by signal {-code}"
     elif code == 137:
@@ -161,7 +182,7 @@ def first_failure(report: str) -> str | None:
         how = "a collective failed"
     else:
         how = f"exit code {code}"
-    return f"rank {rank} failed first ({how})"
+    return f"rank {rank} failed first ({how})", code
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")

@@ -42,7 +42,7 @@ from pathlib import Path
 from meshplan.args import DefaultInt, DefaultStr, non_negative_int, positive_int
 
 DEFAULT_MODEL = "meshplan.examples.models.llama:build"
-EXIT_OK, EXIT_USER = 0, 2
+EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2  # 1: a bug in meshplan
 EXIT_PEER = 3  # a rank died or hung; the others stopped
 
 # torchrun's own options: passed to torchrun, never to the workers

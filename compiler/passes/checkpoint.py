@@ -54,7 +54,8 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 
-from ..graph import COLLECTIVE, for_rank, module_path
+from .. import outline
+from ..graph import COLLECTIVE, for_rank
 from ..match import Resolution
 from . import Context, Pass
 
@@ -158,70 +159,35 @@ def checkpoint_regions(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.Grap
     depend on them (the module is not one contiguous piece of the graph).
     """
     for region in regions:
-        nodes = [
-            n
-            for n in gm.graph.nodes
-            if n.op in ("call_function", "call_module", "call_method") and region.contains(module_path(n))
-        ]
+        nodes = outline.nodes_under(gm.graph, region.path)
         if nodes:
-            _make_contiguous(gm.graph, region, nodes)
+            try:
+                outline.make_contiguous(gm.graph, nodes, what=f"checkpoint `{region.path}`")
+            except outline.NotContiguous as e:
+                raise CheckpointError(
+                    str(e), rule=region.rule, hint="checkpoint a module whose forward runs as one piece"
+                ) from None
             _outline(gm, region, nodes)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _make_contiguous(graph: fx.Graph, region: Region, nodes: list[fx.Node]) -> None:
-    """Move nodes lying between the region's nodes but independent of them ahead of it."""
-    inside = set(nodes)
-    first, last = nodes[0], nodes[-1]
-    node = first.next
-    while node is not last:
-        nxt = node.next
-        if node not in inside:
-            if any(a in inside for a in node.all_input_nodes):
-                raise CheckpointError(
-                    f"cannot checkpoint `{region.path}`: its operations are interleaved with "
-                    f"`{node.name}` ({module_path(node) or 'top level'}), which uses them",
-                    rule=region.rule,
-                    hint="checkpoint a module whose forward runs as one piece",
-                )
-            first.prepend(node)
-        node = nxt
-
-
 def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
-    graph = gm.graph
-    inside = set(nodes)
-    inputs: dict[fx.Node, None] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside:
-                inputs.setdefault(a, None)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for x in inputs:
-        env[x] = sub.placeholder(x.name)
-        env[x].meta = {k: v for k, v in x.meta.items() if k not in _NOT_INHERITED}
-    for n in nodes:
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    piece = outline.cut(nodes)
     # the collectives the region calls: the same module objects as the outer graph's
     modules = {str(n.target): gm.get_submodule(str(n.target)) for n in nodes if n.op == "call_module"}
-    region_gm = fx.GraphModule(modules, sub, class_name=_class_name(region))
-    gm.add_submodule(region.target, region_gm)
+    gm.add_submodule(region.target, fx.GraphModule(modules, piece.graph, class_name=_class_name(region)))
 
     kwargs: dict[str, fx.node.Argument] = {"use_reentrant": False}
     if region.mode == "selective":
         kwargs["context_fn"] = SelectiveContext.SAVE_MATMULS  # type: ignore[assignment]  # fx prints the enum member by name
-    with graph.inserting_before(nodes[0]):
-        fn = graph.get_attr(region.target)
-        call = graph.create_node(
+    with gm.graph.inserting_before(nodes[0]):
+        fn = gm.graph.get_attr(region.target)
+        call = gm.graph.create_node(
             "call_function",
             torch.utils.checkpoint.checkpoint,
-            (fn, *inputs),
+            (fn, *piece.inputs),
             kwargs,
             name=region.path.replace(".", "_"),
         )
@@ -232,36 +198,7 @@ def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
         "target": region.target,
     }
     call.meta["meshplan.module"] = region.path
-    if len(outputs) == 1:
-        call.meta.update({k: v for k, v in outputs[0].meta.items() if k not in _NOT_INHERITED})
-        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside)
-    else:
-        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-        anchor = call
-        for i, out in enumerate(outputs):
-            with graph.inserting_after(anchor):
-                anchor = graph.call_function(operator.getitem, (call, i))
-            anchor.meta.update({k: v for k, v in out.meta.items() if k not in _NOT_INHERITED})
-            anchor.meta["meshplan.module"] = region.path
-            out.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in inside)
-    for n in reversed(nodes):
-        graph.erase_node(n)
-
-
-# meta that describes the op that made a value, not the value: the call node is not that op
-_NOT_INHERITED = frozenset(
-    {
-        "nn_module_stack",
-        "meshplan.module",
-        "meshplan.collective",
-        "stack_trace",
-        "source_fn_stack",
-        "torch_fn",
-        "original_aten",
-        "from_node",
-        "seq_nr",
-    }
-)
+    outline.replace_outputs(gm.graph, piece, call, tag=region.path)
 
 
 def _class_name(region: Region) -> str:

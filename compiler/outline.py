@@ -16,7 +16,7 @@ what the rest of the graph reads from them. This module is that operation once.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import fx
@@ -111,38 +111,49 @@ class Piece:
 def cut(
     nodes: list[fx.Node],
     *,
-    read_outside: Callable[[fx.Node], bool] | None = None,
+    inputs: Sequence[fx.Node] | None = None,
+    outputs: Sequence[fx.Node] | None = None,
+    result: fx.node.Argument = None,
     keep_inside: Callable[[fx.Node], bool] = lambda n: False,
 ) -> Piece:
-    """Copy `nodes` (contiguous, in graph order) into a new graph.
+    """Copy `nodes` (in graph order) into a new graph.
 
-    A node is an output when a node outside the piece uses it, or when `read_outside`
-    says so (a pipeline stage's value read by a later stage). An input that `keep_inside`
-    accepts (a `get_attr` of a parameter, for a stage that owns its parameters) is copied
-    into the new graph instead of becoming a placeholder.
+    By default the placeholders are the outside values the nodes read, in first-use order,
+    and the output is every node read outside the piece (one value, or a tuple). A caller
+    with a protocol of its own (a pipeline stage) gives `inputs` (a superset of what is
+    read, in its order) and `outputs` (always a tuple; may include inputs, passed through)
+    or `result` (an argument structure over the piece's nodes). An input that `keep_inside`
+    accepts is copied into the graph instead of becoming a placeholder.
     """
     inside = set(nodes)
-    inputs: dict[fx.Node, None] = {}
+    read: dict[fx.Node, None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
             if a not in inside:
-                inputs.setdefault(a, None)
-    used_outside = read_outside or (lambda n: any(u not in inside for u in n.users))
-    outputs = [n for n in nodes if used_outside(n)]
+                read.setdefault(a, None)
+    kept = [x for x in read if keep_inside(x)]
+    if inputs is None:
+        inputs = [x for x in read if not keep_inside(x)]
+    missing = [x.name for x in read if x not in inputs and not keep_inside(x)]
+    assert not missing, f"the piece reads {missing}, which are not among its inputs"
+    explicit = outputs is not None
+    if outputs is None:
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    placeholders = [x for x in inputs if not keep_inside(x)]
-    for x in placeholders:
+    for x in inputs:
         env[x] = graph.placeholder(x.name)
         env[x].meta = value_meta(x)
-    for x in inputs:
-        if keep_inside(x):
-            env[x] = graph.node_copy(x, lambda a: env[a])
-    for n in nodes:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    return Piece(list(nodes), placeholders, outputs, graph, env)
+    for x in (*kept, *nodes):
+        env[x] = graph.node_copy(x, lambda a: env[a])
+    if result is not None:
+        graph.output(fx.node.map_arg(result, lambda n: env[n]))
+    elif explicit or len(outputs) != 1:
+        graph.output(tuple(env[o] for o in outputs))
+    else:
+        graph.output(env[outputs[0]])
+    return Piece(list(nodes), list(inputs), list(outputs), graph, env)
 
 
 def replace_outputs(

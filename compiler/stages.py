@@ -1,0 +1,372 @@
+"""Pipeline stages: where the graph is cut, and the stage programs the cuts make.
+
+A pipeline cuts the one SPMD graph into a chain of stage programs. Stage `s` runs on
+pipeline rank `s % p` (with `v` virtual stages per rank, rank r holds stages r, r+p, ...),
+receives what earlier stages made and later stages read, and sends on what it made or
+passed through. The last stage computes the loss.
+
+Where the cuts go:
+
+- From the plan: `cut before layers.2` starts a stage with the first op of `layers.2`;
+  `cut after layers.2` starts one right after its last op.
+- Balanced: with no cuts, stages are cut between the blocks of the model's layer list
+  (`model.layers`, `transformer.h`), minimising the most expensive stage; a block's cost is
+  the FLOPs of its ops in the captured graph (2mnk per matmul, the element count for the
+  rest), and the embedding and the LM head count in the first and last stage's cost.
+
+Which node runs where:
+
+- An *activation* (a node that depends on a trainable parameter and on the inputs) runs in
+  the stage its position in the graph says; a later stage that reads it receives it.
+- A *free* node (one that depends on no trainable parameter: position ids, rotary tables,
+  the attention mask, the labels' shift) is recomputed by every stage that reads it;
+  sending it would cost a transfer for what is cheap to make again.
+- A *weight-side* node (a cast or view of a parameter, depending on no input) runs in the
+  stage that reads it, so each parameter lives in exactly one stage. A parameter read by
+  two stages (weights tied across stages) is refused for now.
+
+    stages = cut_stages(graph, cuts_from(plan, model, graph))
+    stages.programs(rank_program)   # [stage 0 GraphModule, stage 1, ...]
+
+A stage program's placeholders are the graph's inputs (every stage gets the microbatch;
+each uses what it needs) followed by what it receives, in the order the previous stage
+sends; it returns a tuple of what it sends, or the graph's output for the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from meshplan.dsl.check import Plan
+from meshplan.dsl.errors import Diagnostic
+from meshplan.dsl.patterns import Glob
+
+from .graph import module_path, shape
+from .outline import OPS, cut, within
+
+aten = torch.ops.aten
+
+
+class StageError(ValueError):
+    """Cuts that cannot make the stages the plan asks for; `diagnostic` points at the plan."""
+
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A stage starts `before` module `path`'s first op or right `after` its last."""
+
+    side: str  # "before" | "after"
+    path: str
+
+    def __str__(self) -> str:
+        return f"cut {self.side} {self.path}"
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage of every op node of a graph, and what flows between stages."""
+
+    count: int
+    stage_of: dict[fx.Node, int]  # op node -> its stage (activations only)
+    needs: tuple[tuple[fx.Node, ...], ...]  # per stage: every node it runs, in graph order
+    receives: tuple[tuple[fx.Node, ...], ...]  # per stage: the values it gets from the one before
+    inputs: tuple[fx.Node, ...]  # the graph's placeholders, given to every stage
+    cost: tuple[float, ...]  # per stage: its share of the FLOPs
+    modules: tuple[tuple[str, ...], ...]  # per stage: the top-level modules it runs (for explain)
+
+    def sends(self, stage: int) -> tuple[fx.Node, ...]:
+        return self.receives[stage + 1] if stage + 1 < self.count else ()
+
+    def wires(self) -> list[tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]]:
+        """Per stage: the shape and dtype of each value it receives (for the receive buffers)."""
+        out = []
+        for values in self.receives:
+            vals = [n.meta["val"] for n in values]
+            out.append((tuple(tuple(int(d) for d in v.shape) for v in vals), tuple(v.dtype for v in vals)))
+        return out
+
+    def programs(self, program: fx.GraphModule) -> list[fx.GraphModule]:
+        """The stage programs of `program` (the graph these stages were cut from, or a rank
+        program built from it: same nodes, this rank's parameters and process groups)."""
+        same = {n.name: n for n in program.graph.nodes}
+        out: list[fx.GraphModule] = []
+        output = next(n for n in program.graph.nodes if n.op == "output")
+        for s in range(self.count):
+            nodes = [same[n.name] for n in self.needs[s]]
+            inputs = [same[n.name] for n in (*self.inputs, *self.receives[s])]
+            if s == self.count - 1:
+                piece = cut(nodes, inputs=inputs, result=output.args[0])
+            else:
+                piece = cut(nodes, inputs=inputs, outputs=[same[n.name] for n in self.sends(s)])
+            out.append(fx.GraphModule(program, piece.graph, class_name=f"Stage{s}"))
+        return out
+
+
+# ---------------------------------------------------------------------------- splitting
+
+
+def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, span=None) -> Stages:
+    """Assign every op node of `gm` to a stage (`len(cuts) + 1` of them)."""
+    graph = gm.graph
+    ops = [n for n in graph.nodes if n.op in OPS]
+    kind = _kinds(graph)
+    activations = [n for n in ops if kind[n] == "activation"]
+    starts = sorted(_start_index(activations, c, span) for c in cuts)
+    for a, b in zip([0, *starts], [*starts, len(activations)], strict=True):
+        if a >= b:
+            raise StageError(Diagnostic(span, _empty_stage(cuts)) if span else _bare(_empty_stage(cuts)))
+    count = len(cuts) + 1
+    stage_of: dict[fx.Node, int] = {}
+    for i, n in enumerate(activations):
+        stage_of[n] = sum(1 for s in starts if s <= i)
+
+    needs: list[set[fx.Node]] = [set() for _ in range(count)]
+    owner_of_param: dict[fx.Node, int] = {}
+
+    def need(node: fx.Node, s: int) -> None:
+        """Stage s runs `node` (free or weight-side, with what it reads) or receives it."""
+        if node.op == "placeholder" or node in needs[s]:
+            return
+        if node.op == "get_attr":
+            if _trainable(gm, node):
+                first = owner_of_param.setdefault(node, s)
+                if first != s:
+                    raise StageError(_bare(_tied(node, first, s)))
+            needs[s].add(node)
+            return
+        if kind[node] == "activation":
+            return  # made by its own stage, received if that is an earlier one
+        needs[s].add(node)
+        for a in node.all_input_nodes:
+            need(a, s)
+
+    for n in activations:
+        s = stage_of[n]
+        needs[s].add(n)
+        for a in n.all_input_nodes:
+            need(a, s)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for a in output.all_input_nodes:
+        if kind.get(a) != "activation":
+            need(a, count - 1)
+
+    # what each stage receives: activations made before it and read by it or after it
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    receives: list[tuple[fx.Node, ...]] = [()]
+    for s in range(1, count):
+        later: set[fx.Node] = set().union(*needs[s:])
+        crossing = {a for n in later for a in n.all_input_nodes if stage_of.get(a, s) < s}
+        crossing |= {a for a in output.all_input_nodes if stage_of.get(a, s) < s}
+        receives.append(tuple(sorted(crossing, key=order.__getitem__)))
+
+    cost = [0.0] * count
+    for n in ops:
+        if n in stage_of:
+            cost[stage_of[n]] += flops(n)
+    modules = tuple(_top_modules(sorted(needs[s], key=order.__getitem__)) for s in range(count))
+    return Stages(
+        count,
+        stage_of,
+        tuple(tuple(sorted(ns, key=order.__getitem__)) for ns in needs),
+        tuple(receives),
+        tuple(n for n in graph.nodes if n.op == "placeholder"),
+        tuple(cost),
+        modules,
+    )
+
+
+def _kinds(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Each node: "activation" (reads a parameter and an input), "free" (reads no trainable
+    parameter) or "weight" (reads a parameter but no input)."""
+    gm_params: dict[fx.Node, tuple[bool, bool]] = {}  # node -> (reads a parameter, reads an input)
+    owner = graph.owning_module
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            gm_params[n] = (False, True)
+        elif n.op == "get_attr":
+            gm_params[n] = (owner is not None and _trainable(owner, n), False)
+        else:
+            ins = [gm_params[a] for a in n.all_input_nodes]
+            gm_params[n] = (any(p for p, _ in ins), any(i for _, i in ins))
+    kinds: dict[fx.Node, str] = {}
+    for n, (param, data) in gm_params.items():
+        kinds[n] = "activation" if param and data else "weight" if param else "free"
+    return kinds
+
+
+def _trainable(gm: nn.Module, node: fx.Node) -> bool:
+    try:
+        value = gm.get_parameter(str(node.target))
+    except AttributeError:
+        return False
+    return value.requires_grad
+
+
+def _start_index(activations: list[fx.Node], c: Cut, span) -> int:
+    where = [i for i, n in enumerate(activations) if within(module_path(n), c.path)]
+    if not where:
+        raise StageError(_bare(f"{c}: `{c.path}` runs no operation of the model's forward"))
+    return where[0] if c.side == "before" else where[-1] + 1
+
+
+def _bare(message: str) -> Diagnostic:
+    return Diagnostic(None, message)  # type: ignore[arg-type]  # located by the caller
+
+
+def _empty_stage(cuts: Sequence[Cut]) -> str:
+    return "the cuts " + ", ".join(f"`{c}`" for c in cuts) + " leave a stage with no operation"
+
+
+def _tied(param: fx.Node, first: int, second: int) -> str:
+    return (
+        f"`{param.target}` is used by stages {first} and {second} (weights tied across stages, "
+        "such as an input embedding shared with the LM head): not supported by meshplan's pipeline yet"
+    )
+
+
+def _top_modules(nodes: list[fx.Node]) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for n in nodes:
+        path = module_path(n)
+        if path and n.op in OPS:
+            seen.setdefault(path, None)
+    return tuple(seen)
+
+
+# ---------------------------------------------------------------------------- cost and balance
+
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.linear.default}
+
+
+def flops(node: fx.Node) -> float:
+    """A rough FLOP count of one op: 2mnk for a matmul, 4*B*H*T*S*D for attention, else the
+    output's element count. Enough to balance stages, not to report."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    out = _numel(shape(node))
+    if node.target in _MATMULS:
+        arg = node.args[0]
+        k = (
+            shape(arg)[-1]
+            if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+            else 1
+        )
+        return 2.0 * out * _int(k)
+    if "scaled_dot_product" in str(node.target):
+        q, kk = node.args[0], node.args[1]
+        if isinstance(q, fx.Node) and isinstance(kk, fx.Node):
+            qs, ks = shape(q), shape(kk)
+            return 4.0 * _numel(qs) * _int(ks[-2])
+    return float(out)
+
+
+def _int(s) -> int:
+    return s if isinstance(s, int) else int(s.node.hint) if hasattr(s, "node") and s.node.hint else 1
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= _int(s)
+    return n
+
+
+def balanced_cuts(gm: fx.GraphModule, model: nn.Module, stages: int) -> list[Cut]:
+    """`stages - 1` cuts between the blocks of the model's layer list that minimise the
+    costliest stage (a linear-partition dynamic program over the blocks' FLOPs)."""
+    layers = layer_list(model)
+    if layers is None:
+        raise StageError(_bare("the model has no list of layers to cut between"))
+    path, n = layers
+    if stages > n:
+        raise StageError(_bare(f"{stages} stages, but `{path}` has {n} layers: a stage would hold no layer"))
+    ops = [x for x in gm.graph.nodes if x.op in OPS]
+    unit = [0.0] * n
+    first = next(
+        (i for i, x in enumerate(ops) if within(module_path(x), f"{path}.0")),
+        0,
+    )
+    for i, x in enumerate(ops):
+        p = module_path(x)
+        block = _block_index(p, path)
+        if block is None:
+            block = 0 if i < first else n - 1  # embedding before, norm and head after
+        unit[block] += flops(x)
+    bounds = _partition(unit, stages)
+    return [Cut("before", f"{path}.{b}") for b in bounds]
+
+
+def _block_index(p: str, path: str) -> int | None:
+    if not within(p, path) or p == path:
+        return None
+    head = p[len(path) + 1 :].split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _partition(costs: list[float], k: int) -> list[int]:
+    """Start indices of groups 2..k of the contiguous split of `costs` into k groups that
+    minimises the largest group sum."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]  # best[j][i]: first i units in j groups
+    split = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for m in range(j - 1, i):
+                worst = max(best[j - 1][m], prefix[i] - prefix[m])
+                if worst < best[j][i]:
+                    best[j][i], split[j][i] = worst, m
+    bounds, i = [], n
+    for j in range(k, 1, -1):
+        i = split[j][i]
+        bounds.append(i)
+    return sorted(bounds)
+
+
+def layer_list(model: nn.Module) -> tuple[str, int] | None:
+    """The model's outermost non-empty list of modules (`model.layers`, `transformer.h`)."""
+    lists = [
+        (path.count("."), -len(module), path)
+        for path, module in model.named_modules()
+        if path and isinstance(module, nn.ModuleList) and len(module)
+    ]
+    if not lists:
+        return None
+    _, neg, path = min(lists)
+    return path, -neg
+
+
+def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule) -> list[Cut]:
+    """The plan's cuts resolved to module paths, or balanced ones when it gives none."""
+    p = plan.pipeline
+    assert p is not None, "a plan with a pipeline block"
+    size = plan.mesh.size(p.axis) or 1
+    if not p.cuts:
+        return balanced_cuts(gm, model, size * p.virtual_stages)
+    paths = [name for name, _ in model.named_modules() if name]
+    out = []
+    for c in p.cuts:
+        glob = Glob.compile(c.pattern.text)
+        found = [x for x in paths if glob.matches(x)]
+        if len(found) != 1:
+            what = "matches no module" if not found else f"matches {len(found)} modules"
+            raise StageError(
+                Diagnostic(
+                    c.pattern.span, f"`cut {c.side} {c.pattern.text}` {what}", "a cut names one module"
+                )
+            )
+        out.append(Cut(c.side, found[0]))
+    return out

@@ -1,0 +1,188 @@
+"""Running a pipeline rank's stages by its action list: forward, backward, send, receive.
+
+The compiler cuts the program into stage programs (`compiler/stages.py`); a schedule
+(`schedules.py`, checked by simulation before it gets here) says in which order this
+rank runs its stages on each microbatch. `PipelineStep` carries the list out:
+
+    F(s, i)   receive stage s's inputs for microbatch i (from the rank of stage s - 1, or
+              from this rank's own earlier stage), run it, keep what backward needs, and
+              send its outputs on (detached) to the rank of stage s + 1
+    B(s, i)   receive the gradients of stage s's outputs (the last stage starts from its
+              loss, divided by the number of microbatches), run autograd through the stage,
+              and send the gradients of its received inputs back to stage s - 1
+
+Sends are asynchronous (`isend`, waited for at the end of the step) and receives block, so
+a list that the simulation accepts cannot deadlock: every receive's send is issued by an
+action that does not itself wait on this one. Messages are tagged by (direction, stage,
+microbatch, index), so sends and receives pair up whatever order two ranks issue them in.
+A stage's inputs are the microbatch's inputs followed by what it receives; its output is a
+tuple of what it sends, or the loss for the last stage.
+
+Gradients accumulate in the stages' parameters over the microbatches, exactly as
+gradient accumulation does: with m microbatches of a batch, each microbatch's loss is
+divided by m, so the gradients equal those of the whole batch (for a mean-reduced loss over
+equally many tokens per microbatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import watchdog
+from .schedules import Schedule
+
+# values per message; tags are (((direction * stages) + stage) * microbatches + i) * MAX + j
+_MAX_VALUES = 64
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What one stage receives: the shape and dtype of each value, in order."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def grads(self) -> Wire:
+        """The gradients that flow back: one per floating-point value."""
+        keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point]
+        return Wire(tuple(self.shapes[i] for i in keep), tuple(self.dtypes[i] for i in keep))
+
+
+class PipelineStep:
+    """Forward and backward of one optimizer step (all its microbatches) on this rank's stages."""
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module],
+        schedule: Schedule,
+        wires: Sequence[Wire],
+        *,
+        rank: int,
+        ranks: Sequence[int],
+        group: dist.ProcessGroup | None,
+        axis: str = "pp",
+    ):
+        """`stages`: this rank's stage programs by stage index; `wires[s]`: what stage s
+        receives; `rank`: this rank's position on the pipeline axis `axis`; `ranks`: the
+        global ranks of the pipeline group, by position; `group`: that group."""
+        self.stages = dict(stages)
+        self.schedule = schedule
+        self.wires = tuple(wires)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.group = group
+        self.axis = axis
+        self.actions = schedule.actions[rank]
+
+    @property
+    def last(self) -> int:
+        return self.schedule.stages - 1
+
+    def run(self, microbatches: Sequence[tuple[Tensor, ...]], scale: float = 1.0) -> Tensor:
+        """Run this rank's actions over `microbatches` (each the stage programs' leading
+        inputs). Returns the sum over microbatches of loss / m on the rank of the last
+        stage and 0 elsewhere (sum it over the pipeline group for the loss). With a loss
+        scale, backward starts from the scaled loss."""
+        m = self.schedule.microbatches
+        assert len(microbatches) == m, f"{len(microbatches)} microbatches for a schedule of {m}"
+        self._local: dict[tuple[str, int, int], list[Tensor]] = {}
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+        saved: dict[tuple[int, int], tuple[list[Tensor], tuple[Tensor, ...]]] = {}
+        total = torch.zeros((), dtype=torch.float64)
+        for action in self.actions:
+            s, i = action.stage, action.microbatch
+            if action.kind == "F":
+                received = self._take("F", s, i) if s > 0 else []
+                for t in received:
+                    if t.is_floating_point():
+                        t.requires_grad_()
+                out = self.stages[s](*microbatches[i], *received)
+                outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                if s == self.last:
+                    loss = _loss(outs) / m
+                    total += loss.detach().double().cpu()
+                    saved[(s, i)] = (received, (loss * scale if scale != 1.0 else loss,))
+                else:
+                    saved[(s, i)] = (received, outs)
+                    self._give("F", s + 1, i, [o.detach() for o in outs])
+            elif action.kind == "B":
+                received, outs = saved.pop((s, i))
+                if s == self.last:
+                    torch.autograd.backward(outs[0])
+                else:
+                    grads = self._take("B", s, i)
+                    pairs = [(o, g) for o, g in zip(_floating(outs), grads, strict=True) if o.requires_grad]
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if s > 0:
+                    self._give("B", s - 1, i, [_grad(t) for t in _floating(received)])
+            else:
+                raise NotImplementedError(f"{action}: split backward (I/W) is not run yet")
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        return total
+
+    # -- messages
+
+    def _owner(self, stage: int) -> int:
+        return self.schedule.owner[stage]
+
+    def _give(self, direction: str, stage: int, i: int, values: list[Tensor]) -> None:
+        """Hand `values` to stage `stage` (inputs of its F, or gradients for its B)."""
+        dst = self._owner(stage)
+        if dst == self.rank:
+            self._local[(direction, stage, i)] = values
+            return
+        for j, v in enumerate(values):
+            v = v.contiguous()
+            work = dist.isend(v, self.ranks[dst], group=self.group, tag=self._tag(direction, stage, i, j))
+            assert work is not None
+            self._pending.append((work, v))
+
+    def _take(self, direction: str, stage: int, i: int) -> list[Tensor]:
+        """What stage `stage` gets for microbatch i: from this rank or the neighbour's."""
+        key = (direction, stage, i)
+        if key in self._local:
+            return self._local.pop(key)
+        src = self._owner(stage - 1 if direction == "F" else stage + 1)
+        wire = self.wires[stage] if direction == "F" else self.wires[stage + 1].grads()
+        watchdog.note("pipeline recv", self.axis, f"{direction}{stage}.{i}", self.group)
+        out = []
+        for j, (shape, dtype) in enumerate(zip(wire.shapes, wire.dtypes, strict=True)):
+            t = torch.empty(shape, dtype=dtype)
+            dist.recv(t, self.ranks[src], group=self.group, tag=self._tag(direction, stage, i, j))
+            out.append(t)
+        return out
+
+    def _tag(self, direction: str, stage: int, i: int, j: int) -> int:
+        assert j < _MAX_VALUES, f"more than {_MAX_VALUES} values cross one stage boundary"
+        d = 0 if direction == "F" else 1
+        return ((d * self.schedule.stages + stage) * self.schedule.microbatches + i) * _MAX_VALUES + j
+
+
+def _loss(outs: tuple[Tensor, ...]) -> Tensor:
+    scalars = [o for o in outs if isinstance(o, Tensor) and o.dim() == 0 and o.is_floating_point()]
+    assert len(scalars) == 1, "the last stage returns one scalar loss"
+    return scalars[0]
+
+
+def _floating(values: Sequence[Tensor]) -> list[Tensor]:
+    return [v for v in values if v.is_floating_point()]
+
+
+def _grad(t: Tensor) -> Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def split_microbatches(inputs: Sequence[Tensor], m: int) -> list[tuple[Tensor, ...]]:
+    """Split each input along dim 0 (the batch) into m equal microbatches."""
+    for x in inputs:
+        if x.shape[0] % m:
+            raise ValueError(f"a batch of {x.shape[0]} does not split into {m} microbatches")
+    parts = [x.chunk(m, dim=0) for x in inputs]
+    return [tuple(p[i] for p in parts) for i in range(m)]

@@ -85,14 +85,6 @@ class Stages:
     def sends(self, stage: int) -> tuple[fx.Node, ...]:
         return self.receives[stage + 1] if stage + 1 < self.count else ()
 
-    def wires(self) -> list[tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]]:
-        """Per stage: the shape and dtype of each value it receives (for the receive buffers)."""
-        out = []
-        for values in self.receives:
-            vals = [n.meta["val"] for n in values]
-            out.append((tuple(tuple(int(d) for d in v.shape) for v in vals), tuple(v.dtype for v in vals)))
-        return out
-
     def programs(self, program: fx.GraphModule) -> list[fx.GraphModule]:
         """The stage programs of `program` (the graph these stages were cut from, or a rank
         program built from it: same nodes, this rank's parameters and process groups)."""

@@ -15,6 +15,9 @@ Sends are asynchronous (`isend`, waited for at the end of the step) and receives
 a list that the simulation accepts cannot deadlock: every receive's send is issued by an
 action that does not itself wait on this one. Messages are tagged by (direction, stage,
 microbatch, index), so sends and receives pair up whatever order two ranks issue them in.
+The first microbatch's message across each boundary starts with a header of the values'
+shapes and dtypes: they depend on the run's batch and sequence length and on how the other
+axes shard the activations, and the receiver learns them instead of being told.
 A stage's inputs are the microbatch's inputs followed by what it receives; its output is a
 tuple of what it sends, or the loss for the last stage.
 
@@ -27,7 +30,6 @@ equally many tokens per microbatch).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,21 +38,23 @@ from torch import Tensor, nn
 from . import watchdog
 from .schedules import Schedule
 
-# values per message; tags are (((direction * stages) + stage) * microbatches + i) * MAX + j
+# values per message (the last tag is the header's); tags are (((direction * stages) + stage) * microbatches + i) * MAX + j
 _MAX_VALUES = 64
 
 
-@dataclass(frozen=True)
-class Wire:
-    """What one stage receives: the shape and dtype of each value, in order."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-
-    def grads(self) -> Wire:
-        """The gradients that flow back: one per floating-point value."""
-        keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point]
-        return Wire(tuple(self.shapes[i] for i in keep), tuple(self.dtypes[i] for i in keep))
+# a value's description in a header: ndim, up to 8 sizes, dtype index
+_DESC = 10
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+)
 
 
 class PipelineStep:
@@ -60,19 +64,20 @@ class PipelineStep:
         self,
         stages: Mapping[int, nn.Module],
         schedule: Schedule,
-        wires: Sequence[Wire],
         *,
         rank: int,
         ranks: Sequence[int],
         group: dist.ProcessGroup | None,
         axis: str = "pp",
     ):
-        """`stages`: this rank's stage programs by stage index; `wires[s]`: what stage s
-        receives; `rank`: this rank's position on the pipeline axis `axis`; `ranks`: the
+        """`stages`: this rank's stage programs by stage index; `rank`: this rank's position on the pipeline axis `axis`; `ranks`: the
         global ranks of the pipeline group, by position; `group`: that group."""
         self.stages = dict(stages)
         self.schedule = schedule
-        self.wires = tuple(wires)
+        # what each (direction, stage) message holds, learnt from the header its first
+        # microbatch carries: shapes depend on the run's batch and sequence and on the
+        # sharding of the other axes, which the compiled graph keeps symbolic
+        self._shapes: dict[tuple[str, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self.rank = rank
         self.ranks = tuple(ranks)
         self.group = group
@@ -138,31 +143,62 @@ class PipelineStep:
         if dst == self.rank:
             self._local[(direction, stage, i)] = values
             return
+        if i == 0:
+            self._send(_header(values), dst, self._tag(direction, stage, i, _MAX_VALUES - 1))
         for j, v in enumerate(values):
-            v = v.contiguous()
-            work = dist.isend(v, self.ranks[dst], group=self.group, tag=self._tag(direction, stage, i, j))
-            assert work is not None
-            self._pending.append((work, v))
+            self._send(v.contiguous(), dst, self._tag(direction, stage, i, j))
+
+    def _send(self, v: Tensor, dst: int, tag: int) -> None:
+        work = dist.isend(v, self.ranks[dst], group=self.group, tag=tag)
+        assert work is not None
+        self._pending.append((work, v))  # the buffer must live until the send completes
 
     def _take(self, direction: str, stage: int, i: int) -> list[Tensor]:
         """What stage `stage` gets for microbatch i: from this rank or the neighbour's."""
         key = (direction, stage, i)
         if key in self._local:
             return self._local.pop(key)
-        src = self._owner(stage - 1 if direction == "F" else stage + 1)
-        wire = self.wires[stage] if direction == "F" else self.wires[stage + 1].grads()
+        src = self.ranks[self._owner(stage - 1 if direction == "F" else stage + 1)]
         watchdog.note("pipeline recv", self.axis, f"{direction}{stage}.{i}", self.group)
+        if i == 0:
+            header = torch.empty(1 + (_MAX_VALUES - 1) * _DESC, dtype=torch.int64)
+            dist.recv(header, src, group=self.group, tag=self._tag(direction, stage, i, _MAX_VALUES - 1))
+            self._shapes[(direction, stage)] = _described(header)
         out = []
-        for j, (shape, dtype) in enumerate(zip(wire.shapes, wire.dtypes, strict=True)):
+        for j, (shape, dtype) in enumerate(self._shapes[(direction, stage)]):
             t = torch.empty(shape, dtype=dtype)
-            dist.recv(t, self.ranks[src], group=self.group, tag=self._tag(direction, stage, i, j))
+            dist.recv(t, src, group=self.group, tag=self._tag(direction, stage, i, j))
             out.append(t)
         return out
 
     def _tag(self, direction: str, stage: int, i: int, j: int) -> int:
-        assert j < _MAX_VALUES, f"more than {_MAX_VALUES} values cross one stage boundary"
         d = 0 if direction == "F" else 1
         return ((d * self.schedule.stages + stage) * self.schedule.microbatches + i) * _MAX_VALUES + j
+
+
+def _header(values: Sequence[Tensor]) -> Tensor:
+    """The shapes and dtypes of `values`, as one int64 tensor of a fixed size."""
+    assert len(values) < _MAX_VALUES, f"more than {_MAX_VALUES - 1} values cross one stage boundary"
+    header = torch.zeros(1 + (_MAX_VALUES - 1) * _DESC, dtype=torch.int64)
+    header[0] = len(values)
+    for j, v in enumerate(values):
+        assert v.dim() <= _DESC - 2, f"a {v.dim()}-dimensional value crosses a stage boundary"
+        at = 1 + j * _DESC
+        header[at] = v.dim()
+        header[at + 1 : at + 1 + v.dim()] = torch.tensor(v.shape, dtype=torch.int64)
+        header[at + _DESC - 1] = _DTYPES.index(v.dtype)
+    return header
+
+
+def _described(header: Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    out = []
+    for j in range(int(header[0])):
+        at = 1 + j * _DESC
+        ndim = int(header[at])
+        out.append(
+            (tuple(int(d) for d in header[at + 1 : at + 1 + ndim]), _DTYPES[int(header[at + _DESC - 1])])
+        )
+    return out
 
 
 def _loss(outs: tuple[Tensor, ...]) -> Tensor:

@@ -18,7 +18,7 @@ from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime import schedules
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.pipeline import PipelineStep, Wire, split_microbatches
+from meshplan.runtime.pipeline import PipelineStep, split_microbatches
 
 BATCH, MICRO, SEQ = 8, 4, 16  # 4 microbatches of 2 sequences
 
@@ -57,7 +57,6 @@ def worker(rank: int, world_size: int, schedule_name: str, chunks: int) -> tuple
     step = PipelineStep(
         mine,
         schedule,
-        [Wire(*w) for w in stages.wires()],
         rank=rank,
         ranks=list(range(world_size)),
         group=None,

@@ -1,0 +1,308 @@
+"""ZeRO's parameter storage: flats (parameters as views into one padded buffer, of which each
+rank owns a shard) and, for stage 3, units (the flats of one layer, gathered and freed
+together), and which parameters go into which. The engine (`zero.py`) decides when.
+
+Parameters are cut into *flats*: runs of same-dtype parameters laid end to end in one 1-D
+buffer, padded to a multiple of the group size; rank r owns elements [r*S, (r+1)*S) with
+S = ceil(numel / world). Three parameters of 3, 4 and 2 elements on 2 ranks:
+
+    full:   a0 a1 a2 b0 b1 | b2 b3 c0 c1 pad      numel 9, padded 10, S = 5
+    owner:  rank 0         | rank 1
+
+That is `torch.chunk` sharding of the unpadded buffer. For stages 1 and 2 a flat is a
+gradient bucket (`bucket_bytes`, parameters in reverse registration order, roughly the
+order backward produces their gradients: `bucket_flats`); for stage 3 a unit is one layer
+(a child of an nn.ModuleList, or a compiled program's `ZeroGather` node) or the root's
+remaining parameters, and its flats one per dtype and decay class (`build_units`,
+`units_from_nodes`). Which parameters share a flat is `buckets.py`'s rule, which the
+compiler's ledger uses too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+
+from . import watchdog
+from .buckets import bucket_params, group_by_kind
+from .zero_nodes import ZeroGather, ZeroRelease
+
+# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Flat:
+    """Same-dtype parameters as views into one padded 1-D buffer (`full`), plus this rank's shard.
+
+    Stages 1/2 keep `full` allocated and `shard` is a view of it. Stage 3 keeps `shard` as
+    its own tensor (on the CPU with params offload) and allocates `full` only between a
+    gather and the matching free: the parameters stay views of `full`'s storage, which is
+    resized to zero bytes when freed, so autograd's saved references see the data again
+    after the next gather (FSDP1's trick).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: Sequence[Tensor],
+        group: dist.ProcessGroup,
+        *,
+        sharded_params: bool,
+        shard_device: torch.device,
+        axis: str = "dp",
+    ) -> None:
+        self.names, self.params, self.group, self.axis = names, params, group, axis
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.shard_numel = math.ceil(self.numel / self.world)  # S
+        self.padded = self.shard_numel * self.world
+        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # (padded,)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                self.full[off : off + n].copy_(p.detach().reshape(-1))
+                p.data = self.full[off : off + n].view_as(p)
+        own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]  # (S,)
+        self.shard = own.to(shard_device, copy=True) if sharded_params else own
+        self.full_grad: Tensor | None = None  # stage 1: (padded,) averaged grads, p.grad are views
+        self.grad_shard: Tensor | None = None  # stages 2/3: (S,) averaged grads
+        self.reduced = False  # grads reduced for this step
+        self.ready = 0  # params whose grad has been accumulated in this backward
+        self._gather_work: Any = None
+        if sharded_params:
+            self.free_full()
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of the shard inside the unpadded buffer (the last ranks may own only padding)."""
+        return max(0, min(self.shard_numel, self.numel - self.rank * self.shard_numel))
+
+    def full_nbytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    # ------------------------------------------------------------ stage 3: gather and free
+
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self) -> Any:
+        """Allocate `full` and all-gather every rank's shard into it; returns the async work."""
+        self.full.untyped_storage().resize_(self.full_nbytes())
+        src = self.shard.to(self.device)  # from the CPU with params offload; else no copy
+        # The params are views of `full`; keep autograd from seeing the refill as an in-place edit.
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            self._gather_work = all_gather_single(self.full, src, group=self.group, async_op=True)
+        return self._gather_work
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            watchdog.note("all_gather", self.axis, watchdog.size_text(self.full_nbytes()), self.group)
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def free_full(self) -> None:
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------ stages 1/2: share the update
+
+    def start_share(self) -> None:
+        """Stages 1/2: all-gather every rank's updated shard into `full` (which stays allocated);
+        `wait_gather` waits for it."""
+        src = self.shard.clone()  # (S,): the output buffer contains it; do not alias
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            self._gather_work = all_gather_single(self.full, src, group=self.group, async_op=True)
+
+    # ------------------------------------------------------------ gradients
+
+    def flat_grads(self, dtype: torch.dtype) -> Tensor:
+        """The params' grads in one new (padded,) buffer of `dtype`; missing grads count as zero."""
+        out = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            if p.grad is not None:
+                out[off : off + n].copy_(p.grad.reshape(-1))
+        return out
+
+    def own_ranges(self) -> list[tuple[str, int, int]]:
+        """(param name, start, end) of each param's elements inside this rank's shard, shard-local."""
+        return [(name, mine.start, mine.stop) for name, mine, _ in self.own_slices()]
+
+    def own_slices(self) -> list[tuple[str, slice, slice]]:
+        """(param name, slice of the shard, slice of the flattened param): the elements this rank owns."""
+        lo = self.rank * self.shard_numel
+        out = []
+        for name, off, n in zip(self.names, self.offsets, self.numels, strict=True):
+            start, end = max(off, lo), min(off + n, lo + self.shard_numel)
+            if start < end:
+                out.append((name, slice(start - lo, end - lo), slice(start - off, end - off)))
+        return out
+
+    def own_grad(self) -> Tensor | None:
+        """(S,) averaged gradient of this rank's shard, or None before any backward."""
+        if self.full_grad is not None:
+            return self.full_grad[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+        return self.grad_shard
+
+
+class Unit:
+    """Stage 3: the flats of one layer (or the root) gathered and freed together.
+
+    `module` is the module whose forward hooks drive it, or None when the compiled
+    graph's `ZeroGather` / `ZeroRelease` nodes do. `refetch`: freed after forward and
+    gathered again before backward (a unit used until the end of forward, like the root
+    holding the embedding and the LM head, is kept instead: backward starts with it).
+    """
+
+    def __init__(self, name: str, module: nn.Module | None, flats: list[Flat], *, refetch: bool) -> None:
+        self.name, self.module, self.flats, self.refetch = name, module, flats, refetch
+
+    def prefetch(self, record: Callable[[str, int], None]) -> None:
+        """Start gathering the flats not yet gathered; `record` counts each all-gather for the ledger."""
+        for f in self.flats:
+            if not f.is_gathered():
+                record("all_gather", f.full_nbytes())
+                f.start_gather()
+
+    def gather(self, record: Callable[[str, int], None]) -> None:
+        """Make sure every flat is gathered: wait for a prefetch, or gather now."""
+        self.prefetch(record)
+        for f in self.flats:
+            f.wait_gather()
+
+    def free(self) -> None:
+        for f in self.flats:
+            f.free_full()
+
+
+# ---------------------------------------------------------------------- grouping
+
+
+def bucket_flats(
+    params: list[tuple[str, nn.Parameter]],
+    bucket_bytes: int,
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    decays: dict[int, bool],
+    axis: str,
+) -> list[Flat]:
+    """Stages 1/2: the params as unsharded flats, one per gradient bucket (`bucket_params`)."""
+    return [
+        Flat(names, ps, group, sharded_params=False, shard_device=shard_device, axis=axis)
+        for names, ps in bucket_params(params, bucket_bytes, decays)
+    ]
+
+
+def unit_modules(module: nn.Module, names: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward gathers their params (`names`, or every numbered child of a
+    container: `layers.0`, `layers.1`, ...), then the root for the rest.
+
+    A flat graph from `torch.export(...).module()` has the same module names, but its
+    forward reads every parameter at the top of the graph and never calls the children:
+    it gets one unit (the root), so the whole model is gathered for forward and again for
+    backward. `torch.export.unflatten` keeps a forward per submodule, and per-layer units work.
+    """
+    if names is not None:
+        modules = dict(module.named_modules())
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise ValueError(f"ZeRO-3 units name no module: {', '.join(missing)}")
+        return [*((n, modules[n]) for n in names if n), ("", module)]
+    if isinstance(module, fx.GraphModule):
+        return [("", module)]
+    units: list[tuple[str, nn.Module]] = []
+    for name, container in module.named_modules():
+        children = list(container.named_children())
+        inside_unit = any(name == u or name.startswith(u + ".") for u, _ in units)
+        if children and all(c.isdigit() for c, _ in children) and not inside_unit:
+            units.extend((f"{name}.{c}" if name else c, child) for c, child in children)
+    return [*units, ("", module)]
+
+
+def build_units(
+    module: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    names: Sequence[str] | None,
+    decays: dict[int, bool],
+    axis: str,
+) -> list[Unit]:
+    """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
+    units = unit_modules(module, names)
+    owners: dict[int, set[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(_owner(name, units))
+    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in units}
+    for name, p in params:
+        unit_names = owners[id(p)]
+        by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
+    built = []
+    for name, child in units:
+        flats = sharded_flats(by_unit[name], group, shard_device, decays, axis)
+        if flats:
+            built.append(Unit(name, child, flats, refetch=name != ""))
+    return built
+
+
+def units_from_nodes(
+    nodes: list[tuple[ZeroGather, ZeroRelease | None]],
+    params: list[tuple[str, nn.Parameter]],
+    aliases: dict[str, nn.Parameter],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    decays: dict[int, bool],
+    axis: str,
+) -> list[Unit]:
+    """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
+    node names (the graph never reads them) go to a last unit only `gathered()` materializes."""
+    left = {id(p): (n, p) for n, p in params}  # not yet in a unit
+    units = []
+    for gather, release in nodes:
+        named = [left.pop(id(aliases[n])) for n in gather.params if n in aliases and id(aliases[n]) in left]
+        units.append(
+            Unit(
+                gather.unit,
+                None,
+                sharded_flats(named, group, shard_device, decays, axis),
+                refetch=release is not None,
+            )
+        )
+    rest = sharded_flats(list(left.values()), group, shard_device, decays, axis)
+    if rest:
+        units.append(Unit("", None, rest, refetch=False))
+    return units
+
+
+def sharded_flats(
+    params: list[tuple[str, nn.Parameter]],
+    group: dist.ProcessGroup,
+    shard_device: torch.device,
+    decays: dict[int, bool],
+    axis: str,
+) -> list[Flat]:
+    """A unit's params as sharded flats: one per dtype and decay class."""
+    return [
+        Flat(
+            [n for n, _ in ps],
+            [p for _, p in ps],
+            group,
+            sharded_params=True,
+            shard_device=shard_device,
+            axis=axis,
+        )
+        for ps in group_by_kind(params, decays)
+    ]
+
+
+def _owner(param_name: str, units: list[tuple[str, nn.Module]]) -> str:
+    for name, _ in units:
+        if name and param_name.startswith(name + "."):
+            return name
+    return ""

@@ -9,7 +9,7 @@ tensor for an all-reduce, the full gathered tensor for all-gather and reduce-sca
 
 Counts are per optimizer step: with `gradient_accumulation = k` the graph's collectives
 run k times, the gradient reductions once. Data-parallel rows come from the runtime's
-own layout functions (`runtime.data_parallel` buckets, `runtime.zero` flats), so they are
+own grouping rule (`runtime.buckets`: DataParallel's buckets, ZeRO's flats), so they are
 the collectives `meshplan run` issues, byte for byte (a test compares them):
 
     zero  backward                         step

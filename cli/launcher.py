@@ -298,12 +298,14 @@ def _check_data(args: argparse.Namespace, plan: Plan, model: nn.Module) -> None:
     from meshplan.examples import CORPUS
     from meshplan.runtime.data import DataError, make_batches
 
-    dp = plan.data_parallel
+    dp, pipeline = plan.data_parallel, plan.pipeline
     args.vocab_size = vocab_size(model)
+    # a pipeline's micro-step is `microbatches` batches of --batch sequences
+    microbatches = (pipeline.microbatches or plan.mesh.size(pipeline.axis) or 1) if pipeline else 1
     try:
         batches = make_batches(
             args.data or str(CORPUS),
-            batch=args.batch,
+            batch=args.batch * microbatches,
             seq=args.seq,
             seed=args.seed,
             dp_rank=0,

@@ -10,6 +10,7 @@ program in data parallel or ZeRO, and train it with `runtime/train.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,6 @@ if TYPE_CHECKING:  # torch stays unimported until a session opens
 def check_supported(plan: Plan) -> None:
     """Plan features the compiler accepts but `meshplan run` does not execute yet: refuse, don't ignore."""
     missing = []
-    if plan.pipeline is not None:
-        missing.append("pipeline parallelism")
     dp = plan.data_parallel
     if dp is not None and dp.zero == 0 and dp.offload_optimizer:
         missing.append("optimizer offload without ZeRO (use zero = 1 or more)")
@@ -63,6 +62,10 @@ class Session:
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
     export_names: frozenset[str] = frozenset()  # the unpartitioned model's state_dict keys
     tied: tuple[tuple[str, ...], ...] = ()  # each weight held under several names (GPT-2's wte / lm_head)
+    # a pipeline's micro-step: its schedule over `microbatches` (None: one forward, one backward)
+    forward_backward: Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor] | None = None
+    microbatches: int = 1  # sequences per micro-step = --batch x microbatches
+    pipeline_group: torch.distributed.ProcessGroup | None = None  # ranks holding the other stages
 
 
 def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
@@ -131,9 +134,10 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         },
     )
     dp_size = axes.data_size
+    microbatches = pipeline_microbatches(plan, layout)
     batches = make_batches(
         args.data or str(CORPUS),
-        batch=args.batch,
+        batch=args.batch * microbatches,
         seq=args.seq,
         seed=args.seed,
         dp_rank=coords[dp_axis] if dp_axis else 0,
@@ -153,12 +157,24 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, graph, template = source.model, compiled.graph, source
 
-    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def inputs_of(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """The program's inputs (placeholders, in order) for one micro-batch of tokens."""
         call_args, call_kwargs = call_inputs(
             template.args, template.kwargs, input_ids.to(device), labels.to(device)
         )
-        outputs = forward(*bind_inputs(model, graph, call_args, call_kwargs))
+        return tuple(bind_inputs(model, graph, call_args, call_kwargs))
+
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        outputs = forward(*inputs_of(input_ids, labels))
         return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+
+    forward_backward = pipeline_group = None
+    if plan.pipeline is not None:
+        held, forward_backward, pipeline_group = _pipeline(
+            plan, compiled, program, mesh, rank, microbatches, loss_inputs=inputs_of
+        )
+        program = held
+        axes = dataclasses.replace(axes, stages=(plan.pipeline.axis,))
 
     return Session(
         program,
@@ -170,7 +186,78 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         plan.precision.loss_scale,
         frozenset(source.model.state_dict()),
         _tied_names(source.model),
+        forward_backward,
+        microbatches,
+        pipeline_group,
     )
+
+
+def pipeline_microbatches(plan: Plan, layout) -> int:
+    """How many `--batch`-sized microbatches one pipeline micro-step runs (1 without a pipeline):
+    the plan's `microbatches`, else one per pipeline rank."""
+    p = plan.pipeline
+    if p is None:
+        return 1
+    return p.microbatches or layout.size(p.axis)
+
+
+def _pipeline(plan: Plan, compiled, program, mesh, rank: int, microbatches: int, *, loss_inputs):
+    """This rank's stages of `program`, the module that holds their parameters (under the
+    model's names: what the optimizer, checkpoints and export see), the micro-step that runs
+    them by the plan's schedule, and the pipeline axis's group."""
+    import torch.distributed as dist
+    from torch import fx
+
+    from meshplan.compiler.stages import compiled_cuts, cut_stages
+    from meshplan.runtime import schedules
+    from meshplan.runtime.collectives import label_collectives
+    from meshplan.runtime.pipeline import PipelineStep
+
+    spec = plan.pipeline
+    layout = compiled.layout
+    ranks = layout.size(spec.axis)
+    position = layout.coords(rank)[spec.axis]
+    if spec.schedule == "gpipe":
+        schedule = schedules.gpipe(ranks, microbatches)
+    elif spec.schedule == "interleaved":
+        schedule = schedules.interleaved_one_f_one_b(ranks, microbatches, spec.virtual_stages)
+    else:
+        schedule = schedules.one_f_one_b(ranks, microbatches)
+    schedules.simulate(schedule)  # a list that cannot run is a meshplan bug, found before it hangs
+    stages = cut_stages(compiled.graph, compiled_cuts(compiled.graph, getattr(compiled, "stage_cuts", ())))
+    assert stages.count == schedule.stages, f"{stages.count} stages for a schedule of {schedule.stages}"
+    programs = stages.programs(program)
+    mine = {s: programs[s] for s in range(stages.count) if schedule.owner[s] == position}
+    for stage in mine.values():
+        label_collectives(stage)
+    names = sorted({str(n.target) for st in mine.values() for n in st.graph.nodes if n.op == "get_attr"})
+    graph = fx.Graph()
+    for name in names:
+        graph.get_attr(name)
+    graph.output(None)
+    held = fx.GraphModule(program, graph, class_name="PipelineRank")
+    group = mesh.get_group(spec.axis) if ranks > 1 else None
+    step = PipelineStep(
+        mine,
+        schedule,
+        rank=position,
+        ranks=dist.get_process_group_ranks(group) if group is not None else [rank],
+        group=group,
+        axis=spec.axis,
+    )
+
+    def forward_backward(input_ids: torch.Tensor, labels: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+        micro = [
+            loss_inputs(x, y)
+            for x, y in zip(input_ids.chunk(microbatches), labels.chunk(microbatches), strict=True)
+        ]
+        loss = step.run(micro, scale / k)  # on the last stage's rank; 0 on the others
+        if group is not None:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=group)
+        return loss / k
+
+    return held, forward_backward, group
 
 
 def compiled_folder(args: argparse.Namespace) -> Executable:
@@ -309,6 +396,12 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
     with gathered:
         state = consolidate(prepared.program, prepared.axes, set(prepared.export_names))
+    if prepared.pipeline_group is not None:  # each pipeline rank holds other stages: put them together
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(prepared.pipeline_group)
+        dist.all_gather_object(parts, state, group=prepared.pipeline_group)
+        state = {name: tensor for part in parts for name, tensor in part.items()}
     for group in prepared.tied:
         held = next((state[name] for name in group if name in state), None)
         if held is not None:
@@ -329,7 +422,7 @@ def train_config(args: argparse.Namespace, prepared: Session):
         grad_clip=args.grad_clip,
         accumulation=prepared.accumulation,
         seed=args.seed,
-        tokens_per_micro_step=args.batch * args.seq,
+        tokens_per_micro_step=args.batch * prepared.microbatches * args.seq,
         run_dir=run_dir(args),
         save_every=args.save_every,
         resume=args.resume,
@@ -353,4 +446,5 @@ def train_session(args: argparse.Namespace, prepared: Session, *, show_progress:
         axes=prepared.axes,
         sync=prepared.dp,
         show_progress=show_progress,
+        forward_backward=prepared.forward_backward,
     )

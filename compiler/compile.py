@@ -20,7 +20,10 @@ reason, each linted after it runs (`lint.py`):
              recomputed too. The ledger is built at the end and counts recomputed collectives.
 6. unsupported: a check, not a rewrite: rules accepted by the language that the compiler
              cannot lower yet are located errors.
-7. zero      (`data_parallel { zero = N }`): gather/release nodes around each layer's
+7. pipeline  (`pipeline over pp`): the stage cuts, explicit or balanced, and each
+             activation's stage; the graph is not changed (each pipeline rank builds its
+             stage programs from it). After checkpoint, so a checkpointed layer is never split.
+8. zero      (`data_parallel { zero = N }`): gather/release nodes around each layer's
              parameter uses; last, because a checkpointed layer must be one call node
              (its recomputation then runs between the release's backward gather and the
              layer's backward, never re-gathering or freeing).
@@ -50,7 +53,7 @@ from .graph import for_rank, keep_loss_output, normalize
 from .ledger import DataParallelFacts, Ledger, build_ledger
 from .lint import lint
 from .match import Resolution, resolve
-from .passes import Context, Pass, checkpoint, precision, tensor_parallel, zero
+from .passes import Context, Pass, checkpoint, pipeline, precision, tensor_parallel, zero
 from .passes.checkpoint import bind_regions
 from .passes.precision import DTYPES, cast_floating
 from .placement import Placement, Shard
@@ -81,6 +84,7 @@ PASSES: tuple[Pass, ...] = (
     tensor_parallel.PASS,
     checkpoint.PASS,
     unsupported.PASS,
+    pipeline.PASS,
     zero.PASS,
 )
 

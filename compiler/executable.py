@@ -36,6 +36,7 @@ from meshplan.runtime.mesh import MeshLayout
 
 from .capture import ModelSource
 from .placement import Placement
+from .stages import STAGES
 
 if TYPE_CHECKING:
     from .compile import Compiled
@@ -59,6 +60,7 @@ class Executable:
     plan_text: str
     model_sha256: str  # the structure of the model it was compiled for (`model_fingerprint`)
     token_shape: tuple[int, int] | None = None  # (batch, seq) per rank and micro-step
+    stage_cuts: tuple[tuple[str, str], ...] = ()  # the pipeline's cuts: (side, module path)
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
     @property
@@ -82,6 +84,7 @@ def to_executable(compiled: Compiled) -> Executable:
         plan_text=compiled.plan.source,
         model_sha256=model_fingerprint(model),
         token_shape=_token_shape(compiled.source),
+        stage_cuts=compiled.graph.meta.get(STAGES, ()),
     )
 
 

@@ -42,7 +42,7 @@ import torch
 from torch import fx, nn
 
 from meshplan.dsl.check import Plan
-from meshplan.dsl.errors import Diagnostic
+from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
 
 from .graph import module_path, shape
@@ -50,13 +50,17 @@ from .outline import OPS, cut, within
 
 aten = torch.ops.aten
 
+STAGES = "meshplan.stages"  # gm.meta: the pipeline's cuts, as (side, module path) pairs
+STAGE = "meshplan.stage"  # node.meta: the stage an activation runs in
+
 
 class StageError(ValueError):
-    """Cuts that cannot make the stages the plan asks for; `diagnostic` points at the plan."""
+    """Cuts that cannot make the stages the plan asks for. `span`: the plan text at fault
+    (None: the pipeline block as a whole)."""
 
-    def __init__(self, diagnostic: Diagnostic):
-        super().__init__(diagnostic.message)
-        self.diagnostic = diagnostic
+    def __init__(self, message: str, span: Span | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.span, self.hint = span, hint
 
 
 @dataclass(frozen=True)
@@ -105,16 +109,16 @@ class Stages:
 # ---------------------------------------------------------------------------- splitting
 
 
-def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, span=None) -> Stages:
+def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
     """Assign every op node of `gm` to a stage (`len(cuts) + 1` of them)."""
     graph = gm.graph
     ops = [n for n in graph.nodes if n.op in OPS]
     kind = _kinds(graph)
     activations = [n for n in ops if kind[n] == "activation"]
-    starts = sorted(_start_index(activations, c, span) for c in cuts)
+    starts = sorted(_start_index(activations, c) for c in cuts)
     for a, b in zip([0, *starts], [*starts, len(activations)], strict=True):
         if a >= b:
-            raise StageError(Diagnostic(span, _empty_stage(cuts)) if span else _bare(_empty_stage(cuts)))
+            raise StageError(_empty_stage(cuts), hint="each stage needs at least one operation")
     count = len(cuts) + 1
     stage_of: dict[fx.Node, int] = {}
     for i, n in enumerate(activations):
@@ -131,7 +135,7 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, span=None) -> Stages:
             if _trainable(gm, node):
                 first = owner_of_param.setdefault(node, s)
                 if first != s:
-                    raise StageError(_bare(_tied(node, first, s)))
+                    raise StageError(_tied(node, first, s))
             needs[s].add(node)
             return
         if kind[node] == "activation":
@@ -202,15 +206,11 @@ def _trainable(gm: nn.Module, node: fx.Node) -> bool:
     return value.requires_grad
 
 
-def _start_index(activations: list[fx.Node], c: Cut, span) -> int:
+def _start_index(activations: list[fx.Node], c: Cut) -> int:
     where = [i for i, n in enumerate(activations) if within(module_path(n), c.path)]
     if not where:
-        raise StageError(_bare(f"{c}: `{c.path}` runs no operation of the model's forward"))
+        raise StageError(f"`{c}`: `{c.path}` runs no operation of the model's forward")
     return where[0] if c.side == "before" else where[-1] + 1
-
-
-def _bare(message: str) -> Diagnostic:
-    return Diagnostic(None, message)  # type: ignore[arg-type]  # located by the caller
 
 
 def _empty_stage(cuts: Sequence[Cut]) -> str:
@@ -277,10 +277,15 @@ def balanced_cuts(gm: fx.GraphModule, model: nn.Module, stages: int) -> list[Cut
     costliest stage (a linear-partition dynamic program over the blocks' FLOPs)."""
     layers = layer_list(model)
     if layers is None:
-        raise StageError(_bare("the model has no list of layers to cut between"))
+        raise StageError(
+            "the model has no list of layers to cut between", hint="give the cuts: `cut before PATH`"
+        )
     path, n = layers
     if stages > n:
-        raise StageError(_bare(f"{stages} stages, but `{path}` has {n} layers: a stage would hold no layer"))
+        raise StageError(
+            f"{stages} stages, but `{path}` has {n} layers: a stage would hold no layer",
+            hint=f"make the pipeline at most {n} stages",
+        )
     ops = [x for x in gm.graph.nodes if x.op in OPS]
     unit = [0.0] * n
     first = next(
@@ -341,13 +346,18 @@ def layer_list(model: nn.Module) -> tuple[str, int] | None:
     return path, -neg
 
 
-def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule) -> list[Cut]:
-    """The plan's cuts resolved to module paths, or balanced ones when it gives none."""
+def compiled_cuts(graph: fx.GraphModule, saved: Sequence[tuple[str, str]] = ()) -> list[Cut]:
+    """The cuts the pipeline pass chose, from the compiled graph or a loaded program's record."""
+    return [Cut(side, path) for side, path in (saved or graph.meta.get(STAGES, ()))]
+
+
+def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule, *, ranks: int) -> list[Cut]:
+    """The plan's cuts resolved to module paths, or balanced ones for `ranks` pipeline ranks
+    (times the virtual stages) when it gives none."""
     p = plan.pipeline
     assert p is not None, "a plan with a pipeline block"
-    size = plan.mesh.size(p.axis) or 1
     if not p.cuts:
-        return balanced_cuts(gm, model, size * p.virtual_stages)
+        return balanced_cuts(gm, model, ranks * p.virtual_stages)
     paths = [name for name, _ in model.named_modules() if name]
     out = []
     for c in p.cuts:
@@ -356,9 +366,7 @@ def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule) -> list[Cut]:
         if len(found) != 1:
             what = "matches no module" if not found else f"matches {len(found)} modules"
             raise StageError(
-                Diagnostic(
-                    c.pattern.span, f"`cut {c.side} {c.pattern.text}` {what}", "a cut names one module"
-                )
+                f"`cut {c.side} {c.pattern.text}` {what}", c.pattern.span, "a cut names one module"
             )
         out.append(Cut(c.side, found[0]))
     return out

@@ -1,9 +1,10 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
-`pipeline` blocks, `context` and `experts` rules and device placement (`on cpu`) parse
+`context` and `experts` rules and device placement (`on cpu`) parse
 and pass `meshplan check`, but no pass lowers them yet: a program compiled from such a
 plan would simply lack them and train as if they were not there. So every command that
-compiles against a model refuses them, one located error per block or rule:
+compiles against a model refuses them, one located error per rule, and so are the axes a
+`pipeline` does not compose with yet (data parallelism, ZeRO, the zero-bubble schedule):
 
     examples/long_context.plan:8:25: error: context parallelism (`context ring`) is not lowered yet: this plan would train without it
             layers.*.self_attn: context ring over cp
@@ -41,10 +42,6 @@ from .passes import Context, Pass
 _REMOVE_RULE = (
     "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"
 )
-_REMOVE_BLOCK = (
-    "remove the `pipeline` block to compile this plan; "
-    "`meshplan check PLAN` without --model checks the language only"
-)
 _CONFIG_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -61,16 +58,9 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `pipeline` block, `context`, `experts` and `on DEVICE` rule: no pass lowers them."""
-    out = []
-    if plan.pipeline is not None:
-        out.append(
-            Diagnostic(
-                _keyword_span(plan.pipeline.span, "pipeline"),
-                "pipeline parallelism is not lowered yet: this plan would train without it",
-                hint=_REMOVE_BLOCK,
-            )
-        )
+    """One error per `context`, `experts` and `on DEVICE` rule (no pass lowers them), and per
+    axis a `pipeline` does not compose with yet."""
+    out = _pipeline_compositions(plan)
     for rule in plan.rules:
         action = rule.action
         if isinstance(action, ast.ContextParallel):
@@ -190,6 +180,38 @@ def _inputs(source: ModelSource) -> Iterator[Any]:
 
 
 # ---------------------------------------------------------------------------- pipeline
+
+
+def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
+    """A pipeline composes with tensor and sequence rules, checkpointing, precision and
+    accumulation; not yet with data parallelism (its gradient buckets would launch once per
+    microbatch), ZeRO, or the zero-bubble schedule."""
+    p, dp = plan.pipeline, plan.data_parallel
+    if p is None:
+        return []
+    out = []
+    if p.schedule == "zero_bubble":
+        span = p.spans.get("schedule", p.span)
+        out.append(
+            Diagnostic(
+                span,
+                "the zero-bubble pipeline schedule is not lowered yet: this plan would train without it",
+                hint="use `schedule = 1f1b`, `gpipe` or `interleaved`",
+            )
+        )
+    if dp is not None and (dp.zero > 0 or plan.mesh.size(dp.axis) != 1):
+        size = plan.mesh.size(dp.axis)
+        what = f"ZeRO-{dp.zero}" if dp.zero > 0 else f"data parallelism over `{dp.axis}`"
+        out.append(
+            Diagnostic(
+                _keyword_span(dp.span, "data_parallel"),
+                f"a pipeline with {what} is not lowered yet"
+                + (f" (`{dp.axis}` has {size} ranks)" if size and size > 1 else ""),
+                hint=f"train the pipeline without the `data_parallel` block, or without the `pipeline` "
+                f"block on {dp.axis}",
+            )
+        )
+    return out
 
 
 def _pipeline_sizes(plan: Plan, model: nn.Module) -> list[Diagnostic]:

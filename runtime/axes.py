@@ -11,6 +11,9 @@ and `mesh dp=2, cp=1, tp=2` train the same model.
     axes.unshard(name, local)                           # the whole tensor, on every rank
     axes.sum_over(squares, ("tp",), "gradient norm")    # summed over every rank of those axes
 
+A pipeline axis (`stages`) is neither data nor sharding: each of its ranks holds the
+parameters of other stages, so a sum over the whole model (the gradient norm) adds them up.
+
 An axis of one rank has no group here: every reduction over it is the identity.
 """
 
@@ -32,6 +35,7 @@ class Axes:
     groups: Mapping[str, dist.ProcessGroup] = field(default_factory=dict)  # axes of more than one rank
     data: tuple[str, ...] = ()  # the batch is split over these: losses are averaged over them
     sharding: Sharding = field(default_factory=dict)  # parameter -> its cuts over the axes
+    stages: tuple[str, ...] = ()  # pipeline axes: each rank holds other parameters (its stages)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups.get(axis)

@@ -76,6 +76,9 @@ from .zero import Zero
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
+# (input_ids, labels, k, scale) -> the micro-step's loss / k, detached, after its backward from
+# loss / k * scale
+ForwardBackward = Callable[[Tensor, Tensor, int, float], Tensor]
 
 # Dense bf16 peak FLOP/s per device, by a substring of `torch.cuda.get_device_name()`.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -157,7 +160,8 @@ def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor
     total = squares[-1]  # whole parameters: counted once
     for i, over in enumerate(sharded):
         total = total + axes.sum_over(squares[i], over, "gradient norm")
-    return total.sqrt()
+    # each pipeline rank holds other stages' parameters: theirs add up
+    return axes.sum_over(total, axes.stages, "gradient norm").sqrt()
 
 
 def peak_memory_bytes() -> int:
@@ -206,13 +210,16 @@ def train(
     axes: Axes | None = None,
     sync: DataParallel | Zero | None = None,
     show_progress: bool | None = None,
+    forward_backward: ForwardBackward | None = None,
 ) -> Summary:
     """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
 
     `loss_of` runs one micro-batch forward (through `sync` when it is `DataParallel`) and
     returns the loss. `axes` are this rank's process groups by axis name (None: one process), with the plan's
     roles and each parameter's cuts; `sync` synchronizes gradients over the data axis (None:
-    there is none). ZeRO brings its own optimizer, built with `decays` and this config's
+    there is none). `forward_backward` replaces `loss_of` and its backward where one
+    micro-step is more than a forward and a backward (a pipeline's schedule over its
+    microbatches). ZeRO brings its own optimizer, built with `decays` and this config's
     hyperparameters; the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -243,7 +250,7 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = _accumulate(
-                loss_of, batches, step, config.accumulation, grads, scale or 1.0
+                forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
             )  # () mean loss
             norm = _optimizer_step(grads, zero or optimizer, axes, names, scale, config.grad_clip)
             skipped = not bool(torch.isfinite(norm))
@@ -343,8 +350,24 @@ def is_peer_failure(e: BaseException) -> bool:
     )
 
 
+def _plain(loss_of: LossFn) -> ForwardBackward:
+    """One forward and one backward: the micro-step of every layout but a pipeline."""
+
+    def forward_backward(input_ids: Tensor, labels: Tensor, k: int, scale: float) -> Tensor:
+        loss = loss_of(input_ids, labels) / k
+        (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach()
+
+    return forward_backward
+
+
 def _accumulate(
-    loss_of: LossFn, batches: BatchFn, step: int, k: int, grads: GradSync, scale: float = 1.0
+    forward_backward: ForwardBackward,
+    batches: BatchFn,
+    step: int,
+    k: int,
+    grads: GradSync,
+    scale: float = 1.0,
 ) -> Tensor:
     """k micro-steps of forward and backward; gradients are synchronized on the last one only.
 
@@ -356,9 +379,8 @@ def _accumulate(
         input_ids, labels = batches(step, micro)  # (B, T), (B, T)
         last = micro == k - 1
         with grads.no_sync() if not last else contextlib.nullcontext():
-            loss = loss_of(input_ids, labels) / k
-            (loss * scale if scale != 1.0 else loss).backward()
-        total += loss.detach().double().cpu()
+            loss = forward_backward(input_ids, labels, k, scale)
+        total += loss.double().cpu()
     grads.finish()
     return total
 

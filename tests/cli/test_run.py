@@ -46,7 +46,7 @@ def test_multi_node_flags_pass_through() -> None:
     [
         (
             [str(ROOT / "examples" / "llama_interleaved.plan")],
-            "does not execute pipeline parallelism",
+            "does not execute `device` rules",
         ),
         ([str(ROOT / "examples" / "gpt_zero3.plan")], "pass --nproc-per-node"),
         ([TINY_DP, "--data", "no/such/file.txt"], "does not exist"),

@@ -1,9 +1,9 @@
 """Constructs that are not lowered yet are refused when compiling, after their sizes are checked.
 
 `check` without a model accepts them (the language is ahead of the compiler); every command
-that compiles against a model refuses them with one located error per block or rule, so a
-plan never compiles into a program that silently lacks its pipeline, context or expert
-parallelism or its device placement.
+that compiles against a model refuses them with one located error per rule, so a plan never
+compiles into a program that silently lacks its context or expert parallelism or its device
+placement; likewise the axes a pipeline does not compose with yet.
 """
 
 from __future__ import annotations
@@ -38,15 +38,36 @@ def _refusal(text: str, model: nn.Module | None = None, *, seq: int = 16) -> str
 # ---------------------------------------------------------------------------- each construct refused
 
 
-def test_pipeline_block_is_refused_at_its_keyword():
-    text = "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+def test_pipeline_with_data_parallel_is_refused_at_the_data_parallel_block():
+    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n}\n"
     assert _refusal(text) == (
-        "p.plan:3:1: error: pipeline parallelism is not lowered yet: this plan would train without it\n"
-        "    pipeline over pp {\n"
-        "    ^~~~~~~~\n"
-        "hint: remove the `pipeline` block to compile this plan; "
-        "`meshplan check PLAN` without --model checks the language only"
+        "p.plan:7:1: error: a pipeline with data parallelism over `dp` is not lowered yet (`dp` has 2 ranks)\n"
+        "    data_parallel over dp {\n"
+        "    ^~~~~~~~~~~~~\n"
+        "hint: train the pipeline without the `data_parallel` block, or without the `pipeline` block on dp"
     )
+
+
+def test_pipeline_with_zero_is_refused_even_on_one_data_rank():
+    text = "mesh dp=1, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
+    assert "error: a pipeline with ZeRO-1 is not lowered yet" in _refusal(text)
+
+
+def test_zero_bubble_schedule_is_refused_at_its_setting():
+    text = "mesh pp=2\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
+    rendered = _refusal(text)
+    assert rendered.startswith(
+        "p.plan:4:5: error: the zero-bubble pipeline schedule is not lowered yet: this plan would train without it"
+    )
+    assert rendered.count("error:") == 1
+
+
+def test_a_pipeline_alone_compiles_into_stages():
+    text = "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n}\n"
+    compiled = compile_plan(
+        check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs())
+    )
+    assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
@@ -85,22 +106,22 @@ def test_one_error_per_rule_and_block():
         "    layers.{0,1}.self_attn: context ring over cp\n"
         "    layers.{2,3}.self_attn: context ulysses over cp\n"
         "    lm_head: on cpu\n"
-        "}\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+        "}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     plan = check_text(text, "p.plan")
-    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(9, 1), (4, 29), (5, 29), (6, 14)]
+    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(10, 5), (4, 29), (5, 29), (6, 14)]
     assert _refusal(text).count("error:") == 4
 
 
 def test_refusals_come_with_the_other_problems_of_the_plan():
-    """A tensor rule that does not divide and the pipeline block: both reported in one run."""
+    """A tensor rule that does not divide and a schedule not lowered: both reported in one run."""
     text = (
         "mesh pp=2, tp=3\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
-        "    layers.*.mlp.down_proj: row over tp\n}\n\npipeline over pp {\n    schedule = gpipe\n}\n"
+        "    layers.*.mlp.down_proj: row over tp\n}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     rendered = _refusal(text)
     assert "not divisible by 3 ranks over `tp`" in rendered
-    assert "pipeline parallelism is not lowered yet" in rendered
+    assert "the zero-bubble pipeline schedule is not lowered yet" in rendered
 
 
 def test_plans_without_these_constructs_still_compile():
@@ -188,8 +209,7 @@ def test_sequence_that_divides_is_only_refused(mode: str, seq: int):
 
 def test_more_pipeline_stages_than_layers():
     text = "mesh pp=8\n\npipeline over pp {\n    schedule = gpipe\n}\n"
-    rendered = _refusal(text)
-    assert rendered.split("\np.plan:3:1: error: pipeline parallelism is not lowered yet")[0] == (
+    assert _refusal(text) == (
         "p.plan:1:6: error: `pipeline over pp` makes 8 stages, but the model has 4 layers: "
         "a stage would hold no layer\n"
         "    mesh pp=8\n"
@@ -211,9 +231,16 @@ def test_layer_count_from_the_outermost_module_list():
     assert "makes 4 stages, but the model has 3 layers" in _refusal(text, model)
 
 
-def test_as_many_stages_as_layers_is_only_refused():
+def test_as_many_stages_as_layers_compiles():
     text = "mesh pp=4\n\npipeline over pp {\n    schedule = gpipe\n}\n"
-    assert _refusal(text).count("error:") == 1
+    compiled = compile_plan(
+        check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs())
+    )
+    assert [path for _, path in compiled.graph.meta["meshplan.stages"]] == [
+        "layers.1",
+        "layers.2",
+        "layers.3",
+    ]
 
 
 def test_fewer_microbatches_than_stages_is_refused_before_the_model_loads(capsys):
@@ -246,8 +273,8 @@ def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, m
     out, err = capsys.readouterr()
     assert out == ""
     assert (
-        "examples/llama_3d.plan:24:1: error: pipeline parallelism is not lowered yet: "
-        "this plan would train without it\n    pipeline over pp {\n    ^~~~~~~~\n"
+        "examples/llama_3d.plan:29:1: error: a pipeline with ZeRO-1 is not lowered yet\n"
+        "    data_parallel over dp {\n    ^~~~~~~~~~~~~\n"
     ) in err
     assert err.endswith("examples/llama_3d.plan: 1 error\n")
     assert not (tmp_path / "out").exists()
@@ -263,7 +290,7 @@ def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, caps
     )
     assert err.endswith(
         "examples/long_context.plan: 3 errors\n"
-    )  # the size, then the context and pipeline refusals
+    )  # the size, then the context and zero-bubble schedule refusals
 
 
 # ---------------------------------------------------------------------------- models

@@ -103,6 +103,9 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     program = build_rank_program(compiled, source.model, rank, mesh)
     if torch.cuda.is_available():
         program = program.cuda()
+    stages = _pipeline(plan, compiled, program, mesh, rank) if plan.pipeline is not None else None
+    if stages is not None:
+        program = stages.held  # this rank's stages' parameters, under the model's names
     coords = layout.coords(rank)
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
@@ -169,12 +172,12 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
 
     forward_backward = pipeline_group = None
-    if plan.pipeline is not None:
-        held, forward_backward, pipeline_group = _pipeline(
-            plan, compiled, program, mesh, rank, microbatches, loss_inputs=inputs_of
+    if stages is not None:
+        forward_backward = stages.forward_backward(
+            inputs_of, microbatches, dp.no_sync if dp is not None else None
         )
-        program = held
-        axes = dataclasses.replace(axes, stages=(plan.pipeline.axis,))
+        pipeline_group = stages.group
+        axes = dataclasses.replace(axes, stages=(stages.axis,))
 
     return Session(
         program,
@@ -201,22 +204,69 @@ def pipeline_microbatches(plan: Plan, layout) -> int:
     return p.microbatches or layout.size(p.axis)
 
 
-def _pipeline(plan: Plan, compiled, program, mesh, rank: int, microbatches: int, *, loss_inputs):
-    """This rank's stages of `program`, the module that holds their parameters (under the
-    model's names: what the optimizer, checkpoints and export see), the micro-step that runs
-    them by the plan's schedule, and the pipeline axis's group."""
+@dataclass
+class _PipelineRank:
+    """This rank's stages: their programs, the module holding their parameters under the
+    model's names (what the optimizer, data parallelism, checkpoints and export see), and
+    the checked schedule that runs them."""
+
+    held: fx.GraphModule
+    stages: dict[int, fx.GraphModule]
+    schedule: Any  # runtime.schedules.Schedule
+    position: int  # this rank's coordinate on the pipeline axis
+    ranks: list[int]  # the global ranks of its pipeline group, by position
+    group: torch.distributed.ProcessGroup | None
+    axis: str
+
+    def forward_backward(self, inputs_of, microbatches: int, no_sync):
+        """The micro-step: split its batch into microbatches, run the schedule (`no_sync`:
+        the data-parallel engine's), and return the loss on every pipeline rank."""
+        import torch.distributed as dist
+
+        from meshplan.runtime.pipeline import PipelineStep
+
+        step = PipelineStep(
+            self.stages,
+            self.schedule,
+            rank=self.position,
+            ranks=self.ranks,
+            group=self.group,
+            axis=self.axis,
+            no_sync=no_sync,
+        )
+        group = self.group
+
+        def forward_backward(
+            input_ids: torch.Tensor, labels: torch.Tensor, k: int, scale: float
+        ) -> torch.Tensor:
+            micro = [
+                inputs_of(x, y)
+                for x, y in zip(input_ids.chunk(microbatches), labels.chunk(microbatches), strict=True)
+            ]
+            loss = step.run(micro, scale / k)  # on the last stage's rank; 0 on the others
+            if group is not None:
+                loss = loss.clone()
+                dist.all_reduce(loss, group=group)
+            return loss / k
+
+        return forward_backward
+
+
+def _pipeline(plan: Plan, compiled, program: fx.GraphModule, mesh, rank: int) -> _PipelineRank:
+    """Cut `program` (this rank's, shards and groups bound) into the compiled stages and keep
+    the ones the plan's schedule gives this rank."""
     import torch.distributed as dist
     from torch import fx
 
     from meshplan.compiler.stages import compiled_cuts, cut_stages
     from meshplan.runtime import schedules
     from meshplan.runtime.collectives import label_collectives
-    from meshplan.runtime.pipeline import PipelineStep
 
     spec = plan.pipeline
+    assert spec is not None
     layout = compiled.layout
     ranks = layout.size(spec.axis)
-    position = layout.coords(rank)[spec.axis]
+    microbatches = pipeline_microbatches(plan, layout)
     if spec.schedule == "gpipe":
         schedule = schedules.gpipe(ranks, microbatches)
     elif spec.schedule == "interleaved":
@@ -224,10 +274,11 @@ def _pipeline(plan: Plan, compiled, program, mesh, rank: int, microbatches: int,
     else:
         schedule = schedules.one_f_one_b(ranks, microbatches)
     schedules.simulate(schedule)  # a list that cannot run is a meshplan bug, found before it hangs
-    stages = cut_stages(compiled.graph, compiled_cuts(compiled.graph, getattr(compiled, "stage_cuts", ())))
-    assert stages.count == schedule.stages, f"{stages.count} stages for a schedule of {schedule.stages}"
-    programs = stages.programs(program)
-    mine = {s: programs[s] for s in range(stages.count) if schedule.owner[s] == position}
+    cut = cut_stages(compiled.graph, compiled_cuts(compiled.graph, getattr(compiled, "stage_cuts", ())))
+    assert cut.count == schedule.stages, f"{cut.count} stages for a schedule of {schedule.stages}"
+    position = layout.coords(rank)[spec.axis]
+    programs = cut.programs(program)
+    mine = {s: programs[s] for s in range(cut.count) if schedule.owner[s] == position}
     for stage in mine.values():
         label_collectives(stage)
     names = sorted({str(n.target) for st in mine.values() for n in st.graph.nodes if n.op == "get_attr"})
@@ -237,27 +288,8 @@ def _pipeline(plan: Plan, compiled, program, mesh, rank: int, microbatches: int,
     graph.output(None)
     held = fx.GraphModule(program, graph, class_name="PipelineRank")
     group = mesh.get_group(spec.axis) if ranks > 1 else None
-    step = PipelineStep(
-        mine,
-        schedule,
-        rank=position,
-        ranks=dist.get_process_group_ranks(group) if group is not None else [rank],
-        group=group,
-        axis=spec.axis,
-    )
-
-    def forward_backward(input_ids: torch.Tensor, labels: torch.Tensor, k: int, scale: float) -> torch.Tensor:
-        micro = [
-            loss_inputs(x, y)
-            for x, y in zip(input_ids.chunk(microbatches), labels.chunk(microbatches), strict=True)
-        ]
-        loss = step.run(micro, scale / k)  # on the last stage's rank; 0 on the others
-        if group is not None:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=group)
-        return loss / k
-
-    return held, forward_backward, group
+    members = dist.get_process_group_ranks(group) if group is not None else [rank]
+    return _PipelineRank(held, mine, schedule, position, members, group, spec.axis)
 
 
 def compiled_folder(args: argparse.Namespace) -> Executable:

@@ -4,7 +4,7 @@
 and pass `meshplan check`, but no pass lowers them yet: a program compiled from such a
 plan would simply lack them and train as if they were not there. So every command that
 compiles against a model refuses them, one located error per rule, and so are the axes a
-`pipeline` does not compose with yet (data parallelism, ZeRO, the zero-bubble schedule):
+`pipeline` does not compose with yet (ZeRO, the zero-bubble schedule):
 
     examples/long_context.plan:8:25: error: context parallelism (`context ring`) is not lowered yet: this plan would train without it
             layers.*.self_attn: context ring over cp
@@ -183,9 +183,8 @@ def _inputs(source: ModelSource) -> Iterator[Any]:
 
 
 def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
-    """A pipeline composes with tensor and sequence rules, checkpointing, precision and
-    accumulation; not yet with data parallelism (its gradient buckets would launch once per
-    microbatch), ZeRO, or the zero-bubble schedule."""
+    """A pipeline composes with tensor and sequence rules, data parallelism, checkpointing,
+    precision and accumulation; not yet with ZeRO or the zero-bubble schedule."""
     p, dp = plan.pipeline, plan.data_parallel
     if p is None:
         return []
@@ -199,16 +198,12 @@ def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
                 hint="use `schedule = 1f1b`, `gpipe` or `interleaved`",
             )
         )
-    if dp is not None and (dp.zero > 0 or plan.mesh.size(dp.axis) != 1):
-        size = plan.mesh.size(dp.axis)
-        what = f"ZeRO-{dp.zero}" if dp.zero > 0 else f"data parallelism over `{dp.axis}`"
+    if dp is not None and dp.zero > 0:
         out.append(
             Diagnostic(
-                _keyword_span(dp.span, "data_parallel"),
-                f"a pipeline with {what} is not lowered yet"
-                + (f" (`{dp.axis}` has {size} ranks)" if size and size > 1 else ""),
-                hint=f"train the pipeline without the `data_parallel` block, or without the `pipeline` "
-                f"block on {dp.axis}",
+                dp.spans.get("zero", _keyword_span(dp.span, "data_parallel")),
+                f"a pipeline with ZeRO-{dp.zero} is not lowered yet",
+                hint="use `zero = 0` (data parallelism with a gradient all-reduce) with a pipeline",
             )
         )
     return out

@@ -24,12 +24,16 @@ tuple of what it sends, or the loss for the last stage.
 Gradients accumulate in the stages' parameters over the microbatches, exactly as
 gradient accumulation does: with m microbatches of a batch, each microbatch's loss is
 divided by m, so the gradients equal those of the whole batch (for a mean-reduced loss over
-equally many tokens per microbatch).
+equally many tokens per microbatch). Under data parallelism, every backward but a stage's
+last of the step runs inside the engine's `no_sync`: each gradient bucket is all-reduced
+once, launched by the last backward that completes it, overlapping the backward that follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -69,9 +73,12 @@ class PipelineStep:
         ranks: Sequence[int],
         group: dist.ProcessGroup | None,
         axis: str = "pp",
+        no_sync: Callable[[], AbstractContextManager[None]] | None = None,
     ):
         """`stages`: this rank's stage programs by stage index; `rank`: this rank's position on the pipeline axis `axis`; `ranks`: the
-        global ranks of the pipeline group, by position; `group`: that group."""
+        global ranks of the pipeline group, by position; `group`: that group; `no_sync`:
+        the data-parallel engine's, so that a stage's gradients are synchronized once, by
+        its last backward of the step, not once per microbatch."""
         self.stages = dict(stages)
         self.schedule = schedule
         # what each (direction, stage) message holds, learnt from the header its first
@@ -83,6 +90,12 @@ class PipelineStep:
         self.group = group
         self.axis = axis
         self.actions = schedule.actions[rank]
+        self.no_sync = no_sync or contextlib.nullcontext
+        last: dict[int, int] = {}
+        for at, action in enumerate(self.actions):
+            if action.kind in ("B", "W"):
+                last[action.stage] = at
+        self._syncs = frozenset(last.values())  # the actions after which a stage's gradients are final
 
     @property
     def last(self) -> int:
@@ -99,7 +112,7 @@ class PipelineStep:
         self._pending: list[tuple[dist.Work, Tensor]] = []
         saved: dict[tuple[int, int], tuple[list[Tensor], tuple[Tensor, ...]]] = {}
         total = torch.zeros((), dtype=torch.float64)
-        for action in self.actions:
+        for at, action in enumerate(self.actions):
             s, i = action.stage, action.microbatch
             if action.kind == "F":
                 received = self._take("F", s, i) if s > 0 else []
@@ -117,12 +130,15 @@ class PipelineStep:
                     self._give("F", s + 1, i, [o.detach() for o in outs])
             elif action.kind == "B":
                 received, outs = saved.pop((s, i))
-                if s == self.last:
-                    torch.autograd.backward(outs[0])
-                else:
-                    grads = self._take("B", s, i)
-                    pairs = [(o, g) for o, g in zip(_floating(outs), grads, strict=True) if o.requires_grad]
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                grads = self._take("B", s, i) if s != self.last else []
+                with self.no_sync() if at not in self._syncs else contextlib.nullcontext():
+                    if s == self.last:
+                        torch.autograd.backward(outs[0])
+                    else:
+                        pairs = [
+                            (o, g) for o, g in zip(_floating(outs), grads, strict=True) if o.requires_grad
+                        ]
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if s > 0:
                     self._give("B", s - 1, i, [_grad(t) for t in _floating(received)])
             else:

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from plans import llama_rules, llama_sequence, plan
+from plans import data_parallel, llama_rules, llama_sequence, plan
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,10 @@ PIPELINE = "\npipeline over pp {{\n    schedule = {schedule}\n{virtual}    micro
 
 
 def pipeline_plan(
-    tmp: Path, name: str, *, schedule: str, mesh: str, rules: str = "", virtual: int = 0
+    tmp: Path, name: str, *, schedule: str, mesh: str, rules: str = "", virtual: int = 0, extra: str = ""
 ) -> Path:
     block = PIPELINE.format(schedule=schedule, virtual=f"    virtual_stages = {virtual}\n" if virtual else "")
+    block += extra
     path = tmp / f"{name}.plan"
     path.write_text(plan(rules, mesh=mesh, extra=block) if rules else f"mesh {mesh}\n{block}")
     return path
@@ -63,6 +64,14 @@ def one_process(tmp_path_factory) -> list[dict]:
     return run(tmp / "one.plan", tmp / "run", batch=2 * MICRO)
 
 
+@pytest.fixture(scope="module")
+def one_process_twice_the_batch(tmp_path_factory) -> list[dict]:
+    """The reference for two data-parallel ranks: 16 sequences per step on one process."""
+    tmp = tmp_path_factory.mktemp("one16")
+    (tmp / "one.plan").write_text("mesh dp=1\n")
+    return run(tmp / "one.plan", tmp / "run", batch=2 * 2 * MICRO)
+
+
 def same_steps(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want, strict=True):
@@ -70,9 +79,15 @@ def same_steps(got: list[dict], want: list[dict]) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), g["step"]
 
 
-def test_a_1f1b_pipeline_trains_like_one_process(tmp_path: Path, one_process: list[dict]) -> None:
-    path = pipeline_plan(tmp_path, "pp", schedule="1f1b", mesh="pp=2")
-    same_steps(run(path, tmp_path / "run"), one_process)
+def test_a_1f1b_pipeline_with_data_parallel_trains_like_one_process(
+    tmp_path: Path, one_process_twice_the_batch: list[dict]
+) -> None:
+    """dp=2 x pp=2 on 4 processes: each stage's gradient buckets are all-reduced once per step,
+    launched by its last backward."""
+    path = pipeline_plan(
+        tmp_path, "dppp", schedule="1f1b", mesh="dp=2, pp=2", extra=data_parallel(bucket="64KB")
+    )
+    same_steps(run(path, tmp_path / "run"), one_process_twice_the_batch)
 
 
 def test_interleaved_pipeline_with_tensor_and_sequence_parallel_and_checkpointing(

@@ -38,19 +38,22 @@ def _refusal(text: str, model: nn.Module | None = None, *, seq: int = 16) -> str
 # ---------------------------------------------------------------------------- each construct refused
 
 
-def test_pipeline_with_data_parallel_is_refused_at_the_data_parallel_block():
-    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n}\n"
+def test_pipeline_with_zero_is_refused_at_the_zero_setting():
+    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
     assert _refusal(text) == (
-        "p.plan:7:1: error: a pipeline with data parallelism over `dp` is not lowered yet (`dp` has 2 ranks)\n"
-        "    data_parallel over dp {\n"
-        "    ^~~~~~~~~~~~~\n"
-        "hint: train the pipeline without the `data_parallel` block, or without the `pipeline` block on dp"
+        "p.plan:8:5: error: a pipeline with ZeRO-1 is not lowered yet\n"
+        "        zero = 1\n"
+        "        ^~~~~~~~\n"
+        "hint: use `zero = 0` (data parallelism with a gradient all-reduce) with a pipeline"
     )
 
 
-def test_pipeline_with_zero_is_refused_even_on_one_data_rank():
-    text = "mesh dp=1, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
-    assert "error: a pipeline with ZeRO-1 is not lowered yet" in _refusal(text)
+def test_pipeline_with_data_parallel_compiles():
+    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n}\n"
+    compiled = compile_plan(
+        check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs())
+    )
+    assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
 
 
 def test_zero_bubble_schedule_is_refused_at_its_setting():
@@ -273,8 +276,8 @@ def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, m
     out, err = capsys.readouterr()
     assert out == ""
     assert (
-        "examples/llama_3d.plan:29:1: error: a pipeline with ZeRO-1 is not lowered yet\n"
-        "    data_parallel over dp {\n    ^~~~~~~~~~~~~\n"
+        "examples/llama_3d.plan:30:5: error: a pipeline with ZeRO-1 is not lowered yet\n"
+        "        zero = 1  # shard the Adam state over dp\n        ^~~~~~~~\n"
     ) in err
     assert err.endswith("examples/llama_3d.plan: 1 error\n")
     assert not (tmp_path / "out").exists()

@@ -4,7 +4,7 @@
 and pass `meshplan check`, but no pass lowers them yet: a program compiled from such a
 plan would simply lack them and train as if they were not there. So every command that
 compiles against a model refuses them, one located error per rule, and so are the axes a
-`pipeline` does not compose with yet (ZeRO, the zero-bubble schedule):
+`pipeline` does not compose with yet (ZeRO-3, the zero-bubble schedule):
 
     examples/long_context.plan:8:25: error: context parallelism (`context ring`) is not lowered yet: this plan would train without it
             layers.*.self_attn: context ring over cp
@@ -183,8 +183,9 @@ def _inputs(source: ModelSource) -> Iterator[Any]:
 
 
 def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
-    """A pipeline composes with tensor and sequence rules, data parallelism, checkpointing,
-    precision and accumulation; not yet with ZeRO or the zero-bubble schedule."""
+    """A pipeline composes with tensor and sequence rules, data parallelism and ZeRO-1/2,
+    checkpointing, precision and accumulation; not yet with ZeRO-3 (its gather and release
+    nodes would be cut apart by the stages) or the zero-bubble schedule."""
     p, dp = plan.pipeline, plan.data_parallel
     if p is None:
         return []
@@ -198,12 +199,12 @@ def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
                 hint="use `schedule = 1f1b`, `gpipe` or `interleaved`",
             )
         )
-    if dp is not None and dp.zero > 0:
+    if dp is not None and dp.zero == 3:
         out.append(
             Diagnostic(
                 dp.spans.get("zero", _keyword_span(dp.span, "data_parallel")),
-                f"a pipeline with ZeRO-{dp.zero} is not lowered yet",
-                hint="use `zero = 0` (data parallelism with a gradient all-reduce) with a pipeline",
+                "a pipeline with ZeRO-3 is not lowered yet",
+                hint="use `zero = 1` or `zero = 2` with a pipeline",
             )
         )
     return out

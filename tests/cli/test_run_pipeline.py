@@ -79,14 +79,14 @@ def same_steps(got: list[dict], want: list[dict]) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), g["step"]
 
 
+@pytest.mark.parametrize("zero", [0, 2])
 def test_a_1f1b_pipeline_with_data_parallel_trains_like_one_process(
-    tmp_path: Path, one_process_twice_the_batch: list[dict]
+    tmp_path: Path, one_process_twice_the_batch: list[dict], zero: int
 ) -> None:
-    """dp=2 x pp=2 on 4 processes: each stage's gradient buckets are all-reduced once per step,
-    launched by its last backward."""
-    path = pipeline_plan(
-        tmp_path, "dppp", schedule="1f1b", mesh="dp=2, pp=2", extra=data_parallel(bucket="64KB")
-    )
+    """dp=2 x pp=2 on 4 processes, plain data parallel or ZeRO-2: each stage's gradients are
+    reduced once per step, launched by its last backward."""
+    block = data_parallel(zero=zero, bucket="64KB")
+    path = pipeline_plan(tmp_path, "dppp", schedule="1f1b", mesh="dp=2, pp=2", extra=block)
     same_steps(run(path, tmp_path / "run"), one_process_twice_the_batch)
 
 

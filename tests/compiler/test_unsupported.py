@@ -38,13 +38,13 @@ def _refusal(text: str, model: nn.Module | None = None, *, seq: int = 16) -> str
 # ---------------------------------------------------------------------------- each construct refused
 
 
-def test_pipeline_with_zero_is_refused_at_the_zero_setting():
-    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
+def test_pipeline_with_zero_3_is_refused_at_the_zero_setting():
+    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n"
     assert _refusal(text) == (
-        "p.plan:8:5: error: a pipeline with ZeRO-1 is not lowered yet\n"
-        "        zero = 1\n"
+        "p.plan:8:5: error: a pipeline with ZeRO-3 is not lowered yet\n"
+        "        zero = 3\n"
         "        ^~~~~~~~\n"
-        "hint: use `zero = 0` (data parallelism with a gradient all-reduce) with a pipeline"
+        "hint: use `zero = 1` or `zero = 2` with a pipeline"
     )
 
 
@@ -257,7 +257,7 @@ def test_fewer_microbatches_than_stages_is_refused_before_the_model_loads(capsys
 # ---------------------------------------------------------------------------- the command line
 
 
-EXAMPLES_NOT_LOWERED = ["llama_3d", "long_context", "moe_ep", "ulysses_gpipe", "llama_interleaved"]
+EXAMPLES_NOT_LOWERED = ["long_context", "moe_ep", "ulysses_gpipe", "llama_interleaved"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES_NOT_LOWERED)
@@ -270,16 +270,21 @@ def test_check_without_a_model_accepts_them(name: str, capsys):
 def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("NO_COLOR", "1")
-    argv = [command[0], "examples/llama_3d.plan", "--model", LLAMA]
+    argv = [command[0], "examples/long_context.plan", "--model", LLAMA]
     argv += [str(tmp_path / "out") if a == "OUT" else a for a in command[1:]]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert (
-        "examples/llama_3d.plan:30:5: error: a pipeline with ZeRO-1 is not lowered yet\n"
-        "        zero = 1  # shard the Adam state over dp\n        ^~~~~~~~\n"
+        "examples/long_context.plan:8:25: error: context parallelism (`context ring`) is not lowered yet: "
+        "this plan would train without it\n"
+        "        layers.*.self_attn: context ring over cp\n"
+        "                            ^~~~~~~~~~~~~~~~~~~~\n"
     ) in err
-    assert err.endswith("examples/llama_3d.plan: 1 error\n")
+    assert (
+        "examples/long_context.plan:17:5: error: the zero-bubble pipeline schedule is not lowered yet" in err
+    )
+    assert err.endswith("examples/long_context.plan: 2 errors\n")
     assert not (tmp_path / "out").exists()
 
 

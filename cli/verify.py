@@ -58,6 +58,7 @@ class Job:
     seed: int
     vocab: int  # token ids are drawn from [0, vocab)
     out: str
+    microbatches: int = 1  # a pipeline's micro-step: this many batches of `batch` sequences
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def token_batches(job: Job, *, dp_rank: int, dp_size: int, accumulation: int) ->
     def get(step: int, micro: int):
         index = (step * dp_size + dp_rank) * accumulation + micro
         g = torch.Generator().manual_seed(job.seed * 1_000_003 + index)
-        tokens = torch.randint(0, job.vocab, (job.batch, job.seq + 1), generator=g)
+        tokens = torch.randint(0, job.vocab, (job.batch * job.microbatches, job.seq + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as a data loader hands them
 
     return get
@@ -118,14 +119,18 @@ def token_batches(job: Job, *, dp_rank: int, dp_size: int, accumulation: int) ->
 
 def whole_job_batches(job: Job, *, dp_size: int, accumulation: int) -> Callable:
     """Every rank's micro-batches of a step, for one process: micro-step i is dp rank
-    i // accumulation's micro-step i % accumulation."""
+    i // accumulation's micro-step i % accumulation, or under a pipeline one of its
+    microbatches (the pipeline's micro-step is `job.microbatches` of them, each loss / m)."""
     ranks = [
         token_batches(job, dp_rank=r, dp_size=dp_size, accumulation=accumulation) for r in range(dp_size)
     ]
+    m = job.microbatches
 
     def get(step: int, micro: int):
-        rank, m = divmod(micro, accumulation)
-        return ranks[rank](step, m)
+        rank, rest = divmod(micro, accumulation * m)
+        j, chunk = divmod(rest, m)
+        input_ids, labels = ranks[rank](step, j)
+        return input_ids.chunk(m)[chunk], labels.chunk(m)[chunk]
 
     return get
 
@@ -177,7 +182,10 @@ def _train_one_device(model, loss_of, job: Job, config, dp_size: int, name: str)
     from meshplan.runtime.train import train
 
     one = replace(
-        config, accumulation=dp_size * config.accumulation, run_dir=Path(job.out) / name, save_every=0
+        config,
+        accumulation=dp_size * config.accumulation * job.microbatches,
+        run_dir=Path(job.out) / name,
+        save_every=0,
     )
     batches = whole_job_batches(job, dp_size=dp_size, accumulation=config.accumulation)
     summary = train(model, loss_of, batches, one, show_progress=False)
@@ -319,7 +327,7 @@ def verify(
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
     from meshplan.runtime.launch import spawn
-    from meshplan.session import check_supported
+    from meshplan.session import check_supported, pipeline_microbatches
 
     plan = load_plan(plan_path, world_size=world_size)
     world = plan.mesh.world_size
@@ -332,7 +340,8 @@ def verify(
     vocab = token_range(compiled, source)
 
     with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as out:
-        job = Job(plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out)
+        micro = pipeline_microbatches(plan, compiled.layout)
+        job = Job(plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out, micro)
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
 
@@ -431,7 +440,12 @@ def render(report: Report) -> str:
     lines = [
         f"verify {job.plan} on {report.world_size} rank{'s' * (report.world_size != 1)}: {job.steps} steps "
         f"of `meshplan run`'s AdamW ({f'clipped at {job.grad_clip:g}' if job.grad_clip else 'no clipping'}), "
-        f"{job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and micro-step",
+        f"{job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and "
+        + (
+            f"microbatch, {job.microbatches} microbatches per micro-step"
+            if job.microbatches > 1
+            else "micro-step"
+        ),
     ]
     if report.float64:
         lines.append("  reference  the unpartitioned model in float64")

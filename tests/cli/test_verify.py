@@ -94,6 +94,20 @@ def test_hf_gpt2_sequence_parallel_zero3_without_checkpointing(tmp_path, factory
 
 
 @pytest.mark.slow
+def test_hf_llama_pipeline_with_tensor_parallel(tmp_path):
+    """pp=2 x tp=2, 1F1B over 4 microbatches, on unmodified Hugging Face Llama: the rotary
+    embedding module every layer shares and the causal mask are remade in each stage."""
+    pytest.importorskip("transformers")
+    from plans import llama_rules, plan
+
+    extra = "\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
+    text = plan(llama_rules("model.", vocab=False), mesh="pp=2, tp=2", extra=extra)
+    report = verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_llama", steps=2)
+    assert_ok(report)
+    assert report.job.microbatches == 4
+
+
+@pytest.mark.slow
 def test_a_tuple_output_tied_model_with_a_large_vocabulary():
     """nanoGPT returns `(logits, loss)` and ties its head to the embedding; the token ids are
     drawn from the embedding's rows (not from the example inputs' range)."""

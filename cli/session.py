@@ -88,7 +88,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         compiled_folder(args)
         program_file = str(Path(args.plan) / "program.pt")
     torch.manual_seed(args.seed)
-    # the graph bakes in its example shapes: compiled for this rank's micro-batch
+    # token inputs of this rank's micro-batch: the example a compile here captures with
     source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
     compiled: Compiled | Executable
     if program_file:  # compiled once, by the launcher or `meshplan compile`
@@ -315,21 +315,36 @@ def compiled_folder(args: argparse.Namespace) -> Executable:
 
 
 def load_program(path: Path, model: nn.Module, *, batch: int, seq: int) -> Executable:
-    """The compiled program at `path`, checked against the run: the same model structure and the
-    (batch, seq) it was compiled for. A mismatch is the user's to fix (`RunError`)."""
+    """The compiled program at `path`, checked against the run: the same model structure and a
+    (batch, seq) it serves (any its splits divide, for a program with symbolic shapes; else the
+    one it was compiled for). A mismatch is the user's to fix (`RunError`)."""
     from meshplan.compiler.executable import ExecutableError, load_executable
 
     try:
         executable = load_executable(path, model)
     except ExecutableError as e:
         raise RunError(str(e)) from None
-    if executable.token_shape is not None and executable.token_shape != (batch, seq):
+    if executable.shapes is None and executable.token_shape not in (None, (batch, seq)):
         b, t = executable.token_shape
         raise RunError(
             f"{path} was compiled for --batch {b} --seq {t}, not --batch {batch} --seq {seq} "
             f"(hint: run with --batch {b} --seq {t}, or compile again with the shapes you want)"
         )
+    problems = executable.shape_problems(batch, seq)
+    if problems:
+        raise RunError(
+            f"{path} cannot run --batch {batch} --seq {seq}: {'; '.join(problems)}{_shape_hint(executable)}"
+        )
     return executable
+
+
+def _shape_hint(executable: Executable) -> str:
+    """` (hint: ...)` naming the steps of the shapes the program runs."""
+    if executable.shapes is None:
+        return ""
+    b, s = executable.shapes.multiples()
+    steps = [f"--seq a multiple of {s}"] * (s > 1) + [f"--batch a multiple of {b}"] * (b > 1)
+    return f" (hint: pass {' and '.join(steps)})" if steps else ""
 
 
 def _tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:

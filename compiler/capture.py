@@ -8,7 +8,12 @@ Two steps, kept apart so that tests and the Python API can skip the first:
 `load_model` runs only the file (or imports only the module) that the spec names and
 calls its factory with no arguments; a plan never runs code.
 
-`capture` uses `torch.export.export(..., strict=False)`. Since PyTorch 2.6 it returns
+`capture` uses `torch.export.export(..., strict=False)` with the token inputs' batch and
+sequence dims dynamic (`Dim("batch")`, `Dim("seq")`, shared by every (B, T) integer input):
+sizes that follow from them are symbols in the graph (`s72*s38`), and view sizes read them
+with `sym_size` nodes, so one graph serves every batch and sequence length. A model whose
+code fixes them (a size compared with a constant) is captured with its example shapes
+instead, and `Captured.static_reason` says why. Since PyTorch 2.6 it returns
 the training IR: non-functional ATen before autograd and before decompositions, so
 `aten.linear` and `aten.scaled_dot_product_attention` survive, the graph still reads
 like the model, and `program.module()` trains (parameters stay `nn.Parameter`s).
@@ -27,6 +32,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
 import traceback
@@ -36,6 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import sympy
 import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
@@ -75,6 +82,80 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
+class TokenDims:
+    """The token inputs' batch and sequence length as symbols of the captured graph.
+
+    Export names its symbols itself (`s72`, `s38`); `named` spells an expression over them with
+    `batch` and `seq` (`s72*s38` -> `batch*seq`), the names messages and program.pt use.
+    """
+
+    batch: sympy.Symbol
+    seq: sympy.Symbol
+    example: tuple[int, int]  # (batch, seq) of the inputs captured with: every symbol's hint
+    max_seq: int | None  # the model's position limit, if its config has one
+
+    def named(self, expr: sympy.Expr | int) -> sympy.Expr:
+        return sympy.sympify(expr).subs({self.batch: BATCH, self.seq: SEQ})
+
+    def hint(self, expr: sympy.Expr | int) -> int:
+        """`expr`'s value at the example shape."""
+        return int(sympy.sympify(expr).subs({self.batch: self.example[0], self.seq: self.example[1]}))
+
+
+# The names of the token dims in expressions meshplan keeps (`TokenDims.named`, program.pt).
+BATCH, SEQ = (
+    sympy.Symbol("batch", integer=True, positive=True),
+    sympy.Symbol("seq", integer=True, positive=True),
+)
+
+
+@dataclass(frozen=True)
+class Divisibility:
+    """A size that depends on the token shape and that the program cuts into `by` equal pieces
+    (a sequence over the tensor-parallel ranks): a run's shapes must make it divide."""
+
+    size: sympy.Expr  # over BATCH and SEQ: `seq`, `batch*seq`
+    by: int
+    why: str  # "`sequence over tp` cuts each sequence into 2 shards"
+    where: str  # `file:line` of the plan rule behind it, or ""
+
+
+@dataclass(frozen=True)
+class TokenShapes:
+    """The (batch, seq) a dynamic program serves: any within the model's limit for which every
+    size it cuts divides. `example` is what it was captured with (the ledger's shapes)."""
+
+    example: tuple[int, int]
+    max_seq: int | None = None
+    divisible: tuple[Divisibility, ...] = ()
+
+    def problems(self, batch: int, seq: int) -> list[str]:
+        """Why the program cannot run at (batch, seq), one sentence each; [] if it can."""
+        out = []
+        if batch < 1 or seq < 1:
+            out.append(f"--batch {batch} --seq {seq}: sizes must be at least 1")
+        if self.max_seq is not None and seq > self.max_seq:
+            out.append(f"--seq {seq} is longer than the model's {self.max_seq} positions")
+        for d in self.divisible:
+            size = int(d.size.subs({BATCH: batch, SEQ: seq}))
+            if size % d.by:
+                what = f"--{d.size} {size}" if d.size in (BATCH, SEQ) else f"{d.size} = {size}"
+                where = f" ({d.where})" if d.where else ""
+                out.append(f"{what} does not divide by {d.by}: {d.why}{where}")
+        return out
+
+    def multiples(self) -> tuple[int, int]:
+        """The smallest (batch, seq) steps every divisibility holds for (seq 2 under sp over 2)."""
+        b = s = 1
+        for d in self.divisible:
+            if d.size == SEQ:
+                s = math.lcm(s, d.by)
+            elif d.size == BATCH:
+                b = math.lcm(b, d.by)
+        return b, s
+
+
+@dataclass(frozen=True)
 class Captured:
     """A captured model: the exported program plus the module facts that plan rules refer to."""
 
@@ -89,6 +170,8 @@ class Captured:
     # parameters and buffers by canonical name (the first of `named_parameters()`)
     parameters: dict[str, ParamInfo]
     buffers: dict[str, ParamInfo]
+    dims: TokenDims | None = None  # None: captured with the example's shapes
+    static_reason: str = ""  # why the shapes are the example's, when `dynamic` was asked for
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -395,14 +478,26 @@ def _display(filename: str) -> str:
 # --- capture -------------------------------------------------------------------------
 
 
-def capture(model: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Captured:
+def capture(
+    model: nn.Module,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dynamic: bool = False,
+) -> Captured:
     """Export `model` called as `model(*args, **kwargs)` and tag every node with its module path.
 
-    The model's train/eval mode is kept: in train mode dropout is part of the graph,
-    which is what a training program needs.
+    With `dynamic`, the batch and sequence dims of the token inputs are symbols (see the
+    module docstring); when export cannot keep them symbolic the capture is static and
+    `static_reason` says why. The model's train/eval mode is kept: in train mode dropout is
+    part of the graph, which is what a training program needs.
     """
     kwargs = dict(kwargs or {})
-    program = _export(model, tuple(args), kwargs)
+    program, dims, static_reason = None, None, ""
+    if dynamic:
+        program, dims, static_reason = _export_dynamic(model, tuple(args), kwargs)
+    if program is None:
+        program = _export(model, tuple(args), kwargs)
     paths = _ModulePaths.of(model)
     node_modules = _tag_nodes(program.graph_module, paths)
     return Captured(
@@ -414,7 +509,69 @@ def capture(model: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any]
         modules={path: type(module) for path, module in model.named_modules()},
         parameters=_tensor_infos(model.named_parameters(remove_duplicate=False)),
         buffers=_tensor_infos(model.named_buffers(remove_duplicate=False)),
+        dims=dims,
+        static_reason=static_reason,
     )
+
+
+def token_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The (B, T) integer inputs of a call: token ids, labels, an attention mask."""
+    return [
+        x
+        for x in [*args, *kwargs.values()]
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
+    ]
+
+
+def _export_dynamic(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[ExportedProgram | None, TokenDims | None, str]:
+    """Export with the token inputs' (batch, seq) symbolic: the program and its symbols, or
+    (None, None, why not) when the model fixes them (the caller exports statically)."""
+    tokens = token_tensors(args, kwargs)
+    if not tokens:
+        return None, None, "the model has no (batch, seq) token inputs"
+    example = tuple(tokens[0].shape)
+    if any(tuple(t.shape) != example for t in tokens):
+        return None, None, "its token inputs differ in shape"
+    if min(example) < 2:  # export specializes a size-1 example to 1
+        return None, None, f"the example shape {example} has a size 1"
+    limit = max_positions(model)
+    batch = torch.export.Dim("batch", min=1)
+    seq = torch.export.Dim("seq", min=1, max=limit[1]) if limit else torch.export.Dim("seq", min=1)
+    shapes = torch.export.ShapesCollection()
+    for t in tokens:
+        shapes[t] = {0: batch, 1: seq}
+    try:
+        program = torch.export.export(
+            model,
+            args,
+            kwargs=kwargs,
+            strict=False,
+            dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
+        )
+    except Exception as exc:  # a constraint violated (the model fixes a size), or anything else
+        return None, None, _describe(exc)
+    symbols = _token_symbols(program, example)
+    if symbols is None:
+        return None, None, "export kept the token shapes concrete"
+    return program, TokenDims(*symbols, (int(example[0]), int(example[1])), limit[1] if limit else None), ""
+
+
+def _token_symbols(
+    program: ExportedProgram, example: tuple[int, ...]
+) -> tuple[sympy.Symbol, sympy.Symbol] | None:
+    """Export's symbols for batch and seq: the sizes of a (B, T) integer input placeholder."""
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() != 2:
+            continue
+        b, t = val.shape
+        if isinstance(b, torch.SymInt) and isinstance(t, torch.SymInt):
+            eb, et = b.node.expr, t.node.expr
+            if isinstance(eb, sympy.Symbol) and isinstance(et, sympy.Symbol) and eb != et:
+                return eb, et
+    return None
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:

@@ -47,9 +47,9 @@ from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
 from . import unsupported
-from .capture import Captured, ModelSource, capture
+from .capture import BATCH, SEQ, Captured, Divisibility, ModelSource, TokenShapes, capture, token_tensors
 from .executable import Executable
-from .graph import for_rank, keep_loss_output, normalize
+from .graph import ShapeGuardError, for_rank, keep_loss_output, no_new_guards, normalize
 from .ledger import DataParallelFacts, Ledger, build_ledger
 from .lint import lint
 from .match import Resolution, resolve
@@ -75,6 +75,7 @@ class Compiled:
     warnings: list[Diagnostic] = field(default_factory=list)
     kv_replicas: dict[str, int] = field(default_factory=dict)  # GQA: kv weight -> ranks per head
     source: ModelSource | None = None  # the model (fp32, unpartitioned) and the inputs compiled for
+    shapes: TokenShapes | None = None  # the (batch, seq) it serves; None: only the example's
 
 
 # The passes, in order (see the module docstring for why this order). Each is one module under
@@ -89,26 +90,37 @@ PASSES: tuple[Pass, ...] = (
 )
 
 
-def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = None) -> Compiled:
-    """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found."""
+def compile_plan(
+    plan: Plan, source: ModelSource, *, world_size: int | None = None, dynamic: bool = True
+) -> Compiled:
+    """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found.
+
+    With `dynamic` (the default) the batch and sequence length of the token inputs stay
+    symbols, so the program serves every (batch, seq) its splits divide (`Compiled.shapes`).
+    Where the model or a pass needs them concrete, the plan is compiled for the example
+    shape instead, with a warning saying why: never a program that is right only for the
+    example and accepts others.
+    """
     layout = _layout(plan, world_size)
     compute = DTYPES[plan.precision.compute]
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
-    captured = capture(traced, source.args, source.kwargs)
-    gm = keep_loss_output(normalize(captured.program.module()))
-    lint(gm, layout, after="capture")
-    resolution, diagnostics = resolve(plan, captured.modules)
-    ctx = Context(plan, layout, source, resolution, diagnostics)
-    for step in PASSES:
-        if ctx.failed and not step.checks_after_errors:
-            continue
-        gm = step.run(gm, ctx)
-        if not ctx.failed:
-            lint(gm, layout, after=step.name)
-    if ctx.failed:
-        raise PlanValidationError(ctx.diagnostics, {plan.path: plan.source})
+    captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
+    static_because = captured.static_reason
+    if captured.dims is not None:
+        try:
+            gm, ctx = _run_passes(plan, layout, source, captured)
+        except (ShapeGuardError, PlanValidationError) as e:
+            # The passes needed a size of the example shape (`ShapeGuardError`), or found a
+            # problem that only the static compile can tell real from symbolic: compile for
+            # the example's shapes, whose errors are the plan's own.
+            static_because = str(e) if isinstance(e, ShapeGuardError) else e.errors[0].message
+            captured = capture(traced, source.args, source.kwargs)
+    if captured.dims is None:
+        gm, ctx = _run_passes(plan, layout, source, captured)
+        if dynamic and static_because:
+            ctx.diagnostics.append(_static_warning(plan, source, static_because))
     warnings = [d for d in ctx.diagnostics if d.severity == "warning"]
     placements: dict[str, dict[str, Placement]] = {}
     rules: dict[str, PlanRule] = {}
@@ -129,7 +141,7 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
         plan,
         layout,
         captured,
-        resolution,
+        ctx.resolution,
         gm,
         placements,
         rules,
@@ -138,6 +150,65 @@ def compile_plan(plan: Plan, source: ModelSource, *, world_size: int | None = No
         warnings,
         kv,
         source,
+        _token_shapes(captured, ctx),
+    )
+
+
+def _run_passes(
+    plan: Plan, layout: MeshLayout, source: ModelSource, captured: Captured
+) -> tuple[fx.GraphModule, Context]:
+    """Resolve the rules and run `PASSES` on the captured graph, linting after each. Raises
+    `PlanValidationError` with every problem found, `ShapeGuardError` when a pass decides on
+    a size that follows from the token shape by its example value."""
+    gm = keep_loss_output(normalize(captured.program.module()))
+    lint(gm, layout, after="capture")
+    resolution, diagnostics = resolve(plan, captured.modules)
+    ctx = Context(plan, layout, source, resolution, diagnostics)
+    with no_new_guards(gm):
+        for step in PASSES:
+            if ctx.failed and not step.checks_after_errors:
+                continue
+            gm = step.run(gm, ctx)
+            if not ctx.failed:
+                lint(gm, layout, after=step.name)
+    if ctx.failed:
+        raise PlanValidationError(ctx.diagnostics, {plan.path: plan.source})
+    return gm, ctx
+
+
+def _token_shapes(captured: Captured, ctx: Context) -> TokenShapes | None:
+    """The shapes a dynamic program serves: what the tensor-parallel walks cut must divide."""
+    dims = captured.dims
+    if dims is None:
+        return None
+    divisible = []
+    for spec in ctx.tensor:
+        for (size, by), rule in spec.cuts.items():
+            where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
+            named = dims.named(size)
+            what = "sequence" if named == SEQ else "batch" if named == BATCH else f"`{named}`"
+            why = f"{_rule_text(rule)}cuts each {what} into {by} shards over `{spec.axis}`"
+            divisible.append(Divisibility(named, by, why, where))
+    return TokenShapes(dims.example, dims.max_seq, tuple(divisible))
+
+
+def _rule_text(rule: PlanRule | None) -> str:
+    """`sequence over tp` , `column over tp` : the rule's action as the plan writes it."""
+    if rule is None:
+        return ""
+    style = getattr(rule.action, "style", rule.kind)
+    return f"`{rule.pattern}: {style} over {rule.axis}` "
+
+
+def _static_warning(plan: Plan, source: ModelSource, because: str) -> Diagnostic:
+    shape = next(iter(token_tensors(source.args, source.kwargs)), None)
+    example = f" --batch {shape.shape[0]} --seq {shape.shape[1]}" if shape is not None else ""
+    return Diagnostic(
+        plan.mesh.span,
+        f"the program is compiled for{example} only: the batch and sequence length could not "
+        f"stay symbolic ({because})",
+        hint="compile again for other shapes (--batch/--seq)",
+        severity="warning",
     )
 
 

@@ -8,9 +8,11 @@ and what every rank of `meshplan run` loads instead of capturing the model again
 
 It holds the one SPMD graph (with its checkpoint regions and group-less collective modules),
 each parameter's placement per axis, the mesh layout, the plan's text and the shapes the
-graph was compiled for. It holds no weights: parameters and buffers are stored as shapes
-only, and each rank binds its shards from the model the factory builds (seeded, the same on
-every rank). Constants the graph made itself (not the model's) are kept.
+graph serves: captured with symbolic batch and sequence length, every (batch, seq) the
+plan's splits divide (`TokenShapes`), else only those it was compiled for. It holds no
+weights: parameters and buffers are stored as shapes only, and each rank binds its shards
+from the model the factory builds (seeded, the same on every rank). Constants the graph
+made itself (not the model's) are kept.
 
 The format is a pickle, with two twists: ATen operators are stored by name
 (`aten::linear.default`), since torch's operator objects cannot be pickled, and graph modules
@@ -34,7 +36,7 @@ from torch import fx, nn
 
 from meshplan.runtime.mesh import MeshLayout
 
-from .capture import ModelSource
+from .capture import ModelSource, TokenShapes
 from .placement import Placement
 from .stages import STAGES
 
@@ -59,9 +61,20 @@ class Executable:
     plan_name: str
     plan_text: str
     model_sha256: str  # the structure of the model it was compiled for (`model_fingerprint`)
-    token_shape: tuple[int, int] | None = None  # (batch, seq) per rank and micro-step
+    token_shape: tuple[int, int] | None = None  # (batch, seq) per rank and micro-step it was captured with
     stage_cuts: tuple[tuple[str, str], ...] = ()  # the pipeline's cuts: (side, module path)
     torch_version: str = field(default_factory=lambda: torch.__version__)
+    # the (batch, seq) it serves when captured with symbolic token dims; None: `token_shape` only
+    shapes: TokenShapes | None = None
+
+    def shape_problems(self, batch: int, seq: int) -> list[str]:
+        """Why this program cannot run micro-batches of (batch, seq); [] if it can."""
+        if self.shapes is not None:
+            return self.shapes.problems(batch, seq)
+        if self.token_shape is not None and self.token_shape != (batch, seq):
+            b, t = self.token_shape
+            return [f"it was compiled for --batch {b} --seq {t} only, not --batch {batch} --seq {seq}"]
+        return []
 
     @property
     def plan_sha256(self) -> str:
@@ -84,6 +97,7 @@ def to_executable(compiled: Compiled) -> Executable:
         plan_text=compiled.plan.source,
         model_sha256=model_fingerprint(model),
         token_shape=_token_shape(compiled.source),
+        shapes=compiled.shapes,
         stage_cuts=compiled.graph.meta.get(STAGES, ()),
     )
 

@@ -9,11 +9,15 @@ Facts the compiler adds live in `node.meta` under namespaced keys:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import TypeGuard
 
+import sympy
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
 from torch.fx.node import Argument
 
 PLACEMENT = "meshplan.placement"
@@ -116,6 +120,106 @@ def size_of(s: int | torch.SymInt) -> int | torch.SymInt:
 def is_static(node: fx.Node) -> bool:
     """Whether every size of the node's output is known at compile time."""
     return all(isinstance(s, int) for s in shape(node))
+
+
+# Sizes that follow from the batch and sequence length are backed `SymInt`s (captured with
+# dynamic shapes): comparing one with `==` or `%` would quietly decide for the example shape
+# (a guard). Passes compare sizes with these instead, and run under `no_new_guards`, which
+# makes any comparison they missed an error (`ShapeGuardError`) rather than a specialization.
+
+
+def known_equal(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
+    """Whether two sizes are equal for every batch and sequence length."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def divides(n: int, size: int | torch.SymInt) -> bool | None:
+    """Whether `n` divides `size`: True or False when that holds for every batch and sequence
+    length, None when it depends on them (a sequence length over a tensor-parallel size)."""
+    if isinstance(size, int):
+        return size % n == 0
+    if statically_known_true(size % n == 0):
+        return True
+    if statically_known_true(size % n != 0):
+        return False
+    return None
+
+
+def hint(size: int | torch.SymInt) -> int | None:
+    """A size's value at the example inputs (None for a data-dependent size)."""
+    if isinstance(size, int):
+        return size
+    return size.node.hint if size.node.has_hint() else None
+
+
+def size_text(size: int | torch.SymInt) -> str:
+    """A size as messages and printed programs show it: `64`, `seq`, `batch*seq`, `u0`."""
+    if isinstance(size, int):
+        return str(size)
+    env = size.node.shape_env
+    names = {
+        symbol: sympy.Symbol(env.source_name_to_debug_name[source.name])
+        for symbol, sources in env.var_to_sources.items()
+        for source in sources
+        if source.name in env.source_name_to_debug_name
+    }
+    return str(size.node.expr.xreplace(names))
+
+
+def shape_text(node: fx.Node) -> str:
+    """`(batch, seq, 64)`: the node's shape with the token dims named."""
+    sizes = [size_text(s) for s in shape(node)]
+    return f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
+
+
+def shape_env(gm: fx.GraphModule) -> ShapeEnv | None:
+    """The symbolic shape environment of a captured graph, if any of its sizes are symbols."""
+    for node in gm.graph.nodes:
+        val = value(node)
+        if isinstance(val, torch.Tensor):
+            for s in val.shape:
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+    return None
+
+
+class ShapeGuardError(Exception):
+    """A pass needed a size that depends on the batch or sequence length to be a constant."""
+
+    def __init__(self, where: str, guard: str):
+        super().__init__(f"{where} needs {guard}")
+        self.where, self.guard = where, guard
+
+
+@contextlib.contextmanager
+def no_new_guards(gm: fx.GraphModule) -> Iterator[None]:
+    """Inside, a decision on a symbolic size that would hold only for the example shape raises
+    `ShapeGuardError` (from `torch`'s own guard machinery) instead of specializing the graph."""
+    env = shape_env(gm)
+    if env is None:
+        yield
+        return
+    try:
+        with env.error_on_new_guards():
+            yield
+    except _ShapeEnvGuardError as e:
+        raise ShapeGuardError("a pass", _guard_text(e)) from e
+
+
+def _guard_text(e: Exception) -> str:
+    text = str(e)
+    return text.split(": ", 1)[1] if ": " in text else text
+
+
+def guard_error(node: fx.Node, e: Exception) -> ShapeGuardError:
+    """`ShapeGuardError` for a guard attempted while deciding `node`."""
+    return ShapeGuardError(describe(node), _guard_text(e))
+
+
+def is_guard_error(e: BaseException) -> bool:
+    return isinstance(e, _ShapeEnvGuardError)
 
 
 def describe(node: fx.Node) -> str:

@@ -36,7 +36,7 @@ from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from .graph import COLLECTIVE, PLACEMENT, arg_node, shape, value
+from .graph import COLLECTIVE, PLACEMENT, arg_node, hint, shape, value
 from .passes.checkpoint import collective_nodes
 from .placement import Shard
 
@@ -162,8 +162,9 @@ def _held(
     node: fx.Node, full: tuple[int | torch.SymInt, ...], axis: str, layout: MeshLayout
 ) -> tuple[int | torch.SymInt, ...]:
     """The shape of `node` as one rank of `axis`'s group holds it: cut by every other axis that
-    shards it (a tensor on sequence shards over `tp` is all-reduced over `tq` a shard at a time)."""
-    held = list(full)
+    shards it (a tensor on sequence shards over `tp` is all-reduced over `tq` a shard at a time).
+    Sizes that follow from the token shape are the example's: the ledger is of the example run."""
+    held = [s if (h := hint(s)) is None else h for s in full]
     for other, p in node.meta.get(PLACEMENT, {}).items():
         if other != axis and isinstance(p, Shard) and p.dim < len(held) and isinstance(held[p.dim], int):
             held[p.dim] = p.chunk(int(held[p.dim]), layout.size(other))

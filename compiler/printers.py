@@ -16,7 +16,7 @@ from meshplan.dsl.fmt import action_text
 from meshplan.runtime.mesh import MeshLayout
 
 from .compile import Compiled
-from .graph import COLLECTIVE, PLACEMENT, module_path, shape
+from .graph import COLLECTIVE, PLACEMENT, module_path, shape_text
 from .passes.checkpoint import region_modules
 from .placement import Shard
 
@@ -235,7 +235,7 @@ def _annotated(gm, ledger) -> str:
         if info and info["kind"] in ("zero_gather", "zero_release"):
             notes[node.name] = _zero_note(node, info, ledger)
         elif info:
-            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {tuple(shape(node))}{_where(info)}"
+            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
         elif region:
             notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
     body = []

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from .graph import value
+from .graph import hint, is_guard_error, value
 from .placement import PARTIAL, REPLICATE, Partial, Placement, Shard
 
 
@@ -94,7 +94,7 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
         p = placements.get(a, REPLICATE)
         if not isinstance(v, torch.Tensor):
             raise _Unsupported
-        return DTensorSpec(mesh, (_to_dtensor(p),), TensorMeta(v.shape, v.stride(), v.dtype))
+        return DTensorSpec(mesh, (_to_dtensor(p),), TensorMeta(*_example(v), v.dtype))
 
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
     # Equal blocks (a sequence shard flattened with the batch) are asked about as a plain shard
@@ -114,7 +114,9 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
         )
     except _Unsupported:
         return None
-    except Exception:  # no strategy registered, or one that rejects these inputs
+    except Exception as e:  # no strategy registered, or one that rejects these inputs
+        if is_guard_error(e):
+            raise
         return None
     chosen = sharding.redistribute_schema or schema
     specs = [s for s in tree_leaves((chosen.args_schema, chosen.kwargs_schema)) if isinstance(s, DTensorSpec)]
@@ -144,6 +146,17 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
             return None
         output = block
     return Strategy(inputs, output)
+
+
+def _example(v: torch.Tensor) -> tuple[tuple, tuple]:
+    """Shape and strides to ask DTensor with: a size that follows from the token shape at its
+    example value. DTensor's strategies depend on sizes only for whether a dim can be sharded,
+    and the pass notes every such cut of a token-shaped size for the run to check
+    (`Walk.cut`), so the answer holds for every shape the program accepts. Data-dependent
+    sizes stay symbolic (DTensor treats them as such)."""
+    sizes = tuple(hint(s) if hint(s) is not None else s for s in v.shape)
+    strides = tuple(hint(s) if hint(s) is not None else s for s in v.stride())
+    return sizes, strides
 
 
 class _Unsupported(Exception):

@@ -81,7 +81,7 @@ def test_inspect_formats(compiled_dir, capsys):
     assert main(["inspect", str(compiled_dir), "--rank", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# meshplan rank 1 of 2: tp=1")
-    assert "# reduce_scatter over tp, (2, 16, 64) <- examples/llama_tp.plan:11" in text
+    assert "# reduce_scatter over tp, (batch, seq, 64) <- examples/llama_tp.plan:11" in text
     assert main(["inspect", str(compiled_dir), "--format", "dot"]) == 0
     dot = capsys.readouterr().out
     assert dot.startswith("digraph") and "all_gather_tp" in dot and "#f4a6a6" in dot

@@ -2,7 +2,8 @@
 and every rank loads that program; `meshplan run DIR` runs a `meshplan compile -o DIR` folder.
 
 Through the real command line and torchrun: a compile folder trains exactly like its plan
-(the same losses, step by step); a folder that does not fit the run (other shapes, another
+(the same losses, step by step), at the shapes it was compiled at and at any other its
+splits divide; a folder that does not fit the run (a sequence the plan cannot cut, another
 model) and a plan that does not fit the model are one error from the launcher, exit 2,
 before any process starts.
 """
@@ -53,10 +54,30 @@ def test_a_compile_folder_trains_like_its_plan(compiled: Path, tmp_path: Path) -
     assert len(losses(tmp_path / "plan")) == 4
 
 
+def test_a_compile_folder_runs_other_shapes_like_a_plan_compiled_for_them(
+    compiled: Path, tmp_path: Path
+) -> None:
+    """Captured with symbolic batch and sequence length, the folder compiled at (2, 32) trains
+    (3, 16) micro-batches exactly as the plan compiled for (3, 16) does."""
+    other = ("--batch", "3", "--seq", "16")
+    from_plan = meshplan("run", str(PLAN), *other, "--steps", "3", "--out", str(tmp_path / "plan"))
+    assert from_plan.returncode == 0, from_plan.stderr
+    from_folder = meshplan("run", str(compiled), *other, "--steps", "3", "--out", str(tmp_path / "folder"))
+    assert from_folder.returncode == 0, from_folder.stderr
+    assert losses(tmp_path / "folder") == losses(tmp_path / "plan")
+    assert len(losses(tmp_path / "folder")) == 3
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--batch", "4"], "was compiled for --batch 2 --seq 32, not --batch 4 --seq 32"),
+        (
+            ["--seq", "33"],
+            "cannot run --batch 2 --seq 33: --seq 33 does not divide by 2: "
+            "`layers.*.{input,post_attention}_layernorm: sequence over tp` cuts each sequence into 2 "
+            "shards over `tp`",
+        ),
+        (["--seq", "130"], "--seq 130 is longer than"),
         (["--model", str(ROOT / "examples" / "models" / "gpt.py:build")], "compiled for another model"),
     ],
 )

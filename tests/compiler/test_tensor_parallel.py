@@ -148,9 +148,15 @@ def test_a_shard_moves_between_dims_by_all_to_all():
 def test_explicit_head_count_in_view_becomes_local():
     source = load_model(f"{HERE}/factories.py:explicit_heads")
     text = "mesh tp=2\nmodules {\n    {q,k,v}: column over tp\n    out: row over tp\n}\n"
-    compiled = compile_text(text, source)
-    views = [n for n in compiled.graph.graph.nodes if n.target is torch.ops.aten.view.default]
+    static = compile_plan(check_text(text, "test.plan"), source, dynamic=False)
+    views = [n for n in static.graph.graph.nodes if n.target is torch.ops.aten.view.default]
     assert views and all(list(v.args[1]) == [2, 16, 2, 16] for v in views)
+    # captured with symbolic batch and sequence: those stay the run's sizes, the heads are local
+    views = [
+        n for n in compile_text(text, source).graph.graph.nodes if n.target is torch.ops.aten.view.default
+    ]
+    assert views and all(list(v.args[1])[2:] == [2, 16] for v in views)
+    assert all(str(size.target) == "aten.sym_size.int" for v in views for size in v.args[1][:2])
 
 
 # ---------------------------------------------------------------------------- errors

@@ -9,6 +9,7 @@ from ...graph import (
     RULE,
     arg_node,
     describe,
+    known_equal,
     shape,
 )
 from ...placement import REPLICATE, Partial, Shard
@@ -41,7 +42,7 @@ def _sdpa(w: Walk, node: fx.Node) -> None:
             hint="split q_proj, k_proj and v_proj with the same column rule",
         )
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if isinstance(mask, fx.Node) and shape(mask)[-3:-2] not in ((), (1,)):
+    if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and not known_equal(shape(mask)[-3], 1):
         w.use(node, mask, w.convert(mask, Shard(len(shape(mask)) - 3)))
     w.set(node, Shard(1), w.rule_near(node))
 

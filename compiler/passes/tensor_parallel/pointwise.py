@@ -9,7 +9,10 @@ from ...graph import (
     arg_node,
     as_list,
     describe,
+    divides,
+    hint,
     is_tensor_node,
+    known_equal,
     shape,
 )
 from ...placement import REPLICATE, Partial, Shard
@@ -89,7 +92,7 @@ def _elementwise(w: Walk, node: fx.Node) -> None:
         if isinstance(p, Shard):
             continue
         a_dim = dim - (out_ndim - len(shape(a)))
-        spans = a_dim >= 0 and shape(a)[a_dim] != 1
+        spans = a_dim >= 0 and not known_equal(shape(a)[a_dim], 1)
         because = w.rule_for_module(node) or w.rule_near(node)
         if spans:
             w.use(node, a, w.convert(a, Shard(a_dim, nblocks, replicas, padded), because=because))
@@ -158,8 +161,15 @@ def _another_dim(w: Walk, x: fx.Node, p: Shard, busy: int) -> int | None:
     if p.blocks or p.replicas > 1 or p.padded:
         return None
     sizes = shape(x)
-    free = [d for d, s in enumerate(sizes) if d != busy and isinstance(s, int) and s % w.n == 0]
-    return max(free, key=lambda d: (sizes[d], d), default=None)
+    # a size that follows from the token shape counts at its example value; that it divides
+    # for the run's shape is noted when the shard is placed (`Walk.cut`)
+    examples = [hint(s) for s in sizes]
+    free = [
+        d
+        for d, (s, e) in enumerate(zip(sizes, examples, strict=True))
+        if d != busy and e is not None and e % w.n == 0 and divides(w.n, s) is not False
+    ]
+    return max(free, key=lambda d: (examples[d], d), default=None)
 
 
 @register(aten.layer_norm.default)

@@ -13,6 +13,9 @@ from ...graph import (
     as_int,
     as_list,
     describe,
+    divides,
+    hint,
+    known_equal,
     shape,
 )
 from ...placement import REPLICATE, Partial, Shard
@@ -28,25 +31,31 @@ def _view_dim(in_shape, out_shape, dim: int) -> int | None:
 
     Walks both shapes in groups of equal product; the shard must be the outermost
     non-trivial dim of its group on both sides (then contiguous chunks stay contiguous).
-    Returns None when it does not.
+    Returns None when it does not. Sizes that follow from the token shape are grouped by
+    their example values, and a group counts only if its products are equal for every shape.
     """
     i = j = 0
     while i < len(in_shape) or j < len(out_shape):
         gi, gj = [i], [j]
         pi = in_shape[i] if i < len(in_shape) else 1
         pj = out_shape[j] if j < len(out_shape) else 1
-        while pi != pj:
-            if pi < pj:
+        while not known_equal(pi, pj):
+            hi, hj = hint(pi), hint(pj)
+            if hi is None or hj is None or hi == hj:
+                return None  # equal only at the example shape, or data-dependent
+            if hi < hj and i + 1 < len(in_shape):
                 i += 1
                 gi.append(i)
                 pi *= in_shape[i]
-            else:
+            elif hj < hi and j + 1 < len(out_shape):
                 j += 1
                 gj.append(j)
                 pj *= out_shape[j]
+            else:
+                return None
         if dim in gi:
-            first_in = next(k for k in gi if k < len(in_shape) and in_shape[k] != 1)
-            first_out = next((k for k in gj if k < len(out_shape) and out_shape[k] != 1), None)
+            first_in = next(k for k in gi if k < len(in_shape) and not known_equal(in_shape[k], 1))
+            first_out = next((k for k in gj if k < len(out_shape) and not known_equal(out_shape[k], 1)), None)
             if first_in != dim or first_out is None:
                 return None
             return first_out
@@ -82,8 +91,8 @@ def _view(w: Walk, node: fx.Node) -> None:
         _set_merged(w, node, merged, p)
         node.args = (node.args[0], w.local_sizes(node.args[1], w.placement(node)), *node.args[2:])
         return
-    if out_dim is not None and blocks and shape(node)[out_dim] != shape(x)[p.dim]:
-        if len(set(blocks)) == 1 and shape(node)[out_dim] == len(blocks):
+    if out_dim is not None and blocks and not known_equal(shape(node)[out_dim], shape(x)[p.dim]):
+        if len(set(blocks)) == 1 and known_equal(shape(node)[out_dim], len(blocks)):
             out_dim, blocks = out_dim + 1, ()  # (.., 3*H) -> (.., 3, heads, D): the shard is the heads dim
         elif not _uneven(p):
             w.run_whole(node, [x])
@@ -97,7 +106,7 @@ def _view(w: Walk, node: fx.Node) -> None:
         node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
         w.set(node, out, w.rule_near(node))
         return
-    if out_dim is None or shape(node)[out_dim] % (w.n // p.replicas):
+    if out_dim is None or _never_divides(shape(node)[out_dim], w.n // p.replicas):
         w.error(
             node,
             f"{describe(node)} reshapes {list(shape(x))} -> {list(shape(node))}, which splits "
@@ -108,6 +117,13 @@ def _view(w: Walk, node: fx.Node) -> None:
     out = Shard(out_dim, blocks, p.replicas)
     node.args = (node.args[0], w.local_sizes(node.args[1], out), *node.args[2:])
     w.set(node, out, w.rule_near(node))
+
+
+def _never_divides(size, pieces: int) -> bool:
+    """Whether `size` does not divide into `pieces`: for a size that follows from the token
+    shape, at the example (the run checks its own shape, see `Walk.cut`)."""
+    known = hint(size)
+    return divides(pieces, size) is False or (known is not None and known % pieces != 0)
 
 
 def _set_merged(w: Walk, node: fx.Node, merged: tuple[int, tuple[int, ...]], p: Shard) -> None:
@@ -189,7 +205,11 @@ def _squeeze(w: Walk, node: fx.Node) -> None:
     p = w.placement(x)
     if isinstance(p, Shard):
         requested = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = [_norm_dim(d, len(shape(x))) for d in requested if shape(x)[_norm_dim(d, len(shape(x)))] == 1]
+        dims = [
+            _norm_dim(d, len(shape(x)))
+            for d in requested
+            if known_equal(shape(x)[_norm_dim(d, len(shape(x)))], 1)
+        ]
         w.set(node, p.at(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
     else:
         w.set(node, p)
@@ -204,7 +224,9 @@ def _expand(w: Walk, node: fx.Node) -> None:
         sizes = w.local_sizes(node.args[1], out)
         if p.replicas > 1:  # GQA's repeat of each kv head: keep only this rank's query heads
             repeat = out.dim + 1
-            if repeat >= len(sizes) or shape(x)[repeat - len(shape(node)) + len(shape(x))] != 1:
+            if repeat >= len(sizes) or not known_equal(
+                shape(x)[repeat - len(shape(node)) + len(shape(x))], 1
+            ):
                 w.error(node, f"{describe(node)} expands key/value heads replicated over `{w.axis}`")
             heads = as_int(sizes[repeat], of=node)
             if heads % p.replicas:

@@ -36,6 +36,9 @@ class TensorParallelSpec:
     # than ranks): the weight stays whole and each rank keeps its head after the projection
     kv_replicas: dict[str, int] = field(default_factory=dict)
     fallback_span: Span | None = None  # where to point when no rule is near the problem
+    # sizes that depend on the token shape and that this axis cuts: (size, pieces) -> the rule
+    # behind the cut; a run's --batch/--seq must make each divide (`capture.TokenShapes`)
+    cuts: dict[tuple[object, int], PlanRule | None] = field(default_factory=dict)
 
 
 class TensorParallelError(Exception):

@@ -4,6 +4,7 @@ collectives), and the registry of op rules the other modules of this package fil
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -35,7 +36,12 @@ from ...graph import (
     as_int,
     as_list,
     describe,
+    divides,
+    guard_error,
+    hint,
+    is_guard_error,
     is_tensor_node,
+    known_equal,
     module_path,
     shape,
     value,
@@ -96,6 +102,37 @@ class Walk:
         node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
         if rule is not None:
             node.meta[RULE] = rule
+        if isinstance(placement, Shard) and is_tensor_node(node):
+            self.cut(node, placement, rule)
+
+    def cut(self, node: fx.Node, placement: Shard, rule: PlanRule | None) -> None:
+        """Check a shard of a size that follows from the token shape (a sequence over the axis):
+        one that does not divide at the example shape is a located error; one that divides for
+        some shapes only is noted, for the run to check its own (`capture.TokenShapes`)."""
+        sizes = shape(node)
+        if placement.dim >= len(sizes) or placement.padded or placement.blocks:
+            return  # padded and blocked sizes are constants, checked where they are decided
+        size = sizes[placement.dim]
+        example = hint(size)
+        if example is None:
+            return  # a data-dependent size: never sharded into (the rules refuse it)
+        pieces = self.n // placement.replicas
+        ok = divides(pieces, size)
+        because = (
+            (self.rule_for_module(node) or self.sequence_rule_near(node))
+            if self.spec.sequence_parallel
+            else None
+        ) or (rule or self.rule_near(node))
+        if ok is False or example % pieces:
+            self.error(
+                node,
+                f"{describe(node)} cuts dim {placement.dim} (size {example}) into {pieces} shards "
+                f"over `{self.axis}`, and {example} does not divide by {pieces}",
+                hint="compile and run with a --seq (and --batch) that the plan's splits divide",
+                rule=because,
+            )
+        if ok is None and isinstance(size, torch.SymInt):
+            self.spec.cuts.setdefault((size.node.expr, pieces), because)
 
     def other_axes(self, node: fx.Node) -> dict[str, Placement]:
         """`node`'s placements over the other axes: what a node this walk derives from it keeps."""
@@ -133,7 +170,11 @@ class Walk:
                     continue
                 try:
                     _RULES.get(node.target, Walk.default)(self, node)
-                except GuardOnDataDependentSymNode:
+                except Exception as e:
+                    if is_guard_error(e):  # a decision that would hold only for the example shape
+                        raise guard_error(node, e) from e
+                    if not isinstance(e, GuardOnDataDependentSymNode):
+                        raise
                     self.error(
                         node,
                         f"{describe(node)} would need a data-dependent size (e.g. a per-expert token "
@@ -242,8 +283,8 @@ class Walk:
                     hint="use the fused output only through its split into q, k and v",
                 )
             if not isinstance(p, Replicate):
-                if isinstance(p, Shard):
-                    gathered += value(a).numel() * value(a).element_size()
+                if isinstance(p, Shard):  # at the example shape
+                    gathered += (hint(value(a).numel()) or 0) * value(a).element_size()
                 self.use(node, a, self.convert(a, REPLICATE))
         rule = self.rule_for_module(node) or self.rule_near(node)
         if rule is not None and gathered and module_path(node) not in self.whole_modules:
@@ -332,7 +373,13 @@ class Walk:
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
         """Sum a partial result right where it is made (the rule behind it made it partial)."""
         because = arg.meta.get(RULE)
-        if self.spec.sequence_parallel and self.flat_tokens and shape(arg)[:1] == self.flat_tokens[:1]:
+        rows = shape(arg)[:1]
+        if (
+            self.spec.sequence_parallel
+            and self.flat_tokens
+            and rows
+            and known_equal(rows[0], self.flat_tokens[0])
+        ):
             _, blocks = self.flat_tokens  # tokens flattened with the batch: scatter each sequence
             return self.collective("reduce_scatter", arg, 0, Shard(0, blocks), because, blocks=len(blocks))
         if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
@@ -441,14 +488,32 @@ class Walk:
 
     # -- shapes
     def local_sizes(self, sizes: Argument, out: Placement) -> list[Argument]:
-        """A size list with the sharded dim divided by the axis size (-1 stays -1)."""
+        """A size list with the sharded dim divided by the axis size (-1 stays -1). A size the
+        graph computes from the token shape (a `sym_size` node: the whole sequence) is divided
+        by a node of its own: the run's size, whatever it is, over the axis."""
         local = as_list(sizes)
-        if isinstance(out, Shard) and local[out.dim] != -1:
+        size_node = local[out.dim] if isinstance(out, Shard) else None
+        if isinstance(out, Shard) and isinstance(size_node, fx.Node):
+            if out.padded or out.replicas > 1:
+                raise AssertionError("padded and replicated shards cut constant sizes")
+            local[out.dim] = self.divided(size_node, self.n)
+        elif isinstance(out, Shard) and local[out.dim] != -1:
             size = as_int(local[out.dim])  # a data-dependent size is never sharded into
             if size % (self.n // out.replicas) and not out.padded:
                 raise AssertionError("divisibility is checked when the placement is decided")
             local[out.dim] = out.chunk(size, self.n)
         return local
+
+    def divided(self, size: fx.Node, n: int) -> fx.Node:
+        """A node computing `size // n` right after `size` (one per size node and axis size).
+        That it divides is noted when the shard is placed (`cut`)."""
+        key = (size, "floordiv", None, n, None)
+        if key not in self.converted:
+            with self.graph.inserting_after(size):
+                node = self.graph.call_function(operator.floordiv, (size, n))
+            node.meta["val"] = size.meta["val"] // n
+            self.converted[key] = node
+        return self.converted[key]
 
 
 Rule = Callable[[Walk, fx.Node], None]
@@ -546,7 +611,7 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
         (user,) = current.users
         if user.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             break
-        matches = [i for i, s in enumerate(shape(user)) if s == size]
+        matches = [i for i, s in enumerate(shape(user)) if known_equal(s, size)]
         if len(matches) != 1:
             return ()
         current, current_dim = user, matches[0]

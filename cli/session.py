@@ -66,6 +66,7 @@ class Session:
     forward_backward: Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor] | None = None
     microbatches: int = 1  # sequences per micro-step = --batch x microbatches
     pipeline_group: torch.distributed.ProcessGroup | None = None  # ranks holding the other stages
+    step_metrics: Callable[[], dict[str, Any]] | None = None  # facts the pipeline adds to each step
 
 
 def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
@@ -192,6 +193,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         forward_backward,
         microbatches,
         pipeline_group,
+        stages.metrics if stages is not None else None,
     )
 
 
@@ -217,6 +219,10 @@ class _PipelineRank:
     ranks: list[int]  # the global ranks of its pipeline group, by position
     group: torch.distributed.ProcessGroup | None
     axis: str
+    step: Any = None  # the PipelineStep, once `forward_backward` made it
+
+    def metrics(self) -> dict[str, Any]:
+        return {"pipeline_idle": self.step.idle if self.step is not None else None}
 
     def forward_backward(self, inputs_of, microbatches: int, no_sync):
         """The micro-step: split its batch into microbatches, run the schedule (`no_sync`:
@@ -225,7 +231,7 @@ class _PipelineRank:
 
         from meshplan.runtime.pipeline import PipelineStep
 
-        step = PipelineStep(
+        step = self.step = PipelineStep(
             self.stages,
             self.schedule,
             rank=self.position,
@@ -494,4 +500,5 @@ def train_session(args: argparse.Namespace, prepared: Session, *, show_progress:
         sync=prepared.dp,
         show_progress=show_progress,
         forward_backward=prepared.forward_backward,
+        step_metrics=prepared.step_metrics,
     )

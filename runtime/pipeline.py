@@ -27,11 +27,16 @@ divided by m, so the gradients equal those of the whole batch (for a mean-reduce
 equally many tokens per microbatch). Under data parallelism, every backward but a stage's
 last of the step runs inside the engine's `no_sync`: each gradient bucket is all-reduced
 once, launched by the last backward that completes it, overlapping the backward that follows.
+
+`idle` is the measured bubble of the last step on this rank: the fraction of the step's
+pipeline time spent waiting in receives and for the sends to complete (the schedule's
+bubble, plus transfer time, plus whatever a slower neighbour adds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
@@ -85,6 +90,7 @@ class PipelineStep:
         # microbatch carries: shapes depend on the run's batch and sequence and on the
         # sharding of the other axes, which the compiled graph keeps symbolic
         self._shapes: dict[tuple[str, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self.idle = 0.0  # of the last `run`: the fraction of its time spent waiting for neighbours
         self.rank = rank
         self.ranks = tuple(ranks)
         self.group = group
@@ -110,6 +116,8 @@ class PipelineStep:
         assert len(microbatches) == m, f"{len(microbatches)} microbatches for a schedule of {m}"
         self._local: dict[tuple[str, int, int], list[Tensor]] = {}
         self._pending: list[tuple[dist.Work, Tensor]] = []
+        self._waited = 0.0
+        started = time.perf_counter()
         saved: dict[tuple[int, int], tuple[list[Tensor], tuple[Tensor, ...]]] = {}
         total = torch.zeros((), dtype=torch.float64)
         for at, action in enumerate(self.actions):
@@ -143,9 +151,13 @@ class PipelineStep:
                     self._give("B", s - 1, i, [_grad(t) for t in _floating(received)])
             else:
                 raise NotImplementedError(f"{action}: split backward (I/W) is not run yet")
+        t0 = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self._waited += time.perf_counter() - t0
+        elapsed = time.perf_counter() - started
+        self.idle = self._waited / elapsed if elapsed > 0 else 0.0
         return total
 
     # -- messages
@@ -176,6 +188,7 @@ class PipelineStep:
             return self._local.pop(key)
         src = self.ranks[self._owner(stage - 1 if direction == "F" else stage + 1)]
         watchdog.note("pipeline recv", self.axis, f"{direction}{stage}.{i}", self.group)
+        t0 = time.perf_counter()
         if i == 0:
             header = torch.empty(1 + (_MAX_VALUES - 1) * _DESC, dtype=torch.int64)
             dist.recv(header, src, group=self.group, tag=self._tag(direction, stage, i, _MAX_VALUES - 1))
@@ -185,6 +198,7 @@ class PipelineStep:
             t = torch.empty(shape, dtype=dtype)
             dist.recv(t, src, group=self.group, tag=self._tag(direction, stage, i, j))
             out.append(t)
+        self._waited += time.perf_counter() - t0
         return out
 
     def _tag(self, direction: str, stage: int, i: int, j: int) -> int:

@@ -31,7 +31,9 @@ Metrics: every rank appends one JSON object per optimizer step to
      "peak_memory": 412000000, "mfu": null, "skipped_steps": 0, "time_s": 0.05}
 
 plus, under ZeRO, `"zero_memory": {"params": ..., "grads": ..., "optimizer": ..., "total": ...}`:
-the bytes of training state this rank holds right after the optimizer step (`Zero.memory()`).
+the bytes of training state this rank holds right after the optimizer step (`Zero.memory()`),
+and under a pipeline `"pipeline_idle"`: the fraction of the step this rank's stages spent
+waiting for their neighbours (the measured bubble; `runtime/pipeline.py`).
 
 `loss` is the mean over the data axes; `tokens_per_s` is for the whole job
 (every dp rank's tokens over the step's wall time); `peak_memory` is bytes: on CPU the
@@ -211,6 +213,7 @@ def train(
     sync: DataParallel | Zero | None = None,
     show_progress: bool | None = None,
     forward_backward: ForwardBackward | None = None,
+    step_metrics: Callable[[], dict[str, Any]] | None = None,
 ) -> Summary:
     """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
 
@@ -219,7 +222,8 @@ def train(
     roles and each parameter's cuts; `sync` synchronizes gradients over the data axis (None:
     there is none). `forward_backward` replaces `loss_of` and its backward where one
     micro-step is more than a forward and a backward (a pipeline's schedule over its
-    microbatches). ZeRO brings its own optimizer, built with `decays` and this config's
+    microbatches), and `step_metrics` adds its own facts to each step's record (a
+    pipeline's measured idle fraction). ZeRO brings its own optimizer, built with `decays` and this config's
     hyperparameters; the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -281,6 +285,8 @@ def train(
             }
             if zero is not None:
                 record["zero_memory"] = zero_memory
+            if step_metrics is not None:
+                record.update(step_metrics())
             summary.last = record
             metrics.write(record)
             display.update(record)

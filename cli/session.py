@@ -273,13 +273,8 @@ def _pipeline(plan: Plan, compiled, program: fx.GraphModule, mesh, rank: int) ->
     layout = compiled.layout
     ranks = layout.size(spec.axis)
     microbatches = pipeline_microbatches(plan, layout)
-    if spec.schedule == "gpipe":
-        schedule = schedules.gpipe(ranks, microbatches)
-    elif spec.schedule == "interleaved":
-        schedule = schedules.interleaved_one_f_one_b(ranks, microbatches, spec.virtual_stages)
-    else:
-        schedule = schedules.one_f_one_b(ranks, microbatches)
-    schedules.simulate(schedule)  # a list that cannot run is a meshplan bug, found before it hangs
+    # checked by simulation: a list that cannot run is a meshplan bug, found before it hangs
+    schedule = schedules.build(spec.schedule, ranks, microbatches, spec.virtual_stages)
     cut = cut_stages(compiled.graph, compiled_cuts(compiled.graph, getattr(compiled, "stage_cuts", ())))
     assert cut.count == schedule.stages, f"{cut.count} stages for a schedule of {schedule.stages}"
     position = layout.coords(rank)[spec.axis]

@@ -90,6 +90,7 @@ def explain(compiled: Compiled) -> str:
             lines.append(f"    collectives per step: {summary}")
         lines.append("")
     lines += _data_parallel_lines(compiled)
+    lines += _pipeline_lines(compiled)
     replicated = _replicated_linears(compiled) if compiled.tensor_axes else []
     if replicated:
         lines.append("replicated on every rank (no tensor rule):")
@@ -137,6 +138,32 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
 
 
 _DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
+
+
+def _pipeline_lines(compiled: Compiled) -> list[str]:
+    """The `pipeline` block: each stage's rank, modules, share of the FLOPs and what it receives,
+    the schedule's bubble, and the cuts as plan text to paste in and freeze."""
+    from meshplan.runtime.schedules import build, simulate
+
+    from .stages import compiled_cuts, cut_stages, describe
+
+    p = compiled.plan.pipeline
+    if p is None or compiled.source is None:
+        return []
+    ranks = compiled.layout.size(p.axis)
+    micro = p.microbatches or ranks
+    schedule = build(p.schedule, ranks, micro, p.virtual_stages)
+    cuts = compiled_cuts(compiled.graph)
+    stages = cut_stages(compiled.graph, cuts)
+    how = "at the plan's cuts" if p.cuts else "balanced automatically by FLOPs"
+    lines = [
+        f"line {p.span.line}: pipeline over {p.axis} ({ranks} ranks): {p.schedule}, {stages.count} stages "
+        f"{how}, {micro} microbatches per micro-step",
+        *describe(stages, cuts, compiled.source.model, schedule.owner),
+        f"    bubble {simulate(schedule).bubble:.3f} of the step at unit costs (forward 1, backward 2)",
+        "",
+    ]
+    return lines
 
 
 def _param_shapes(compiled: Compiled, rule, params) -> list[str]:

@@ -45,7 +45,7 @@ from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
 
-from .graph import module_path, shape
+from .graph import module_path, shape, shape_text
 from .outline import OPS, cut, within
 
 aten = torch.ops.aten
@@ -241,6 +241,13 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.d
 def flops(node: fx.Node) -> float:
     """A rough FLOP count of one op: 2mnk for a matmul, 4*B*H*T*S*D for attention, else the
     output's element count. Enough to balance stages, not to report."""
+    region = node.meta.get("meshplan.checkpoint")
+    if region is not None:  # an outlined checkpoint region: the ops inside it
+        owner = node.graph.owning_module
+        assert owner is not None, "a checkpoint call node belongs to its graph module"
+        inner = owner.get_submodule(region["target"])
+        assert isinstance(inner, fx.GraphModule)
+        return sum(flops(n) for n in inner.graph.nodes if n.op in OPS)
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0.0
@@ -370,3 +377,47 @@ def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule, *, ranks: int) -
             )
         out.append(Cut(c.side, found[0]))
     return out
+
+
+# ---------------------------------------------------------------------------- explain
+
+
+def describe(stages: Stages, cuts: Sequence[Cut], model: nn.Module, owner: Sequence[int]) -> list[str]:
+    """Each stage's rank, modules, share of the FLOPs and what it receives; then the cuts as
+    plan text (to paste into the `pipeline` block and freeze a balanced choice)."""
+    layers = layer_list(model)
+    total = sum(stages.cost) or 1.0
+    lines = []
+    for s in range(stages.count):
+        received = ", ".join(f"{n.name} {shape_text(n)}" for n in stages.receives[s]) or "the inputs"
+        lines.append(
+            f"    stage {s} on rank {owner[s]}: {_span_text(stages.modules[s], layers)}"
+            f"  ({stages.cost[s] / total:.0%} of the FLOPs; receives {received})"
+        )
+    lines.append("    as plan text (paste into the pipeline block to keep these cuts):")
+    lines += [f"        {c}" for c in cuts]
+    return lines
+
+
+def _span_text(modules: Sequence[str], layers: tuple[str, int] | None) -> str:
+    """`embed_tokens, layers.{0..1}`: the top-level modules, blocks of the layer list by index."""
+    shown: dict[str, None] = {}
+    blocks: list[int] = []
+    for path in modules:
+        block = _block_index(path, layers[0]) if layers else None
+        if block is not None:
+            if block not in blocks:
+                blocks.append(block)
+            continue
+        head = path.split(".")[0]
+        if head.startswith("_") or (layers and within(layers[0], head)):  # export's own, or the list's parent
+            continue  # the list's own parent (`model`): its blocks say it
+        shown.setdefault(head, None)
+    parts = list(shown)
+    if blocks and layers:
+        run = f"{blocks[0]}" if len(blocks) == 1 else f"{{{min(blocks)}..{max(blocks)}}}"
+        first_after = next((i for i, p in enumerate(modules) if _block_index(p, layers[0]) is not None), 0)
+        before = [p for p in parts if any(m.split(".")[0] == p for m in modules[:first_after])]
+        after = [p for p in parts if p not in before]
+        parts = [*before, f"{layers[0]}.{run}", *after]
+    return ", ".join(parts) or "(no module)"

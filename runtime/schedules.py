@@ -139,6 +139,21 @@ def interleaved_one_f_one_b(ranks: int, microbatches: int, chunks: int) -> Sched
     return Schedule(f"interleaved-1f1b(v={chunks})", ranks, microbatches, owner, tuple(lists))
 
 
+def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule a plan names (`gpipe`, `1f1b`, `interleaved` with `chunks` per rank), checked
+    by simulation: a list that cannot run is a `ScheduleError` here, never a hang later."""
+    if name == "gpipe":
+        schedule = gpipe(ranks, microbatches)
+    elif name == "1f1b":
+        schedule = one_f_one_b(ranks, microbatches)
+    elif name == "interleaved":
+        schedule = interleaved_one_f_one_b(ranks, microbatches, chunks)
+    else:
+        raise ScheduleError(f"no schedule called {name!r} is built yet")
+    simulate(schedule)
+    return schedule
+
+
 # ---------------------------------------------------------------------------- simulation
 
 

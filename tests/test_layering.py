@@ -1,7 +1,8 @@
 """The layering rules (STYLE.md, docs/ARCHITECTURE.md): `dsl` imports neither torch nor
 `compiler` nor `runtime`; `runtime` imports neither `dsl` nor `compiler`, nor `examples` nor
 the command line; `compiler` imports from `runtime` only the library compiled programs are
-made of (collectives, ZeRO nodes, the mesh, how tensors are cut and parameters grouped),
+made of (collectives, ZeRO nodes, the mesh, how tensors are cut and parameters grouped,
+pipeline schedules),
 never the training loop, the engines, checkpoints or export; only `cli` composes them all.
 
 Checked statically on every .py file under dsl/ and runtime/ (so a lazy import inside a
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CLI = tuple(f"meshplan.{p.stem}" for p in sorted((REPO / "cli").glob("*.py")) if p.stem != "__init__")
 # what compiled programs are made of: the only runtime modules the compiler may import
-PROGRAM_LIBRARY = {"collectives", "zero_nodes", "mesh", "shards", "buckets", "__init__"}
+PROGRAM_LIBRARY = {"collectives", "zero_nodes", "mesh", "shards", "buckets", "schedules", "__init__"}
 RUNTIME_ENGINE = tuple(
     f"meshplan.runtime.{p.stem}"
     for p in sorted((REPO / "runtime").glob("*.py"))

@@ -117,3 +117,26 @@ def test_balanced_cuts_weigh_the_head() -> None:
         balanced_cuts(compiled.graph, source.model, 5)
     with pytest.raises(StageError, match="leave a stage with no operation"):
         cut_stages(compiled.graph, [Cut("before", "layers.1"), Cut("after", "layers.0")])
+
+
+def test_explain_shows_the_stages_and_the_cuts_to_freeze_them() -> None:
+    """`explain` lists each stage with its rank, modules and share of the FLOPs, and the chosen
+    cuts as plan text; pasted into the plan, those cuts make the same stages."""
+    from pathlib import Path
+
+    from meshplan.compiler.printers import explain
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "examples/llama_pipeline.plan").read_text()
+    source = with_token_shape(load_model("meshplan.examples.models.llama:build"), batch=2, seq=SEQ)
+    compiled = compile_plan(check_text(text, "p.plan"), source, world_size=4)
+    shown = explain(compiled)
+    assert "4 stages balanced automatically by FLOPs" in shown
+    assert "stage 0 on rank 0: embed_tokens, layers.0  (23% of the FLOPs; receives the inputs)" in shown
+    assert "stage 3 on rank 1: layers.3, norm, lm_head  (31% of the FLOPs" in shown
+    cuts = [line.strip() for line in shown.splitlines() if line.strip().startswith("cut ")]
+    assert cuts == ["cut before layers.1", "cut before layers.2", "cut before layers.3"]
+    frozen = text.replace("microbatches = 4", "microbatches = 4\n    " + "\n    ".join(cuts))
+    again = compile_plan(check_text(frozen, "p.plan"), source, world_size=4)
+    assert again.graph.meta["meshplan.stages"] == compiled.graph.meta["meshplan.stages"]
+    assert "at the plan's cuts" in explain(again)

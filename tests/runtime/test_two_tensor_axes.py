@@ -67,7 +67,14 @@ def test_two_tensor_axes_train_like_one_device(tmp_path: Path, rules: str) -> No
 
     path = tmp_path / "two.plan"
     path.write_text(plan(rules, mesh="tp=2, tq=2"))
-    report = verify(str(path), LLAMA, steps=3, batch=2, seq=32)
+    # tolerance 16, not verify's 4: with the loss vocab-parallel over tq, one element of
+    # layers.0.self_attn.o_proj has a gradient of about 3 x AdamW's eps (3e-8), where Adam's first
+    # update g / (|g| + eps) turns an absolute rounding difference of 2e-9 into 2% of a step. That
+    # one element is the tensor's whole 1.4e-5 distance to float64, and it moves the next steps'
+    # gradient norms by 1e-6; step 1's loss and gradient norm agree with float64 to 6e-8, as one
+    # device does. How large that element's rounding is depends on the CPU's kernels (this test
+    # passed at 4 on another machine). A dropped reduction or a wrong shard is off by 1e-2 or more.
+    report = verify(str(path), LLAMA, steps=3, batch=2, seq=32, tolerance=16.0)
     assert report.world_size == 4
     assert report.ok and report.float64, render(report)
 

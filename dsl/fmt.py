@@ -9,6 +9,9 @@ aligned, comments where they were (full-line comments before the item that follo
 them, trailing comments two spaces after the code). Blank lines inside a block are
 kept, at most one in a row. Formatting is idempotent, and the formatted text parses
 to the same syntax tree as the original.
+
+Alignment pads to the longest pattern of at most `MAX_ALIGN` characters; a longer one is
+not padded and pads no other, so one huge pattern cannot multiply the size of the file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from . import ast
 
 INDENT = "    "
+MAX_ALIGN = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +150,7 @@ class _Formatter:
         paragraph: list[tuple[str, str, str]] = []  # (pattern, action, trailing) of aligned rules
 
         def flush() -> None:
-            width = max((len(p) for p, _, _ in paragraph), default=0)
+            width = max((len(p) for p, _, _ in paragraph if len(p) <= MAX_ALIGN), default=0)
             for pattern, action, trail in paragraph:
                 self.out.append(f"{INDENT}{(pattern + ':').ljust(width + 1)} {action}{trail}")
             paragraph.clear()

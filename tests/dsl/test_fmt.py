@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshplan.dsl import parse
-from meshplan.dsl.fmt import action_text, format_plan
+from meshplan.dsl.fmt import MAX_ALIGN, action_text, format_plan
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
 
@@ -186,6 +186,18 @@ def test_consecutive_rules_are_aligned_per_paragraph() -> None:
     assert fmt(text) == (
         "mesh tp=2\n\nmodules {\n    a:         column over tp\n    long.name: row over tp\n\n    b: replicate\n}\n"
     )
+
+
+def test_a_huge_pattern_is_not_aligned_to() -> None:
+    """Padding 3,000 rules to one 300 KB pattern wrote 1 GB; past MAX_ALIGN characters a
+    pattern is neither padded nor pads the others, and the result is still canonical."""
+    long = "a" * (MAX_ALIGN + 1)
+    text = f"mesh tp=2\nmodules {{\n  b: row over tp\n  {long}: row over tp\n  cc: row over tp\n}}\n"
+    out = fmt(text)
+    assert f"\n    b:  row over tp\n    {long}: row over tp\n    cc: row over tp\n" in out
+    assert fmt(out) == out
+    huge = "mesh tp=2\nmodules {\n" + "a" * 300_000 + ": row over tp\n" + "b: row over tp\n" * 3000 + "}\n"
+    assert len(fmt(huge)) < 2 * len(huge)
 
 
 def test_sizes_and_numbers_keep_their_written_form() -> None:

@@ -39,20 +39,20 @@ def _use_color(stream) -> bool:
 
 
 def _report(error: PlanError) -> None:
+    """The first diagnostics (dsl.errors.MAX_SHOWN), a count of the rest, the totals."""
     print(error.render(color=_use_color(sys.stderr)), file=sys.stderr)
-    n_err = len(error.errors)
-    n_warn = len(error.diagnostics) - n_err
-    paths = sorted({d.span.path for d in error.diagnostics})
-    counts = f"{n_err} error{'s' * (n_err != 1)}" + (
-        f", {n_warn} warning{'s' * (n_warn != 1)}" if n_warn else ""
-    )
-    print(f"{', '.join(paths)}: {counts}", file=sys.stderr)
+    print(error.summary(), file=sys.stderr)
 
 
 def _print_warnings(plan: Plan) -> None:
     if plan.warnings:
         print(
-            render_diagnostics(plan.warnings, {plan.path: plan.source}, color=_use_color(sys.stderr)),
+            render_diagnostics(
+                plan.warnings,
+                {plan.path: plan.source},
+                color=_use_color(sys.stderr),
+                more_warnings=plan.more_warnings,
+            ),
             file=sys.stderr,
         )
 

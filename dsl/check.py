@@ -17,7 +17,15 @@ from types import MappingProxyType
 from typing import Literal
 
 from . import ast
-from .errors import Diagnostic, PlanSyntaxError, PlanValidationError, Span, did_you_mean, one_of
+from .errors import (
+    Collector,
+    Diagnostic,
+    PlanSyntaxError,
+    PlanValidationError,
+    Span,
+    did_you_mean,
+    one_of,
+)
 from .parser import parse_recovering, read_plan_text
 from .patterns import Glob, PatternSyntaxError
 
@@ -128,6 +136,7 @@ class Plan:
     precision: PrecisionSpec
     train: TrainSpec
     warnings: tuple[Diagnostic, ...] = ()
+    more_warnings: int = 0  # found beyond the `MAX_KEPT` first in `warnings`
 
     def rules_of(self, kind: RuleKind) -> tuple[PlanRule, ...]:
         return tuple(r for r in self.rules if r.kind == kind)
@@ -147,6 +156,7 @@ def check_text(text: str, path: str = "<plan>", *, world_size: int | None = None
     if not syntax_errors:
         return check(tree, text, world_size=world_size)
     diagnostics = list(syntax_errors)
+    more_errors = 0
     mesh_broken = not any(isinstance(s, ast.Mesh) for s in tree.statements)
     if not mesh_broken:
         # Report what else is wrong with the statements that did parse; warnings would be
@@ -154,17 +164,23 @@ def check_text(text: str, path: str = "<plan>", *, world_size: int | None = None
         broken_lines = frozenset(d.span.line for d in syntax_errors)
         checker = _Checker(path, world_size, broken_lines=broken_lines)
         checker.run(tree, text)
-        diagnostics += [d for d in checker.diagnostics if d.severity == "error"]
-    raise PlanSyntaxError(diagnostics, {path: text})
+        diagnostics += checker.found.of("error")
+        more_errors = checker.found.more["error"]
+    raise PlanSyntaxError(diagnostics, {path: text}, more_errors=more_errors)
 
 
 def check(tree: ast.PlanFile, source: str, *, world_size: int | None = None) -> Plan:
     """Check a parsed plan; with `world_size`, also resolve `*` and check the mesh product."""
     checker = _Checker(tree.path, world_size)
     plan = checker.run(tree, source)
-    errors = [d for d in checker.diagnostics if d.severity == "error"]
+    errors = checker.found.of("error")
     if errors or plan is None:
-        raise PlanValidationError(checker.diagnostics, {tree.path: source})
+        raise PlanValidationError(
+            errors + checker.found.of("warning"),
+            {tree.path: source},
+            more_errors=checker.found.more["error"],
+            more_warnings=checker.found.more["warning"],
+        )
     return plan
 
 
@@ -201,7 +217,7 @@ class _Checker:
         # Lines with syntax errors. A block holding one lost an entry to recovery, so checks
         # that relate its entries (offload needs zero = 3) would report the loss, not the plan.
         self.broken_lines = broken_lines
-        self.diagnostics: list[Diagnostic] = []
+        self.found = Collector()
         self.roles: dict[str, list[tuple[str, Span]]] = {}
         self.unknown_axis_used = False
 
@@ -212,10 +228,10 @@ class _Checker:
         return not any(node.span.line <= line <= node.span.end_line for line in self.broken_lines)
 
     def error(self, span: Span, message: str, hint: str | None = None, related=()) -> None:
-        self.diagnostics.append(Diagnostic(span, message, hint, "error", tuple(related)))
+        self.found.add(Diagnostic(span, message, hint, "error", tuple(related)))
 
     def warn(self, span: Span, message: str, hint: str | None = None) -> None:
-        self.diagnostics.append(Diagnostic(span, message, hint, "warning"))
+        self.found.add(Diagnostic(span, message, hint, "warning"))
 
     # -- driver
     def run(self, tree: ast.PlanFile, source: str) -> Plan | None:
@@ -252,8 +268,19 @@ class _Checker:
         self.check_roles()
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         self.check_unused_axes(mesh)
-        warnings = tuple(d for d in self.diagnostics if d.severity == "warning")
-        return Plan(self.path, source, mesh, rules, pipeline, data_parallel, precision, train, warnings)
+        warnings = tuple(self.found.of("warning"))
+        return Plan(
+            self.path,
+            source,
+            mesh,
+            rules,
+            pipeline,
+            data_parallel,
+            precision,
+            train,
+            warnings,
+            self.found.more["warning"],
+        )
 
     # -- mesh
     def mesh(self, node: ast.Mesh) -> MeshSpec:

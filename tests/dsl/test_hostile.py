@@ -80,7 +80,15 @@ CASES = [
         3000,  # one size, and 2,999 meshes too many
     ),
     # -- long lines, long words, padding
+    # a 1 MiB word took 470 MB in the regex engine (a record per repeated group)
+    Case("one_line_1mib", lambda: _fill("x", "mesh tp=2 "), (1, "unexpected `xxxx"), trace_memory=True),
     Case("one_comment_1mib", lambda: _fill("x", "mesh tp=2  # "), None),
+    Case(
+        "one_pattern_1mib",
+        lambda: "mesh tp=2\nmodules {\n" + _fill("a.", limit=MIB - 200) + "b: row over tp\n}\n",
+        (3, "longer than 1,000"),
+        trace_memory=True,
+    ),
     Case(
         "padding_300k",
         lambda: "mesh tp=2" + " " * 300_000 + "\nmodules {\n" + "\t" * 300_000 + "a: row over tp\n}\n",

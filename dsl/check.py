@@ -26,7 +26,7 @@ from .errors import (
     did_you_mean,
     one_of,
 )
-from .parser import parse_recovering, read_plan_text
+from .parser import MAX_INT, parse_recovering, read_plan_text
 from .patterns import Glob, PatternSyntaxError
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
@@ -306,8 +306,14 @@ class _Checker:
                 "only one axis can take its size from the world size (`*`)",
                 hint=f"`{autos[0].name}` already does; give `{extra.name}` a number",
             )
-        known = math.prod(a.size for a in axes if a.size and a.size > 0)
-        if self.world_size is not None:
+        known = _product_up_to(MAX_INT + 1, [a.size for a in axes if a.size and a.size > 0])
+        if known > MAX_INT:  # each size has at most 12 digits, but thousands of axes multiply
+            self.error(
+                node.span,
+                f"the mesh axes multiply to more than {MAX_INT:,} ranks",
+                hint=f"a mesh has 1 to {MAX_INT:,} ranks: the product of its axis sizes",
+            )
+        elif self.world_size is not None:
             if autos:
                 if self.world_size % known:
                     self.error(
@@ -651,6 +657,17 @@ class _Checker:
         if steps < 1:
             self.error(s["gradient_accumulation"].value_span, "`gradient_accumulation` must be at least 1")
         return TrainSpec(steps, MappingProxyType({k: v.span for k, v in s.items()}))
+
+
+def _product_up_to(cap: int, values: list[int]) -> int:
+    """The product of `values`, or `cap` once it reaches `cap`: thousands of 12-digit sizes
+    would otherwise make a number too long to print."""
+    out = 1
+    for v in values:
+        out *= v
+        if out >= cap:
+            return cap
+    return out
 
 
 def _statement_word(stmt: ast.Statement) -> str:

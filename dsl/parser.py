@@ -14,7 +14,6 @@ easy to tell apart from a pattern's `{q,k,v}` (`_block_openers`).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,6 +29,9 @@ from .errors import Diagnostic, PlanFileError, PlanSyntaxError, Span, did_you_me
 
 MAX_PLAN_BYTES = 1 << 20  # a plan is a page of text; 1 MiB is a mistake, not a plan
 MAX_SYNTAX_ERRORS = 50
+MAX_INT = 10**12 - 1  # the largest number a plan holds: 12 digits
+MAX_NAME = 100  # characters of an axis or setting name: `dp`, `capacity_factor`
+MAX_BUCKET_BYTES = 1 << 40
 
 
 def read_plan_text(path: str | Path) -> str:
@@ -212,19 +214,41 @@ class _ToAst(Transformer):
         return Span(self.path, meta.line, meta.column, meta.end_line, meta.end_column)
 
     def _name(self, tok: Token) -> ast.Name:
+        if len(tok) > MAX_NAME:
+            raise _NodeError(
+                Diagnostic(
+                    _tok_span(self.path, tok),
+                    f"name `{tok[:16]}...` is {len(tok):,} characters long",
+                    hint=f"a name can be 1 to {MAX_NAME} characters",
+                )
+            )
         return ast.Name(str(tok), _tok_span(self.path, tok))
 
-    def _int(self, tok: Token, what: str) -> int:
-        # INT is all digits; absurd sizes are a user mistake, not a crash
-        if len(tok) > 12:
-            raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {tok[:16]}... is too large"))
+    def _int(self, tok: Token, what: str, allowed: str) -> int:
+        """An INT (all digits) of at most 12 digits; `allowed` names the whole range, for the hint.
+
+        Lower bounds are the checker's; here only absurd sizes, a user mistake, not a crash.
+        """
+        if len(tok.lstrip("0")) > len(str(MAX_INT)):  # leading zeros are harmless
+            raise _NodeError(
+                Diagnostic(
+                    _tok_span(self.path, tok),
+                    f"{what} {_shown(tok)} is too large",
+                    hint=f"{what} can be {allowed}",
+                )
+            )
         return int(tok)
 
     def _number(self, tok: Token, what: str) -> float:
-        value = float(tok)  # NUMBER is digits with an optional fraction and exponent
-        if not math.isfinite(value):
-            shown = tok if len(tok) <= 16 else tok[:16] + "..."
-            raise _NodeError(Diagnostic(_tok_span(self.path, tok), f"{what} {shown} is too large"))
+        value = float(tok)  # NUMBER is digits with an optional fraction and exponent: never NaN
+        if value > MAX_INT:  # 1e400 is infinite
+            raise _NodeError(
+                Diagnostic(
+                    _tok_span(self.path, tok),
+                    f"{what} {_shown(tok)} is too large",
+                    hint=f"{what} can be at most {MAX_INT:,}",
+                )
+            )
         return value
 
     # -- file
@@ -238,7 +262,7 @@ class _ToAst(Transformer):
         return ast.Mesh(tuple(axes), self._span(meta))
 
     def axis(self, meta, name, size):
-        value = None if size.type == "AUTO" else self._int(size, "axis size")
+        value = None if size.type == "AUTO" else self._int(size, "axis size", _ONE_UP)
         return ast.MeshAxis(self._name(name), value, self._span(meta))
 
     # -- modules
@@ -278,7 +302,9 @@ class _ToAst(Transformer):
 
     def checkpoint(self, meta, *parts):
         mode = next((p for p in parts if isinstance(p, str) and not isinstance(p, Token)), None)
-        every = next((self._int(p, "checkpoint interval") for p in parts if isinstance(p, Token)), None)
+        every = next(
+            (self._int(p, "checkpoint interval", _ONE_UP) for p in parts if isinstance(p, Token)), None
+        )
         return ast.Checkpoint(mode, every, self._span(meta))
 
     def checkpoint_mode(self, meta, tok):
@@ -288,7 +314,7 @@ class _ToAst(Transformer):
         return ast.Device(spec[0], spec[1], self._span(meta))
 
     def device_name(self, meta, *toks):
-        index = self._int(toks[2], "device index") if len(toks) == 3 else None
+        index = self._int(toks[2], "device index", f"0 to {MAX_INT:,}") if len(toks) == 3 else None
         return (str(toks[0]), index)
 
     def dtype_override(self, meta, dtype):
@@ -308,10 +334,11 @@ class _ToAst(Transformer):
         return str(tok)
 
     def microbatches(self, meta, tok):
-        return self._setting(meta, "microbatches", self._int(tok, "microbatch count"), str(tok))
+        return self._setting(meta, "microbatches", self._int(tok, "microbatch count", _ONE_UP), str(tok))
 
     def virtual_stages(self, meta, tok):
-        return self._setting(meta, "virtual_stages", self._int(tok, "virtual stage count"), str(tok))
+        count = self._int(tok, "virtual stage count", _ONE_UP)
+        return self._setting(meta, "virtual_stages", count, str(tok))
 
     def cut(self, meta, side, pattern):
         return ast.Cut(side, ast.Pattern(str(pattern), _tok_span(self.path, pattern)), self._span(meta))
@@ -324,10 +351,19 @@ class _ToAst(Transformer):
         return ast.DataParallelBlock(self._name(axis), tuple(items), self._span(meta))
 
     def zero(self, meta, tok):
-        return self._setting(meta, "zero", self._int(tok, "ZeRO stage"), str(tok))
+        return self._setting(meta, "zero", self._int(tok, "ZeRO stage", "0, 1, 2 or 3"), str(tok))
 
     def bucket(self, meta, tok):
-        return self._setting(meta, "bucket", parse_size(str(tok)), _normal_size(str(tok)))
+        size = parse_size(str(tok))
+        if size > MAX_BUCKET_BYTES:
+            raise _NodeError(
+                Diagnostic(
+                    _tok_span(self.path, tok),
+                    f"bucket size {_shown(str(tok))} is too large",
+                    hint="bucket size can be 1B to 1TiB",
+                )
+            )
+        return self._setting(meta, "bucket", size, _normal_size(str(tok)))
 
     def offload(self, meta, *targets):
         if targets == (None,):
@@ -372,7 +408,8 @@ class _ToAst(Transformer):
         return ast.TrainBlock(tuple(items), self._span(meta))
 
     def gradient_accumulation(self, meta, tok):
-        return self._setting(meta, "gradient_accumulation", self._int(tok, "accumulation count"), str(tok))
+        count = self._int(tok, "accumulation count", _ONE_UP)
+        return self._setting(meta, "gradient_accumulation", count, str(tok))
 
     def _setting(self, meta, key: str, value, text: str) -> ast.Setting:
         span = self._span(meta)
@@ -384,15 +421,23 @@ class _ToAst(Transformer):
         return ast.Setting(key, value, text, span, value_span)
 
 
+_ONE_UP = f"1 to {MAX_INT:,}"
 _SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)[ \t]*(B|KB|MB|GB|KiB|MiB|GiB)")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
 def parse_size(text: str) -> int:
-    """`25MB` -> 25_000_000 bytes; `1.5GiB` -> 1_610_612_736."""
+    """`25MB` -> 25_000_000 bytes; `1.5GiB` -> 1_610_612_736. Sizes beyond `MAX_BUCKET_BYTES`
+    (400 nines are an infinite float) come back as `MAX_BUCKET_BYTES + 1`."""
     m = _SIZE_RE.fullmatch(text.strip())
     assert m, text  # the grammar's SIZE terminal guarantees the shape
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    size = float(m.group(1)) * _UNITS[m.group(2)]
+    return int(size) if size <= MAX_BUCKET_BYTES else MAX_BUCKET_BYTES + 1
+
+
+def _shown(text: str) -> str:
+    """A number as messages show it: a long one cut, marked with `...`."""
+    return text if len(text) <= 16 else text[:16] + "..."
 
 
 def _normal_size(text: str) -> str:

@@ -79,10 +79,16 @@ CASES = [
         (1, "axis `a0` has size 0"),
         3000,  # one size, and 2,999 meshes too many
     ),
+    Case(
+        "axes_product_huge",
+        lambda: "mesh " + ",".join(f"a{i}=999999999999" for i in range(2000)),
+        (1, "multiply"),
+    ),
     # -- long lines, long words, padding
     # a 1 MiB word took 470 MB in the regex engine (a record per repeated group)
     Case("one_line_1mib", lambda: _fill("x", "mesh tp=2 "), (1, "unexpected `xxxx"), trace_memory=True),
     Case("one_comment_1mib", lambda: _fill("x", "mesh tp=2  # "), None),
+    Case("one_name_1mib", lambda: _fill("a", "mesh ") + "=2", (1, "characters long"), trace_memory=True),
     Case(
         "one_pattern_1mib",
         lambda: "mesh tp=2\nmodules {\n" + _fill("a.", limit=MIB - 200) + "b: row over tp\n}\n",
@@ -174,6 +180,11 @@ CASES = [
         "bucket_1e309", lambda: _block("data_parallel over dp", "bucket = 1e309B"), (3, "unexpected `1e309B`")
     ),
     Case(
+        "bucket_400_digits",
+        lambda: _block("data_parallel over dp", "bucket = " + "9" * 400 + "GB"),
+        (3, "bucket size 9999999999999999... is too large"),
+    ),
+    Case(
         "microbatches_power",
         lambda: _block("pipeline over pp", "microbatches = 10**400"),
         (3, "unexpected `**400`"),
@@ -195,6 +206,11 @@ CASES = [
         "capacity_factor_1e400",
         lambda: _block("modules", "m: experts over ep (capacity_factor = 1e400)"),
         (3, "`capacity_factor` 1e400 is too large"),
+    ),
+    Case(
+        "top_k_23_digits",
+        lambda: _block("modules", "m: experts over ep (top_k=" + "9" * 23 + ")"),
+        (3, "`top_k` 9999999999999999... is too large"),
     ),
     Case(
         "loss_scale_1e400",

@@ -9,7 +9,13 @@ again, so one run reports every broken line (`_repair`): blank the offending lin
 (or, if that line opens a block, the whole block), close a block the file leaves
 open, or close a block before a statement that starts inside it. Repairs keep line
 and column numbers intact. Blocks do not nest, which makes a missing or extra brace
-easy to tell apart from a pattern's `{q,k,v}` (`_block_openers`).
+easy to tell apart from a pattern's `{q,k,v}` (`_block_openers`). The statements
+before the broken one are kept, and the next parse starts at the broken statement.
+
+Bounds, so that no input of up to 1 MiB keeps the checker busy for long: at most
+`MAX_PLAN_LINES` lines and `MAX_PLAN_TOKENS` tokens (words, numbers and symbols; a
+real plan has a few hundred), `MAX_SYNTAX_ERRORS` errors, and `MAX_PARSE_WORK` tokens
+parsed in all, counting the parses again after each error.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from meshplan.grammar import grammar_text
@@ -28,6 +34,9 @@ from . import ast
 from .errors import Diagnostic, PlanFileError, PlanSyntaxError, Span, did_you_mean, one_of
 
 MAX_PLAN_BYTES = 1 << 20  # a plan is a page of text; 1 MiB is a mistake, not a plan
+MAX_PLAN_LINES = 10_000
+MAX_PLAN_TOKENS = 50_000  # the largest example plan has 119
+MAX_PARSE_WORK = 3 * MAX_PLAN_TOKENS
 MAX_SYNTAX_ERRORS = 50
 MAX_INT = 10**12 - 1  # the largest number a plan holds: 12 digits
 MAX_NAME = 100  # characters of an axis or setting name: `dp`, `capacity_factor`
@@ -165,28 +174,130 @@ def parse_recovering(text: str, path: str = "<plan>") -> tuple[ast.PlanFile, lis
             ],
             {path: text},
         )
+    _check_length(text, path)
     diagnostics: list[Diagnostic] = []
     work = text
     if not work.endswith("\n"):
         work += "\n"  # every statement ends in a newline token; positions are unchanged
-    for _ in range(MAX_SYNTAX_ERRORS):
-        try:
-            return _ToAst(path, work).transform(_lark().parse(work)), diagnostics
-        except UnexpectedInput as e:
-            diagnostics.append(_diagnose(e, work, path))
-            repaired = _repair(work, e)
-        except VisitError as e:  # a value the grammar admits but the AST cannot hold
-            if not isinstance(e.orig_exc, _NodeError):
-                raise
-            diagnostics.append(e.orig_exc.diagnostic)
-            repaired = _blank_statement_or_entry(work, e.orig_exc.diagnostic.span.line)
-        if repaired == work:  # recovery made no progress: report what was found rather than repeat it
-            raise PlanSyntaxError(diagnostics, {path: text})
-        work = repaired
-    diagnostics.append(
-        Diagnostic(diagnostics[-1].span, f"too many errors; stopped after {MAX_SYNTAX_ERRORS}")
+    budget = _Budget(MAX_PARSE_WORK)
+    done: list[ast.Statement] = []  # the statements before line `resume`, parsed for good
+    resume = 1  # `work` is blank before this line
+    try:
+        for _ in range(MAX_SYNTAX_ERRORS):
+            try:
+                tree = _ToAst(path, work).transform(_parse(work, budget))
+                return _prepend(done, tree), diagnostics
+            except UnexpectedInput as e:
+                lines = work.split("\n")
+                openers = _block_openers(lines)  # once per error: a line can hold 1 MiB of braces
+                diagnostics.append(_diagnose(e, work, path, lines=lines, openers=openers))
+                line = len(lines) if _at_end(e) else _error_line(e, lines)
+                repaired = _repair(work, e, lines=lines, openers=openers)
+            except VisitError as e:  # a value the grammar admits but the AST cannot hold
+                if not isinstance(e.orig_exc, _NodeError):
+                    raise
+                diagnostics.append(e.orig_exc.diagnostic)
+                line = e.orig_exc.diagnostic.span.line
+                lines = work.split("\n")
+                openers = _block_openers(lines)
+                repaired = _blank_statement_or_entry(work, line, lines=lines, openers=openers)
+            if repaired == work:  # recovery made no progress: report what was found rather than repeat it
+                raise PlanSyntaxError(diagnostics, {path: text})
+            # Repairs change only the broken statement and what follows it: the statements
+            # before it are parsed once more, kept, and blanked, and parsing goes on from it.
+            opener = openers[min(line, len(openers)) - 1]
+            start = line if opener is None else opener[0]
+            if start > resume:
+                head = work[: _offset_of_line(work, start)]
+                done += _ToAst(path, head).transform(_parse(head, budget)).statements
+                resume = start
+            work = _blank_before(repaired, resume)
+    except _TooLong as e:
+        raise PlanFileError([*diagnostics, e.diagnostic(path)], {path: text}) from None
+    except _OutOfWork:
+        raise PlanSyntaxError(diagnostics, {path: text}, stopped=True) from None
+    raise PlanSyntaxError(diagnostics, {path: text}, stopped=True)
+
+
+def _check_length(text: str, path: str) -> None:
+    """A plan of more than `MAX_PLAN_LINES` lines is refused before parsing, at the first line too many."""
+    if text.count("\n", 0, len(text) - 1) < MAX_PLAN_LINES:
+        return
+    line = MAX_PLAN_LINES + 1
+    raise PlanFileError(
+        [
+            Diagnostic(
+                Span(path, line, 1, line, 2),
+                f"plan is too long: more than {MAX_PLAN_LINES:,} lines",
+                hint="a plan describes a layout in a few dozen lines; is this the right file?",
+            )
+        ],
+        {path: text},
     )
-    raise PlanSyntaxError(diagnostics, {path: text})
+
+
+class _TooLong(Exception):
+    """The plan has more than `MAX_PLAN_TOKENS` tokens; raised at the first one too many."""
+
+    def __init__(self, token: Token):
+        self.token = token
+
+    def diagnostic(self, path: str) -> Diagnostic:
+        return Diagnostic(
+            _tok_span(path, self.token),
+            f"plan is too long: more than {MAX_PLAN_TOKENS:,} words and symbols",
+            hint="a plan describes a layout in a few dozen lines; one rule with `*` or `{0..31}` "
+            "covers many modules",
+        )
+
+
+class _OutOfWork(Exception):
+    """Recovery has parsed `MAX_PARSE_WORK` tokens: report the errors found so far."""
+
+
+class _Budget:
+    """Tokens left to parse, over every parse of one file."""
+
+    def __init__(self, tokens: int):
+        self.left = tokens
+
+
+def _parse(text: str, budget: _Budget) -> Tree:
+    """`_lark().parse(text)`, counting tokens: at most `MAX_PLAN_TOKENS` in the text, and the
+    budget of the whole recovery."""
+    parser = _lark().parse_interactive(text)
+    count, last = 0, None
+    try:
+        for last in parser.iter_parse():
+            count += 1
+            if count > MAX_PLAN_TOKENS:
+                raise _TooLong(last)
+            if count > budget.left:
+                raise _OutOfWork
+        return parser.feed_eof(last)
+    finally:  # a parse that fails on a syntax error costs as much as one that succeeds
+        budget.left -= count
+
+
+def _offset_of_line(text: str, line: int) -> int:
+    """Where line `line` (from 1) starts in `text`."""
+    offset = 0
+    for _ in range(line - 1):
+        offset = text.index("\n", offset) + 1
+    return offset
+
+
+def _blank_before(text: str, line: int) -> str:
+    """`text` with every line before `line` empty: parsed again, those lines cost nothing."""
+    return "\n" * (line - 1) + text[_offset_of_line(text, line) :]
+
+
+def _prepend(statements: list[ast.Statement], tree: ast.PlanFile) -> ast.PlanFile:
+    if not statements:
+        return tree
+    first, last = statements[0].span, (tree.statements[-1] if tree.statements else statements[-1]).span
+    span = Span(tree.path, first.line, first.col, last.end_line, last.end_col)
+    return ast.PlanFile(tree.path, (*statements, *tree.statements), span)
 
 
 # ---------------------------------------------------------------------------- AST building
@@ -489,8 +600,6 @@ _SETTING_BLOCKS = {
 # A line that starts a statement: a mesh, or a block header with its `{`.
 _MESH_LINE = re.compile(r"[ \t]*mesh[ \t]+\w+[ \t]*=")
 _BLOCK_HEADER = re.compile(r"[ \t]*(modules|pipeline|data_parallel|precision|train)\b[^{#]*\{")
-# Inside a block a `{...}` on one line is a pattern's brace group, never a block.
-_BRACE_GROUP = re.compile(r"\{[^{}]*\}")
 
 
 def _expected_words(expected: set[str]) -> list[str]:
@@ -559,10 +668,16 @@ def _describe_char(ch: str) -> str:
     return f"`{ch}` (U+{ord(ch):04X})" if ch.isprintable() else f"U+{ord(ch):04X}"
 
 
-def _diagnose(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
-    """Turn a Lark exception into a located diagnostic with a useful hint."""
-    lines = text.split("\n")
-    openers = _block_openers(lines)
+def _diagnose(
+    e: UnexpectedInput,
+    text: str,
+    path: str,
+    *,
+    lines: list[str],
+    openers: list[tuple[int, int] | None],
+) -> Diagnostic:
+    """Turn a Lark exception into a located diagnostic with a useful hint.
+    `lines`, `openers`: the text's, split and `_block_openers`."""
     if _at_end(e):
         return _end_of_file(path, lines, openers[-1])
     lineno = _error_line(e, lines)
@@ -798,23 +913,26 @@ def _block_openers(
             continue
         code = line.split("#", 1)[0]
         col = 0
-        while col < len(code):
-            ch = code[col]
-            if state is None and ch == "{":
-                state = (lineno, col + 1)
-            elif state is not None and ch == "{":
-                group = _BRACE_GROUP.match(code, col)
-                if group:
-                    col = group.end()
-                    continue
-            elif state is not None and ch == "}":
+        while True:  # from brace to brace with `find`: a line can hold 1 MiB of them
+            if state is None:
+                opening = code.find("{", col)
+                if opening < 0:
+                    break
+                state, col = (lineno, opening + 1), opening + 1
+                continue
+            closing = code.find("}", col)
+            if closing < 0:
+                break
+            # `{` before the `}`: the last of them and the `}` are a brace group, and any
+            # `{` before that has no `}` of its own; none: the `}` closes the block
+            if code.rfind("{", col, closing) < 0:
                 state = None
-            col += 1
+            col = closing + 1
     out.append(state)
     return out
 
 
-def _repair(text: str, e: UnexpectedInput) -> str:
+def _repair(text: str, e: UnexpectedInput, *, lines: list[str], openers: list[tuple[int, int] | None]) -> str:
     """Change the text so that the next parse gets past this error; line and column numbers stay.
 
     - The file ends inside a block: close it.
@@ -822,8 +940,6 @@ def _repair(text: str, e: UnexpectedInput) -> str:
       is missing, so close the outer block on the line before.
     - Anything else: blank the line, or more, see `_blank_statement_or_entry`.
     """
-    lines = text.split("\n")
-    openers = _block_openers(lines)
     if _at_end(e):
         # only a block can be left open at the end, and blocks do not nest
         return text + "}\n" if openers[-1] is not None else text
@@ -832,8 +948,8 @@ def _repair(text: str, e: UnexpectedInput) -> str:
         nested_end = _nested_block_end(lines, lineno)
         if nested_end is not None:
             return _blank_lines(text, lineno, nested_end)
-        before = lines[lineno - 2].split("#", 1)[0].rstrip()
-        lines[lineno - 2] = before + " }"
+        lines = list(lines)
+        lines[lineno - 2] = lines[lineno - 2].split("#", 1)[0].rstrip() + " }"
         return "\n".join(lines)
     return _blank_statement_or_entry(text, lineno, lines=lines, openers=openers)
 

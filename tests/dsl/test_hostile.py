@@ -27,7 +27,7 @@ import pytest
 from meshplan.dsl import PlanError, check_text, parse
 from meshplan.dsl.errors import MAX_KEPT, MAX_SHOWN, render_diagnostics
 from meshplan.dsl.fmt import format_plan
-from meshplan.dsl.parser import MAX_PLAN_BYTES, decode_plan_bytes
+from meshplan.dsl.parser import MAX_PLAN_BYTES, MAX_PLAN_LINES, decode_plan_bytes
 
 NAME = "h.plan"
 MIB = 1 << 20
@@ -66,6 +66,7 @@ CASES = [
         (1, "axis `a` is declared twice"),
         8999,
     ),
+    Case("axes_repeated_1mib", lambda: _fill("a=1,", "mesh ") + "a=1", (1, "plan is too long: more than")),
     Case("axes_distinct_at_token_cap", lambda: "mesh " + ",".join(f"a{i}=1" for i in range(12_000)), None),
     Case(
         "axes_all_star",
@@ -95,6 +96,7 @@ CASES = [
         (3, "longer than 1,000"),
         trace_memory=True,
     ),
+    Case("braces_1mib", lambda: _fill("{", "mesh tp=2\nmodules "), (2, "unclosed `{`"), trace_memory=True),
     Case(
         "padding_300k",
         lambda: "mesh tp=2" + " " * 300_000 + "\nmodules {\n" + "\t" * 300_000 + "a: row over tp\n}\n",
@@ -117,6 +119,11 @@ CASES = [
         trace_memory=True,
     ),
     # -- many lines, statements, blocks, rules
+    Case(
+        "lines_over_the_cap",
+        lambda: "mesh tp=2\n" * (MAX_PLAN_LINES + 5),
+        (MAX_PLAN_LINES + 1, "more than 10,000 lines"),
+    ),
     Case("blank_lines_1mib", lambda: "\n" * (MIB - 10), (1, "empty plan"), trace_memory=True),
     Case("mesh_repeated_9999", lambda: "mesh tp=2\n" * 9999, (2, "`mesh` appears twice"), 9998),
     Case(
@@ -125,6 +132,12 @@ CASES = [
         (5, "appears twice"),
         2999,
     ),
+    Case(
+        "blocks_never_closed", lambda: "mesh tp=2\n" + "modules {\n" * 9000, (3, "missing `}`"), stopped=True
+    ),
+    Case("braces_unmatched", lambda: "mesh tp=2\n" + "}\n" * 9000, (2, "unmatched `}`"), stopped=True),
+    Case("garbage_lines", lambda: "%%%\n" * 9000, (1, "at the start of a statement"), stopped=True),
+    Case("rules_over_the_caps", lambda: _rules(50_000), (MAX_PLAN_LINES + 1, "more than 10,000 lines")),
     Case("rules_8000", lambda: _rules(8000), None),
     Case("rules_8000_unknown_axis", lambda: _rules(8000, "row over tq"), (3, "unknown mesh axis `tq`"), 8000),
     Case(
@@ -136,6 +149,12 @@ CASES = [
         ),
         (4, "conflicting rules for `a`"),
         4000,
+    ),
+    Case(
+        "rules_8000_broken_at_the_end",
+        lambda: _rules(8000)[:-2] + "b: rowe over tp\n" * 60 + "}\n",
+        (8003, "unexpected `rowe`"),
+        stopped=True,  # each error parses the block again: recovery stops at its budget
     ),
     Case(
         "cuts_8000_same",

@@ -67,6 +67,7 @@ class Session:
     microbatches: int = 1  # sequences per micro-step = --batch x microbatches
     pipeline_group: torch.distributed.ProcessGroup | None = None  # ranks holding the other stages
     step_metrics: Callable[[], dict[str, Any]] | None = None  # facts the pipeline adds to each step
+    after_backward: Callable[[], None] | None = None  # a pipeline's tied weights: sum their gradients
 
 
 def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
@@ -178,7 +179,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
             inputs_of, microbatches, dp.no_sync if dp is not None else None
         )
         pipeline_group = stages.group
-        axes = dataclasses.replace(axes, stages=(stages.axis,))
+        axes = dataclasses.replace(axes, stages=(stages.axis,), copies=stages.copies)
 
     return Session(
         program,
@@ -194,6 +195,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         microbatches,
         pipeline_group,
         stages.metrics if stages is not None else None,
+        stages.sum_tied_grads if stages is not None and stages.tied else None,
     )
 
 
@@ -219,7 +221,28 @@ class _PipelineRank:
     ranks: list[int]  # the global ranks of its pipeline group, by position
     group: torch.distributed.ProcessGroup | None
     axis: str
+    # weights tied across pipeline ranks: name -> (shape, the positions holding a copy)
+    tied: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     step: Any = None  # the PipelineStep, once `forward_backward` made it
+
+    @property
+    def copies(self) -> frozenset[str]:
+        """The tied weights this rank holds but another counts (in the gradient norm)."""
+        return frozenset(n for n, (_, holders) in self.tied.items() if self.position in holders[1:])
+
+    def sum_tied_grads(self) -> None:
+        """Sum each tied weight's gradient over the pipeline ranks holding a copy (the others
+        add zeros), so every copy takes the same optimizer step."""
+        import torch
+        import torch.distributed as dist
+
+        for name, (shape, holders) in sorted(self.tied.items()):
+            param = self.held.get_parameter(name) if self.position in holders else None
+            grad = param.grad if param is not None and param.grad is not None else None
+            total = grad.clone() if grad is not None else torch.zeros(shape)
+            dist.all_reduce(total, group=self.group)
+            if param is not None:
+                param.grad = total
 
     def metrics(self) -> dict[str, Any]:
         return {"pipeline_idle": self.step.idle if self.step is not None else None}
@@ -290,7 +313,12 @@ def _pipeline(plan: Plan, compiled, program: fx.GraphModule, mesh, rank: int) ->
     held = fx.GraphModule(program, graph, class_name="PipelineRank")
     group = mesh.get_group(spec.axis) if ranks > 1 else None
     members = dist.get_process_group_ranks(group) if group is not None else [rank]
-    return _PipelineRank(held, mine, schedule, position, members, group, spec.axis)
+    tied = {}
+    for name, used in cut.shared.items():
+        holders = tuple(sorted({schedule.owner[s] for s in used}))
+        if len(holders) > 1:  # on one rank the copies are one parameter: autograd sums them
+            tied[name] = (tuple(program.get_parameter(name).shape), holders)
+    return _PipelineRank(held, mine, schedule, position, members, group, spec.axis, tied)
 
 
 def compiled_folder(args: argparse.Namespace) -> Executable:
@@ -496,4 +524,5 @@ def train_session(args: argparse.Namespace, prepared: Session, *, show_progress:
         show_progress=show_progress,
         forward_backward=prepared.forward_backward,
         step_metrics=prepared.step_metrics,
+        after_backward=prepared.after_backward,
     )

@@ -20,7 +20,9 @@ a correct float32 plan from a broken one; the yardstick's own distance to float6
 program passes when, for the losses, the gradient norms and the whole model's weights, its
 distance to the reference is within `--tolerance` times the yardstick's, and within
 `TENSOR_FACTOR` times that for every single weight tensor (a small tensor's rounding is a noisy
-sample). A dropped reduction or a wrong shard is off by orders of magnitude.
+sample). Gradient norms after the first step are computed from weights that already carry
+Adam's amplified rounding, so their floor, like a tensor's, is the yardstick's distance in
+the whole model's weights. A dropped reduction or a wrong shard is off by orders of magnitude.
 
 A model that cannot run in float64 (an op without a float64 kernel here) is compared with the
 yardstick instead, against fixed bounds (`FALLBACK`), and verify says so.
@@ -288,7 +290,11 @@ def measure(
     ]
     return [
         limited("losses", "losses", lambda run: worst_step(run, "losses")),
-        limited("gradient norms", "gradient norms", lambda run: worst_step(run, "grad_norms")),
+        # after the first step a gradient norm is a function of the weights, and carries their
+        # rounding: its floor is the yardstick's distance in weights, as a tensor's is
+        limited(
+            "gradient norms", "gradient norms", lambda run: worst_step(run, "grad_norms"), floor=model_floor
+        ),
         limited("weights (whole model)", "weights (whole model)", whole),
         max(tensors, key=lambda m: m.partitioned / m.limit),
     ]
@@ -409,10 +415,14 @@ def token_range(compiled, source) -> int:
 
 
 def _comes_from(node, sources: set) -> bool:
-    """Whether `node` is one of `sources` or computed from one through single-input ops (views)."""
+    """Whether `node` is one of `sources` or computed from one through single-input ops (views).
+    A size read from a source (`sym_size`: the positions `arange(seq)` of a symbolic sequence)
+    is not its values."""
+    import torch
+
     while node not in sources:
         inputs = [a for a in node.all_input_nodes]
-        if len(inputs) != 1:
+        if len(inputs) != 1 or node.target is torch.ops.aten.sym_size.int:
             return False
         node = inputs[0]
     return True

@@ -22,8 +22,9 @@ Which node runs where:
   the attention mask, the labels' shift) is recomputed by every stage that reads it;
   sending it would cost a transfer for what is cheap to make again.
 - A *weight-side* node (a cast or view of a parameter, depending on no input) runs in the
-  stage that reads it, so each parameter lives in exactly one stage. A parameter read by
-  two stages (weights tied across stages) is refused for now.
+  stage that reads it. A parameter read by several stages (an input embedding tied to the
+  LM head) is held by each of them (`Stages.shared`): the runtime sums its gradient over
+  the pipeline ranks that hold it before each optimizer step, so the copies stay equal.
 
     stages = cut_stages(graph, cuts_from(plan, model, graph))
     stages.programs(rank_program)   # [stage 0 GraphModule, stage 1, ...]
@@ -85,6 +86,7 @@ class Stages:
     inputs: tuple[fx.Node, ...]  # the graph's placeholders, given to every stage
     cost: tuple[float, ...]  # per stage: its share of the FLOPs
     modules: tuple[tuple[str, ...], ...]  # per stage: the top-level modules it runs (for explain)
+    shared: dict[str, tuple[int, ...]]  # a parameter read by several stages -> those stages
 
     def sends(self, stage: int) -> tuple[fx.Node, ...]:
         return self.receives[stage + 1] if stage + 1 < self.count else ()
@@ -125,7 +127,7 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
         stage_of[n] = sum(1 for s in starts if s <= i)
 
     needs: list[set[fx.Node]] = [set() for _ in range(count)]
-    owner_of_param: dict[fx.Node, int] = {}
+    users_of_param: dict[str, set[int]] = {}
 
     def need(node: fx.Node, s: int) -> None:
         """Stage s runs `node` (free or weight-side, with what it reads) or receives it."""
@@ -133,9 +135,7 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
             return
         if node.op == "get_attr":
             if _trainable(gm, node):
-                first = owner_of_param.setdefault(node, s)
-                if first != s:
-                    raise StageError(_tied(node, first, s))
+                users_of_param.setdefault(str(node.target), set()).add(s)
             needs[s].add(node)
             return
         if kind[node] == "activation":
@@ -176,6 +176,7 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
         tuple(n for n in graph.nodes if n.op == "placeholder"),
         tuple(cost),
         modules,
+        {name: tuple(sorted(used)) for name, used in users_of_param.items() if len(used) > 1},
     )
 
 
@@ -215,13 +216,6 @@ def _start_index(activations: list[fx.Node], c: Cut) -> int:
 
 def _empty_stage(cuts: Sequence[Cut]) -> str:
     return "the cuts " + ", ".join(f"`{c}`" for c in cuts) + " leave a stage with no operation"
-
-
-def _tied(param: fx.Node, first: int, second: int) -> str:
-    return (
-        f"`{param.target}` is used by stages {first} and {second} (weights tied across stages, "
-        "such as an input embedding shared with the LM head): not supported by meshplan's pipeline yet"
-    )
 
 
 def _top_modules(nodes: list[fx.Node]) -> tuple[str, ...]:

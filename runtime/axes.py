@@ -12,7 +12,9 @@ and `mesh dp=2, cp=1, tp=2` train the same model.
     axes.sum_over(squares, ("tp",), "gradient norm")    # summed over every rank of those axes
 
 A pipeline axis (`stages`) is neither data nor sharding: each of its ranks holds the
-parameters of other stages, so a sum over the whole model (the gradient norm) adds them up.
+parameters of other stages, so a sum over the whole model (the gradient norm) adds them up;
+a weight several stages share (an embedding tied to the LM head) is counted by one of them,
+the others hold `copies`.
 
 An axis of one rank has no group here: every reduction over it is the identity.
 """
@@ -36,6 +38,8 @@ class Axes:
     data: tuple[str, ...] = ()  # the batch is split over these: losses are averaged over them
     sharding: Sharding = field(default_factory=dict)  # parameter -> its cuts over the axes
     stages: tuple[str, ...] = ()  # pipeline axes: each rank holds other parameters (its stages)
+    # parameters this rank holds a copy of that another pipeline rank counts (a tied weight)
+    copies: frozenset[str] = frozenset()
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups.get(axis)

@@ -156,12 +156,14 @@ def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor
     """The L2 norm of the whole model's gradient, the same on every rank (see the module docstring)."""
     kinds: dict[tuple[str, ...], set[str]] = {}
     for name in names:
-        kinds.setdefault(axes.sharded_over(name), set()).add(name)
+        if name not in axes.copies:
+            kinds.setdefault(axes.sharded_over(name), set()).add(name)
     sharded = sorted(k for k in kinds if k)  # the same order on every rank
-    squares = sync.grad_squares([kinds[k] for k in sharded])
+    # first the copies of tied weights, whose squares another pipeline rank counts
+    squares = sync.grad_squares([set(axes.copies), *(kinds[k] for k in sharded)])
     total = squares[-1]  # whole parameters: counted once
     for i, over in enumerate(sharded):
-        total = total + axes.sum_over(squares[i], over, "gradient norm")
+        total = total + axes.sum_over(squares[1 + i], over, "gradient norm")
     # each pipeline rank holds other stages' parameters: theirs add up
     return axes.sum_over(total, axes.stages, "gradient norm").sqrt()
 
@@ -214,6 +216,7 @@ def train(
     show_progress: bool | None = None,
     forward_backward: ForwardBackward | None = None,
     step_metrics: Callable[[], dict[str, Any]] | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> Summary:
     """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
 
@@ -222,8 +225,9 @@ def train(
     roles and each parameter's cuts; `sync` synchronizes gradients over the data axis (None:
     there is none). `forward_backward` replaces `loss_of` and its backward where one
     micro-step is more than a forward and a backward (a pipeline's schedule over its
-    microbatches), and `step_metrics` adds its own facts to each step's record (a
-    pipeline's measured idle fraction). ZeRO brings its own optimizer, built with `decays` and this config's
+    microbatches), `step_metrics` adds its own facts to each step's record (a
+    pipeline's measured idle fraction), and `after_backward` runs once the step's gradients
+    are synchronized, before they are read (a pipeline sums a tied weight's over its copies). ZeRO brings its own optimizer, built with `decays` and this config's
     hyperparameters; the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -256,6 +260,8 @@ def train(
             loss = _accumulate(
                 forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
             )  # () mean loss
+            if after_backward is not None:
+                after_backward()
             norm = _optimizer_step(grads, zero or optimizer, axes, names, scale, config.grad_clip)
             skipped = not bool(torch.isfinite(norm))
             if zero is not None:

@@ -108,6 +108,15 @@ def test_hf_llama_pipeline_with_tensor_parallel(tmp_path):
 
 
 @pytest.mark.slow
+def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
+    """GPT-2's input embedding is its LM head: stage 0 and stage 1 each hold a copy, and their
+    gradients are summed over the two pipeline ranks before every step."""
+    pytest.importorskip("transformers")
+    text = "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n    microbatches = 2\n}\n"
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_gpt2", steps=3))
+
+
+@pytest.mark.slow
 def test_a_tuple_output_tied_model_with_a_large_vocabulary():
     """nanoGPT returns `(logits, loss)` and ties its head to the embedding; the token ids are
     drawn from the embedding's rows (not from the example inputs' range)."""

@@ -56,6 +56,20 @@ def test_pipeline_with_data_parallel_compiles():
     assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
 
 
+def test_weights_tied_across_pipeline_ranks_with_zero_are_refused():
+    pytest.importorskip("transformers")
+    from meshplan.compiler.capture import load_model
+
+    source = load_model(f"{ROOT}/tests/compiler/hf_factories.py:hf_gpt2")
+    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
+    with pytest.raises(PlanError) as info:
+        compile_plan(check_text(text, "p.plan"), source)
+    assert (
+        "is shared by stages on different pipeline ranks (a tied weight), which ZeRO-1 cannot shard yet"
+        in (info.value.render())
+    )
+
+
 def test_zero_bubble_schedule_is_refused_at_its_setting():
     text = "mesh pp=2\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     rendered = _refusal(text)

@@ -190,6 +190,33 @@ def _check_output_folder(out: Path) -> None:
                 folder.rmdir()
 
 
+def _inspect_schedule(folder: Path, form: str) -> int:
+    """The pipeline's schedule: each rank's actions in time, simulated at unit costs."""
+    from meshplan.compiler.executable import PROGRAM, ExecutableError, load_executable
+    from meshplan.compiler.printers import schedule_svg, schedule_text
+    from meshplan.dsl.check import check_text
+    from meshplan.runtime.schedules import build, simulate
+
+    try:
+        executable = load_executable(folder / PROGRAM)
+    except ExecutableError as e:
+        raise UsageError(str(e)) from None
+    plan = check_text(executable.plan_text, executable.plan_name, world_size=executable.layout.world_size)
+    spec = plan.pipeline
+    if spec is None:
+        raise UsageError(f"{folder}: its plan ({executable.plan_name}) has no pipeline, so no schedule")
+    ranks = executable.layout.size(spec.axis)
+    timeline = simulate(build(spec.schedule, ranks, spec.microbatches or ranks, spec.virtual_stages))
+    if form == "text":
+        print(schedule_text(timeline), end="")
+    elif form in ("svg", "html"):
+        svg = schedule_svg(timeline)
+        print(svg if form == "svg" else f"<!doctype html>\n<html><body>\n{svg}</body></html>\n", end="")
+    else:
+        raise UsageError("--schedule draws text, svg or html")
+    return EXIT_OK
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
@@ -201,6 +228,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         manifest = read_artifact(folder)
     except ArtifactError as e:
         raise UsageError(str(e)) from None
+    if args.schedule:
+        return _inspect_schedule(folder, args.format)
     world = manifest["world_size"]
     if not 0 <= args.rank < world:
         raise UsageError(
@@ -401,11 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan inspect build/llama_tp --rank 0
              meshplan inspect build/llama_tp --rank 0 --format dot > rank0.dot
              meshplan inspect build/llama_tp --rank 0 --format html > rank0.html
+             meshplan inspect build/llama_pipeline --schedule [--format svg > schedule.svg]
              """,
     )
     p.add_argument("folder", metavar="DIR", help="a folder written by `meshplan compile`")
     p.add_argument("--rank", type=int, default=0, metavar="R")
     p.add_argument("--format", choices=("text", "dot", "svg", "html"), default="text")
+    p.add_argument(
+        "--schedule",
+        action="store_true",
+        help="the pipeline schedule instead: each rank's actions in time and the bubble",
+    )
 
     from meshplan.verify import cmd_verify
 

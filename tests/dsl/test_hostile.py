@@ -14,6 +14,7 @@ under 1 s of CPU (startup included) for `meshplan check` and `fmt`.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
@@ -364,3 +365,69 @@ def test_meshplan_check_caps_its_output(tmp_path: Path) -> None:
     assert len(done.stderr.encode()) < 50_000
     assert done.stderr.count(": error: axis `a` is declared twice\n") == MAX_SHOWN
     assert done.stderr.endswith(f"\n... and 8,949 more errors (first 50 shown)\n{plan}: 8,999 errors\n")
+
+
+# ---------------------------------------------------------------------------- fuzzing, seeded
+
+EXAMPLE_TEXTS = [
+    p.read_text(encoding="utf-8")
+    for p in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
+]
+HOSTILE_PIECES = [
+    "{",
+    "}",
+    "{0..999999}",
+    "*",
+    "**",
+    ",",
+    "=",
+    "a=1,",
+    " ",
+    "\t",
+    "\n",
+    "#",
+    "9" * 14,
+    "1e309",
+    "\x00",
+    "over tp",
+    "cut before ",
+    "mesh ",
+    "modules {\n",
+]
+
+
+def _fuzzed(rng: random.Random) -> bytes:
+    """An example plan with a random line or piece repeated to up to 256 KB, or random pieces
+    spliced in: the shapes that made the checker quadratic, found by chance instead of by name."""
+    text = rng.choice(EXAMPLE_TEXTS)
+    lines = text.splitlines(keepends=True)
+    kind = rng.randrange(3)
+    if kind == 0:  # one line, repeated
+        line = rng.choice(lines)
+        text = text + line * (rng.randrange(1, 256 * 1024) // max(len(line), 1))
+    elif kind == 1:  # one hostile piece, repeated in place
+        piece = rng.choice(HOSTILE_PIECES)
+        at = rng.randrange(len(text) + 1)
+        text = text[:at] + piece * rng.randrange(1, 256 * 1024 // len(piece)) + text[at:]
+    else:  # a few pieces spliced anywhere
+        for _ in range(rng.randrange(1, 40)):
+            at = rng.randrange(len(text) + 1)
+            text = text[:at] + rng.choice(HOSTILE_PIECES) + text[at:]
+    return text.encode("utf-8", "surrogatepass")[:MAX_PLAN_BYTES]
+
+
+def test_seeded_fuzz_finishes_every_input_in_bounded_time_and_output() -> None:
+    """120 inputs from a fixed seed (the same every run): each is checked and formatted within
+    the per-input bound, ends in a PlanError or a valid plan, and renders at most MAX_OUTPUT."""
+    rng = random.Random(20261125)
+    slowest = (0.0, b"")
+    for _ in range(120):
+        data = _fuzzed(rng)
+        start = time.process_time()
+        error, rendered, _ = _verbs(data)
+        spent = time.process_time() - start
+        slowest = max(slowest, (spent, data[:80]))
+        assert spent < SECONDS, (spent, data[:200])
+        assert len(rendered) <= MAX_OUTPUT, data[:200]
+        assert error is None or error.num_errors >= 1
+    assert slowest[0] < SECONDS

@@ -50,7 +50,7 @@ from torch.export import ExportedProgram
 from .errors import CaptureError, ModelLoadError
 
 # node.meta key holding the path of the innermost module that produced the node.
-MODULE_PATH_KEY = "meshplan.module"
+from .meta import MODULE as MODULE_PATH_KEY
 
 _SPEC_HINT = "write the model as path/to/file.py:factory or package.module:factory, e.g. examples/models/llama.py:build"
 

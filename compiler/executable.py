@@ -37,8 +37,8 @@ from torch import fx, nn
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import ModelSource, TokenShapes
+from .meta import CHECKPOINT, COLLECTIVE, MODULE, STAGES
 from .placement import Placement
-from .stages import STAGES
 
 if TYPE_CHECKING:
     from .compile import Compiled
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 PROGRAM = "program.pt"  # its name in a compile folder and in a run folder
 # node facts a rank program needs: the rest (export's fake tensors, stack traces) are compile-time
-_RUNTIME_META = ("meshplan.checkpoint", "meshplan.collective", "meshplan.module")
+_RUNTIME_META = (CHECKPOINT, COLLECTIVE, MODULE)
 
 
 class ExecutableError(ValueError):

@@ -20,10 +20,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
 from torch.fx.node import Argument
 
-PLACEMENT = "meshplan.placement"
-RULE = "meshplan.rule"
-COLLECTIVE = "meshplan.collective"
-REQUIRES_GRAD = "meshplan.requires_grad"
+from .meta import COLLECTIVE, MODULE, PLACEMENT, REQUIRES_GRAD, RULE  # noqa: F401  (the schema: meta.py)
 
 _NOISE = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -50,8 +47,8 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
 
 def module_path(node: fx.Node) -> str:
     """The dotted path of the innermost module the node was traced in ('' for the root)."""
-    if "meshplan.module" in node.meta:  # tagged by capture, normalized to named_modules() spelling
-        return node.meta["meshplan.module"]
+    if MODULE in node.meta:  # tagged by capture, normalized to named_modules() spelling
+        return node.meta[MODULE]
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from .graph import module_path
+from .meta import COLLECTIVE, MODULE
 
 OPS = ("call_function", "call_module", "call_method")
 
@@ -30,8 +31,8 @@ OPS = ("call_function", "call_module", "call_method")
 NOT_INHERITED = frozenset(
     {
         "nn_module_stack",
-        "meshplan.module",
-        "meshplan.collective",
+        MODULE,
+        COLLECTIVE,
         "stack_trace",
         "source_fn_stack",
         "torch_fn",
@@ -175,7 +176,7 @@ def replace_outputs(
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (call, i))
             anchor.meta.update(value_meta(out))
-            anchor.meta["meshplan.module"] = tag
+            anchor.meta[MODULE] = tag
             out.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in skip)
     for n in reversed(piece.nodes):
         graph.erase_node(n)

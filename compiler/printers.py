@@ -18,10 +18,9 @@ from meshplan.runtime.schedules import Timeline
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape_text
+from .meta import CHECKPOINT, RULE
 from .passes.checkpoint import region_modules
 from .placement import Shard
-
-CHECKPOINT = "meshplan.checkpoint"
 
 
 def compress_paths(paths: Iterable[str]) -> list[str]:
@@ -297,7 +296,7 @@ def graph_records(compiled: Compiled) -> list[dict]:
     out = []
     for node in compiled.graph.graph.nodes:
         info = node.meta.get(COLLECTIVE)
-        rule = (info or {}).get("rule") or node.meta.get("meshplan.rule")
+        rule = (info or {}).get("rule") or node.meta.get(RULE)
         out.append(
             {
                 "name": node.name,

@@ -47,12 +47,10 @@ from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
 
 from .graph import module_path, shape, shape_text
+from .meta import CHECKPOINT, STAGES
 from .outline import OPS, cut, within
 
 aten = torch.ops.aten
-
-STAGES = "meshplan.stages"  # gm.meta: the pipeline's cuts, as (side, module path) pairs
-STAGE = "meshplan.stage"  # node.meta: the stage an activation runs in
 
 
 class StageError(ValueError):
@@ -235,7 +233,7 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.d
 def flops(node: fx.Node) -> float:
     """A rough FLOP count of one op: 2mnk for a matmul, 4*B*H*T*S*D for attention, else the
     output's element count. Enough to balance stages, not to report."""
-    region = node.meta.get("meshplan.checkpoint")
+    region = node.meta.get(CHECKPOINT)
     if region is not None:  # an outlined checkpoint region: the ops inside it
         owner = node.graph.owning_module
         assert owner is not None, "a checkpoint call node belongs to its graph module"

@@ -57,9 +57,9 @@ from meshplan.dsl.errors import Diagnostic
 from .. import outline
 from ..graph import COLLECTIVE, for_rank
 from ..match import Resolution
+from ..meta import CHECKPOINT, MODULE
 from . import Context, Pass
 
-CHECKPOINT = "meshplan.checkpoint"
 aten = torch.ops.aten
 
 Mode = Literal["full", "selective"]
@@ -197,7 +197,7 @@ def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
         "rule": region.rule,
         "target": region.target,
     }
-    call.meta["meshplan.module"] = region.path
+    call.meta[MODULE] = region.path
     outline.replace_outputs(gm.graph, piece, call, tag=region.path)
 
 

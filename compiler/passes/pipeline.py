@@ -18,7 +18,8 @@ from torch import fx
 
 from meshplan.dsl.errors import Diagnostic, Span
 
-from ..stages import STAGE, STAGES, StageError, cut_stages, cuts_from
+from ..meta import STAGE, STAGES
+from ..stages import StageError, cut_stages, cuts_from
 from . import Context, Pass
 
 

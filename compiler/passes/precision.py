@@ -41,6 +41,7 @@ from meshplan.dsl.check import Plan, PlanRule
 
 from ..graph import arg_node, module_path
 from ..match import Resolution
+from ..meta import MODULE
 from . import Context, Pass
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,9 +107,7 @@ def mixed_precision(gm: fx.GraphModule, spec: PrecisionSpec) -> fx.GraphModule:
                     {"dtype": dtype},
                     name=f"{node.name}_{_SHORT[dtype]}",
                 )
-            new.meta.update(
-                {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "meshplan.module")}
-            )
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
             new.meta["val"] = node.meta["val"].to(dtype)
             casts[key] = new
         return casts[key]

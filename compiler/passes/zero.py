@@ -42,6 +42,7 @@ from torch import fx
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node
+from ..meta import MODULE
 from . import Context, Pass
 
 
@@ -103,7 +104,7 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
             "unit": unit,
             "where": spec.where,
         }
-        gather.meta["meshplan.module"] = unit
+        gather.meta[MODULE] = unit
         if spec.stage == 3 and unit != last_released:
             _release(gm, unit, gather, last, spec)
     graph.lint()
@@ -191,7 +192,7 @@ def _release(gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec
     gm.add_submodule(name, ZeroRelease(spec.axis, unit, position))
     with graph.inserting_after(last):
         release = graph.call_module(name, tuple(leaving))
-    release.meta["meshplan.module"] = unit
+    release.meta[MODULE] = unit
     release.meta[COLLECTIVE] = {"kind": "zero_release", "axis": spec.axis, "unit": unit, "where": spec.where}
     if len(leaving) == 1:
         release.meta["val"] = leaving[0].meta.get("val")
@@ -204,7 +205,7 @@ def _release(gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (release, i))
             anchor.meta["val"] = n.meta.get("val")
-            anchor.meta["meshplan.module"] = unit
+            anchor.meta[MODULE] = unit
             outs.append(anchor)
     for n, out in zip(leaving, outs, strict=True):
         n.replace_all_uses_with(out, delete_user_cb=lambda u: u not in members and u is not release)

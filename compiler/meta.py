@@ -1,0 +1,89 @@
+"""What meshplan records on graph nodes: every fact, its key, its type, who writes it.
+
+The graph is an fx `GraphModule`; the compiler's facts live in `node.meta` (and, for the
+whole program, `GraphModule.meta`) under `meshplan.*` keys. This module is their schema:
+the passes write and read them through these names and accessors, so a fact means one
+thing everywhere, and every error and every line of `explain` can say which plan rule and
+which module a node came from.
+
+| key                      | type                           | written by              | what it says |
+|--------------------------|--------------------------------|-------------------------|--------------|
+| `meshplan.module`        | `str`                          | capture, outlining      | the module path the op ran in (`layers.2.mlp`), as `named_modules()` spells it |
+| `meshplan.placement`     | `dict[str, Placement]`         | tensor-parallel pass    | the value's layout on each tensor axis (`Replicate()`, `Shard(d)`, `Partial()`) |
+| `meshplan.rule`          | `PlanRule`                     | tensor-parallel pass    | the plan rule that decided the value's layout (its span is the line to point at) |
+| `meshplan.requires_grad` | `bool`                         | tensor-parallel pass    | the value depends on a trainable parameter |
+| `meshplan.collective`    | `Collective` (a dict, below)   | tensor-parallel, zero   | the node is a collective: its kind, axis, dim and the rule behind it |
+| `meshplan.checkpoint`    | `CheckpointRegion` (a dict)    | checkpoint pass         | the call node of an outlined region: its path, mode, rule and submodule |
+| `meshplan.stage`         | `int`                          | pipeline pass           | the pipeline stage an activation runs in |
+| `meshplan.stages` (gm)   | `tuple[tuple[str, str], ...]`  | pipeline pass           | the pipeline's cuts, `("before", "layers.2")`, kept with the program |
+
+Export's own facts (`val`, `nn_module_stack`, `stack_trace`) are read through `graph.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from torch import fx
+
+if TYPE_CHECKING:
+    from meshplan.dsl.check import PlanRule
+
+    from .placement import Placement
+
+MODULE = "meshplan.module"
+PLACEMENT = "meshplan.placement"
+RULE = "meshplan.rule"
+REQUIRES_GRAD = "meshplan.requires_grad"
+COLLECTIVE = "meshplan.collective"
+CHECKPOINT = "meshplan.checkpoint"
+STAGE = "meshplan.stage"
+STAGES = "meshplan.stages"  # on GraphModule.meta
+
+
+class Collective(TypedDict, total=False):
+    """`meta[COLLECTIVE]`: a node that communicates. `kind` names the runtime module
+    (`all_reduce`, `reduce_scatter`, `zero_gather`, ...), `axis` the mesh axis; tensor
+    collectives add the `dim` they gather or scatter and the `rule` that demanded them, ZeRO
+    nodes their `unit` and `where`."""
+
+    kind: str
+    axis: str
+    dim: int | None
+    rule: Any  # PlanRule | None
+    unit: str
+    where: str
+
+
+class CheckpointRegion(TypedDict):
+    """`meta[CHECKPOINT]` on the call node of an outlined checkpoint region."""
+
+    path: str  # the checkpointed module
+    mode: str  # "full" | "selective"
+    rule: Any  # the PlanRule behind it
+    target: str  # the outlined submodule's attribute name
+
+
+def placement(node: fx.Node) -> dict[str, Placement]:
+    """The value's layout per tensor axis ({} before the tensor-parallel pass: whole everywhere)."""
+    return node.meta.get(PLACEMENT, {})
+
+
+def rule(node: fx.Node) -> PlanRule | None:
+    """The plan rule that decided the node's layout, if one did."""
+    return node.meta.get(RULE)
+
+
+def collective(node: fx.Node) -> Collective | None:
+    """The node's collective, or None if it does not communicate."""
+    return node.meta.get(COLLECTIVE)
+
+
+def checkpoint_region(node: fx.Node) -> CheckpointRegion | None:
+    """The region a checkpoint call node stands for, or None for any other node."""
+    return node.meta.get(CHECKPOINT)
+
+
+def stage(node: fx.Node) -> int | None:
+    """The pipeline stage the node runs in (None: no pipeline, or a value every stage remakes)."""
+    return node.meta.get(STAGE)

@@ -39,6 +39,7 @@ MAX_PLAN_TOKENS = 50_000  # the largest example plan has 119
 MAX_PARSE_WORK = 3 * MAX_PLAN_TOKENS
 MAX_SYNTAX_ERRORS = 50
 MAX_INT = 10**12 - 1  # the largest number a plan holds: 12 digits
+FP32_MAX = 3.4028234663852886e38  # but a loss scale multiplies an fp32 loss: up to fp32's largest
 MAX_NAME = 100  # characters of an axis or setting name: `dp`, `capacity_factor`
 MAX_BUCKET_BYTES = 1 << 40
 
@@ -350,14 +351,16 @@ class _ToAst(Transformer):
             )
         return int(tok)
 
-    def _number(self, tok: Token, what: str) -> float:
+    def _number(
+        self, tok: Token, what: str, limit: float = MAX_INT, limit_text: str = f"{MAX_INT:,}"
+    ) -> float:
         value = float(tok)  # NUMBER is digits with an optional fraction and exponent: never NaN
-        if value > MAX_INT:  # 1e400 is infinite
+        if value > limit:  # 1e400 is infinite
             raise _NodeError(
                 Diagnostic(
                     _tok_span(self.path, tok),
                     f"{what} {_shown(tok)} is too large",
-                    hint=f"{what} can be at most {MAX_INT:,}",
+                    hint=f"{what} can be at most {limit_text}",
                 )
             )
         return value
@@ -505,7 +508,12 @@ class _ToAst(Transformer):
 
     def loss_scale(self, meta, value):
         if isinstance(value, Token):
-            return self._setting(meta, "loss_scale", self._number(value, "loss scale"), str(value))
+            return self._setting(
+                meta,
+                "loss_scale",
+                self._number(value, "loss scale", FP32_MAX, "fp32's largest, 3.4e38"),
+                str(value),
+            )
         return self._setting(meta, "loss_scale", value, value)
 
     def loss_scale_dynamic(self, meta):

@@ -159,11 +159,13 @@ def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor
         if name not in axes.copies:
             kinds.setdefault(axes.sharded_over(name), set()).add(name)
     sharded = sorted(k for k in kinds if k)  # the same order on every rank
-    # first the copies of tied weights, whose squares another pipeline rank counts
-    squares = sync.grad_squares([set(axes.copies), *(kinds[k] for k in sharded)])
+    # first the copies of tied weights, whose squares another pipeline rank counts (no such
+    # kind without them: the engines' reductions stay what the ledger predicts)
+    copies = [set(axes.copies)] if axes.copies else []
+    squares = sync.grad_squares([*copies, *(kinds[k] for k in sharded)])
     total = squares[-1]  # whole parameters: counted once
     for i, over in enumerate(sharded):
-        total = total + axes.sum_over(squares[1 + i], over, "gradient norm")
+        total = total + axes.sum_over(squares[len(copies) + i], over, "gradient norm")
     # each pipeline rank holds other stages' parameters: theirs add up
     return axes.sum_over(total, axes.stages, "gradient norm").sqrt()
 

@@ -95,16 +95,24 @@ def one_rank_plan_text(cell: str) -> str:
 def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
     from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.executable import load_executable, save_executable, to_executable
     from meshplan.dsl import load_plan
 
-    plan_path = tmp / f"{cell}.plan"
-    if rank == 0:
+    plan_path, program_path = tmp / f"{cell}.plan", tmp / f"{cell}.program.pt"
+    if rank == 0:  # compiled once, as `meshplan run`'s launcher does; every rank loads it
         plan_path.write_text(plan_text(cell))
+        shaped = with_token_shape(
+            load_model("meshplan.examples.models.llama:build"), batch=MICRO_BATCH, seq=SEQ
+        )
+        compiled = compile_plan(load_plan(plan_path, world_size=world_size), shaped, world_size=world_size)
+        save_executable(to_executable(compiled), program_path)
     torch.distributed.barrier()
     args = build_parser().parse_args(
         [
             "run",
             str(plan_path),
+            "--program",
+            str(program_path),
             "--batch",
             str(MICRO_BATCH),
             "--seq",
@@ -136,10 +144,7 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
         ref_params = full_params
     ref_losses = single_device_losses(reference, cfg, batch=global_batch, seq=SEQ, clip=CLIP)
 
-    compiled = compile_plan(
-        load_plan(plan_path, world_size=world_size),
-        with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ),
-    )
+    compiled = load_executable(program_path)  # the placements the ranks ran with
     coords = compiled.layout.coords(rank)
     worst, worst_name = 0.0, ""
     drift = yard = 0.0  # bf16: squared distances to the one-rank run, and of that run to fp32

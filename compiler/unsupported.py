@@ -38,6 +38,7 @@ from meshplan.dsl.errors import Diagnostic, Span
 from .capture import ModelSource
 from .match import Resolution
 from .passes import Context, Pass
+from .stages import layer_list
 
 _REMOVE_RULE = (
     "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"
@@ -245,14 +246,8 @@ def _num_layers(model: nn.Module) -> int | None:
         count = getattr(config, attr, None)
         if isinstance(count, int) and count > 0:
             return count
-    lists = [
-        (path.count("."), -len(module), path)
-        for path, module in model.named_modules()
-        if path and isinstance(module, nn.ModuleList) and len(module)
-    ]
-    if not lists:
-        return None
-    return -min(lists)[1]
+    layers = layer_list(model)
+    return layers[1] if layers is not None else None
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -185,21 +185,12 @@ def _inputs(source: ModelSource) -> Iterator[Any]:
 
 def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
     """A pipeline composes with tensor and sequence rules, data parallelism and ZeRO-1/2,
-    checkpointing, precision and accumulation; not yet with ZeRO-3 (its gather and release
-    nodes would be cut apart by the stages) or the zero-bubble schedule."""
+    checkpointing, precision and accumulation, under every schedule; not yet with ZeRO-3 (its
+    gather and release nodes would be cut apart by the stages)."""
     p, dp = plan.pipeline, plan.data_parallel
     if p is None:
         return []
     out = []
-    if p.schedule == "zero_bubble":
-        span = p.spans.get("schedule", p.span)
-        out.append(
-            Diagnostic(
-                span,
-                "the zero-bubble pipeline schedule is not lowered yet: this plan would train without it",
-                hint="use `schedule = 1f1b`, `gpipe` or `interleaved`",
-            )
-        )
     if dp is not None and dp.zero == 3:
         out.append(
             Diagnostic(

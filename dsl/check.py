@@ -30,7 +30,7 @@ from .parser import MAX_INT, parse_recovering, read_plan_text
 from .patterns import Glob, PatternSyntaxError
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 DEFAULT_BUCKET_BYTES = 25 * 10**6  # DDP's default bucket size
 RuleKind = Literal["tensor", "sequence", "context", "experts", "checkpoint", "device", "dtype"]
 
@@ -494,11 +494,11 @@ class _Checker:
 
         virtual = s["virtual_stages"].value if "virtual_stages" in s else None
         complete = self.complete(node)
-        if complete and virtual is not None and schedule != "interleaved":
+        if complete and virtual is not None and schedule not in ("interleaved", "zbv"):
             self.error(
                 s["virtual_stages"].span,
-                f"`virtual_stages` needs `schedule = interleaved`, not {schedule}",
-                hint="virtual stages are the chunks each rank holds in the interleaved schedule",
+                f"`virtual_stages` needs `schedule = interleaved` or `zbv`, not {schedule}",
+                hint="virtual stages are the chunks each rank holds in the interleaved and V schedules",
             )
         if schedule == "interleaved" and virtual is not None and isinstance(virtual, int) and virtual < 2:
             self.error(
@@ -506,8 +506,14 @@ class _Checker:
                 "interleaved 1F1B needs at least 2 virtual stages per rank",
                 hint="use `schedule = 1f1b` for one stage per rank",
             )
+        if schedule == "zbv" and isinstance(virtual, int) and (virtual < 2 or virtual % 2):
+            self.error(
+                s["virtual_stages"].value_span,
+                f"zbv places its chunks in Vs: it needs an even number of virtual stages per rank, not {virtual}",
+                hint=f"use `virtual_stages = {max(2, virtual + virtual % 2)}`",
+            )
         if virtual is None:
-            virtual = 2 if schedule == "interleaved" else 1
+            virtual = 2 if schedule in ("interleaved", "zbv") else 1
         assert isinstance(virtual, int)
 
         micro = s["microbatches"].value if "microbatches" in s else None

@@ -10,6 +10,8 @@ rank runs its stages on each microbatch. `PipelineStep` carries the list out:
     B(s, i)   receive the gradients of stage s's outputs (the last stage starts from its
               loss, divided by the number of microbatches), run autograd through the stage,
               and send the gradients of its received inputs back to stage s - 1
+    I(s, i)   as B, for the received inputs' gradients only (`split_backward.py`)
+    W(s, i)   the weight gradients that I(s, i) left, whenever the schedule finds room
 
 Sends are asynchronous (`isend`, waited for at the end of the step) and receives block, so
 a list that the simulation accepts cannot deadlock: every receive's send is issued by an
@@ -46,6 +48,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .schedules import Schedule
+from .split_backward import Pending, backward_input, backward_weight
 
 # values per message (the last tag is the header's); tags are (((direction * stages) + stage) * microbatches + i) * MAX + j
 _MAX_VALUES = 64
@@ -119,6 +122,7 @@ class PipelineStep:
         self._waited = 0.0
         started = time.perf_counter()
         saved: dict[tuple[int, int], tuple[list[Tensor], tuple[Tensor, ...]]] = {}
+        pending: dict[tuple[int, int], Pending] = {}  # after I, what W needs
         total = torch.zeros((), dtype=torch.float64)
         for at, action in enumerate(self.actions):
             s, i = action.stage, action.microbatch
@@ -136,21 +140,25 @@ class PipelineStep:
                 else:
                     saved[(s, i)] = (received, outs)
                     self._give("F", s + 1, i, [o.detach() for o in outs])
-            elif action.kind == "B":
+            elif action.kind in ("B", "I"):
                 received, outs = saved.pop((s, i))
-                grads = self._take("B", s, i) if s != self.last else []
-                with self.no_sync() if at not in self._syncs else contextlib.nullcontext():
-                    if s == self.last:
-                        torch.autograd.backward(outs[0])
-                    else:
-                        pairs = [
-                            (o, g) for o, g in zip(_floating(outs), grads, strict=True) if o.requires_grad
-                        ]
+                grads: list[Tensor | None] = list(self._take("B", s, i)) if s != self.last else [None]
+                pairs = [(o, g) for o, g in zip(_floating(outs), grads, strict=True) if o.requires_grad]
+                if action.kind == "I":
+                    pending[(s, i)] = backward_input(
+                        [o for o, _ in pairs],
+                        [g for _, g in pairs],
+                        _floating(received),
+                        list(self.stages[s].parameters()),
+                    )
+                else:
+                    with self.no_sync() if at not in self._syncs else contextlib.nullcontext():
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if s > 0:
                     self._give("B", s - 1, i, [_grad(t) for t in _floating(received)])
             else:
-                raise NotImplementedError(f"{action}: split backward (I/W) is not run yet")
+                with self.no_sync() if at not in self._syncs else contextlib.nullcontext():
+                    backward_weight(pending.pop((s, i)))
         t0 = time.perf_counter()
         for work, _ in self._pending:
             work.wait()

@@ -28,7 +28,7 @@ that breaks one of these is a `ScheduleError` naming the rank and action, never 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,15 +139,133 @@ def interleaved_one_f_one_b(ranks: int, microbatches: int, chunks: int) -> Sched
     return Schedule(f"interleaved-1f1b(v={chunks})", ranks, microbatches, owner, tuple(lists))
 
 
+def zero_bubble(ranks: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with each backward split into I and W. The input gradient, on the critical
+    path, runs as early as it can; the weight gradients fill what would have been the bubble.
+    As in 1F1B, at most p - r microbatches await their input gradient on rank r."""
+    return _list_schedule(
+        "zero-bubble",
+        ranks,
+        microbatches,
+        owner=tuple(range(ranks)),
+        in_flight=lambda r: ranks - r,
+        freed_by="I",
+    )
+
+
+def zbv(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """ZBV: chunks placed in Vs (with 2 chunks, rank r holds stages r and 2p - 1 - r, so the
+    first rank also holds the loss), backward split into I and W. Every rank keeps at most
+    `chunks` * p chunk activations (the first rank's memory under 1F1B), and the bubble nearly
+    vanishes. Needs an even number of chunks per rank."""
+    if chunks < 2 or chunks % 2:
+        raise ScheduleError(f"zbv needs an even number of chunks per rank, not {chunks}")
+
+    def owner(s: int) -> int:
+        chunk, k = divmod(s, ranks)
+        return ranks - 1 - k if chunk % 2 else k
+
+    return _list_schedule(
+        f"zbv(v={chunks})" if chunks != 2 else "zbv",
+        ranks,
+        microbatches,
+        owner=tuple(owner(s) for s in range(chunks * ranks)),
+        in_flight=lambda r: chunks * ranks,
+        freed_by="W",
+    )
+
+
+def _list_schedule(
+    name: str,
+    ranks: int,
+    microbatches: int,
+    *,
+    owner: tuple[int, ...],
+    in_flight: Callable[[int], int],
+    freed_by: Kind,
+) -> Schedule:
+    """Split-backward action lists made by list scheduling at unit costs: whenever a rank is
+    free, it runs a ready input gradient (oldest microbatch first), else a ready forward
+    (latest stage first, so microbatches reach the loss) while fewer than `in_flight(rank)`
+    microbatches are in flight (forwarded, not yet `freed_by` I or W), else the oldest weight
+    gradient. The result is checked by `simulate` like any other list."""
+    stages, m = len(owner), microbatches
+    end: dict[Action, float] = {}
+    clock = [0.0] * ranks
+    lists: list[list[Action]] = [[] for _ in range(ranks)]
+    alive = [0] * ranks
+    forwarded = [0] * stages  # microbatches each stage has run forward
+    mine = [[s for s in range(stages) if owner[s] == r] for r in range(ranks)]
+
+    def done(a: Action, t: float) -> bool:
+        return end.get(a, float("inf")) <= t
+
+    def choose(r: int, t: float) -> Action | None:
+        inputs = [
+            Action("I", s, i)
+            for s in mine[r]
+            for i in range(forwarded[s])
+            if Action("I", s, i) not in end
+            and done(Action("F", s, i), t)
+            and (s == stages - 1 or done(Action("I", s + 1, i), t))
+        ]
+        if inputs:
+            return min(inputs, key=lambda a: (a.microbatch, -a.stage))
+        forwards = [
+            Action("F", s, forwarded[s])
+            for s in mine[r]
+            if forwarded[s] < m and (s == 0 or done(Action("F", s - 1, forwarded[s]), t))
+        ]
+        if forwards and alive[r] < in_flight(r):
+            return min(forwards, key=lambda a: (-a.stage, a.microbatch))
+        weights = [
+            Action("W", s, i)
+            for s in mine[r]
+            for i in range(forwarded[s])
+            if Action("W", s, i) not in end and done(Action("I", s, i), t)
+        ]
+        return min(weights, key=lambda a: (end[Action("I", a.stage, a.microbatch)], a.stage), default=None)
+
+    total = [3 * m * len(mine[r]) for r in range(ranks)]
+    while any(len(lists[r]) < total[r] for r in range(ranks)):
+        live = [r for r in range(ranks) if len(lists[r]) < total[r]]
+        now = min(clock[r] for r in live)
+        picked = next(((r, a) for r in live if clock[r] == now and (a := choose(r, now))), None)
+        if picked is None:  # nobody can start now: move the idle ranks to the next event
+            later = [e for e in end.values() if e > now] + [clock[r] for r in live if clock[r] > now]
+            if not later:
+                raise ScheduleError(f"{name}: no order fits p={ranks}, m={m} within its memory bound")
+            for r in live:
+                clock[r] = max(clock[r], min(later))
+            continue
+        r, action = picked
+        end[action] = now + UNIT_COSTS[action.kind]
+        clock[r] = end[action]
+        lists[r].append(action)
+        if action.kind == "F":
+            forwarded[action.stage] += 1
+            alive[r] += 1
+        elif action.kind == freed_by:
+            alive[r] -= 1
+    return Schedule(name, ranks, m, owner, tuple(tuple(a) for a in lists))
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+
+
 def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule a plan names (`gpipe`, `1f1b`, `interleaved` with `chunks` per rank), checked
-    by simulation: a list that cannot run is a `ScheduleError` here, never a hang later."""
+    """The schedule a plan names (one of `SCHEDULES`; `chunks` per rank for `interleaved` and `zbv`),
+    checked by simulation: a list that cannot run is a `ScheduleError` here, never a hang later."""
     if name == "gpipe":
         schedule = gpipe(ranks, microbatches)
     elif name == "1f1b":
         schedule = one_f_one_b(ranks, microbatches)
     elif name == "interleaved":
         schedule = interleaved_one_f_one_b(ranks, microbatches, chunks)
+    elif name == "zero_bubble":
+        schedule = zero_bubble(ranks, microbatches)
+    elif name == "zbv":
+        schedule = zbv(ranks, microbatches, chunks)
     else:
         raise ScheduleError(f"no schedule called {name!r} is built yet")
     simulate(schedule)
@@ -157,9 +275,13 @@ def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule
 # ---------------------------------------------------------------------------- simulation
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] = UNIT_COSTS) -> Timeline:
-    """Run the action lists in dependency order with the given costs; raise `ScheduleError` if an
-    action is missing, repeated, on the wrong rank, or waits forever."""
+def simulate(
+    schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS
+) -> Timeline:
+    """Run the action lists in dependency order with the given costs (per action kind, or a
+    function of the action: a cost per stage, say); raise `ScheduleError` if an action is
+    missing, repeated, on the wrong rank, or waits forever."""
+    cost = costs if callable(costs) else lambda a: costs[a.kind]
     _check_coverage(schedule)
     split = {(a.stage, a.microbatch) for rank in schedule.actions for a in rank if a.kind == "I"}
     end: dict[Action, float] = {}
@@ -177,9 +299,10 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] = UNIT_COSTS) -> Tim
                 if any(d not in end for d in deps):
                     break
                 start[action] = max([clock[r], *(end[d] for d in deps)])
-                end[action] = start[action] + costs[action.kind]
+                spent = cost(action)
+                end[action] = start[action] + spent
                 clock[r] = end[action]
-                busy[r] += costs[action.kind]
+                busy[r] += spent
                 position[r] += 1
                 remaining -= 1
                 progressed = True

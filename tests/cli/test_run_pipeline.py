@@ -79,24 +79,26 @@ def same_steps(got: list[dict], want: list[dict]) -> None:
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), g["step"]
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_a_1f1b_pipeline_with_data_parallel_trains_like_one_process(
-    tmp_path: Path, one_process_twice_the_batch: list[dict], zero: int
+@pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 0), ("zero_bubble", 2)])
+def test_a_pipeline_with_data_parallel_trains_like_one_process(
+    tmp_path: Path, one_process_twice_the_batch: list[dict], schedule: str, zero: int
 ) -> None:
-    """dp=2 x pp=2 on 4 processes, plain data parallel or ZeRO-2: each stage's gradients are
-    reduced once per step, launched by its last backward."""
+    """dp=2 x pp=2 on 4 processes, plain data parallel under 1F1B or ZeRO-2 under ZB-H1: each
+    stage's gradients are reduced once per step, launched by its last backward (under ZB-H1
+    its last weight-gradient action)."""
     block = data_parallel(zero=zero, bucket="64KB")
-    path = pipeline_plan(tmp_path, "dppp", schedule="1f1b", mesh="dp=2, pp=2", extra=block)
+    path = pipeline_plan(tmp_path, "dppp", schedule=schedule, mesh="dp=2, pp=2", extra=block)
     same_steps(run(path, tmp_path / "run"), one_process_twice_the_batch)
 
 
-def test_interleaved_pipeline_with_tensor_and_sequence_parallel_and_checkpointing(
-    tmp_path: Path, one_process: list[dict]
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_two_chunk_pipelines_with_tensor_and_sequence_parallel_and_checkpointing(
+    tmp_path: Path, one_process: list[dict], schedule: str
 ) -> None:
-    """pp=2 x tp=2 on 4 processes, 4 virtual stages, Megatron TP with SP, every second
-    layer recomputed: still the one-process run."""
+    """pp=2 x tp=2 on 4 processes, 4 virtual stages (interleaved, or in a V with the backward
+    split), Megatron TP with SP, every second layer recomputed: still the one-process run."""
     rules = llama_rules() + llama_sequence() + "    layers.*: checkpoint every 2\n"
-    path = pipeline_plan(tmp_path, "pptp", schedule="interleaved", mesh="pp=2, tp=2", rules=rules, virtual=2)
+    path = pipeline_plan(tmp_path, "pptp", schedule=schedule, mesh="pp=2, tp=2", rules=rules, virtual=2)
     records = run(path, tmp_path / "run")
     same_steps(records, one_process)
     # the measured bubble: some waiting, never all of it

@@ -70,13 +70,14 @@ def test_weights_tied_across_pipeline_ranks_with_zero_are_refused():
     )
 
 
-def test_zero_bubble_schedule_is_refused_at_its_setting():
-    text = "mesh pp=2\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
-    rendered = _refusal(text)
-    assert rendered.startswith(
-        "p.plan:4:5: error: the zero-bubble pipeline schedule is not lowered yet: this plan would train without it"
+@pytest.mark.parametrize(("schedule", "cuts"), [("zero_bubble", 1), ("zbv", 3)])
+def test_zero_bubble_schedules_compile_into_stages(schedule: str, cuts: int):
+    """ZB-H1 has a stage per rank, ZBV two (a V): 1 and 3 cuts over the 4 layers on pp=2."""
+    text = f"mesh pp=2\n\npipeline over pp {{\n    schedule = {schedule}\n}}\n"
+    compiled = compile_plan(
+        check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs())
     )
-    assert rendered.count("error:") == 1
+    assert len(compiled.graph.meta["meshplan.stages"]) == cuts
 
 
 def test_a_pipeline_alone_compiles_into_stages():
@@ -126,19 +127,19 @@ def test_one_error_per_rule_and_block():
         "}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     plan = check_text(text, "p.plan")
-    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(10, 5), (4, 29), (5, 29), (6, 14)]
-    assert _refusal(text).count("error:") == 4
+    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(4, 29), (5, 29), (6, 14)]
+    assert _refusal(text).count("error:") == 3
 
 
 def test_refusals_come_with_the_other_problems_of_the_plan():
-    """A tensor rule that does not divide and a schedule not lowered: both reported in one run."""
+    """A tensor rule that does not divide and a rule not lowered: both reported in one run."""
     text = (
-        "mesh pp=2, tp=3\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
-        "    layers.*.mlp.down_proj: row over tp\n}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
+        "mesh cp=2, tp=3\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
+        "    layers.*.mlp.down_proj: row over tp\n    layers.*.self_attn: context ring over cp\n}\n"
     )
     rendered = _refusal(text)
     assert "not divisible by 3 ranks over `tp`" in rendered
-    assert "the zero-bubble pipeline schedule is not lowered yet" in rendered
+    assert "context parallelism (`context ring`) is not lowered yet" in rendered
 
 
 def test_plans_without_these_constructs_still_compile():
@@ -295,10 +296,7 @@ def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, m
         "        layers.*.self_attn: context ring over cp\n"
         "                            ^~~~~~~~~~~~~~~~~~~~\n"
     ) in err
-    assert (
-        "examples/long_context.plan:17:5: error: the zero-bubble pipeline schedule is not lowered yet" in err
-    )
-    assert err.endswith("examples/long_context.plan: 2 errors\n")
+    assert err.endswith("examples/long_context.plan: 1 error\n")
     assert not (tmp_path / "out").exists()
 
 
@@ -310,9 +308,7 @@ def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, caps
     assert (
         "examples/long_context.plan:8:5: error: the sequence length 10 is not divisible by 2 x 2 = 4" in err
     )
-    assert err.endswith(
-        "examples/long_context.plan: 3 errors\n"
-    )  # the size, then the context and zero-bubble schedule refusals
+    assert err.endswith("examples/long_context.plan: 2 errors\n")  # the size, then the context refusal
 
 
 # ---------------------------------------------------------------------------- models

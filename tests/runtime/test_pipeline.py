@@ -1,7 +1,7 @@
 """Pipeline stages and their schedules on gloo, against the unpartitioned model.
 
 The example Llama is compiled once, cut into stages (balanced automatically, or at given
-cuts), and each pipeline rank runs its stages' action list (GPipe, 1F1B, interleaved 1F1B)
+cuts), and each pipeline rank runs its stages' action list (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV)
 over the microbatches of one batch. The loss and every parameter's gradient must be those
 of the whole model on the whole batch, run in the same test.
 """
@@ -46,13 +46,7 @@ def worker(rank: int, world_size: int, schedule_name: str, chunks: int) -> tuple
     stages = cut_stages(compiled.graph, balanced_cuts(compiled.graph, source.model, world_size * chunks))
     program = build_rank_program(compiled, source.model, rank)
     programs = stages.programs(program)
-    if schedule_name == "gpipe":
-        schedule = schedules.gpipe(world_size, MICRO)
-    elif schedule_name == "1f1b":
-        schedule = schedules.one_f_one_b(world_size, MICRO)
-    else:
-        schedule = schedules.interleaved_one_f_one_b(world_size, MICRO, chunks)
-    schedules.simulate(schedule)  # checked before it runs
+    schedule = schedules.build(schedule_name, world_size, MICRO, chunks)  # checked before it runs
     mine = {s: programs[s] for s in range(stages.count) if schedule.owner[s] == rank}
     step = PipelineStep(
         mine,
@@ -73,7 +67,9 @@ def worker(rank: int, world_size: int, schedule_name: str, chunks: int) -> tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zbv", 2)]
+)
 def test_pipeline_matches_one_device(schedule: str, chunks: int) -> None:
     results = spawn(worker, 2, (schedule, chunks))
     want_loss, want_grads = _reference()

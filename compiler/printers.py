@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshplan.dsl.fmt import action_text
 from meshplan.runtime.mesh import MeshLayout
-from meshplan.runtime.schedules import Timeline
+from meshplan.runtime.schedules import Schedule, Timeline
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape_text
@@ -160,7 +160,7 @@ def _pipeline_lines(compiled: Compiled) -> list[str]:
         f"line {p.span.line}: pipeline over {p.axis} ({ranks} ranks): {p.schedule}, {stages.count} stages "
         f"{how}, {micro} microbatches per micro-step",
         *describe(stages, cuts, compiled.source.model, schedule.owner),
-        f"    bubble {simulate(schedule).bubble:.3f} of the step at unit costs (forward 1, backward 2)",
+        f"    bubble {simulate(schedule).bubble:.3f} of the step at unit costs ({unit_costs(schedule)})",
         "",
     ]
     return lines
@@ -363,7 +363,7 @@ pre {{ background: #fafafa; border: 1px solid #ddd; padding: 1em; font-size: 12p
 
 def schedule_text(timeline: Timeline) -> str:
     """Each rank's actions on a time axis, one column per unit of cost (a forward is 1, a
-    backward 2): `F3` starts the forward of microbatch 3 (`F2.3`: of stage 2, when a rank
+    backward 2, its input and weight halves 1 each): `F3` starts the forward of microbatch 3 (`F2.3`: of stage 2, when a rank
     holds several), `==` continues it, `.` is idle. Ends with each rank's idle share and the
     schedule's bubble."""
     schedule = timeline.schedule
@@ -386,8 +386,15 @@ def schedule_text(timeline: Timeline) -> str:
                 cells[c] = "=" * (width - 1)
         idle = 1 - timeline.busy[r] / timeline.makespan if timeline.makespan else 0.0
         lines.append(f"rank {r}  " + " ".join(cells) + f"   idle {idle:.3f}")
-    lines.append(f"bubble {timeline.bubble:.3f} of the step (unit costs: forward 1, backward 2)")
+    lines.append(f"bubble {timeline.bubble:.3f} of the step (unit costs: {unit_costs(schedule)})")
     return "\n".join(lines) + "\n"
+
+
+def unit_costs(schedule: Schedule) -> str:
+    """The costs the bubble is computed at, in words."""
+    if any(a.kind == "I" for actions in schedule.actions for a in actions):
+        return "forward 1, input gradient 1, weight gradient 1"
+    return "forward 1, backward 2"
 
 
 _ACTION_COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#76b7b2", "W": "#edc948"}
@@ -395,7 +402,7 @@ _ACTION_COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#76b7b2", "W": "#edc948"
 
 def schedule_svg(timeline: Timeline) -> str:
     """The same timeline as a picture: a row per rank, a box per action (forward blue,
-    backward green), labelled with its microbatch."""
+    backward green, input gradient teal, weight gradient yellow), labelled with its microbatch."""
     schedule = timeline.schedule
     unit, row, left, top = 40, 30, 70, 40
     width = left + int(timeline.makespan * unit) + 20

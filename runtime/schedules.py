@@ -142,7 +142,8 @@ def interleaved_one_f_one_b(ranks: int, microbatches: int, chunks: int) -> Sched
 def zero_bubble(ranks: int, microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with each backward split into I and W. The input gradient, on the critical
     path, runs as early as it can; the weight gradients fill what would have been the bubble.
-    As in 1F1B, at most p - r microbatches await their input gradient on rank r."""
+    As in 1F1B, at most p - r microbatches await their input gradient on rank r, and at most
+    p more wait for their weight gradient (which keeps only the weights' operands)."""
     return _list_schedule(
         "zero-bubble",
         ranks,
@@ -150,6 +151,7 @@ def zero_bubble(ranks: int, microbatches: int) -> Schedule:
         owner=tuple(range(ranks)),
         in_flight=lambda r: ranks - r,
         freed_by="I",
+        deferred=ranks,
     )
 
 
@@ -183,12 +185,14 @@ def _list_schedule(
     owner: tuple[int, ...],
     in_flight: Callable[[int], int],
     freed_by: Kind,
+    deferred: int | None = None,
 ) -> Schedule:
     """Split-backward action lists made by list scheduling at unit costs: whenever a rank is
-    free, it runs a ready input gradient (oldest microbatch first), else a ready forward
-    (latest stage first, so microbatches reach the loss) while fewer than `in_flight(rank)`
-    microbatches are in flight (forwarded, not yet `freed_by` I or W), else the oldest weight
-    gradient. The result is checked by `simulate` like any other list."""
+    free, it runs a ready input gradient (oldest microbatch first), else the oldest weight
+    gradient if `deferred` of them wait, else a ready forward (latest stage first, so
+    microbatches reach the loss) while fewer than `in_flight(rank)` microbatches are in flight
+    (forwarded, not yet `freed_by` I or W), else the oldest weight gradient. The result is
+    checked by `simulate` like any other list."""
     stages, m = len(owner), microbatches
     end: dict[Action, float] = {}
     clock = [0.0] * ranks
@@ -211,6 +215,15 @@ def _list_schedule(
         ]
         if inputs:
             return min(inputs, key=lambda a: (a.microbatch, -a.stage))
+        weights = [
+            Action("W", s, i)
+            for s in mine[r]
+            for i in range(forwarded[s])
+            if Action("W", s, i) not in end and done(Action("I", s, i), t)
+        ]
+        oldest = min(weights, key=lambda a: (end[Action("I", a.stage, a.microbatch)], a.stage), default=None)
+        if deferred is not None and len(weights) >= deferred:
+            return oldest
         forwards = [
             Action("F", s, forwarded[s])
             for s in mine[r]
@@ -218,13 +231,7 @@ def _list_schedule(
         ]
         if forwards and alive[r] < in_flight(r):
             return min(forwards, key=lambda a: (-a.stage, a.microbatch))
-        weights = [
-            Action("W", s, i)
-            for s in mine[r]
-            for i in range(forwarded[s])
-            if Action("W", s, i) not in end and done(Action("I", s, i), t)
-        ]
-        return min(weights, key=lambda a: (end[Action("I", a.stage, a.microbatch)], a.stage), default=None)
+        return oldest
 
     total = [3 * m * len(mine[r]) for r in range(ranks)]
     while any(len(lists[r]) < total[r] for r in range(ranks)):

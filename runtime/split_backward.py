@@ -142,9 +142,11 @@ def _node(t: Tensor) -> Node:
     """The autograd node that receives `t`'s gradient (its accumulator for a leaf)."""
     if t.grad_fn is not None:
         return t.grad_fn
-    node = t.view_as(t).grad_fn
-    assert node is not None, "a tensor that requires grad has an autograd node"
-    return node.next_functions[0][0]
+    view = t.view_as(t).grad_fn
+    assert view is not None, "a tensor that requires grad has an autograd node"
+    accumulator = view.next_functions[0][0]
+    assert accumulator is not None
+    return accumulator
 
 
 def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:

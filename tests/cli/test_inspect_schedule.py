@@ -26,6 +26,7 @@ def compiled(tmp_path: Path, pipeline: str, mesh: str) -> Path:
     [
         ("    schedule = gpipe\n    microbatches = 8\n", "0.273"),  # (p-1)/(m+p-1) at p=4, m=8
         ("    schedule = 1f1b\n    microbatches = 8\n", "0.273"),
+        ("    schedule = zero_bubble\n    microbatches = 8\n", "0.111"),  # (p-1)/(3m+p-1)
     ],
 )
 def test_the_schedule_as_text_with_its_bubble(tmp_path: Path, capsys, pipeline: str, bubble: str) -> None:
@@ -35,9 +36,13 @@ def test_the_schedule_as_text_with_its_bubble(tmp_path: Path, capsys, pipeline: 
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("rank ")]
     assert len(rows) == 4
-    assert all(row.count("F") == 8 and row.count("B") == 8 for row in rows)  # every microbatch, once each way
+    split = "zero_bubble" in pipeline  # the backward as input (I) and weight (W) gradients
+    backward = ("I", "W") if split else ("B",)
+    # every microbatch, once each way
+    assert all(row.count("F") == 8 and all(row.count(k) == 8 for k in backward) for row in rows)
     assert rows[0].split()[2] == "F0" and rows[3].split()[2].startswith(".")  # the last rank waits to start
-    assert text.rstrip().endswith(f"bubble {bubble} of the step (unit costs: forward 1, backward 2)")
+    costs = "forward 1, input gradient 1, weight gradient 1" if split else "forward 1, backward 2"
+    assert text.rstrip().endswith(f"bubble {bubble} of the step (unit costs: {costs})")
 
 
 def test_the_interleaved_schedule_as_a_picture(tmp_path: Path, capsys) -> None:

@@ -1,7 +1,8 @@
 """Pipeline schedules as action lists, checked by simulation before anything runs.
 
 With unit costs (F=1, B=2) the simulated bubbles are the closed forms: GPipe and 1F1B
-(p - 1) / (m + p - 1), interleaved 1F1B (p - 1) / (v m + p - 1). A list that cannot run
+(p - 1) / (m + p - 1), interleaved 1F1B (p - 1) / (v m + p - 1); with the backward split
+(I=W=1), ZB-H1 (p - 1) / (3m + p - 1), and ZBV below half of 1F1B's. A list that cannot run
 (a microbatch missing or run twice, an action on the wrong rank, microbatches numbered
 from 1, an order that waits forever) is one `ScheduleError` naming the rank and the action.
 """
@@ -15,10 +16,13 @@ import pytest
 from meshplan.runtime.schedules import (
     Action,
     ScheduleError,
+    build,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
     simulate,
+    zbv,
+    zero_bubble,
 )
 
 
@@ -37,6 +41,43 @@ def test_the_numbers_of_the_issue() -> None:
     assert round(simulate(gpipe(4, 8)).bubble, 3) == 0.273
     assert round(simulate(one_f_one_b(4, 8)).bubble, 3) == 0.273
     assert round(simulate(interleaved_one_f_one_b(4, 8, 2)).bubble, 3) == 0.158
+    assert round(simulate(zero_bubble(4, 8)).bubble, 3) == 0.111
+    assert round(simulate(zbv(4, 8)).bubble, 3) == 0.059
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_schedules_shrink_the_bubble_within_1f1b_memory(p: int, m: int) -> None:
+    """ZB-H1 reaches its closed form with at most p - r microbatches awaiting their input
+    gradient on rank r (1F1B's bound) and fewer than 2p holding anything; ZBV's idle is below
+    half of 1F1B's with at most 2p chunk activations (p stages' worth) on every rank."""
+    h1, v, base = zero_bubble(p, m), zbv(p, m), simulate(one_f_one_b(p, m)).bubble
+    assert simulate(h1).bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert simulate(v).bubble < base / 2
+    for r in range(p):
+        assert _peak(h1.actions[r], "I") <= p - r
+        assert _peak(h1.actions[r], "W") < 2 * p
+        assert _peak(v.actions[r], "W") <= 2 * p
+    assert v.owner[:p] == tuple(range(p)) and v.owner[p:] == tuple(reversed(range(p)))  # the V
+
+
+def _peak(actions, freed_by: str) -> int:
+    """The most microbatches forwarded and not yet `freed_by` at any point of a rank's list."""
+    alive = peak = 0
+    for a in actions:
+        alive += (a.kind == "F") - (a.kind == freed_by)
+        peak = max(peak, alive)
+    return peak
+
+
+def test_every_small_pipeline_has_a_zero_bubble_order() -> None:
+    """The list scheduling never paints itself into a corner, down to fewer microbatches than
+    ranks (every list is checked by `simulate` inside `build`)."""
+    for p in range(1, 7):
+        for m in range(1, 13):
+            build("zero_bubble", p, m)
+            build("zbv", p, m, 2)
+    with pytest.raises(ScheduleError, match="even number of chunks"):
+        zbv(2, 4, 3)
 
 
 def test_1f1b_keeps_at_most_p_minus_r_microbatches_in_flight() -> None:

@@ -343,6 +343,16 @@ def verify(
     torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
     source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
     compiled = compile_plan(plan, source, world_size=world)  # every refusal, before processes start
+    draws = random_draws(compiled.graph)
+    if draws:
+        shown = ", ".join(f"{op} in {where}" for where, op in draws[:3])
+        more = f" and {len(draws) - 3} more" if len(draws) > 3 else ""
+        raise RunError(
+            f"{model_spec}: the model draws random numbers while it trains ({shown}{more}): the "
+            "partitioned program and one device draw different ones, so their numbers cannot be "
+            "compared\nhint: verify the model built with its dropout at 0 (a Hugging Face config's "
+            "`*_pdrop`, `*_dropout` = 0.0); meshplan run trains it with dropout as it is"
+        )
     vocab = token_range(compiled, source)
 
     with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as out:
@@ -387,6 +397,37 @@ def _fill_tied(weights: dict[str, Any], model) -> None:
         held = next((weights[n] for n in group if n in weights), None)
         if held is not None:
             weights.update({n: held for n in group if n not in weights})
+
+
+_RANDOM = (
+    "bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
+    "randperm", "multinomial", "normal", "uniform", "exponential",
+)  # fmt: skip
+_DROPOUT = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+
+def random_draws(gm) -> list[tuple[str, str]]:
+    """(module path, op) of each node of the captured program that draws random numbers when
+    it trains: dropout with p > 0, attention with dropout_p > 0, sampling ops."""
+    from meshplan.compiler.graph import module_path
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+        name = name.removesuffix("_")
+        if name in _DROPOUT:
+            p, train = (list(node.args[1:3]) + [True, True])[:2]
+            random = bool(train) and p != 0
+        elif name == "scaled_dot_product_attention":
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            random = p != 0
+        else:
+            random = name in _RANDOM
+        if random:
+            out.append((module_path(node) or "the model", f"aten.{name}"))
+    return out
 
 
 def token_range(compiled, source) -> int:

@@ -95,12 +95,13 @@ def test_hf_gpt2_sequence_parallel_zero3_without_checkpointing(tmp_path, factory
 
 @pytest.mark.slow
 def test_hf_llama_pipeline_with_tensor_parallel(tmp_path):
-    """pp=2 x tp=2, 1F1B over 4 microbatches, on unmodified Hugging Face Llama: the rotary
-    embedding module every layer shares and the causal mask are remade in each stage."""
+    """pp=2 x tp=2, ZB-H1 over 4 microbatches (the backward split into input and weight
+    gradients), on unmodified Hugging Face Llama: the rotary embedding module every layer
+    shares and the causal mask are remade in each stage."""
     pytest.importorskip("transformers")
     from plans import llama_rules, plan
 
-    extra = "\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
+    extra = "\npipeline over pp {\n    schedule = zero_bubble\n    microbatches = 4\n}\n"
     text = plan(llama_rules("model.", vocab=False), mesh="pp=2, tp=2", extra=extra)
     report = verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_llama", steps=2)
     assert_ok(report)
@@ -130,6 +131,25 @@ def test_a_plan_mistake_is_located_before_any_process_starts(tmp_path, capsys):
     assert main(["verify", plan, "--model", LLAMA]) == 2
     err = capsys.readouterr().err
     assert f"{plan}:4:5: error: rule `layers.*.mlp.w4` matches no module" in err
+    assert "Traceback" not in err
+
+
+def test_a_model_that_draws_random_numbers_is_refused_before_any_process_starts(tmp_path, capsys):
+    """Dropout draws different masks on the ranks and on one device: no comparison can pass,
+    so verify names where the model draws and how to build it without."""
+    model = tmp_path / "dropped.py"
+    model.write_text(
+        "from torch import nn\n"
+        "from meshplan.examples.models.llama import build as llama\n\n"
+        "def build():\n"
+        "    model = llama()\n"
+        "    model.embed_tokens = nn.Sequential(model.embed_tokens, nn.Dropout(0.1))\n"
+        "    return model\n"
+    )
+    assert main(["verify", write(tmp_path, "mesh dp=1\n"), "--model", f"{model}:build"]) == 2
+    err = capsys.readouterr().err
+    assert "the model draws random numbers while it trains (aten.dropout in embed_tokens.1)" in err
+    assert "hint: verify the model built with its dropout at 0" in err
     assert "Traceback" not in err
 
 

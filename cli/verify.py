@@ -418,7 +418,7 @@ def random_draws(gm) -> list[tuple[str, str]]:
         name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
         name = name.removesuffix("_")
         if name in _DROPOUT:
-            p, train = (list(node.args[1:3]) + [True, True])[:2]
+            p, train = [*node.args[1:3], True, True][:2]
             random = bool(train) and p != 0
         elif name == "scaled_dot_product_attention":
             p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)

@@ -40,7 +40,7 @@ def check_supported(plan: Plan) -> None:
     pr = plan.precision
     if (pr.params, pr.grads) != ("fp32", "fp32"):
         missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
-    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint"})
+    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint", "context"})
     missing += [f"`{kind}` rules" for kind in kinds]
     if missing:
         raise RunError(

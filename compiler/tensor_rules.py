@@ -46,12 +46,68 @@ def tensor_specs(
     parameter is split over at most one of them; the walk gives every tensor a placement on each."""
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
     named = {r.axis for r in tensor_rules if r.axis}
+    # an axis with a `context ring` rule is refused as a whole by the `unsupported` pass
+    ring = {r.axis for r in plan.rules_of("context") if r.action.mode == "ring"}  # type: ignore[union-attr]
+    context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1} - ring
     specs, diagnostics = [], []
-    for axis in [a for a in layout.names if a in named]:
+    for axis in [a for a in layout.names if a in named or a in context]:
+        if axis in context:
+            specs.append(_context_spec(plan, resolution, layout, axis))
+            diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
+            continue
         spec, found = _axis_spec(plan, resolution, model, layout, axis)
         specs.append(spec)
         diagnostics += found
     return specs, diagnostics
+
+
+def _ulysses_over_split_heads(plan: Plan, resolution: Resolution, axis: str) -> list[Diagnostic]:
+    """Ulysses gives each rank of `axis` whole heads: heads a tensor rule already splits over
+    another axis would be split twice, which meshplan does not nest."""
+    out = []
+    for rule in plan.rules_of("context"):
+        if rule.axis != axis or rule.action.mode != "ulysses":  # type: ignore[union-attr]
+            continue
+        for path in resolution.matched.get(rule.order, ()):
+            inner = [
+                tensor
+                for p, kinds in resolution.placements.items()
+                if p.startswith(f"{path}.")
+                and (tensor := kinds.get("tensor")) is not None
+                and isinstance(tensor.action, ast.TensorParallel)
+                and tensor.axis != axis
+            ]
+            if inner:
+                out.append(
+                    Diagnostic(
+                        rule.span,
+                        f"Ulysses over `{axis}` would split the heads of `{path}`, which "
+                        f"`{inner[0].axis}` already splits; meshplan does not nest two axes' shards of one dim yet",
+                        hint="use `context all_gather` with tensor-parallel attention",
+                        related=[(inner[0].span, "the heads are split here")],
+                    )
+                )
+                break
+    return out
+
+
+def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: str) -> TensorParallelSpec:
+    """Context parallelism over `axis`: every parameter whole, every activation cut by sequence
+    from the token inputs on, and the attention modules the `context` rules name."""
+    modules = {
+        path: kinds["context"]
+        for path, kinds in resolution.placements.items()
+        if "context" in kinds and kinds["context"].axis == axis
+    }
+    return TensorParallelSpec(
+        axis,
+        layout.size(axis),
+        {},
+        sequence_parallel=True,
+        sequence_modules=modules,  # what a message about a sequence-cut tensor points at
+        fallback_span=next(iter(modules.values())).span if modules else plan.mesh.span,
+        context_modules=modules,
+    )
 
 
 def _axis_spec(

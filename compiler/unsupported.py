@@ -1,6 +1,6 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
-`context` and `experts` rules and device placement (`on cpu`) parse
+`context ring` and `experts` rules and device placement (`on cpu`) parse
 and pass `meshplan check`, but no pass lowers them yet: a program compiled from such a
 plan would simply lack them and train as if they were not there. So every command that
 compiles against a model refuses them, one located error per rule, and so are the axes a
@@ -64,7 +64,7 @@ def not_lowered(plan: Plan) -> list[Diagnostic]:
     out = _pipeline_compositions(plan)
     for rule in plan.rules:
         action = rule.action
-        if isinstance(action, ast.ContextParallel):
+        if isinstance(action, ast.ContextParallel) and action.mode == "ring":
             what = f"context parallelism (`context {action.mode}`)"
         elif isinstance(action, ast.ExpertParallel):
             what = "expert parallelism"
@@ -146,6 +146,8 @@ def _sequence_sizes(plan: Plan, seq: int | None) -> list[Diagnostic]:
     out = []
     for rule in plan.rules_of("context"):
         assert isinstance(rule.action, ast.ContextParallel) and rule.axis is not None
+        if rule.action.mode != "ring":
+            continue  # lowered: the tensor-parallel pass checks the sequence it cuts
         n = plan.mesh.size(rule.axis)
         if n is None or n == 1:
             continue

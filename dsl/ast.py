@@ -77,9 +77,10 @@ class SequenceParallel:
 
 @dataclass(frozen=True, slots=True)
 class ContextParallel:
-    """Split attention over the sequence: `ring` (K/V around a ring) or `ulysses` (all-to-all)."""
+    """Split attention over the sequence: `ring` (K/V around a ring), `ulysses` (all-to-all to
+    heads and back) or `all_gather` (each rank gathers K/V once and attends with its queries)."""
 
-    mode: Literal["ring", "ulysses"]
+    mode: Literal["ring", "ulysses", "all_gather"]
     axis: Name
     span: Span = _span()
 

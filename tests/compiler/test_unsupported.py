@@ -88,7 +88,7 @@ def test_a_pipeline_alone_compiles_into_stages():
     assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("mode", ["ring"])
 def test_context_rule_is_refused_at_its_action(mode: str):
     text = f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
     underline = "~" * len(f"context {mode} over cp")
@@ -127,8 +127,8 @@ def test_one_error_per_rule_and_block():
         "}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     plan = check_text(text, "p.plan")
-    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(4, 29), (5, 29), (6, 14)]
-    assert _refusal(text).count("error:") == 3
+    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(4, 29), (6, 14)]  # ulysses runs
+    assert _refusal(text).count("error:") == 2
 
 
 def test_refusals_come_with_the_other_problems_of_the_plan():
@@ -218,7 +218,7 @@ def test_sequence_not_divisible_by_the_context_axis(mode: str, cp: int, seq: int
     assert first.splitlines()[0].startswith(f"p.plan:4:5: error: {message}")
 
 
-@pytest.mark.parametrize(("mode", "seq"), [("ring", 12), ("ulysses", 10)])
+@pytest.mark.parametrize(("mode", "seq"), [("ring", 12)])
 def test_sequence_that_divides_is_only_refused(mode: str, seq: int):
     text = f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
     rendered = _refusal(text, seq=seq)

@@ -6,10 +6,12 @@ import torch
 from torch import fx
 
 from ...graph import (
+    PLACEMENT,
     RULE,
     arg_node,
     describe,
     known_equal,
+    module_path,
     shape,
 )
 from ...placement import REPLICATE, Partial, Shard
@@ -25,6 +27,9 @@ aten = torch.ops.aten
 def _sdpa(w: Walk, node: fx.Node) -> None:
     q, k, v = node.args[:3]
     ps = {w.placement(t) for t in (q, k, v)}
+    if w.spec.context_modules and any(isinstance(p, Shard) and p.dim == SEQ for p in ps):
+        _context_attention(w, node)
+        return
     if ps == {REPLICATE}:
         w.set(node, REPLICATE)
         return
@@ -45,6 +50,109 @@ def _sdpa(w: Walk, node: fx.Node) -> None:
     if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and not known_equal(shape(mask)[-3], 1):
         w.use(node, mask, w.convert(mask, Shard(len(shape(mask)) - 3)))
     w.set(node, Shard(1), w.rule_near(node))
+
+
+# ---------------------------------------------------------------------------- context parallelism
+
+SEQ = 2  # attention's (batch, heads, seq, head_dim)
+
+
+def _context_attention(w: Walk, node: fx.Node) -> None:
+    """Attention of queries cut by sequence over a context axis, by the mode of the module's
+    `context` rule:
+
+        all_gather   k, v gathered whole (backward: reduce-scatter of their gradients); the
+                     causal mask is this rank's rows of the whole one
+                     k = self.all_gather_cp(k, 2); v = self.all_gather_cp(v, 2)
+                     rows = self.split_cp(arange(T), 0)      # this rank's query positions
+                     out = sdpa(q, k, v, attn_mask=rows[:, None] >= arange(T))
+        ulysses      q, k, v moved by all-to-all from sequence shards to head shards, attention
+                     over the whole sequence with this rank's heads, and back
+    """
+    q, k, v = (arg_node(node, i) for i in range(3))
+    rule = w.rule_for_module(node)
+    if rule is None:
+        w.error(
+            node,
+            f"{describe(node)} attends over a sequence cut over `{w.axis}`, but no `context` rule "
+            "names its module",
+            hint=f"add `{module_path(node)}: context all_gather over {w.axis}` (or ulysses)",
+            rule=w.spec.fallback_rule,
+        )
+    for t in (q, k, v):
+        if w.placement(t) != Shard(SEQ):
+            w.use(node, t, w.convert(t, Shard(SEQ), because=rule))
+    mode = rule.action.mode  # type: ignore[union-attr]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if mode == "ulysses":
+        for t in (q, k, v):
+            heads = shape(t)[1]
+            if not isinstance(heads, int) or heads % w.n:
+                w.error(
+                    node,
+                    f"{describe(node)} has {heads} heads in {describe(t)}, not divisible by {w.n} ranks "
+                    f"over `{w.axis}`: Ulysses gives each rank whole heads",
+                    hint="use `context all_gather` for this module, or a context size dividing the heads",
+                    rule=rule,
+                )
+            w.use(node, t, w.convert(t, Shard(1), because=rule))
+        if isinstance(mask, fx.Node) and w.placement(mask) != REPLICATE:
+            w.use(node, mask, w.convert(mask, REPLICATE, because=rule))
+        w.set(node, Shard(1), rule)
+        back = w.convert(node, Shard(SEQ), because=rule)
+        node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+        return
+    if mode != "all_gather":
+        w.error(
+            node,
+            f"`context {mode}` is not lowered yet",
+            hint="use `context all_gather` or `ulysses`",
+            rule=rule,
+        )
+    for t in (k, v):
+        w.use(node, t, w.convert(t, REPLICATE, into_sharded=True, because=rule))
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    if isinstance(mask, fx.Node):  # this rank's query rows of the model's own mask
+        rows = len(shape(mask)) - 2
+        if not known_equal(shape(mask)[rows], 1) and w.placement(mask) != Shard(rows):
+            w.use(node, mask, w.convert(mask, Shard(rows), because=rule))
+    elif causal:
+        whole = arg_node(node, 1)  # the gathered keys
+        mask = _causal_rows(w, node, whole, rule)
+        args = list(node.args) + [None] * (6 - len(node.args))
+        args[3], args[5] = mask, False
+        node.args = tuple(args[:6])
+        node.kwargs = {k: a for k, a in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
+    w.set(node, Shard(SEQ), rule)
+
+
+def _causal_rows(w: Walk, node: fx.Node, keys: fx.Node, rule) -> fx.Node:
+    """This rank's rows of the causal mask over the whole sequence: query position >= key position."""
+    fake = keys.meta["val"]
+    with w.graph.inserting_before(node):
+        length = w.graph.call_function(aten.sym_size.int, (keys, SEQ))
+        positions = w.graph.call_function(aten.arange.default, (length,), {"device": fake.device})
+    length.meta["val"] = fake.shape[SEQ]
+    with fake.fake_mode:
+        positions.meta["val"] = torch.arange(fake.shape[SEQ], device=fake.device)
+    for n in (length, positions):
+        n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        n.meta[PLACEMENT] = {}
+    w.set(length, REPLICATE)
+    w.set(positions, REPLICATE)
+    mine = w.convert(positions, Shard(0), because=rule)
+    with w.graph.inserting_before(node):
+        column = w.graph.call_function(aten.unsqueeze.default, (mine, 1))
+        mask = w.graph.call_function(aten.ge.Tensor, (column, positions))
+    with fake.fake_mode:
+        column.meta["val"] = mine.meta["val"].unsqueeze(1)
+        mask.meta["val"] = column.meta["val"] >= positions.meta["val"]
+    for n in (column, mask):
+        n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        n.meta[PLACEMENT] = w.other_axes(mine)
+    w.set(column, Shard(0), rule)
+    w.set(mask, Shard(0), rule)
+    return mask
 
 
 @register(aten.matmul.default, aten.bmm.default)

@@ -141,6 +141,12 @@ def _embedding(w: Walk, node: fx.Node) -> None:
         w.error(
             node, f"an embedding can only be split over its vocabulary: use `vocab over {w.axis}`", rule=rule
         )
+    ip = w.placement(ids)
+    if isinstance(ip, Shard):  # ids cut by sequence (context parallelism): each rank looks up its own
+        if w.requires_grad(weight):
+            w.use(node, weight, w.convert(weight, REPLICATE, into_sharded=True, because=w.rule_near(node)))
+        w.set(node, ip, w.rule_near(node))
+        return
     w.set(node, REPLICATE)
 
 
@@ -227,10 +233,14 @@ def _token_sharded_loss(w: Walk, node: fx.Node, placement: Shard) -> None:
     if reduction == 1:
         valid = _call(w, aten.ne.Scalar, (target, values["ignore_index"]), node)
         count = _call(w, aten.sum.default, (valid,), valid)
+        w.set(valid, w.placement(target))
+        if isinstance(w.placement(target), Shard):  # targets cut too (context parallelism): sum the counts
+            w.set(count, PARTIAL)
+            count = w.reduce_partial(count)
+        else:
+            w.set(count, REPLICATE)
         out = _call(w, aten.div.Tensor, (node, count), count)
         node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
-        w.set(valid, REPLICATE)
-        w.set(count, REPLICATE)
     w.set(node, PARTIAL, w.rule_near(node))
     w.set(out, PARTIAL, w.rule_near(node))
 

@@ -39,6 +39,14 @@ class TensorParallelSpec:
     # sizes that depend on the token shape and that this axis cuts: (size, pieces) -> the rule
     # behind the cut; a run's --batch/--seq must make each divide (`capture.TokenShapes`)
     cuts: dict[tuple[object, int], PlanRule | None] = field(default_factory=dict)
+    # context parallelism over this axis: the token inputs are cut by sequence, so every
+    # activation is, and the attention of each module here gathers what it needs (its rule's mode)
+    context_modules: dict[str, PlanRule] = field(default_factory=dict)
+
+    @property
+    def fallback_rule(self) -> PlanRule | None:
+        """The first context rule: why the token inputs are cut by sequence."""
+        return next(iter(self.context_modules.values()), None)
 
 
 class TensorParallelError(Exception):

@@ -161,6 +161,8 @@ class Walk:
             self.mark_requires_grad(node)
             if node.op == "placeholder":
                 self.set(node, REPLICATE)
+                if self.spec.context_modules and _is_token_input(node):
+                    self.cut_by_sequence(node)
             elif node.op == "get_attr":
                 pp = self.spec.params.get(str(node.target))
                 self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
@@ -188,6 +190,24 @@ class Walk:
                 flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 new = [self.convert(o, REPLICATE) if is_tensor_node(o) else o for o in flat]
                 node.args = (type(outs)(new) if isinstance(outs, (list, tuple)) else new[0],)
+
+    def cut_by_sequence(self, tokens: fx.Node) -> None:
+        """Context parallelism: every reader of the token input `tokens` (ids, labels, position
+        ids: (B, T) integers) gets this rank's slice of the sequence, so everything computed from
+        them is cut by sequence too."""
+        users = list(tokens.users)
+        seq = hint(shape(tokens)[self.spec.seq_dim])
+        if seq is not None and seq % self.n:
+            self.error(
+                tokens,
+                f"the sequence length {seq} is not divisible by {self.n} ranks over `{self.axis}`",
+                hint=f"compile for a sequence length that is a multiple of {self.n} (--seq), "
+                f"or use a `{self.axis}` size dividing {seq}",
+                rule=self.spec.fallback_rule,
+            )
+        local = self.convert(tokens, Shard(self.spec.seq_dim), because=self.spec.fallback_rule)
+        for user in users:
+            user.replace_input_with(tokens, local)
 
     def other_axis_module(self, node: fx.Node) -> None:
         """A node an earlier axis's walk inserted. Its collectives move data over their own axis
@@ -572,6 +592,18 @@ def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]]
                 return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
         prefix_out *= size
     return None
+
+
+def _is_token_input(node: fx.Node) -> bool:
+    """A (B, T) integer input: token ids, labels or position ids."""
+    val = node.meta.get("val")
+    return (
+        isinstance(val, torch.Tensor)
+        and val.dim() == 2
+        and not val.is_floating_point()
+        and not val.is_complex()
+        and val.dtype != torch.bool
+    )
 
 
 def _norm_dim(dim: Argument, ndim: int) -> int:

@@ -1,0 +1,54 @@
+"""Context parallelism in the compiled program: what each rank runs, and what is refused.
+
+Numerics are `tests/cli/test_run_context.py`'s (training against one process); here, the
+program: the token inputs cut by sequence, attention's keys and values gathered with the
+causal mask's rows of this rank (`all_gather`), or heads moved by all-to-all (`ulysses`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.compile import compile_plan
+from meshplan.dsl import PlanError, check_text
+from meshplan.examples.models import llama
+
+
+def _compile(text: str):
+    return compile_plan(check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs()))
+
+
+def _calls(compiled) -> list[str]:
+    return [str(n.target) for n in compiled.graph.graph.nodes if n.op in ("call_module", "call_function")]
+
+
+def test_all_gather_cuts_the_tokens_and_gathers_keys_and_values():
+    compiled = _compile("mesh cp=2\n\nmodules {\n    layers.*.self_attn: context all_gather over cp\n}\n")
+    calls = _calls(compiled)
+    layers = 4
+    assert calls.count("all_gather_cp") == 2 * layers  # k and v of every layer
+    assert calls.count("aten.ge.Tensor") == layers  # this rank's rows of the causal mask
+    split = [n for n in compiled.graph.graph.nodes if n.target == "split_cp"]
+    assert {a.name for n in split for a in n.all_input_nodes} >= {"input_ids", "labels"}
+    # the loss: each rank's tokens, over the valid tokens of the whole batch, summed over cp
+    assert calls.count("all_reduce_cp") == 2  # the valid-token count and the loss
+
+
+def test_ulysses_moves_heads_by_all_to_all():
+    compiled = _compile("mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n}\n")
+    assert _calls(compiled).count("all_to_all_cp") == 4 * 4  # q, k, v in and the output back, per layer
+
+
+def test_ulysses_over_heads_already_split_by_tensor_parallelism_is_refused_at_its_rule():
+    text = (
+        "mesh cp=2, tp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n"
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n}\n"
+    )
+    with pytest.raises(PlanError) as info:
+        _compile(text)
+    rendered = info.value.render()
+    assert rendered.startswith(
+        "p.plan:4:5: error: Ulysses over `cp` would split the heads of `layers.0.self_attn`"
+    )
+    assert "hint: use `context all_gather` with tensor-parallel attention" in rendered

@@ -101,13 +101,16 @@ def zero_grads(stages: dict[int, fx.GraphModule]) -> None:
 @dataclass(frozen=True)
 class Timed:
     """One action of one `PipelineStep.run`: when it started (`time.perf_counter`, one clock for
-    every process on a Linux machine), its wall time, and the part of that spent waiting in
-    receives, which an action does first (busy = seconds - waited: compute, sends issued, Python)."""
+    every process on a Linux machine), its wall time, the part of that spent waiting in
+    receives, which an action does first (busy = seconds - waited: compute, sends issued,
+    Python), and the CPU time this process used meanwhile (gloo's receives block without
+    spinning, so this is the busy part, less any time another process had the core)."""
 
     action: Action
     start: float
     seconds: float
     waited: float
+    cpu: float
 
     @property
     def busy(self) -> float:
@@ -145,11 +148,11 @@ class ActionClock(Sequence[Action]):
 
     def __iter__(self) -> Iterator[Action]:
         self.records = []
-        t, w = time.perf_counter(), self.step._waited
+        t, w, c = time.perf_counter(), self.step._waited, time.process_time()
         for action in self.actions:
             yield action
-            now, waited = time.perf_counter(), self.step._waited
-            self.records.append(Timed(action, t, now - t, waited - w))
+            now, waited, cpu = time.perf_counter(), self.step._waited, time.process_time()
+            self.records.append(Timed(action, t, now - t, waited - w, cpu - c))
             if self.after is not None:
                 self.after(action)
-            t, w = now, waited
+            t, w, c = now, waited, cpu

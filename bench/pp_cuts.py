@@ -27,6 +27,11 @@ keeps every stage busy, and the step nears the floor). Hence m=4 by default, the
 runs p=4 with; `--microbatches 8` shows the floor taking over. `--ranks 2` runs p=2 on one
 core each instead. Any other load on the machine slows the ranks unevenly: read the numbers
 from one run.
+
+So the script also prints what p dedicated cores would take, as a model, not a measurement:
+each action's CPU time (`pp_common.ActionClock`; the core's time, whoever else wanted it),
+averaged per kind and stage within the step, run through `runtime.schedules.simulate` of the
+same 1F1B lists (sends free), plus the slowest rank's zero_grad and AdamW.
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from pp_common import (
+    ActionClock,
     built_schedules,
     compile_llama,
     equal_cuts,
@@ -51,6 +59,7 @@ from pp_common import (
 from meshplan.compiler.stages import balanced_cuts, cut_stages
 from meshplan.examples.models.llama import build
 from meshplan.runtime.launch import spawn
+from meshplan.runtime.schedules import Schedule, simulate
 
 MODEL = dict(
     hidden_size=1024,
@@ -71,12 +80,23 @@ def cuts_for(variant: str, compiled, model, stages: int):
     return equal_cuts(MODEL["num_hidden_layers"], stages)
 
 
-Measured = dict[str, list[tuple[float, float, float]]]  # variant -> per step: (seconds, CPU seconds, idle)
+@dataclass(frozen=True)
+class Step:
+    """One rank's measured step."""
+
+    seconds: float  # zero_grad + pipeline + AdamW, wall time
+    cpu: float  # the CPU time this process used for it
+    idle: float  # PipelineStep.idle
+    optimizer_cpu: float  # of `cpu`, zero_grad and AdamW
+    action_cpu: dict[tuple[str, int], float]  # (kind, stage) -> mean CPU seconds of one action
+
+
 Stages = dict[str, tuple[list[float], str]]  # variant -> (each stage's share of the FLOPs, the cuts)
 
 
-def worker(rank: int, world: int, opts: argparse.Namespace) -> tuple[Measured, Stages]:
-    """This rank's measured steps, and the stages of each variant (the same on every rank)."""
+def worker(rank: int, world: int, opts: argparse.Namespace) -> tuple[dict[str, list[Step]], Stages]:
+    """This rank's measured steps per variant, and the stages of each variant (the same on
+    every rank)."""
     compiled = compile_llama(world, batch=BATCH, seq=opts.seq, **MODEL)
     schedule = built_schedules(world, opts.microbatches, [opts.schedule])[opts.schedule]
     probe = build(**{**MODEL, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 172})
@@ -91,20 +111,33 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> tuple[Measured, S
         del model  # the stages hold this rank's parameters; the rest is freed
         step = new_step(stages, schedule, rank, world)
         params = [p for stage in stages.values() for p in stage.parameters()]
-        runs[variant] = (step, torch.optim.AdamW(params, lr=1e-4))
-    out: Measured = {v: [] for v in VARIANTS}
+        runs[variant] = (step, ActionClock(step), torch.optim.AdamW(params, lr=1e-4))
+    out: dict[str, list[Step]] = {v: [] for v in VARIANTS}
     for i in range(opts.warmup + opts.steps):
         micro = microbatches(compiled, probe, batch=BATCH, seq=opts.seq, m=opts.microbatches, seed=i)
-        for variant, (step, optimizer) in runs.items():
+        for variant, (step, clock, optimizer) in runs.items():
             dist.barrier()
             t0, cpu0 = time.perf_counter(), time.process_time()
             optimizer.zero_grad(set_to_none=True)
             step.run(micro)
             optimizer.step()
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            spent: dict[tuple[str, int], list[float]] = defaultdict(list)
+            for t in clock.records:
+                spent[(t.action.kind, t.action.stage)].append(t.cpu)
             if i >= opts.warmup:
-                out[variant].append((elapsed, cpu, step.idle))
+                action_cpu = {key: statistics.fmean(v) for key, v in spent.items()}
+                pipeline_cpu = sum(t.cpu for t in clock.records)
+                out[variant].append(Step(elapsed, cpu, step.idle, cpu - pipeline_cpu, action_cpu))
     return out, shares
+
+
+def dedicated(schedule: Schedule, step: list[Step]) -> float:
+    """The step's time on one core per rank, nothing else running: the schedule simulated at
+    each action's CPU time (per kind and stage, this step's mean), then the slowest optimizer."""
+    cost = {key: c for s in step for key, c in s.action_cpu.items()}
+    timeline = simulate(schedule, lambda a: cost[(a.kind, a.stage)])
+    return timeline.makespan + max(s.optimizer_cpu for s in step)
 
 
 def main() -> int:
@@ -125,34 +158,42 @@ def main() -> int:
     load_after = os.getloadavg()[0]
     results = [measured for measured, _ in returned]
     shares = returned[0][1]
+    schedule = built_schedules(world, opts.microbatches, [opts.schedule])[opts.schedule]
+    cores = os.cpu_count() or 1
 
     params = sum(p.numel() for p in build(**MODEL).parameters())
     print(
         f"Llama fp32, {MODEL['num_hidden_layers']} layers, H={MODEL['hidden_size']}, "
         f"V={MODEL['vocab_size']} ({params / 1e6:.0f}M params); microbatch B={BATCH} T={opts.seq}; "
-        f"p={world} gloo ranks on {os.cpu_count()} cores, {opts.schedule}, m={opts.microbatches}; "
+        f"p={world} gloo ranks on {cores} cores, {opts.schedule}, m={opts.microbatches}; "
         f"zero_grad + pipeline + AdamW; {opts.steps} steps after {opts.warmup} warm-up"
     )
     print(f"1-min load average {load_before:.2f} before, {load_after:.2f} after\n")
-    medians, fastest = {}, {}
-    cores = os.cpu_count() or 1
-    for variant in VARIANTS:
-        per_step = [max(r[variant][k][0] for r in results) for k in range(opts.steps)]  # the slowest rank
-        medians[variant], fastest[variant] = statistics.median(per_step), min(per_step)
-        cpu = [statistics.fmean(s[1] for s in results[r][variant]) for r in range(world)]
-        idle = [statistics.fmean(s[2] for s in results[r][variant]) for r in range(world)]
-        floor = statistics.median(sum(r[variant][k][1] for r in results) for k in range(opts.steps))
+    steps = range(opts.steps)
+    wall = {v: [max(r[v][k].seconds for r in results) for k in steps] for v in VARIANTS}  # the slowest rank
+    alone = {v: [dedicated(schedule, [r[v][k] for r in results]) for k in steps] for v in VARIANTS}
+    for v in VARIANTS:
+        cpu = [statistics.fmean(s.cpu for s in r[v]) for r in results]
+        idle = [statistics.fmean(s.idle for s in r[v]) for r in results]
+        floor = statistics.median(sum(r[v][k].cpu for r in results) / cores for k in steps)
         print(
-            f"{variant:<6} cuts before {shares[variant][1]}: step median {medians[variant]:.2f} s, "
-            f"fastest {fastest[variant]:.2f} s; CPU floor {floor / cores:.2f} s"
+            f"{v:<6} cuts before {shares[v][1]}: step median {statistics.median(wall[v]):.2f} s, "
+            f"fastest {min(wall[v]):.2f} s; CPU floor {floor:.2f} s; "
+            f"on {world} dedicated cores (simulated) {statistics.median(alone[v]):.2f} s"
         )
-        print(f"       FLOPs per stage     {'  '.join(f'{x:5.1%}' for x in shares[variant][0])}")
+        print(f"       FLOPs per stage     {'  '.join(f'{x:5.1%}' for x in shares[v][0])}")
         print(f"       CPU time per rank   {'  '.join(f'{x / sum(cpu):5.1%}' for x in cpu)}")
         print(f"       idle per rank       {'  '.join(f'{x:5.1%}' for x in idle)}")
-    print(
-        f"\nauto / equal step time: {medians['auto'] / medians['equal']:.3f} (medians), "
-        f"{fastest['auto'] / fastest['equal']:.3f} (fastest steps); goal: at most 0.85"
-    )
+
+    def ratios(t: dict[str, list[float]]) -> str:
+        paired = statistics.median(a / e for a, e in zip(t["auto"], t["equal"], strict=True))
+        return (
+            f"{statistics.median(t['auto']) / statistics.median(t['equal']):.3f} (medians), "
+            f"{paired:.3f} (median of each round's ratio), {min(t['auto']) / min(t['equal']):.3f} (fastest)"
+        )
+
+    print(f"\nauto / equal step time, measured: {ratios(wall)}; goal: at most 0.85")
+    print(f"auto / equal on {world} dedicated cores, simulated from each action's CPU time: {ratios(alone)}")
     return 0
 
 

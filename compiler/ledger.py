@@ -51,6 +51,8 @@ _STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]
     "all_to_all": ((("all_to_all", 1),), (("all_to_all", 1),)),
     "vocab_embedding": ((), ()),
     "vocab_cross_entropy": ((("all_reduce", 3),), ()),
+    # k and v around the ring; backward also their gradients (n - 1 sends of a rank's block each)
+    "ring_attention": ((("send_recv", 2),), (("send_recv", 4),)),
 }
 
 
@@ -181,6 +183,10 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         val = value(node)
         full = _held(node, shape(node), axis, layout)
         nbytes = math.prod(full) * val.element_size()
+        if kind == "ring_attention":  # the key block is what travels (whole: n blocks)
+            keys = arg_node(node, 1)
+            full = _held(keys, shape(keys), axis, layout)
+            nbytes = math.prod(full) * value(keys).element_size()
         if kind == "vocab_cross_entropy":  # all-reduces of one float per token
             logits = arg_node(node, 0)
             full = _held(logits, shape(logits), axis, layout)[:-1]

@@ -46,9 +46,7 @@ def tensor_specs(
     parameter is split over at most one of them; the walk gives every tensor a placement on each."""
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
     named = {r.axis for r in tensor_rules if r.axis}
-    # an axis with a `context ring` rule is refused as a whole by the `unsupported` pass
-    ring = {r.axis for r in plan.rules_of("context") if r.action.mode == "ring"}  # type: ignore[union-attr]
-    context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1} - ring
+    context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1}
     specs, diagnostics = [], []
     for axis in [a for a in layout.names if a in named or a in context]:
         if axis in context:

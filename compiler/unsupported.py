@@ -1,34 +1,28 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
-`context ring` and `experts` rules and device placement (`on cpu`) parse
-and pass `meshplan check`, but no pass lowers them yet: a program compiled from such a
-plan would simply lack them and train as if they were not there. So every command that
-compiles against a model refuses them, one located error per rule, and so are the axes a
-`pipeline` does not compose with yet (ZeRO-3, the zero-bubble schedule):
+`experts` rules and device placement (`on cpu`) parse and pass `meshplan check`, but no
+pass lowers them yet: a program compiled from such a plan would simply lack them and train
+as if they were not there. So every command that compiles against a model refuses them, one
+located error per rule, and so are the axes a `pipeline` does not compose with yet (ZeRO-3):
 
-    examples/long_context.plan:8:25: error: context parallelism (`context ring`) is not lowered yet: this plan would train without it
-            layers.*.self_attn: context ring over cp
-                                ^~~~~~~~~~~~~~~~~~~~
+    p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet: this plan would train without it
+            norm: on cuda:1
+                  ^~~~~~~~~
     hint: remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only
 
 Before that, the sizes these constructs need are checked against the model, because a
 size that can never work is the more useful message (and stays true once they are
-lowered): experts divisible by the expert-parallel size, the sequence length by the
-context-parallel size (twice it for ring attention's load-balanced causal layout), no
-more pipeline stages than layers. A size error and the refusal of the same construct
+lowered): experts divisible by the expert-parallel size, no more pipeline stages than
+layers. A size error and the refusal of the same construct
 are two problems and are both reported; the size error comes first in the file.
 Model-free sizes (microbatches vs stages) are `dsl.check`'s.
 
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
-size checks move to that pass.
+size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
-import torch
 from torch import fx, nn
 
 from meshplan.dsl import ast
@@ -52,21 +46,18 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
     model = source.model
     return [
         *_expert_sizes(plan, model, resolution),
-        *_sequence_sizes(plan, _sequence_length(source)),
         *_pipeline_sizes(plan, model),
         *not_lowered(plan),
     ]
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `context`, `experts` and `on DEVICE` rule (no pass lowers them), and per
+    """One error per `experts` and `on DEVICE` rule (no pass lowers them), and per
     axis a `pipeline` does not compose with yet."""
     out = _pipeline_compositions(plan)
     for rule in plan.rules:
         action = rule.action
-        if isinstance(action, ast.ContextParallel) and action.mode == "ring":
-            what = f"context parallelism (`context {action.mode}`)"
-        elif isinstance(action, ast.ExpertParallel):
+        if isinstance(action, ast.ExpertParallel):
             what = "expert parallelism"
         elif isinstance(action, ast.Device):
             device = action.kind if action.index is None else f"{action.kind}:{action.index}"
@@ -132,54 +123,6 @@ def _num_experts(module: nn.Module, model: nn.Module) -> int | None:
             if isinstance(count, int) and count > 0:
                 return count
     return None
-
-
-# ---------------------------------------------------------------------------- context
-
-
-def _sequence_sizes(plan: Plan, seq: int | None) -> list[Diagnostic]:
-    """Each context-parallel rank holds an equal slice of the sequence: 1/cp of it, or for
-    ring attention two chunks of 1/(2 cp) (the load-balanced causal layout pairs chunk i
-    with chunk 2 cp - 1 - i, so every rank does the same share of the causal triangle)."""
-    if seq is None:
-        return []
-    out = []
-    for rule in plan.rules_of("context"):
-        assert isinstance(rule.action, ast.ContextParallel) and rule.axis is not None
-        if rule.action.mode != "ring":
-            continue  # lowered: the tensor-parallel pass checks the sequence it cuts
-        n = plan.mesh.size(rule.axis)
-        if n is None or n == 1:
-            continue
-        ring = rule.action.mode == "ring"
-        chunks = 2 * n if ring else n
-        if seq % chunks == 0:
-            continue
-        if ring:
-            message = (
-                f"the sequence length {seq} is not divisible by 2 x {n} = {chunks}: ring attention over "
-                f"`{rule.axis}` gives each of its {n} ranks two chunks (the load-balanced causal layout)"
-            )
-            other = f"a `{rule.axis}` size n with 2n dividing {seq}"
-        else:
-            message = f"the sequence length {seq} is not divisible by {n} ranks over `{rule.axis}`"
-            other = f"a `{rule.axis}` size dividing {seq}"
-        hint = f"compile for a sequence length that is a multiple of {chunks} (--seq), or use {other}"
-        out.append(Diagnostic(rule.span, message, hint=hint))
-    return out
-
-
-def _sequence_length(source: ModelSource) -> int | None:
-    """T of the first (B, T) integer input (token ids), as `with_token_shape` shapes them."""
-    for x in _inputs(source):
-        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex():
-            return int(x.shape[1])
-    return None
-
-
-def _inputs(source: ModelSource) -> Iterator[Any]:
-    yield from source.args
-    yield from source.kwargs.values()
 
 
 # ---------------------------------------------------------------------------- pipeline

@@ -24,7 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 CLI = tuple(f"meshplan.{p.stem}" for p in sorted((REPO / "cli").glob("*.py")) if p.stem != "__init__")
 # what compiled programs are made of: the only runtime modules the compiler may import
-PROGRAM_LIBRARY = {"collectives", "zero_nodes", "mesh", "shards", "buckets", "schedules", "__init__"}
+PROGRAM_LIBRARY = {
+    "collectives",
+    "ring_attention",
+    "zero_nodes",
+    "mesh",
+    "shards",
+    "buckets",
+    "schedules",
+    "__init__",
+}
 RUNTIME_ENGINE = tuple(
     f"meshplan.runtime.{p.stem}"
     for p in sorted((REPO / "runtime").glob("*.py"))

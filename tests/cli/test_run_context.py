@@ -24,7 +24,7 @@ def one_process(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "mesh"), [("all_gather", "cp=2"), ("ulysses", "cp=2"), ("all_gather", "cp=2, tp=2")]
+    ("mode", "mesh"), [("ring", "cp=2"), ("ulysses", "cp=2"), ("all_gather", "cp=2, tp=2")]
 )
 def test_context_parallel_trains_like_one_process(
     tmp_path: Path, one_process: list[dict], mode: str, mesh: str

@@ -52,3 +52,13 @@ def test_ulysses_over_heads_already_split_by_tensor_parallelism_is_refused_at_it
         "p.plan:4:5: error: Ulysses over `cp` would split the heads of `layers.0.self_attn`"
     )
     assert "hint: use `context all_gather` with tensor-parallel attention" in rendered
+
+
+def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():
+    compiled = _compile("mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n")
+    assert _calls(compiled).count("ring_attention_cp") == 4
+    rows = [r for r in compiled.ledger.rows if r.kind == "ring_attention"]
+    # k and v blocks forward; k, v and their gradients backward: the whole sequence's k, (n-1)/n of it each
+    k_bytes = 2 * 4 * 16 * 16 * 4  # (B, heads after the GQA repeat, T, head_dim) float32
+    assert {(r.phase, r.count, r.bytes) for r in rows} == {("forward", 2, k_bytes), ("backward", 4, k_bytes)}
+    assert sum(r.traffic for r in rows) == 4 * (2 + 4) * k_bytes / 2

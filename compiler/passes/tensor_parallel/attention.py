@@ -6,6 +6,7 @@ import torch
 from torch import fx
 
 from ...graph import (
+    COLLECTIVE,
     PLACEMENT,
     RULE,
     arg_node,
@@ -66,6 +67,7 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
                      k = self.all_gather_cp(k, 2); v = self.all_gather_cp(v, 2)
                      rows = self.split_cp(arange(T), 0)      # this rank's query positions
                      out = sdpa(q, k, v, attn_mask=rows[:, None] >= arange(T))
+        ring         k, v blocks passed around the ring with an online softmax (one module)
         ulysses      q, k, v moved by all-to-all from sequence shards to head shards, attention
                      over the whole sequence with this rank's heads, and back
     """
@@ -102,16 +104,12 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         back = w.convert(node, Shard(SEQ), because=rule)
         node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
         return
-    if mode != "all_gather":
-        w.error(
-            node,
-            f"`context {mode}` is not lowered yet",
-            hint="use `context all_gather` or `ulysses`",
-            rule=rule,
-        )
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    if mode == "ring":
+        _ring(w, node, rule, mask, causal)
+        return
     for t in (k, v):
         w.use(node, t, w.convert(t, REPLICATE, into_sharded=True, because=rule))
-    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
     if isinstance(mask, fx.Node):  # this rank's query rows of the model's own mask
         rows = len(shape(mask)) - 2
         if not known_equal(shape(mask)[rows], 1) and w.placement(mask) != Shard(rows):
@@ -124,6 +122,31 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         node.args = tuple(args[:6])
         node.kwargs = {k: a for k, a in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
     w.set(node, Shard(SEQ), rule)
+
+
+def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
+    """Ring attention (`runtime/ring_attention.py`): the key/value blocks travel, the queries stay.
+
+    out = self.ring_attention_cp(q, k, v, True, scale)
+    """
+    dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    if isinstance(mask, fx.Node) or dropout:
+        w.error(
+            node,
+            f"{describe(node)} passes its own {'attention mask' if isinstance(mask, fx.Node) else 'dropout'}: "
+            "ring attention computes causal or full attention only",
+            hint="use `context all_gather` for this module (it takes the model's mask)",
+            rule=rule,
+        )
+    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    q, k, v = node.args[:3]
+    with w.graph.inserting_before(node):
+        ring = w.graph.call_module(w.module_for("ring_attention"), (q, k, v, bool(causal), scale))
+    ring.meta.update(node.meta)
+    ring.meta[COLLECTIVE] = {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule}
+    node.replace_all_uses_with(ring)
+    w.graph.erase_node(node)
+    w.set(ring, Shard(SEQ), rule)
 
 
 def _causal_rows(w: Walk, node: fx.Node, keys: fx.Node, rule) -> fx.Node:

@@ -26,6 +26,7 @@ from meshplan.runtime.collectives import (
     ReduceScatter,
     Split,
 )
+from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
 
 from ...graph import (
     COLLECTIVE,
@@ -216,6 +217,9 @@ class Walk:
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
         if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+            self.set(node, self.placement(inputs[0]))
+        elif isinstance(module, RingAttention) and len({self.placement(a) for a in inputs[:3]}) == 1:
+            # attention is independent per head: q, k, v split alike by heads stay so
             self.set(node, self.placement(inputs[0]))
         elif all(isinstance(self.placement(a), Replicate) for a in inputs):
             self.set(node, REPLICATE)

@@ -1,0 +1,132 @@
+"""Ring attention: queries stay, key/value blocks travel around the context-parallel ring.
+
+Each of the n ranks of the axis holds one chunk of the sequence: its queries, keys and
+values. In n steps every rank attends its queries to every rank's block, the blocks moving
+one rank on (send to r + 1, receive from r - 1) while the current block is computed, and
+the partial results merge by an online softmax (a running log-sum-exp). Backward walks the
+ring again with each block's key/value gradients travelling beside it, accumulated by every
+rank they visit and delivered home by one last step. A rank never holds more than two
+blocks, whatever the sequence length; the all-gather variant holds all n.
+
+    step s on rank r holds the block of rank (r - s) mod n
+    causal: a block from a later rank is masked whole (skipped), its own block triangularly
+
+The math is plain matmuls in float32 (scores, probabilities, the running statistics), so it
+runs wherever torch does, gloo and CPU included; the messages are `isend`/`irecv` on the axis's
+group. The whole-sequence result equals `scaled_dot_product_attention` with `is_causal`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import COLLECTIVES, AxisCollective
+
+
+class RingAttention(AxisCollective):
+    """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)` over a sequence
+    cut into one contiguous chunk per rank of the axis (q, k, v: (B, H, T/n, D); GQA's fewer
+    key/value heads are repeated to the query heads first)."""
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None
+    ) -> Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return _RingFunction.apply(q, k, v, causal, scale, self)
+
+
+COLLECTIVES["ring_attention"] = RingAttention
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, owner: RingAttention):
+        ring = _RingPlace(owner)
+        out = torch.zeros(q.shape, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
+        block = [k.contiguous(), v.contiguous()]
+        for step in range(ring.n):
+            src = (ring.rank - step) % ring.n
+            pending = ring.shift(block, "forward") if step < ring.n - 1 else None
+            if not (causal and src > ring.rank):
+                scores = _scores(q, block[0], scale, causal and src == ring.rank)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ block[1].float()
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(
+                    block_lse - merged
+                ).unsqueeze(-1)
+                lse = merged
+            if pending is not None:
+                block = pending()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.owner = causal, scale, owner
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _RingPlace(ctx.owner)
+        grad = grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        block = [k.contiguous(), v.contiguous(), torch.zeros(k.shape), torch.zeros(v.shape)]
+        for step in range(ring.n):
+            src = (ring.rank - step) % ring.n
+            kb, vb, dk, dv = block
+            if not (ctx.causal and src > ring.rank):
+                p = torch.exp(_scores(q, kb, ctx.scale, ctx.causal and src == ring.rank) - lse.unsqueeze(-1))
+                dv += p.transpose(-1, -2) @ grad
+                ds = p * (grad @ vb.float().transpose(-1, -2) - delta) * ctx.scale
+                dq += ds @ kb.float()
+                dk += ds.transpose(-1, -2) @ q.float()
+            # the last step only takes each block's gradients home
+            moving = block if step < ring.n - 1 else [dk, dv]
+            received = ring.shift(moving, "backward")()
+            block = received if step < ring.n - 1 else [kb, vb, *received]
+        dk, dv = block[2], block[3]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if diagonal:  # the rank's own block: causal within it
+        t = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    return scores
+
+
+class _RingPlace:
+    """This rank's place on the ring of `owner`'s group, and the one-step shift of a block."""
+
+    def __init__(self, owner: RingAttention):
+        assert owner.group is not None, "a ring of one rank is never compiled (the axis has one rank)"
+        self.owner = owner
+        self.group = owner.group
+        self.n = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.n)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.n)
+
+    def shift(self, tensors: list[Tensor], part: str):
+        """Send `tensors` to the next rank and receive the previous rank's; returns a function
+        that waits and gives the received ones (the caller computes in between)."""
+        buffers = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in buffers]
+        self.owner.note("ring send/recv", part)
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[Tensor]:
+            for w in works:
+                w.wait()
+            return buffers
+
+        return wait

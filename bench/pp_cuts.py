@@ -1,11 +1,11 @@
 """Pipeline cuts: stages balanced by FLOPs (`compiler/stages.py`) vs equal layer counts, step time.
 
-    python bench/pp_cuts.py [--ranks 4] [--microbatches 4] [--seq 128] [--steps 4] [--warmup 1] [--quick]
+    python bench/pp_cuts.py [--ranks 4] [--microbatches 8] [--seq 128] [--steps 3] [--warmup 1] [--quick]
 
 Model: the example Llama in fp32 with a 32k vocabulary, which makes the ends heavy (the
 embedding on the first stage, the LM head and the loss on the last): 8 layers, H=1024,
-I=2752, heads 16/8, V=32000 (157M parameters); microbatches of B=1, T=128; p=4 gloo ranks
-with 1 intra-op thread each, 1F1B over m=4 microbatches. Two cuts of the same compiled graph:
+I=2752, heads 16/8, V=32000 (158M parameters); microbatches of B=1, T=128; p=4 gloo ranks
+with 1 intra-op thread each, 1F1B over m=8 microbatches. Two cuts of the same compiled graph:
 
     equal   2 layers per stage: `cut before layers.2`, `layers.4`, `layers.6`
     auto    `balanced_cuts`: the cuts `meshplan run` makes when the plan gives none (the
@@ -21,17 +21,17 @@ compute and optimizer step), and each rank's `PipelineStep.idle`.
 
 Timing caveat: this machine has 2 cores, so p=4 is 4 processes on 2 cores. Wherever more than
 two stages have work at once they share the cores, and a step cannot take less than its CPU
-time over 2 cores (printed as "CPU floor"), the same for both cuts; so the ratio here
-understates what 4 devices would show, more so with more microbatches (the 1F1B steady state
-keeps every stage busy, and the step nears the floor). Hence m=4 by default, the least 1F1B
-runs p=4 with; `--microbatches 8` shows the floor taking over. `--ranks 2` runs p=2 on one
-core each instead. Any other load on the machine slows the ranks unevenly: read the numbers
-from one run.
+time over 2 cores (printed as "CPU floor"), the same for both cuts, which pulls the ratio
+here towards 1. `--ranks 2` runs p=2 on one core each instead. Any
+other load on the machine slows the ranks unevenly: read the numbers from one run.
 
 So the script also prints what p dedicated cores would take, as a model, not a measurement:
 each action's CPU time (`pp_common.ActionClock`; the core's time, whoever else wanted it),
 averaged per kind and stage within the step, run through `runtime.schedules.simulate` of the
-same 1F1B lists (sends free), plus the slowest rank's zero_grad and AdamW.
+same 1F1B lists (sends free), plus the slowest rank's zero_grad and AdamW. In 1F1B the
+fill and drain cost about the sum of one microbatch's work over all stages, which balancing
+does not shorten, and the steady state m - 1 times the costliest stage, which it does: the
+ratio falls towards the costliest stages' ratio as m grows (`--microbatches 4` shows less gain).
 """
 
 from __future__ import annotations
@@ -143,10 +143,10 @@ def dedicated(schedule: Schedule, step: list[Step]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2 steps after 1 warm-up, T=64")
     opts = parser.parse_args()

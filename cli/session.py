@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch stays unimported until a session opens
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.data import BatchFn
     from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.expert_data_parallel import ExpertDataParallel
     from meshplan.runtime.zero import Zero
 
 
@@ -40,7 +41,9 @@ def check_supported(plan: Plan) -> None:
     pr = plan.precision
     if (pr.params, pr.grads) != ("fp32", "fp32"):
         missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
-    kinds = sorted({r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint", "context"})
+    kinds = sorted(
+        {r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint", "context", "experts"}
+    )
     missing += [f"`{kind}` rules" for kind in kinds]
     if missing:
         raise RunError(
@@ -57,7 +60,7 @@ class Session:
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> loss
     batches: BatchFn
     axes: Axes  # process groups by axis name, the data axes, each parameter's cuts
-    dp: DataParallel | Zero | None  # None: no data-parallel axis
+    dp: DataParallel | ExpertDataParallel | Zero | None  # None: no data-parallel axis
     accumulation: int
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
     export_names: frozenset[str] = frozenset()  # the unpartitioned model's state_dict keys
@@ -114,8 +117,9 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
     dp_group = mesh.get_group(dp_axis) if dp_axis else None
-    dp = None
-    if dp_group is not None and dp_spec is not None:
+    dp: DataParallel | ExpertDataParallel | Zero | None = None
+    experts = tuple(a for a in layout.names if a in {r.axis for r in plan.rules_of("experts")})
+    if dp_group is not None and dp_spec is not None and not experts:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
         if dp_spec.zero > 0:
             dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype)
@@ -140,6 +144,11 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
             if any(isinstance(p, Shard) for p in placement.values())
         },
     )
+    dp_rank = coords[dp_axis] if dp_axis else 0
+    if experts:  # the expert axes split the batch too: data parallel for all but the experts
+        axes = dataclasses.replace(axes, data=tuple(a for a in layout.names if a in {*axes.data, *experts}))
+        dp = _expert_data_parallel(program, axes, layout, mesh, plan)
+        dp_rank = axes.data_rank
     dp_size = axes.data_size
     microbatches = pipeline_microbatches(plan, layout)
     batches = make_batches(
@@ -147,7 +156,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         batch=args.batch * microbatches,
         seq=args.seq,
         seed=args.seed,
-        dp_rank=coords[dp_axis] if dp_axis else 0,
+        dp_rank=dp_rank,
         dp_size=dp_size,
         accumulation=plan.train.gradient_accumulation,
     )
@@ -196,9 +205,57 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         forward_backward,
         microbatches,
         pipeline_group,
-        stages.metrics if stages is not None else None,
+        stages.metrics if stages is not None else _expert_metrics(program, axes) if experts else None,
         stages.sum_tied_grads if stages is not None and stages.tied else None,
     )
+
+
+def _expert_data_parallel(
+    program: fx.GraphModule, axes: Axes, layout, mesh, plan: Plan
+) -> ExpertDataParallel:
+    """Gradient averaging under expert parallelism (`runtime/experts.py`): each parameter over
+    the data axes that do not shard it, in buckets of the plan's size."""
+    import torch
+
+    from meshplan.runtime.expert_data_parallel import expert_data_parallel
+    from meshplan.runtime.mesh import group_over
+
+    dp_spec = plan.data_parallel
+    reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    return expert_data_parallel(
+        program,
+        axes,
+        lambda over: group_over(layout, over, mesh),
+        bucket_bytes=dp_spec.bucket_bytes if dp_spec is not None else 25_000_000,
+        reduce_dtype=reduce_dtype,
+    )
+
+
+def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[str, Any]]:
+    """Each step's expert load: the (token, slot) pairs routed to each expert of each MoE
+    layer over the whole job, and its overload factor (the most loaded expert-parallel rank's
+    pairs over the balanced share). One all-reduce of the counts per data axis."""
+    import torch
+
+    from meshplan.runtime.experts import ExpertParallel
+
+    units = [m for m in program.modules() if isinstance(m, ExpertParallel)]
+
+    def metrics() -> dict[str, Any]:
+        if not units:
+            return {}
+        counts = axes.sum_over(torch.cat([u.take_tokens() for u in units]), axes.data, "expert load")
+        load = {}
+        for unit, tokens in zip(units, counts.split([u.num_experts for u in units]), strict=True):
+            per_rank = tokens.view(axes.size(unit.axis), -1).sum(1)
+            share = float(tokens.sum()) / len(per_rank)
+            load[unit.path] = {
+                "tokens": tokens.tolist(),
+                "overload": float(per_rank.max()) / share if share else 0.0,
+            }
+        return {"expert_load": load}
+
+    return metrics
 
 
 def pipeline_microbatches(plan: Plan, layout) -> int:

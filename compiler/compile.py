@@ -15,21 +15,26 @@ reason, each linted after it runs (`lint.py`):
              parallelism, so the collectives it inserts carry the compute dtype.
 4. tensor-parallel (and sequence parallel): needs resolved parameter placements;
              it must run before any pass that reads local shapes.
-5. checkpoint outlines each region into a submodule called through
+5. experts   (`experts over ep`): each experts module, captured as one unit
+             (`experts_as_units`), becomes an all-to-all dispatch / local experts / combine
+             call with its parameters split over the axis; after tensor parallelism, whose
+             walk sees the unit's inputs whole, and before checkpoint, which must outline
+             the call with its layer.
+6. checkpoint outlines each region into a submodule called through
              torch.utils.checkpoint; after tensor parallelism so its collectives are
              recomputed too. The ledger is built at the end and counts recomputed collectives.
-6. unsupported: a check, not a rewrite: rules accepted by the language that the compiler
+7. unsupported: a check, not a rewrite: rules accepted by the language that the compiler
              cannot lower yet are located errors.
-7. pipeline  (`pipeline over pp`): the stage cuts, explicit or balanced, and each
+8. pipeline  (`pipeline over pp`): the stage cuts, explicit or balanced, and each
              activation's stage; the graph is not changed (each pipeline rank builds its
              stage programs from it). After checkpoint, so a checkpointed layer is never split.
-8. zero      (`data_parallel { zero = N }`): gather/release nodes around each layer's
+9. zero      (`data_parallel { zero = N }`): gather/release nodes around each layer's
              parameter uses; last, because a checkpointed layer must be one call node
              (its recomputation then runs between the release's backward gather and the
              layer's backward, never re-gathering or freeing).
 
 A plan with errors still goes through the passes marked `checks_after_errors` (precision,
-the tensor rules, unsupported), so one compile reports every problem; the others are skipped.
+the tensor rules, experts, unsupported), so one compile reports every problem; the others are skipped.
 """
 
 from __future__ import annotations
@@ -50,10 +55,10 @@ from . import unsupported
 from .capture import BATCH, SEQ, Captured, Divisibility, ModelSource, TokenShapes, capture, token_tensors
 from .executable import Executable
 from .graph import ShapeGuardError, for_rank, keep_loss_output, no_new_guards, normalize
-from .ledger import DataParallelFacts, Ledger, build_ledger
+from .ledger import DataParallelFacts, ExpertDataFacts, Ledger, build_ledger
 from .lint import lint
 from .match import Resolution, resolve
-from .passes import Context, Pass, checkpoint, pipeline, precision, tensor_parallel, zero
+from .passes import Context, Pass, checkpoint, experts, pipeline, precision, tensor_parallel, zero
 from .passes.checkpoint import bind_regions
 from .passes.precision import DTYPES, cast_floating
 from .placement import Placement, Shard
@@ -83,6 +88,7 @@ class Compiled:
 PASSES: tuple[Pass, ...] = (
     precision.PASS,
     tensor_parallel.PASS,
+    experts.PASS,
     checkpoint.PASS,
     unsupported.PASS,
     pipeline.PASS,
@@ -106,7 +112,8 @@ def compile_plan(
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
-    captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
+    with experts.experts_as_units(plan, traced):
+        captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
     static_because = captured.static_reason
     if captured.dims is not None:
         try:
@@ -116,7 +123,8 @@ def compile_plan(
             # problem that only the static compile can tell real from symbolic: compile for
             # the example's shapes, whose errors are the plan's own.
             static_because = str(e) if isinstance(e, ShapeGuardError) else e.errors[0].message
-            captured = capture(traced, source.args, source.kwargs)
+            with experts.experts_as_units(plan, traced):
+                captured = capture(traced, source.args, source.kwargs)
     if captured.dims is None:
         gm, ctx = _run_passes(plan, layout, source, captured)
         if dynamic and static_because:
@@ -131,11 +139,16 @@ def compile_plan(
             if pp.rule is not None:
                 rules.setdefault(name, pp.rule)
         kv.update(spec.kv_replicas)
+    for name, split in ctx.experts.items():  # the experts of each rank: Shard(0) over their axis
+        placements.setdefault(name, {})[split.axis] = Shard(0)
+        rules.setdefault(name, split.rule)
+    experts_data = _expert_data_facts(plan, gm, source.model, placements, layout)
     ledger = build_ledger(
         gm,
         layout,
         accumulation=plan.train.gradient_accumulation,
-        data=_data_parallel_facts(plan, gm, source.model, placements, layout),
+        data=None if experts_data else _data_parallel_facts(plan, gm, source.model, placements, layout),
+        experts_data=experts_data,
     )
     return Compiled(
         plan,
@@ -226,6 +239,25 @@ def _data_parallel_facts(
         return None
     from meshplan.runtime.buckets import decays
 
+    params, aliases = _local_params(gm, model, placements, layout)
+    reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    where = f"{dp.span.path}:{dp.span.line}"
+    # the gradient norm sums squares per set of axes that shard a parameter, and one for the rest
+    kinds = {
+        tuple(a for a, p in placements.get(name, {}).items() if isinstance(p, Shard) and layout.size(a) > 1)
+        for name in params
+    }
+    norm_sums = len(kinds - {()}) + 1
+    return DataParallelFacts(
+        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where, norm_sums
+    )
+
+
+def _local_params(
+    gm: fx.GraphModule, model: nn.Module, placements: dict[str, dict[str, Placement]], layout: MeshLayout
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One rank's trainable params, as meta tensors of their local shapes in the order the rank
+    program holds them, and every name a param has in the graph -> its name there (ties)."""
     full = dict(model.named_parameters(remove_duplicate=False))
     params: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}  # a tied param is named by its first read, as the rank program names it
@@ -242,16 +274,42 @@ def _data_parallel_facts(
             if isinstance(p, Shard):
                 shape[p.dim] = p.chunk(shape[p.dim], layout.size(axis))
         params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
+    return params, aliases
+
+
+def _expert_data_facts(
+    plan: Plan,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    placements: dict[str, dict[str, Placement]],
+    layout: MeshLayout,
+) -> ExpertDataFacts | None:
+    """Under expert parallelism the batch is split over the data axis and every expert axis;
+    each parameter is averaged over those that do not shard it (`runtime.experts`), grouped
+    as `expert_data_parallel` groups them. None without an expert axis of more than one rank."""
+    experts = {r.axis for r in plan.rules_of("experts")}
+    dp = plan.data_parallel
+    data = [
+        a for a in layout.names if (a in experts or (dp is not None and a == dp.axis)) and layout.size(a) > 1
+    ]
+    if not any(a in experts for a in data):
+        return None
+    params, _ = _local_params(gm, model, placements, layout)
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    for name, p in params.items():
+        sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
+        groups.setdefault(tuple(a for a in data if a not in sharded), []).append(p)
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
-    where = f"{dp.span.path}:{dp.span.line}"
-    # the gradient norm sums squares per set of axes that shard a parameter, and one for the rest
-    kinds = {
-        tuple(a for a, p in placements.get(name, {}).items() if isinstance(p, Shard) and layout.size(a) > 1)
-        for name in params
-    }
-    norm_sums = len(kinds - {()}) + 1
-    return DataParallelFacts(
-        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where, norm_sums
+    span = dp.span if dp is not None else plan.rules_of("experts")[0].span
+    return ExpertDataFacts(
+        tuple(
+            (over, math.prod(layout.size(a) for a in over), tuple(ps))
+            for over, ps in sorted(groups.items())
+            if over
+        ),
+        dp.bucket_bytes if dp is not None else 25_000_000,
+        reduce,
+        f"{span.path}:{span.line}",
     )
 
 
@@ -311,8 +369,8 @@ def build_rank_program(
             else:
                 root[name] = local.detach().clone()
         elif node.op == "call_module":
-            root[str(node.target)] = for_rank(compiled.graph.get_submodule(str(node.target)), mesh)
-    return bind_regions(fx.GraphModule(root, graph), mesh)
+            root[str(node.target)] = for_rank(compiled.graph.get_submodule(str(node.target)), mesh, model)
+    return bind_regions(fx.GraphModule(root, graph), mesh, model)
 
 
 def _get_attr(module: nn.Module, target: str):

@@ -280,11 +280,16 @@ def keep_loss_output(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def for_rank(template: nn.Module, mesh=None) -> nn.Module:
+def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> nn.Module:
     """A rank's own instance of one of the graph's communication modules: a collective bound
-    to this rank's process group of its axis, or a fresh ZeRO node for the engine to bind."""
+    to this rank's process group of its axis (an experts unit also to `model`'s experts module,
+    whose code it runs), or a fresh ZeRO node for the engine to bind."""
     from meshplan.runtime.collectives import AxisCollective  # runtime imports torch.distributed
+    from meshplan.runtime.experts import ExpertParallel
 
+    if isinstance(template, ExpertParallel):
+        assert model is not None, "an experts unit runs the model's experts module"
+        return template.bind(mesh.get_group(template.axis) if mesh is not None else None, model)
     if isinstance(template, AxisCollective):
         group = mesh.get_group(template.axis) if mesh is not None else None
         return type(template)(group, template.axis)

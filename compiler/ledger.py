@@ -21,10 +21,19 @@ the collectives `meshplan run` issues, byte for byte (a test compares them):
           (not for the unit released last)
     1-3   an all_reduce of 8 bytes per sum of squares the gradient norm needs (one per set of
           axes that shard parameters, one for the rest)
+
+An experts unit (`experts over ep`) issues three all-to-alls in forward: the token counts
+((E,) int64), the dispatch of every (token, slot) pair's row ((N k, H)) and the combine that
+brings the outputs back (the same shape); backward reverses the last two. Dropless, the
+dispatch (and the combine's backward) sends a rank's N k rows, the rows it keeps included;
+the combine (and the dispatch's backward) sends back what its experts got, N k on average
+over the axis's ranks and exactly that summed over them. Where the rows go follows the
+routing: `traffic`, (n-1)/n x bytes, is the balanced prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,8 +144,25 @@ class DataParallelFacts:
     )
 
 
+@dataclass(frozen=True)
+class ExpertDataFacts:
+    """Gradient averaging under expert parallelism (`runtime.experts.expert_data_parallel`): one
+    data-parallel engine per set of data axes some parameters are averaged over (the dense ones
+    over `dp` x `ep`, the experts over `dp`), each with its own buckets."""
+
+    groups: Sequence[tuple[tuple[str, ...], int, Sequence[torch.Tensor]]]  # (axes, ranks, params)
+    bucket_bytes: int
+    reduce_dtype: torch.dtype | None
+    where: str  # `file:line` of the data_parallel block, or of the first experts rule
+
+
 def build_ledger(
-    gm: fx.GraphModule, layout: MeshLayout, *, accumulation: int = 1, data: DataParallelFacts | None = None
+    gm: fx.GraphModule,
+    layout: MeshLayout,
+    *,
+    accumulation: int = 1,
+    data: DataParallelFacts | None = None,
+    experts_data: ExpertDataFacts | None = None,
 ) -> Ledger:
     """Every collective of one optimizer step: the graph's, then the data-parallel ones."""
     rows = [
@@ -157,6 +183,25 @@ def build_ledger(
     ]
     if data is not None and layout.size(data.axis) > 1:
         rows += _data_parallel_rows(gm, layout, data, accumulation)
+    if experts_data is not None:
+        rows += [
+            LedgerRow(
+                f"bucket {i}",
+                "dp_bucket",
+                "all_reduce",
+                "backward",
+                " x ".join(axes),
+                (nbytes,),
+                nbytes,
+                1,
+                n,
+                experts_data.where,
+            )
+            for axes, n, params in experts_data.groups
+            for i, nbytes in enumerate(
+                bucket_sizes(params, experts_data.bucket_bytes, experts_data.reduce_dtype)
+            )
+        ]
     return Ledger(tuple(rows))
 
 
@@ -179,6 +224,9 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         info = node.meta[COLLECTIVE]
         if info["kind"] in ("zero_gather", "zero_release"):
             continue  # listed with the data-parallel rows
+        if info["kind"] == "experts":  # over one rank it sends nothing
+            rows += _expert_rows(node, info, layout, recomputed) if layout.size(info["axis"]) > 1 else []
+            continue
         kind, axis = info["kind"], info["axis"]
         val = value(node)
         full = _held(node, shape(node), axis, layout)
@@ -206,6 +254,31 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
                         node.name, kind, op, phase, axis, full, nbytes, count, layout.size(axis), where, again
                     )
                 )
+    return rows
+
+
+def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool) -> list[LedgerRow]:
+    """An experts unit's all-to-alls (see the module docstring): the counts, then each pair's
+    row dispatched and combined in forward, and both again, reversed, in backward."""
+    axis, rule = info["axis"], info.get("rule")
+    where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
+    tokens, index = arg_node(node, 0), arg_node(node, 1)
+    held = _held(tokens, shape(tokens), axis, layout)  # (N, H)
+    k = _held(index, shape(index), axis, layout)[-1]
+    pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
+    nbytes = math.prod(pairs) * value(tokens).element_size()
+    n = layout.size(axis)
+
+    def row(op_phase: str, shape_: tuple, size: int, count: int, again: bool = False) -> LedgerRow:
+        return LedgerRow(
+            node.name, "experts", "all_to_all", op_phase, axis, shape_, size, count, n, where, again
+        )
+
+    counts = (int(info["experts"]),)
+    forward = [row("forward", counts, 8 * counts[0], 1), row("forward", pairs, nbytes, 2)]
+    rows = [*forward, row("backward", pairs, nbytes, 2)]
+    if recomputed:  # checkpointing runs the forward again in backward
+        rows += [dataclasses.replace(r, phase="backward", recompute=True) for r in forward]
     return rows
 
 

@@ -45,7 +45,7 @@ class Collective(TypedDict, total=False):
     """`meta[COLLECTIVE]`: a node that communicates. `kind` names the runtime module
     (`all_reduce`, `reduce_scatter`, `zero_gather`, ...), `axis` the mesh axis; tensor
     collectives add the `dim` they gather or scatter and the `rule` that demanded them, ZeRO
-    nodes their `unit` and `where`."""
+    nodes their `unit` and `where`, an experts unit (`kind == "experts"`) its number of `experts`."""
 
     kind: str
     axis: str
@@ -53,6 +53,7 @@ class Collective(TypedDict, total=False):
     rule: Any  # PlanRule | None
     unit: str
     where: str
+    experts: int
 
 
 class CheckpointRegion(TypedDict):

@@ -7,6 +7,7 @@ or from the JSON a compile writes, so the same text appears on screen and on dis
 from __future__ import annotations
 
 import html
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -90,6 +91,7 @@ def explain(compiled: Compiled) -> str:
             lines.append(f"    collectives per step: {summary}")
         lines.append("")
     lines += _data_parallel_lines(compiled)
+    lines += _expert_lines(compiled)
     lines += _pipeline_lines(compiled)
     replicated = _replicated_linears(compiled) if compiled.tensor_axes else []
     if replicated:
@@ -123,7 +125,8 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     ]
     if dp.zero == 3 and units:
         lines.append(f"    units, in forward order: {', '.join(compress_paths(units))}")
-    rows = [r for r in compiled.ledger.rows if r.axis == dp.axis and r.kind in _DP_KINDS]
+    # under expert parallelism a bucket runs over `dp x ep` or `dp` (`ExpertDataFacts`)
+    rows = [r for r in compiled.ledger.rows if dp.axis in r.axis.split(" x ") and r.kind in _DP_KINDS]
     if rows:
         counts: dict[tuple[str, str], int] = defaultdict(int)
         for r in rows:
@@ -138,6 +141,41 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
 
 
 _DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
+
+
+def _expert_lines(compiled: Compiled) -> list[str]:
+    """Expert parallelism: the experts each rank holds, how the batch and the gradients are
+    split, and each unit's all-to-all bytes per step."""
+    units = [n for n in compiled.graph.graph.nodes if n.meta.get(COLLECTIVE, {}).get("kind") == "experts"]
+    axes = [a for a in compiled.layout.names if any(n.meta[COLLECTIVE]["axis"] == a for n in units)]
+    if not units:
+        return []
+    layout, dp = compiled.layout, compiled.plan.data_parallel
+    data = [
+        a for a in layout.names if (a in axes or (dp is not None and a == dp.axis)) and layout.size(a) > 1
+    ]
+    lines = []
+    for axis in axes:
+        mine = [n for n in units if n.meta[COLLECTIVE]["axis"] == axis]
+        total = mine[0].meta[COLLECTIVE]["experts"]
+        n = layout.size(axis)
+        paths = compress_paths(module_path(u) for u in mine)
+        lines.append(
+            f"experts over {axis} ({n} ranks): each rank holds {total // n} of the {total} experts of "
+            + ", ".join(paths)
+        )
+    others = [a for a in data if a not in axes]
+    lines.append(
+        f"    the batch is split over {' x '.join(data) or 'no axis'} ({math.prod(layout.size(a) for a in data)} "
+        f"data ranks); gradients are averaged over them, an expert's over "
+        + (" x ".join(others) if others else "none (its ranks hold other experts)")
+    )
+    rows = [r for r in compiled.ledger.rows if r.kind == "experts"]
+    if rows:
+        first = [r for r in rows if r.node == rows[0].node]
+        text = ", ".join(f"{r.count} x {r.bytes:,} B {r.phase}" for r in first if not r.recompute)
+        lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
+    return [*lines, ""]
 
 
 def _pipeline_lines(compiled: Compiled) -> list[str]:
@@ -261,6 +299,11 @@ def _annotated(gm, ledger) -> str:
         info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
         if info and info["kind"] in ("zero_gather", "zero_release"):
             notes[node.name] = _zero_note(node, info, ledger)
+        elif info and info["kind"] == "experts":
+            sent = sum(r.bytes * r.count for r in ledger.rows if r.node == node.name and r.phase == "forward")
+            notes[node.name] = (
+                f"  # experts over {info['axis']}: all_to_all dispatch and combine, {sent:,} B{_where(info)}"
+            )
         elif info:
             notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
         elif region:

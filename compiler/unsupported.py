@@ -1,9 +1,9 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
-`experts` rules and device placement (`on cpu`) parse and pass `meshplan check`, but no
-pass lowers them yet: a program compiled from such a plan would simply lack them and train
-as if they were not there. So every command that compiles against a model refuses them, one
-located error per rule, and so are the axes a `pipeline` does not compose with yet (ZeRO-3):
+Device placement (`on cpu`) parses and passes `meshplan check`, but no pass lowers it yet:
+a program compiled from such a plan would simply lack it and train as if it were not there.
+So every command that compiles against a model refuses it, one located error per rule, and
+so are the axes a `pipeline` does not compose with yet (ZeRO-3):
 
     p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet: this plan would train without it
             norm: on cuda:1
@@ -12,13 +12,13 @@ located error per rule, and so are the axes a `pipeline` does not compose with y
 
 Before that, the sizes these constructs need are checked against the model, because a
 size that can never work is the more useful message (and stays true once they are
-lowered): experts divisible by the expert-parallel size, no more pipeline stages than
-layers. A size error and the refusal of the same construct
+lowered): no more pipeline stages than layers. A size error and the refusal of the same construct
 are two problems and are both reported; the size error comes first in the file.
 Model-free sizes (microbatches vs stages) are `dsl.check`'s.
 
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
-size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass).
+size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
+the experts an expert axis splits: the experts pass).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from .stages import layer_list
 _REMOVE_RULE = (
     "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"
 )
-_CONFIG_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
@@ -45,21 +44,18 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
     """Size errors of the constructs that are not lowered yet, then their refusal."""
     model = source.model
     return [
-        *_expert_sizes(plan, model, resolution),
         *_pipeline_sizes(plan, model),
         *not_lowered(plan),
     ]
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `experts` and `on DEVICE` rule (no pass lowers them), and per
-    axis a `pipeline` does not compose with yet."""
+    """One error per `on DEVICE` rule (no pass lowers them), and per axis a `pipeline` does
+    not compose with yet."""
     out = _pipeline_compositions(plan)
     for rule in plan.rules:
         action = rule.action
-        if isinstance(action, ast.ExpertParallel):
-            what = "expert parallelism"
-        elif isinstance(action, ast.Device):
+        if isinstance(action, ast.Device):
             device = action.kind if action.index is None else f"{action.kind}:{action.index}"
             what = f"device placement (`on {device}`)"
         else:
@@ -70,59 +66,6 @@ def not_lowered(plan: Plan) -> list[Diagnostic]:
             )
         )
     return out
-
-
-# ---------------------------------------------------------------------------- experts
-
-
-def _expert_sizes(plan: Plan, model: nn.Module, resolution: Resolution) -> list[Diagnostic]:
-    """Experts split evenly over the expert-parallel ranks; top_k picks among them."""
-    modules = dict(model.named_modules())
-    out = []
-    for rule in plan.rules_of("experts"):
-        assert isinstance(rule.action, ast.ExpertParallel) and rule.axis is not None
-        n = plan.mesh.size(rule.axis)
-        counts: dict[int, list[str]] = {}  # number of experts -> modules with that many
-        for path in resolution.matched.get(rule.order, ()):
-            if resolution.rule_for(path, "experts") is not rule:
-                continue  # a more specific experts rule governs it
-            count = _num_experts(modules[path], model)
-            if count is not None:
-                counts.setdefault(count, []).append(path)
-        for count, paths in counts.items():
-            who = _modules_phrase(paths)
-            if n is not None and count % n:
-                out.append(
-                    Diagnostic(
-                        rule.span,
-                        f"{who} {'have' if len(paths) > 1 else 'has'} {count} experts, "
-                        f"not divisible by {n} ranks over `{rule.axis}`",
-                        hint=f"use an `{rule.axis}` size that divides {count} ({_divisors(count)})",
-                    )
-                )
-            for arg in rule.action.args:
-                if arg.name.text == "top_k" and arg.value > count:
-                    out.append(
-                        Diagnostic(
-                            arg.span,
-                            f"top_k={arg.text} routes each token to more experts than the {count} of {who}",
-                            hint=f"use top_k of at most {count}",
-                        )
-                    )
-    return out
-
-
-def _num_experts(module: nn.Module, model: nn.Module) -> int | None:
-    """A list of expert modules, or one module holding them (3-D weights, Mixtral's
-    `num_experts`), or the model config's count."""
-    if isinstance(module, nn.ModuleList):
-        return len(module)
-    for owner in (module, getattr(model, "config", None)):
-        for attr in _CONFIG_EXPERTS:
-            count = getattr(owner, attr, None)
-            if isinstance(count, int) and count > 0:
-                return count
-    return None
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -191,15 +134,6 @@ def _num_layers(model: nn.Module) -> int | None:
 
 def _keyword_span(span: Span, word: str) -> Span:
     return Span(span.path, span.line, span.col, span.line, span.col + len(word))
-
-
-def _modules_phrase(paths: list[str]) -> str:
-    return f"`{paths[0]}`" + (f" and {len(paths) - 1} more like it" if len(paths) > 1 else "")
-
-
-def _divisors(count: int) -> str:
-    found = [str(d) for d in range(1, count + 1) if count % d == 0]
-    return ", ".join(found[:-1]) + " or " + found[-1] if len(found) > 1 else found[0]
 
 
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

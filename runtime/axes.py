@@ -54,6 +54,16 @@ class Axes:
         return math.prod(self.size(axis) for axis in self.data)
 
     @property
+    def data_rank(self) -> int:
+        """This rank's place among the ranks that split the batch: its coordinates on the data
+        axes, the first varying slowest (`mesh dp=2, ep=2`: dp 1, ep 0 is data rank 2)."""
+        rank = 0
+        for axis in self.data:
+            group = self.groups.get(axis)
+            rank = rank * self.size(axis) + (dist.get_rank(group) if group is not None else 0)
+        return rank
+
+    @property
     def data_group(self) -> dist.ProcessGroup | None:
         """The group gradients are synchronized over (one data axis today)."""
         groups = [g for axis in self.data if (g := self.groups.get(axis)) is not None]

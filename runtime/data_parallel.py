@@ -82,7 +82,14 @@ class DataParallel(nn.Module):
         bucket_bytes: int = 25_000_000,
         reduce_dtype: torch.dtype | None = None,
         axis: str = "dp",
+        params: Sequence[nn.Parameter] | None = None,
+        late: Collection[nn.Parameter] = (),
     ) -> None:
+        """`params`: the trainable parameters this engine averages (default: all of `module`'s);
+        expert parallelism averages its experts over fewer ranks than the rest. `late`: those
+        whose gradient is whole only when `finish()` runs (a weight several stages of a pipeline
+        rank read: each stage's last backward is synchronized, neither is the weight's last);
+        they go in the last buckets, which `finish()` launches."""
         nn.Module.__init__(self)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -95,7 +102,10 @@ class DataParallel(nn.Module):
         self._sync = True
         self._next = 0  # the next bucket to launch, in bucket order
         self._in_finish = False
-        params = _unique_trainable(module)
+        params = list(params) if params is not None else _unique_trainable(module)
+        self._late = {id(p) for p in late}
+        params = [p for p in params if id(p) in self._late] + [p for p in params if id(p) not in self._late]
+        self.params = params
         broadcast_parameters(params, group)
         self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -136,13 +146,14 @@ class DataParallel(nn.Module):
 
     def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
         """After `finish()` every replica holds the same averaged gradient: local sums."""
-        return param_grad_squares(self.module.named_parameters(), kinds)
+        mine = {id(p) for p in self.params}
+        return param_grad_squares(((n, p) for n, p in self.module.named_parameters() if id(p) in mine), kinds)
 
     def scale_grads_(self, factor: Tensor | float) -> None:
-        scale_param_grads_(self.module.parameters(), factor)
+        scale_param_grads_(self.params, factor)
 
     def _on_grad(self, param: Tensor) -> None:
-        if not self._sync:
+        if not self._sync or id(param) in self._late:
             return
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1

@@ -15,6 +15,7 @@ the pp groups {0,2} {1,3} {4,6} {5,7}, and the dp groups {0,4} {1,5} {2,6} {3,7}
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,34 @@ def init_mesh(layout: MeshLayout, device_type: str = "cpu") -> DeviceMesh:
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=layout.names)
     _inherit_timeout(mesh)
     return mesh
+
+
+def group_over(layout: MeshLayout, axes: Sequence[str], mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The ranks that share every coordinate with this one but those on `axes`, as one process
+    group (None if that is this rank alone). For one axis it is the mesh's own group; for several
+    (the data-parallel `dp` and the expert `ep` of `mesh dp=2, ep=2, tp=2`: {0,2,4,6} and
+    {1,3,5,7}) every rank must call this, with the same axes: each group is made by all.
+    """
+    axes = [a for a in axes if layout.size(a) > 1]
+    if not axes:
+        return None
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    partition: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        partition.setdefault(tuple(c for a, c in coords.items() if a not in axes), []).append(rank)
+    group, _ = dist.new_subgroups_by_enumeration(list(partition.values()), timeout=_world_timeout(mesh))
+    return group
+
+
+def _world_timeout(mesh: DeviceMesh):
+    """The world group's timeout (`--timeout`), or None (torch's default) where it cannot be read."""
+    world = dist.group.WORLD
+    try:
+        return world._get_backend(torch.device(mesh.device_type)).options._timeout if world else None
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _inherit_timeout(mesh: DeviceMesh) -> None:

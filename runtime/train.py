@@ -72,7 +72,6 @@ from . import checkpoint, watchdog
 from .axes import Axes
 from .buckets import decays
 from .collectives import label_collectives
-from .data_parallel import DataParallel
 from .grad_sync import GradSync, Local
 from .zero import Zero
 
@@ -214,7 +213,7 @@ def train(
     config: TrainConfig,
     *,
     axes: Axes | None = None,
-    sync: DataParallel | Zero | None = None,
+    sync: GradSync | None = None,
     show_progress: bool | None = None,
     forward_backward: ForwardBackward | None = None,
     step_metrics: Callable[[], dict[str, Any]] | None = None,

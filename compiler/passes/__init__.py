@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from ..capture import ModelSource
     from ..match import Resolution
+    from .experts import ExpertParams
     from .tensor_parallel import TensorParallelSpec
 
 
@@ -36,6 +37,7 @@ class Context:
     resolution: Resolution  # rules -> modules
     diagnostics: list[Diagnostic] = field(default_factory=list)
     tensor: list[TensorParallelSpec] = field(default_factory=list)  # per tensor axis, in mesh order
+    experts: dict[str, ExpertParams] = field(default_factory=dict)  # parameter -> its expert axis
 
     @property
     def failed(self) -> bool:

@@ -317,7 +317,7 @@ def _saves_tensors(node: fx.Node) -> bool:
     return node.target not in _SAVES_NOTHING
 
 
-def bind_regions(program: fx.GraphModule, mesh=None) -> fx.GraphModule:
+def bind_regions(program: fx.GraphModule, mesh=None, model: nn.Module | None = None) -> fx.GraphModule:
     """Give the regions of a rank program this rank's collective modules.
 
     `build_rank_program` copies attributes it does not know as they are, so a region
@@ -332,7 +332,7 @@ def bind_regions(program: fx.GraphModule, mesh=None) -> fx.GraphModule:
         if hasattr(program, target):
             return program.get_submodule(target)
         if target not in made:
-            made[target] = for_rank(region.get_submodule(target), mesh)
+            made[target] = for_rank(region.get_submodule(target), mesh, model)
         return made[target]
 
     for node, region in list(region_modules(program)):

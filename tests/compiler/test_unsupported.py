@@ -2,7 +2,7 @@
 
 `check` without a model accepts them (the language is ahead of the compiler); every command
 that compiles against a model refuses them with one located error per rule, so a plan never
-compiles into a program that silently lacks its expert parallelism or its device placement;
+compiles into a program that silently lacks its device placement;
 likewise the axes a pipeline does not compose with yet.
 """
 
@@ -95,15 +95,6 @@ def test_device_rule_is_refused():
     assert "p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet" in rendered
 
 
-def test_experts_rule_is_refused():
-    text = "mesh ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
-    rendered = _refusal(text, TinyMoE())
-    assert rendered.splitlines()[0] == (
-        "p.plan:4:27: error: expert parallelism is not lowered yet: this plan would train without it"
-    )
-    assert rendered.count("error:") == 1  # 4 experts over 2 ranks, top-2: nothing else wrong
-
-
 def test_one_error_per_rule_and_block():
     text = (
         "mesh pp=2, cp=2\n\nmodules {\n"
@@ -137,52 +128,6 @@ def test_plans_without_these_constructs_still_compile():
 
 
 # ---------------------------------------------------------------------------- sizes that can never work
-
-
-def test_experts_not_divisible_by_the_expert_axis():
-    text = "mesh ep=3\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=5)\n}\n"
-    assert _refusal(text, TinyMoE()) == (
-        "p.plan:4:5: error: `layers.0.mlp.experts` and 1 more like it have 4 experts, "
-        "not divisible by 3 ranks over `ep`\n"
-        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
-        "        ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~\n"
-        "hint: use an `ep` size that divides 4 (1, 2 or 4)\n"
-        "p.plan:4:27: error: expert parallelism is not lowered yet: this plan would train without it\n"
-        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
-        "                              ^~~~~~~~~~~~~~~~~~~~~~~~~\n"
-        "hint: remove the rule to compile this plan; "
-        "`meshplan check PLAN` without --model checks the language only\n"
-        "p.plan:4:44: error: top_k=5 routes each token to more experts than the 4 of "
-        "`layers.0.mlp.experts` and 1 more like it\n"
-        "        layers.*.mlp.experts: experts over ep (top_k=5)\n"
-        "                                               ^~~~~~~\n"
-        "hint: use top_k of at most 4"
-    )
-
-
-def test_expert_count_from_the_model_config():
-    """Experts held as one module with 3-D weights: the count comes from the module or the config."""
-    model = TinyMoE()
-    for layer in model.layers:
-        layer.mlp.experts = FusedExperts(4, 8)
-    model.config = type("Config", (), {"num_local_experts": 4})()
-    text = "mesh ep=3\n\nmodules {\n    layers.*.mlp.experts: experts over ep\n}\n"
-    assert "have 4 experts, not divisible by 3 ranks over `ep`" in _refusal(text, model)
-
-
-def test_expert_count_of_a_hugging_face_mixtral():
-    """transformers 5 holds Mixtral's experts in one module with 3-D weights and `num_experts`."""
-    pytest.importorskip("transformers")
-    from meshplan.compiler.capture import load_model
-
-    source = load_model(f"{Path(__file__).parent}/hf_factories.py:hf_mixtral")
-    text = "mesh ep=3\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep\n}\n"
-    with pytest.raises(PlanError) as info:
-        compile_plan(check_text(text, "p.plan"), source)
-    assert info.value.render().splitlines()[0] == (
-        "p.plan:4:5: error: `model.layers.0.mlp.experts` and 1 more like it have 4 experts, "
-        "not divisible by 3 ranks over `ep`"
-    )
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses", "all_gather"])
@@ -289,18 +234,6 @@ def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, caps
 
 
 # ---------------------------------------------------------------------------- models
-
-
-class FusedExperts(nn.Module):
-    """All experts in one 3-D weight, as transformers 5 holds Mixtral's."""
-
-    def __init__(self, num_experts: int, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(num_experts, hidden, hidden) * 0.1)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        y = torch.einsum("bth,ehk->btek", x, self.weight)  # (B, T, E, H)
-        return (weights.unsqueeze(-1) * y).sum(2)  # (B, T, H)
 
 
 class ExpertList(nn.ModuleList):

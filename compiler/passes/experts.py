@@ -1,0 +1,345 @@
+"""Expert parallelism: each MoE experts module an `experts over AXIS` rule names runs split over
+that axis, its tokens dispatched to the ranks holding their experts and combined back.
+
+The experts module is treated as a unit. Capture (`experts_as_units`) calls, in place of its
+forward, one opaque operator that takes what the module takes and its parameters:
+
+    experts = meshplan.experts(tokens, top_k_index, top_k_weights, [gate_up_proj, down_proj], path)
+
+so the captured graph holds the module's interface, not its internals (a loop over
+per-expert token counts whose sizes depend on the data). This pass replaces each such node
+with a call of `runtime.experts.ExpertParallel` over the axis, and places each of the
+module's parameters `Shard(0)` over it: rank r holds experts [r E/n, (r+1) E/n). At run
+time that module sends each token to the ranks of its experts (all-to-all), runs the model's
+own experts module on them as its E/n local experts, and sends the outputs back.
+
+Why a unit and not a rewrite of the captured region: routing is the model's (top-k, the
+weights' normalization, a router bias) and stays in the graph untouched; the experts'
+arithmetic is the model's own code, run unchanged on fewer experts, whatever it is (a loop,
+a grouped matmul); and the region of a data-dependent loop has no fixed shape to rewrite.
+The interface is what Hugging Face's transformers 5 gives every MoE model
+(`experts(hidden_states, top_k_index, top_k_weights)`, 3-D parameters with the experts on
+dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{i[t, j]}(x[t]).
+
+Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
+inputs are whole over every tensor axis: the operator has no sharding rule).
+Ensures: no `meshplan.experts` node is left; each became a call_module node
+(`meta["meshplan.collective"]["kind"] == "experts"`) whose parameters are `Shard(0)` over its
+axis (`Context.experts`); the plan's sizes fit the model (experts divisible by the axis,
+`top_k` the model's own) or are located errors.
+
+Before (`layers.*.mlp.experts: experts over ep`, E = 4):
+
+    experts = torch.ops.meshplan.experts.default(reshape_1, getitem_5, div,
+        [layers_0_mlp_experts_gate_up_proj, layers_0_mlp_experts_down_proj], 'layers.0.mlp.experts')
+
+After (ep=2; each rank holds 2 experts: gate_up_proj (2, 2I, H), down_proj (2, H, I)):
+
+    experts_ep = self.experts_ep(reshape_1, getitem_5, div,
+        layers_0_mlp_experts_gate_up_proj, layers_0_mlp_experts_down_proj)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from meshplan.dsl import ast
+from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
+
+from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
+from ..placement import Shard
+from . import Context, Pass
+
+_OP = "meshplan::experts"
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def _experts(
+    tokens: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    params: list[torch.Tensor],
+    path: str,
+) -> torch.Tensor:
+    raise AssertionError(f"{_OP} marks an experts module in a captured graph; the experts pass replaces it")
+
+
+@_experts.register_fake
+def _(tokens, top_k_index, top_k_weights, params, path):
+    return torch.empty_like(tokens)  # (N, H): each token's weighted sum of its experts' outputs
+
+
+MARKER = torch.ops.meshplan.experts.default
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    """A parameter split over an expert axis, and the rule that split it."""
+
+    axis: str
+    rule: PlanRule
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+def expert_modules(plan: Plan, model: nn.Module) -> dict[str, PlanRule]:
+    """Module path -> the `experts` rule that governs it (the most specific one matching)."""
+    from ..match import resolve
+
+    resolution, _ = resolve(plan, [p for p, _ in model.named_modules()])
+    return {
+        path: rule
+        for path, kinds in resolution.placements.items()
+        if (rule := kinds.get("experts")) is not None
+    }
+
+
+@contextlib.contextmanager
+def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
+    """While capturing: every experts module an `experts` rule names calls the `meshplan.experts`
+    operator instead of its forward (one that cannot be a unit keeps its forward; the pass says
+    why). Over an axis of one rank too: the unit then runs the model's experts module whole,
+    which also serves experts whose own code export cannot capture (Mixtral's eager loop)."""
+    modules = dict(model.named_modules())
+    patched = []
+    for path, rule in expert_modules(plan, model).items():
+        module = modules[path]
+        if rule.axis is None or not_a_unit(module, model) is not None:
+            continue
+        module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _unit_forward(module: nn.Module, path: str):
+    signature = inspect.signature(module.forward)
+    names = [name for name, _ in module.named_parameters()]
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        tokens, top_k_index, top_k_weights = bound.args[:3]
+        # read through the module at call time: export swaps its parameters for graph inputs
+        return MARKER(tokens, top_k_index, top_k_weights, [module.get_parameter(n) for n in names], path)
+
+    return forward
+
+
+def num_experts(module: nn.Module, model: nn.Module) -> int | None:
+    """A list of expert modules, or one module holding them (3-D weights, Mixtral's
+    `num_experts`), or the model config's count."""
+    if isinstance(module, nn.ModuleList):
+        return len(module)
+    for owner in (module, getattr(model, "config", None)):
+        for attr in EXPERT_COUNTS:
+            count = getattr(owner, attr, None)
+            if isinstance(count, int) and count > 0:
+                return count
+    return None
+
+
+def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
+    """Why `module` cannot run split over experts, or None: it must take (tokens, top_k_index,
+    top_k_weights) and hold its experts stacked on dim 0 of every parameter."""
+    if isinstance(module, nn.ModuleList):
+        return (
+            "its experts are a list of modules; expert parallelism splits experts stacked in 3-D parameters"
+        )
+    count = num_experts(module, model)
+    if count is None:
+        return "it says nowhere how many experts it has (`num_experts`, or the model config's)"
+    params = list(module.named_parameters())
+    if not params:
+        return "it has no parameters"
+    for name, p in params:
+        if p.dim() < 2 or p.shape[0] != count:
+            return f"its parameter `{name}` {tuple(p.shape)} does not stack the {count} experts on dim 0"
+    try:
+        signature = inspect.signature(module.forward)
+        signature.bind(0, 0, 0)
+    except (TypeError, ValueError):
+        return "its forward does not take (tokens, top_k_index, top_k_weights)"
+    return None
+
+
+# ---------------------------------------------------------------------------- the pass
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Check every experts rule against the model; on a plan without errors, lower each unit."""
+    plan, model = ctx.plan, ctx.source.model
+    if not plan.rules_of("experts"):
+        return gm
+    governed = {p: r for p, r in expert_modules(plan, model).items() if r.axis is not None}
+    markers = {str(node.args[4]): node for node in gm.graph.nodes if node.target is MARKER}
+    ctx.diagnostics += _sizes(plan, model, governed, markers) + _compositions(plan)
+    modules = dict(model.named_modules())
+    for path, rule in governed.items():
+        assert rule.axis is not None
+        if path in markers:
+            continue
+        why = not_a_unit(modules[path], model) or "the model never calls it"
+        ctx.diagnostics.append(
+            Diagnostic(
+                rule.pattern_span,
+                f"`{path}` cannot be split over `{rule.axis}`: {why}",
+                hint="expert parallelism splits a module called as experts(tokens, top_k_index, "
+                "top_k_weights) whose parameters stack the experts on dim 0 (Hugging Face's MoE layout)",
+            )
+        )
+    if ctx.failed:
+        return gm
+    for path, node in markers.items():
+        _lower(gm, node, governed[path], modules[path], model, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _lower(
+    gm: fx.GraphModule, node: fx.Node, rule: PlanRule, module: nn.Module, model: nn.Module, ctx: Context
+) -> None:
+    """Replace one marker node by the axis's ExpertParallel call; place its parameters."""
+    assert rule.axis is not None
+    tokens, top_k_index, top_k_weights, params, path = node.args
+    assert isinstance(params, (list, tuple))
+    names = tuple(f"{path}.{name}" for name, _ in module.named_parameters())
+    count = num_experts(module, model)
+    assert count is not None
+    index = 0
+    while hasattr(gm, f"experts_{rule.axis}_{index}"):
+        index += 1
+    target = f"experts_{rule.axis}_{index}"
+    relative = tuple(name.removeprefix(f"{path}.") for name in names)
+    gm.add_submodule(
+        target, ExpertParallel(None, rule.axis, path=str(path), num_experts=count, param_names=relative)
+    )
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_module(target, (tokens, top_k_index, top_k_weights, *params))
+    call.meta.update(node.meta)
+    call.meta[COLLECTIVE] = {"kind": "experts", "axis": rule.axis, "dim": 0, "rule": rule, "experts": count}
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+    for get_attr in gm.graph.nodes:
+        if get_attr.op == "get_attr" and get_attr.target in names:
+            get_attr.meta.setdefault(PLACEMENT, {})[rule.axis] = Shard(0)
+    for name in names:
+        ctx.experts[name] = ExpertParams(rule.axis, rule)
+
+
+def _sizes(
+    plan: Plan, model: nn.Module, governed: dict[str, PlanRule], markers: dict[str, fx.Node]
+) -> list[Diagnostic]:
+    """Experts split evenly over the expert-parallel ranks; `top_k` picks among them, as many
+    as the model routes each token to (routing is the model's: the plan states it, never
+    changes it)."""
+    modules = dict(model.named_modules())
+    out = []
+    for rule in plan.rules_of("experts"):
+        assert isinstance(rule.action, ast.ExpertParallel) and rule.axis is not None
+        n = plan.mesh.size(rule.axis)
+        # (number of experts, the model's k or None) -> the modules this rule governs with those
+        groups: dict[tuple[int, int | None], list[str]] = {}
+        for path, winner in governed.items():
+            count = num_experts(modules[path], model)
+            if winner is not rule or count is None:
+                continue  # a more specific experts rule governs it, or no count to check
+            k = shape(arg_node(markers[path], 1))[-1] if path in markers else None  # top_k_index: (N, k)
+            groups.setdefault((count, k if isinstance(k, int) else None), []).append(path)
+        by_count: dict[int, list[str]] = {}
+        for (count, _), paths in groups.items():
+            by_count.setdefault(count, []).extend(paths)
+        for count, paths in by_count.items():
+            if n is not None and count % n:
+                out.append(
+                    Diagnostic(
+                        rule.span,
+                        f"{_modules_phrase(paths)} {'have' if len(paths) > 1 else 'has'} {count} experts, "
+                        f"not divisible by {n} ranks over `{rule.axis}`",
+                        hint=f"use an `{rule.axis}` size that divides {count} ({_divisors(count)})",
+                    )
+                )
+        for arg in rule.action.args:
+            if arg.name.text == "capacity_factor":
+                out.append(
+                    Diagnostic(
+                        arg.span,
+                        "expert capacity (`capacity_factor`) is not lowered yet: experts run dropless",
+                        hint="remove `capacity_factor` to train dropless (every token reaches its experts)",
+                    )
+                )
+                continue
+            for (count, k), paths in groups.items():
+                if arg.value > count:
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            f"top_k={arg.text} routes each token to more experts than the {count} "
+                            f"of {_modules_phrase(paths)}",
+                            hint=f"use top_k of at most {count}",
+                        )
+                    )
+                elif k is not None and k != arg.value:
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            f"top_k={arg.text}, but the model routes each token of "
+                            f"{_modules_phrase(paths)} to {k} experts",
+                            hint=f"routing is the model's: write top_k={k}, or leave top_k out",
+                        )
+                    )
+    return out
+
+
+def _compositions(plan: Plan) -> list[Diagnostic]:
+    """What expert parallelism does not compose with yet: ZeRO and pipelines."""
+    out = []
+    axes = ", ".join(f"`{r.axis}`" for r in plan.rules_of("experts"))
+    dp, p = plan.data_parallel, plan.pipeline
+    if dp is not None and dp.zero > 0:
+        out.append(
+            Diagnostic(
+                dp.spans.get("zero", dp.span),
+                f"ZeRO with expert parallelism (experts over {axes}) is not lowered yet",
+                hint="use `zero = 0` with `experts` rules",
+            )
+        )
+    if p is not None:
+        out.append(
+            Diagnostic(
+                p.span,
+                f"a pipeline with expert parallelism (experts over {axes}) is not lowered yet",
+                hint="remove the `pipeline` block or the `experts` rules",
+            )
+        )
+    return out
+
+
+def _modules_phrase(paths: list[str]) -> str:
+    return f"`{paths[0]}`" + (f" and {len(paths) - 1} more like it" if len(paths) > 1 else "")
+
+
+def _divisors(count: int) -> str:
+    found = [str(d) for d in range(1, count + 1) if count % d == 0]
+    return ", ".join(found[:-1]) + " or " + found[-1] if len(found) > 1 else found[0]
+
+
+PASS = Pass(
+    "experts",
+    run,
+    requires="a graph captured under `experts_as_units`; tensor parallelism decided",
+    ensures="each experts unit is an ExpertParallel call over its axis; its parameters Shard(0) over it",
+    checks_after_errors=True,
+)

@@ -1,0 +1,126 @@
+"""Gradient averaging under expert parallelism: the batch is split over every data axis, the
+expert axes included, and each parameter is averaged over the data axes that do not shard it.
+
+    sync = expert_data_parallel(program, axes, lambda over: group_over(layout, over, mesh))
+    train(program, loss_of, batches, config, axes=axes, sync=sync)
+
+`mesh dp=2, ep=2` (ranks dp-major: 0 = (dp 0, ep 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)):
+the dense parameters are averaged over all four ranks (one `DataParallel` over dp x ep), an
+expert's over the ranks holding the same experts, {0, 2} and {1, 3} (over dp). `mesh dp=2`
+with `experts over dp`: the dense ones over dp, the experts over nothing (each rank holds
+others; `LocalParams`). The all-to-all's backward already summed an expert's gradient over
+the ranks of its axis, and the experts unit divided it by their number
+(`runtime/experts.py`), so averaging it over the other data axes gives the global mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .axes import Axes
+from .data_parallel import DataParallel
+from .grad_sync import param_grad_squares, scale_param_grads_
+
+
+class ExpertDataParallel:
+    """Data parallelism when experts are split over an axis that is data parallel for the rest.
+
+    Every data axis splits the batch; a parameter's gradient is averaged over the data axes
+    that do not shard it: the dense ones over all of them (`dp` x `ep`), an expert's over the
+    others (`dp`; none when the experts borrow the only data axis). Each set of axes is one
+    `DataParallel` engine over its own parameters; this is the `GradSync` of all of them.
+
+        mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
+    """
+
+    def __init__(self, engines: Sequence[DataParallel | LocalParams]) -> None:
+        self.engines = list(engines)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.no_sync())
+            yield
+
+    def finish(self) -> None:
+        for engine in self.engines:
+            engine.finish()
+
+    def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
+        return torch.stack([engine.grad_squares(kinds) for engine in self.engines]).sum(0)
+
+    def scale_grads_(self, factor: Tensor | float) -> None:
+        for engine in self.engines:
+            engine.scale_grads_(factor)
+
+    def ledger(self) -> list[tuple[str, int, int]]:
+        """(axes, bytes, all-reduces per optimizer step) for each bucket of each engine."""
+        return [
+            (engine.axis, nbytes, count)
+            for engine in self.engines
+            if isinstance(engine, DataParallel)
+            for nbytes, count in engine.ledger()
+        ]
+
+
+class LocalParams:
+    """`GradSync` of parameters no other rank shares: their gradient is already the average."""
+
+    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        self.module, self.params = module, list(params)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def finish(self) -> None:
+        pass
+
+    def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
+        mine = {id(p) for p in self.params}
+        return param_grad_squares(((n, p) for n, p in self.module.named_parameters() if id(p) in mine), kinds)
+
+    def scale_grads_(self, factor: Tensor | float) -> None:
+        scale_param_grads_(self.params, factor)
+
+
+def expert_data_parallel(
+    module: nn.Module,
+    axes: Axes,
+    groups: Callable[[tuple[str, ...]], dist.ProcessGroup | None],
+    *,
+    bucket_bytes: int = 25_000_000,
+    reduce_dtype: torch.dtype | None = None,
+) -> ExpertDataParallel:
+    """One engine per set of data axes a parameter is averaged over (`axes.data` minus the axes
+    that shard it); `groups(axes)` is the process group of those axes together."""
+    by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            over = tuple(a for a in axes.data if a not in axes.sharded_over(name) and axes.size(a) > 1)
+            by_axes.setdefault(over, []).append(p)
+    engines: list[DataParallel | LocalParams] = []
+    for over, params in sorted(by_axes.items()):  # the same order on every rank
+        group = groups(over)
+        if group is None:
+            engines.append(LocalParams(module, params))
+            continue
+        engines.append(
+            DataParallel(
+                module,
+                group,
+                bucket_bytes=bucket_bytes,
+                reduce_dtype=reduce_dtype,
+                axis=" x ".join(over),
+                params=params,
+            )
+        )
+    return ExpertDataParallel(engines)

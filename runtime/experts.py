@@ -1,0 +1,216 @@
+"""Expert parallelism at run time: the experts of an MoE layer split over one mesh axis, each
+token sent to the ranks holding its experts and its outputs sent back, by explicit all-to-all.
+
+A compiled program calls one `ExpertParallel` node where the model called its experts
+module (`compiler/passes/experts.py` puts it there):
+
+    experts_ep = self.experts_ep(tokens, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+with this rank's experts' parameters (`E / n` of the `E` experts, along dim 0) and the
+router's choice for this rank's tokens. Over the `n` ranks of the axis, with `L = E / n`
+experts each (expert `e` on rank `e // L`, as local expert `e % L`):
+
+    step       what                                                    collective
+    route      the (token, slot) pairs, grouped by expert (stable sort)    -
+    counts     pairs per expert, from every rank to every rank         all_to_all (E ints)
+    dispatch   each pair's token to the rank of its expert             all_to_all (N k rows)
+    experts    the model's own experts module on the received rows,     -
+               as its local experts (k = 1, weight 1)
+    combine    each output back to the rank of its token               all_to_all (N k rows)
+    weigh      out[t] = sum_j w[t, j] y[t, j], as the model sums them     -
+
+Dropless: every pair is computed, the all-to-alls have sizes that depend on the routing
+(`all_to_all_single` with split sizes). Backward is the reverse all-to-all of each
+(`_AllToAllV`), so autograd and the watchdog see the same collectives on every rank, even
+a rank whose experts got no token.
+
+Gradients. The batch is split over the expert axis too (it is data parallel for everything
+but the experts: torchtitan's layout), so the loss is the mean of every data rank's loss.
+An expert's weight gradient sums, through the combine's backward, the contributions of the
+tokens of all `n` ranks of its group; dividing it by `n` here (`_ScaleGrad`) makes it that
+mean's gradient, and the data-parallel engine then averages it over the data axes that do
+not shard it (`dp` in `mesh dp=2, ep=2`), as it averages every other weight over all of them.
+
+    ep = ExpertParallel(group, "ep", path="layers.0.mlp.experts", num_experts=8,
+                        param_names=("gate_up_proj", "down_proj")).bind(group, model)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .collectives import AxisCollective
+
+# attributes a module or its config counts its experts in (Mixtral's `num_experts`, DeepSeek's...)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def all_to_all_v(
+    x: Tensor, send: Sequence[int], recv: Sequence[int], group: dist.ProcessGroup | None
+) -> Tensor:
+    """Rows `x[sum(send[:j]) : sum(send[:j+1])]` go to rank j; the rows every rank sent this one
+    come back in rank order: (sum(send), ...) -> (sum(recv), ...). No group: one rank, `x`."""
+    if group is None:
+        return x.clone()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    """`all_to_all_v` forward, the reverse one backward. `anchor` ties a rank whose experts got
+    no rows into backward: its (empty) gradient makes every rank run the reverse collective."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, send, recv, site, what):
+        ctx.send, ctx.recv, ctx.site, ctx.what = send, recv, site, what
+        ctx.anchor_shape = anchor.shape if anchor is not None else None
+        site.note("all_to_all", what)
+        site.sent_bytes += x.numel() * x.element_size()
+        return all_to_all_v(x, send, recv, site.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.site.note("all_to_all", f"{ctx.what} backward")
+        ctx.site.sent_bytes += grad.numel() * grad.element_size()
+        back = all_to_all_v(grad, ctx.recv, ctx.send, ctx.site.group)
+        anchor = grad.new_zeros(ctx.anchor_shape) if ctx.anchor_shape is not None else None
+        return (back if ctx.needs_input_grad[0] else None), anchor, None, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class ExpertParallel(AxisCollective):
+    """The experts of one MoE layer over one mesh axis (see the module docstring).
+
+    The compiled graph holds a group-less instance naming the model's experts module (`path`)
+    and its parameters (`param_names`, each stacked over the experts on dim 0); `bind` makes a
+    rank's, which runs the model's own module code on this rank's experts. `tokens` counts the
+    rows routed to each of the `num_experts` experts by this rank since `take_tokens`, and
+    `sent_bytes` what its all-to-alls sent (forward and backward, the rows it keeps included).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        axis: str,
+        label: str = "",
+        *,
+        path: str = "",
+        num_experts: int = 0,
+        param_names: tuple[str, ...] = (),
+    ):
+        super().__init__(group, axis, label)
+        self.path, self.num_experts, self.param_names = path, num_experts, param_names
+        # the model's module with this rank's expert count, its parameters left out (they
+        # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
+        self.__dict__["_local"] = None
+        self.tokens = torch.zeros(num_experts, dtype=torch.int64)
+        self.sent_bytes = 0
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}"
+
+    def bind(self, group: dist.ProcessGroup | None, model: nn.Module) -> ExpertParallel:
+        """This rank's instance: its process group, and the model's experts module as the
+        `num_experts / n` local experts it computes."""
+        n = dist.get_world_size(group) if group is not None else 1
+        bound = ExpertParallel(
+            group if n > 1 else None,  # one rank: nothing to send
+            self.axis,
+            path=self.path,
+            num_experts=self.num_experts,
+            param_names=self.param_names,
+        )
+        bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
+        return bound
+
+    @property
+    def local(self) -> nn.Module:
+        """The model's experts module as this rank's experts (`bind`)."""
+        local = self.__dict__["_local"]
+        assert local is not None, "an unbound experts unit: `bind` it to a rank first"
+        return local
+
+    def take_tokens(self) -> Tensor:
+        """(num_experts,) rows routed to each expert since the last call, from this rank."""
+        tokens, self.tokens = self.tokens, torch.zeros_like(self.tokens)
+        return tokens
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *params: Tensor) -> Tensor:
+        # x: (N, H) this rank's tokens; top_k_index, top_k_weights: (N, k); params: (E/n, ...) each
+        n = dist.get_world_size(self.group) if self.group is not None else 1
+        local = self.num_experts // n
+        num_tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # (N k,) the expert of each (token, slot) pair
+        order = flat.argsort(stable=True)  # (N k,) pairs grouped by expert, so by rank
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,) pairs per expert
+        if torch.is_grad_enabled() and not _in_backward():  # not again when checkpointing recomputes
+            self.tokens += counts.detach().cpu()
+        received = self._exchange(counts)  # (n L,) pairs from rank j for local expert l at j L + l
+        send = counts.view(n, local).sum(1).tolist()  # pairs to each rank
+        recv = received.view(n, local).sum(1).tolist()  # pairs from each rank
+        rows = x[order // k]  # (N k, H) each pair's token, grouped by destination rank
+        tokens = _AllToAllV.apply(rows, None, send, recv, self, "dispatch")  # (M, H)
+        local_index = torch.arange(local, device=x.device).repeat(n).repeat_interleave(received)  # (M,)
+        ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (M, 1): weighed after the combine
+        scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
+        y = torch.func.functional_call(
+            self.local,
+            dict(zip(self.param_names, scaled, strict=True)),
+            (tokens, local_index[:, None], ones),
+        )  # (M, H) each row through its expert
+        anchor = tokens if tokens.shape[0] == 0 else None
+        back = _AllToAllV.apply(y, anchor, recv, send, self, "combine")  # (N k, H) in `order`
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        pairs = back[inverse].view(num_tokens, k, -1)  # (N, k, H) in (token, slot) order
+        return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
+
+    def _exchange(self, counts: Tensor) -> Tensor:
+        """Every rank's pairs per expert for this rank's experts (an all-to-all of the counts)."""
+        if self.group is None:
+            return counts
+        out = torch.empty_like(counts)
+        self.note("all_to_all", "token counts")
+        self.sent_bytes += counts.numel() * counts.element_size()
+        dist.all_to_all_single(out, counts, group=self.group)
+        return out
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (activation checkpointing recomputes there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def local_experts(module: nn.Module, local: int) -> nn.Module:
+    """A copy of the model's experts module that holds `local` experts: its parameters left
+    out (placeholders; the caller passes this rank's), its expert count (the module's
+    `num_experts` or its config's) set to `local`."""
+    placeholders: dict[int, object] = {
+        id(p): nn.Parameter(torch.empty(0, device="meta"), p.requires_grad) for p in module.parameters()
+    }
+    copied = copy.deepcopy(module, memo=placeholders)
+    total = next((c for a in EXPERT_COUNTS if isinstance(c := getattr(module, a, None), int)), None)
+    for owner in (copied, getattr(copied, "config", None)):
+        for attr in EXPERT_COUNTS:
+            count = getattr(owner, attr, None)
+            if isinstance(count, int) and (total is None or count == total):
+                setattr(owner, attr, local)
+    return copied

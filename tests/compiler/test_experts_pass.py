@@ -1,0 +1,168 @@
+"""The experts pass: each `experts over AXIS` module becomes one expert-parallel unit in the
+program, its parameters split over the axis, its all-to-alls in the ledger; what cannot work
+or is not lowered yet is a located error. Numbers (parity with one device) are in
+tests/runtime/test_experts.py, tests/cli/test_run_experts.py and the Mixtral verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.compiler.capture import ModelSource, load_model
+from meshplan.compiler.compile import Compiled, compile_plan
+from meshplan.compiler.placement import Shard
+from meshplan.compiler.printers import annotated_code, explain
+from meshplan.dsl import PlanError, check_text
+from meshplan.examples.models import moe
+
+HERE = Path(__file__).resolve().parent
+EXPERTS = "modules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
+
+
+def _compile(text: str, model: nn.Module | None = None, world_size: int | None = None) -> Compiled:
+    model = model if model is not None else moe.build()
+    inputs = moe.example_inputs(batch=2, seq=16)
+    return compile_plan(check_text(text, "p.plan", world_size=world_size), ModelSource("m", model, inputs))
+
+
+def _errors(text: str, model: nn.Module | None = None, world_size: int | None = None) -> str:
+    with pytest.raises(PlanError) as info:
+        _compile(text, model, world_size)
+    return info.value.render()
+
+
+def test_each_experts_module_is_one_unit_with_its_experts_split():
+    compiled = _compile(f"mesh dp=2, ep=2\n\n{EXPERTS}\ndata_parallel over dp {{\n}}\n")
+    units = [n for n in compiled.graph.graph.nodes if n.op == "call_module" and "experts" in str(n.target)]
+    assert [str(n.target) for n in units] == ["experts_ep_0", "experts_ep_1"]
+    assert not any("meshplan.experts" in str(n.target) for n in compiled.graph.graph.nodes)
+    assert compiled.captured.dims is not None  # the unit keeps the batch and sequence symbolic
+    split = {n: p for n, p in compiled.param_placements.items() if p}
+    assert split == {
+        f"layers.{i}.mlp.experts.{w}": {"ep": Shard(0)} for i in (0, 1) for w in ("gate_up_proj", "down_proj")
+    }
+    # per unit: the counts (4 int64), then 2 x 16 tokens x top-2 rows of 64 fp32, there and back
+    rows = [(r.phase, r.shape, r.bytes, r.count) for r in compiled.ledger.rows if r.node == "experts_ep_0"]
+    assert rows == [
+        ("forward", (4,), 32, 1),
+        ("forward", (64, 64), 16384, 2),
+        ("backward", (64, 64), 16384, 2),
+    ]
+    # gradients: the dense parameters over dp x ep, the experts over dp, in buckets of their own
+    buckets = {r.axis: r.bytes for r in compiled.ledger.rows if r.kind == "dp_bucket"}
+    experts = 2 * 2 * (128 * 64 + 64 * 64) * 4  # 2 layers, 2 of the 4 experts on each rank
+    assert buckets["dp"] == experts
+    assert buckets["dp x ep"] == sum(p.numel() for p in moe.build().parameters()) * 4 - 2 * experts
+    text = explain(compiled)
+    assert (
+        "experts over ep (2 ranks): each rank holds 2 of the 4 experts of layers.{0..1}.mlp.experts" in text
+    )
+    assert (
+        "the batch is split over dp x ep (4 data ranks); gradients are averaged over them, an expert's over dp"
+        in text
+    )
+    assert "# experts over ep: all_to_all dispatch and combine, 32,800 B <- p.plan:4" in annotated_code(
+        compiled
+    )
+
+
+def test_experts_may_borrow_the_data_axis():
+    """`experts over dp` with `data_parallel over dp`: the experts' ranks hold other experts, so
+    only the dense parameters are averaged (over dp)."""
+    text = (
+        "mesh dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp\n}\n\ndata_parallel over dp {\n}\n"
+    )
+    compiled = _compile(text)
+    assert {r.axis for r in compiled.ledger.rows if r.kind == "dp_bucket"} == {"dp"}
+    assert "an expert's over none (its ranks hold other experts)" in explain(compiled)
+
+
+def test_what_cannot_work_and_what_is_not_lowered_yet_are_located_errors():
+    text = (
+        "mesh dp=2, ep=3\n\nmodules {\n"
+        "    layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n}\n\n"
+        "data_parallel over dp {\n    zero = 1\n}\n"
+    )
+    assert _errors(text) == (
+        "p.plan:4:5: error: `layers.0.mlp.experts` and 1 more like it have 4 experts, "
+        "not divisible by 3 ranks over `ep`\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
+        "        ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~\n"
+        "hint: use an `ep` size that divides 4 (1, 2 or 4)\n"
+        "p.plan:4:44: error: top_k=5 routes each token to more experts than the 4 of "
+        "`layers.0.mlp.experts` and 1 more like it\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
+        "                                               ^~~~~~~\n"
+        "hint: use top_k of at most 4\n"
+        "p.plan:4:53: error: expert capacity (`capacity_factor`) is not lowered yet: experts run dropless\n"
+        "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
+        "                                                        ^~~~~~~~~~~~~~~~~~~~\n"
+        "hint: remove `capacity_factor` to train dropless (every token reaches its experts)\n"
+        "p.plan:8:5: error: ZeRO with expert parallelism (experts over `ep`) is not lowered yet\n"
+        "        zero = 1\n"
+        "        ^~~~~~~~\n"
+        "hint: use `zero = 0` with `experts` rules"
+    )
+
+
+def test_top_k_is_the_models_own():
+    text = "mesh ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=1)\n}\n"
+    assert _errors(text).splitlines()[0] == (
+        "p.plan:4:44: error: top_k=1, but the model routes each token of `layers.0.mlp.experts` "
+        "and 1 more like it to 2 experts"
+    )
+
+
+def test_a_pipeline_with_experts_is_refused():
+    text = f"mesh pp=2, ep=2\n\n{EXPERTS}\npipeline over pp {{\n    schedule = gpipe\n}}\n"
+    assert "a pipeline with expert parallelism (experts over `ep`) is not lowered yet" in _errors(text)
+
+
+class ExpertList(nn.ModuleList):
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            out = out + (weights * (index == e)).sum(-1, keepdim=True) * expert(x)
+        return out
+
+
+class ListMoE(nn.Module):
+    """Experts kept as a list of linears (one module each): not split yet."""
+
+    def __init__(self, hidden: int = 64, num_experts: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, hidden)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = ExpertList(nn.Linear(hidden, hidden) for _ in range(num_experts))
+        self.head = nn.Linear(hidden, 256)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids).flatten(0, 1)  # (N, H)
+        weights, index = self.gate(x).softmax(-1).topk(2, -1)
+        x = x + self.experts(x, index, weights)
+        return F.cross_entropy(self.head(x), labels.flatten())
+
+
+def test_experts_held_as_a_list_of_modules_are_refused():
+    text = "mesh ep=2\n\nmodules {\n    experts: experts over ep\n}\n"
+    assert _errors(text, ListMoE()).splitlines()[0] == (
+        "p.plan:4:5: error: `experts` cannot be split over `ep`: its experts are a list of modules; "
+        "expert parallelism splits experts stacked in 3-D parameters"
+    )
+
+
+def test_expert_count_of_a_hugging_face_mixtral():
+    """transformers 5 holds Mixtral's experts in one module with 3-D weights and `num_experts`."""
+    pytest.importorskip("transformers")
+    source = load_model(f"{HERE}/hf_factories.py:hf_mixtral")
+    text = "mesh ep=3\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep\n}\n"
+    with pytest.raises(PlanError) as info:
+        compile_plan(check_text(text, "p.plan"), source)
+    assert info.value.render().splitlines()[0] == (
+        "p.plan:4:5: error: `model.layers.0.mlp.experts` and 1 more like it have 4 experts, "
+        "not divisible by 3 ranks over `ep`"
+    )

@@ -143,7 +143,6 @@ def whole_job_batches(job: Job, *, dp_size: int, accumulation: int) -> Callable:
 def _rank(rank: int, world_size: int, job: Job):
     """One rank of the partitioned program, set up and trained exactly as `meshplan run` does."""
     import torch
-    import torch.distributed as dist
 
     from meshplan.run import build_parser
     from meshplan.session import consolidated_state, open_session, train_config, train_session
@@ -163,8 +162,7 @@ def _rank(rank: int, world_size: int, job: Job):
         ]
     )  # fmt: skip
     prepared = open_session(args, rank, world_size)
-    dp = prepared.axes.data_group
-    dp_rank, dp_size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
+    dp_rank, dp_size = prepared.axes.data_rank, prepared.axes.data_size
     batches = token_batches(job, dp_rank=dp_rank, dp_size=dp_size, accumulation=prepared.accumulation)
     prepared = replace(prepared, batches=batches)
     summary = train_session(args, prepared, show_progress=False)
@@ -228,7 +226,10 @@ def _one_device_program(plan, source):
     from meshplan.session import call_inputs
 
     mesh = MeshSpec(tuple(replace(a, size=1) for a in plan.mesh.axes), plan.mesh.span)
-    alone = replace(plan, mesh=mesh, rules=plan.rules_of("dtype"), pipeline=None, data_parallel=None)
+    # experts rules stay: over one rank their unit runs the model's experts module whole, which
+    # export may not capture itself (Mixtral's eager loop)
+    rules = plan.rules_of("dtype") + plan.rules_of("experts")
+    alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
     compiled = compile_plan(alone, source, world_size=1)
     program = build_rank_program(compiled, source.model, 0)
 

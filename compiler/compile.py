@@ -173,7 +173,7 @@ def _run_passes(
     """Resolve the rules and run `PASSES` on the captured graph, linting after each. Raises
     `PlanValidationError` with every problem found, `ShapeGuardError` when a pass decides on
     a size that follows from the token shape by its example value."""
-    gm = keep_loss_output(normalize(captured.program.module()))
+    gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
     lint(gm, layout, after="capture")
     resolution, diagnostics = resolve(plan, captured.modules)
     ctx = Context(plan, layout, source, resolution, diagnostics)

@@ -16,6 +16,7 @@ from typing import TypeGuard
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
 from torch.fx.node import Argument
@@ -240,6 +241,10 @@ def find_loss(outputs: object) -> torch.Tensor:
     Raises `CompileError` when there is none, or more than one, to train on."""
     from .errors import CompileError
 
+    named = outputs.get("loss") if isinstance(outputs, dict) else None  # a Hugging Face output's
+    if is_loss(named):
+        assert isinstance(named, torch.Tensor)
+        return named
     leaves = _tensor_leaves(outputs)
     scalars = [t for t in leaves if is_loss(t)]
     if len(scalars) == 1:
@@ -263,21 +268,35 @@ def _tensor_leaves(value: object) -> list[torch.Tensor]:
     return []
 
 
-def keep_loss_output(gm: fx.GraphModule) -> fx.GraphModule:
+def keep_loss_output(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None = None) -> fx.GraphModule:
     """Return only the scalar loss from a training graph (a Hugging Face output also has logits).
 
     Other outputs would force their tensors to be made whole on every rank (an all-gather
-    of vocab-sharded logits) for nothing: training needs the loss (`is_loss`).
+    of vocab-sharded logits) for nothing: training needs the loss (`is_loss`). With several
+    scalars (Mixtral's `loss` and `aux_loss`, which `loss` includes) the one the output's
+    `out_spec` names `loss`, as `find_loss` picks it.
     """
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = output.args[0]
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     scalars = [o for o in flat if is_tensor_node(o) and is_loss(value(o))]
+    named = _loss_leaf(out_spec) if out_spec is not None and len(scalars) > 1 else None
+    if named is not None and named < len(flat) and flat[named] in scalars:
+        scalars = [flat[named]]
     if len(scalars) == 1 and len(flat) > 1:
         output.args = ((scalars[0],),)
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _loss_leaf(spec: pytree.TreeSpec) -> int | None:
+    """The position among the flat outputs of the leaf a dict-like output calls `loss`."""
+    keys = spec.context if isinstance(spec.context, (list, tuple)) else ()
+    if "loss" not in keys:
+        return None
+    children = list(spec.children()) if hasattr(spec, "children") else spec.children_specs
+    return sum(child.num_leaves for child in children[: list(keys).index("loss")])
 
 
 def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> nn.Module:

@@ -118,6 +118,16 @@ def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
 
 
 @pytest.mark.slow
+def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path):
+    """Mixtral's experts split over 2 ranks (tokens dispatched and combined by all-to-all), its
+    load-balancing loss in the loss: each data rank's over its own tokens, as one device computes
+    it for each micro-batch; experts in the eager loop, so the reference is float64."""
+    pytest.importorskip("transformers")
+    text = "mesh ep=2\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_mixtral_aux", steps=2))
+
+
+@pytest.mark.slow
 def test_a_tuple_output_tied_model_with_a_large_vocabulary():
     """nanoGPT returns `(logits, loss)` and ties its head to the embedding; the token ids are
     drawn from the embedding's rows (not from the example inputs' range)."""

@@ -82,6 +82,20 @@ def hf_mixtral():
     return _small("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4)
 
 
+def hf_mixtral_aux():
+    """Mixtral training with its router's load-balancing loss (`output_router_logits`, a large
+    coefficient so that it shows), experts in the eager loop, which runs in float64."""
+    return _small(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        num_key_value_heads=2,
+        num_local_experts=4,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        experts_implementation="eager",
+    )
+
+
 def hf_bert_mlm():
     """Post-norm encoder, MLM head whose decoder bias is tied to `cls.predictions.bias`."""
     from transformers import BertConfig, BertForMaskedLM

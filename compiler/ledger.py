@@ -231,6 +231,8 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         val = value(node)
         full = _held(node, shape(node), axis, layout)
         nbytes = math.prod(full) * val.element_size()
+        if kind == "all_to_all":  # a rank sends (n-1)/n of what it holds: its shard, not the whole
+            nbytes //= layout.size(axis)
         if kind == "ring_attention":  # the key block is what travels (whole: n blocks)
             keys = arg_node(node, 1)
             full = _held(keys, shape(keys), axis, layout)

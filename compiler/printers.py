@@ -13,12 +13,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import torch
+
 from meshplan.dsl.fmt import action_text
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.schedules import Schedule, Timeline
 
 from .compile import Compiled
-from .graph import COLLECTIVE, PLACEMENT, module_path, shape_text
+from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
+from .ledger import _held
 from .meta import CHECKPOINT, RULE
 from .passes.checkpoint import region_modules
 from .placement import Shard
@@ -89,6 +92,8 @@ def explain(compiled: Compiled) -> str:
                 counts[(r.phase, r.op)] += r.count
             summary = ", ".join(f"{n} {op} {phase}" for (phase, op), n in sorted(counts.items()))
             lines.append(f"    collectives per step: {summary}")
+        if rule.kind == "context":
+            lines += _context_lines(compiled, rule)
         lines.append("")
     lines += _data_parallel_lines(compiled)
     lines += _expert_lines(compiled)
@@ -176,6 +181,53 @@ def _expert_lines(compiled: Compiled) -> list[str]:
         text = ", ".join(f"{r.count} x {r.bytes:,} B {r.phase}" for r in first if not r.recompute)
         lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
     return [*lines, ""]
+
+
+def _context_lines(compiled: Compiled, rule) -> list[str]:
+    """What each way of splitting attention over the sequence would move per layer, for the
+    first attention the rule governs, so the choice is visible: a rank's received bytes in
+    forward (backward moves as much again, gradients the other way). With h = heads x
+    head_dim of q, h_kv of k and v as they reach attention, N tokens, P ranks:
+
+        all_gather, ring   2 h_kv (N / P) (P - 1)      (k and v blocks of the P - 1 others)
+        ulysses            (2 h + 2 h_kv) (N / P) (P - 1) / P      (q, k, v in, the output back)
+    """
+    axis = rule.axis
+    attention = next(
+        (
+            n
+            for n in compiled.graph.graph.nodes
+            if (
+                n.target is torch.ops.aten.scaled_dot_product_attention.default
+                or str(n.target).startswith("ring_attention")
+            )
+            and n.meta.get(RULE) is rule
+        ),
+        None,
+    )
+    if attention is None or axis is None:
+        return []
+    p = compiled.layout.size(axis)
+    q, k = attention.args[0], attention.args[1]
+    b, heads, n, d = _held(q, shape(q), axis, compiled.layout)
+    kv_heads = _held(k, shape(k), axis, compiled.layout)[1]
+    size = value(q).element_size()
+    h, h_kv = heads * d, kv_heads * d
+    moved = {
+        "all_gather": 2 * h_kv * (n // p) * (p - 1) * b * size,
+        "ring": 2 * h_kv * (n // p) * (p - 1) * b * size,
+        "ulysses": (2 * h + 2 * h_kv) * (n // p) * (p - 1) // p * b * size,
+    }
+    mode = rule.action.mode
+    text = ", ".join(f"{m} {_kb(v)}" + (" (this plan)" if m == mode else "") for m, v in moved.items())
+    return [
+        f"    per layer, a rank receives in forward: {text}",
+        f"      ({b} x {n} tokens over {p} ranks; q {heads} heads, k/v {kv_heads} heads of {d} as they reach attention)",
+    ]
+
+
+def _kb(nbytes: float) -> str:
+    return f"{nbytes / 1e3:.1f} KB"
 
 
 def _pipeline_lines(compiled: Compiled) -> list[str]:

@@ -33,13 +33,21 @@ class RingAttention(AxisCollective):
     key/value heads are repeated to the query heads first)."""
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
+        """`mask`: the model's own attention mask, this rank's query rows over the whole
+        sequence's keys ((.., T/n, T), boolean (True attends) or added to the scores)."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return _RingFunction.apply(q, k, v, causal, scale, self)
+        return _RingFunction.apply(q, k, v, causal, scale, mask, self)
 
 
 COLLECTIVES["ring_attention"] = RingAttention
@@ -47,7 +55,16 @@ COLLECTIVES["ring_attention"] = RingAttention
 
 class _RingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, owner: RingAttention):
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        scale: float,
+        mask: Tensor | None,
+        owner: RingAttention,
+    ):
         ring = _RingPlace(owner)
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
@@ -56,23 +73,27 @@ class _RingFunction(torch.autograd.Function):
             src = (ring.rank - step) % ring.n
             pending = ring.shift(block, "forward") if step < ring.n - 1 else None
             if not (causal and src > ring.rank):
-                scores = _scores(q, block[0], scale, causal and src == ring.rank)
+                scores = _scores(q, block[0], scale, causal and src == ring.rank, _columns(mask, src, ring.n))
                 block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ block[1].float()
+                # rows a mask hides from the whole block add nothing (and no NaN)
+                finite = torch.where(torch.isinf(block_lse), 0.0, block_lse)
+                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ block[1].float()
                 merged = torch.logaddexp(lse, block_lse)
-                out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(
-                    block_lse - merged
-                ).unsqueeze(-1)
+                keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse - merged))
+                add = torch.where(torch.isinf(merged), 0.0, torch.exp(block_lse - merged))
+                out = out * keep.unsqueeze(-1) + block_out * add.unsqueeze(-1)
                 lse = merged
             if pending is not None:
                 block = pending()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         ctx.causal, ctx.scale, ctx.owner = causal, scale, owner
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *masks = ctx.saved_tensors
+        mask = masks[0] if masks else None
+        lse = torch.where(torch.isinf(lse), 0.0, lse)  # a row that attends nowhere has no gradient
         ring = _RingPlace(ctx.owner)
         grad = grad.float()
         delta = (grad * out).sum(-1, keepdim=True)
@@ -82,7 +103,10 @@ class _RingFunction(torch.autograd.Function):
             src = (ring.rank - step) % ring.n
             kb, vb, dk, dv = block
             if not (ctx.causal and src > ring.rank):
-                p = torch.exp(_scores(q, kb, ctx.scale, ctx.causal and src == ring.rank) - lse.unsqueeze(-1))
+                scores = _scores(
+                    q, kb, ctx.scale, ctx.causal and src == ring.rank, _columns(mask, src, ring.n)
+                )
+                p = torch.exp(scores - lse.unsqueeze(-1))
                 dv += p.transpose(-1, -2) @ grad
                 ds = p * (grad @ vb.float().transpose(-1, -2) - delta) * ctx.scale
                 dq += ds @ kb.float()
@@ -92,11 +116,21 @@ class _RingFunction(torch.autograd.Function):
             received = ring.shift(moving, "backward")()
             block = received if step < ring.n - 1 else [kb, vb, *received]
         dk, dv = block[2], block[3]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
+def _columns(mask: Tensor | None, src: int, n: int) -> Tensor | None:
+    """The mask's columns of the keys in rank `src`'s block (of n)."""
+    if mask is None:
+        return None
+    width = mask.shape[-1] // n
+    return mask[..., src * width : (src + 1) * width]
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool, mask: Tensor | None = None) -> Tensor:
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     if diagonal:  # the rank's own block: causal within it
         t = scores.shape[-1]
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)

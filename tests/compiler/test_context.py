@@ -62,3 +62,18 @@ def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():
     k_bytes = 2 * 4 * 16 * 16 * 4  # (B, heads after the GQA repeat, T, head_dim) float32
     assert {(r.phase, r.count, r.bytes) for r in rows} == {("forward", 2, k_bytes), ("backward", 4, k_bytes)}
     assert sum(r.traffic for r in rows) == 4 * (2 + 4) * k_bytes / 2
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ulysses"])
+def test_explain_predicts_each_variant_and_the_ledger_agrees(mode: str):
+    """The formulas `explain` prints (k and v of the P - 1 others; Ulysses' q, k, v and output
+    by all-to-all) against the ledger of the collectives the walk inserted: equal."""
+    from meshplan.compiler.printers import explain
+
+    compiled = _compile(f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n")
+    text = explain(compiled)
+    assert "per layer, a rank receives in forward: all_gather 8.2 KB" in text
+    assert f"{mode} 8.2 KB (this plan)" in text
+    kind = "all_gather" if mode == "all_gather" else "all_to_all"
+    rows = [r for r in compiled.ledger.rows if r.kind == kind and r.phase == "forward"]
+    assert sum(r.traffic for r in rows) / 4 == 8192  # per layer: (2 h (N/P)(P-1)) x B x 4 bytes

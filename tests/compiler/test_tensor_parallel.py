@@ -142,7 +142,7 @@ def test_a_shard_moves_between_dims_by_all_to_all():
     assert moves == [(1, 2), (2, 1)]
     rows = [r for r in compiled.ledger.rows if r.op == "all_to_all"]
     assert sorted((r.phase, r.count) for r in rows) == [("backward", 1)] * 2 + [("forward", 1)] * 2
-    assert all(r.bytes == 2 * 16 * 16 * 4 for r in rows)
+    assert all(r.bytes == 2 * 16 * 16 * 4 // 2 for r in rows)  # what a rank holds: its shard
 
 
 def test_explicit_head_count_in_view_becomes_local():

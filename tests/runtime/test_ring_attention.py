@@ -1,8 +1,9 @@
 """Ring attention on gloo against `scaled_dot_product_attention` of the whole sequence.
 
 Each rank holds one chunk of the sequence; the output and the gradients of q, k and v of its
-chunk must be the whole-sequence attention's (computed in float64 in the same test), causal
-and not, with fewer key/value heads than query heads (GQA), on 2 and 3 ranks.
+chunk must be the whole-sequence attention's (computed in float64 in the same test): causal,
+full, and with the model's own mask (a causal one with some keys hidden, so whole blocks of
+a row are masked), with fewer key/value heads than query heads (GQA), on 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from meshplan.runtime.launch import spawn
 B, H, KV, T, D = 2, 4, 2, 12, 8
 
 
-def worker(rank: int, world_size: int, causal: bool) -> list[float]:
+def worker(rank: int, world_size: int, kind: str) -> list[float]:
     import torch.distributed as dist
 
     from meshplan.runtime.ring_attention import RingAttention
@@ -26,13 +27,23 @@ def worker(rank: int, world_size: int, causal: bool) -> list[float]:
     k, v = torch.randn(B, KV, T, D, dtype=torch.float64), torch.randn(B, KV, T, D, dtype=torch.float64)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     rep = H // KV
+    causal = kind == "causal"
+    mask = None
+    if kind == "mask":  # causal, and every third key hidden from the rows after the first
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask[1:, ::3] = False
     want = F.scaled_dot_product_attention(
-        whole[0], whole[1].repeat_interleave(rep, 1), whole[2].repeat_interleave(rep, 1), is_causal=causal
+        whole[0],
+        whole[1].repeat_interleave(rep, 1),
+        whole[2].repeat_interleave(rep, 1),
+        attn_mask=mask,
+        is_causal=causal,
     )
     want.backward(g)
     mine = slice(rank * T // world_size, (rank + 1) * T // world_size)
     local = [t[:, :, mine].float().requires_grad_() for t in (q, k, v)]
-    out = RingAttention(dist.group.WORLD, "cp")(*local, causal)
+    rows = mask[mine] if mask is not None else None
+    out = RingAttention(dist.group.WORLD, "cp")(*local, causal, None, rows)
     out.backward(g[:, :, mine].float())
     errors = [(out.double() - want[:, :, mine]).abs().max().item()]
     errors += [
@@ -41,8 +52,7 @@ def worker(rank: int, world_size: int, causal: bool) -> list[float]:
     return errors
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_is_whole_sequence_attention(world_size: int, causal: bool) -> None:
-    for errors in spawn(worker, world_size, (causal,)):
+@pytest.mark.parametrize(("world_size", "kind"), [(2, "causal"), (3, "causal"), (2, "full"), (3, "mask")])
+def test_ring_attention_is_whole_sequence_attention(world_size: int, kind: str) -> None:
+    for errors in spawn(worker, world_size, (kind,)):
         assert max(errors) < 1e-5, errors  # output, dq, dk, dv of this rank's chunk

@@ -125,23 +125,30 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
 
 
 def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
-    """Ring attention (`runtime/ring_attention.py`): the key/value blocks travel, the queries stay.
+    """Ring attention (`runtime/ring_attention.py`): the key/value blocks travel, the queries stay;
+    a mask of the model's own goes along as this rank's rows.
 
-    out = self.ring_attention_cp(q, k, v, True, scale)
+        out = self.ring_attention_cp(q, k, v, True, scale)
+        out = self.ring_attention_cp(q, k, v, False, scale, split_cp(mask, 2))
     """
     dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-    if isinstance(mask, fx.Node) or dropout:
+    if dropout:
         w.error(
             node,
-            f"{describe(node)} passes its own {'attention mask' if isinstance(mask, fx.Node) else 'dropout'}: "
-            "ring attention computes causal or full attention only",
-            hint="use `context all_gather` for this module (it takes the model's mask)",
+            f"{describe(node)} drops attention probabilities out: ring attention does not draw them",
+            hint="train with attention dropout 0, or use `context all_gather` for this module",
             rule=rule,
         )
     scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
     q, k, v = node.args[:3]
+    args: tuple = (q, k, v, bool(causal), scale)
+    if isinstance(mask, fx.Node):
+        rows = len(shape(mask)) - 2
+        if not known_equal(shape(mask)[rows], 1) and w.placement(mask) != Shard(rows):
+            mask = w.convert(mask, Shard(rows), because=rule)
+        args += (mask,)
     with w.graph.inserting_before(node):
-        ring = w.graph.call_module(w.module_for("ring_attention"), (q, k, v, bool(causal), scale))
+        ring = w.graph.call_module(w.module_for("ring_attention"), args)
     ring.meta.update(node.meta)
     ring.meta[COLLECTIVE] = {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule}
     node.replace_all_uses_with(ring)

@@ -174,6 +174,16 @@ def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     return None
 
 
+def _call_problem(marker: fx.Node) -> str | None:
+    """Why the captured call cannot be split, or None: its tokens must be (N, H) rows and its
+    top_k_index and top_k_weights (N, k), one row per token."""
+    tokens, index, weights = (shape(arg_node(marker, i)) for i in range(3))
+    if len(tokens) != 2 or len(index) != 2 or len(weights) != 2:
+        sizes = ", ".join(str(len(s)) for s in (tokens, index, weights))
+        return f"it is called with {sizes}-D tensors, not tokens (N, H) and top_k_index, top_k_weights (N, k)"
+    return None
+
+
 # ---------------------------------------------------------------------------- the pass
 
 
@@ -188,9 +198,10 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     modules = dict(model.named_modules())
     for path, rule in governed.items():
         assert rule.axis is not None
-        if path in markers:
+        why = _call_problem(markers[path]) if path in markers else None
+        if path in markers and why is None:
             continue
-        why = not_a_unit(modules[path], model) or "the model never calls it"
+        why = why or not_a_unit(modules[path], model) or "the model never calls it"
         ctx.diagnostics.append(
             Diagnostic(
                 rule.pattern_span,

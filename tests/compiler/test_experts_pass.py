@@ -155,6 +155,38 @@ def test_experts_held_as_a_list_of_modules_are_refused():
     )
 
 
+class TokenGridExperts(nn.Module):
+    """Stacked experts called on (B, T, H) tokens and (B, T, k) choices: not one row per token."""
+
+    def __init__(self, hidden: int = 64, num_experts: int = 4) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden, hidden) * 0.02)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        chosen = self.weight[index]  # (B, T, k, H, H)
+        return (weights[..., None] * torch.einsum("bth,btkhg->btkg", x, chosen)).sum(2)
+
+
+class GridMoE(ListMoE):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = TokenGridExperts()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # (B, T, H)
+        weights, index = self.gate(x).softmax(-1).topk(2, -1)
+        return F.cross_entropy(self.head(x + self.experts(x, index, weights)).flatten(0, 1), labels.flatten())
+
+
+def test_experts_called_on_a_token_grid_are_refused():
+    text = "mesh ep=2\n\nmodules {\n    experts: experts over ep\n}\n"
+    assert _errors(text, GridMoE()).splitlines()[0] == (
+        "p.plan:4:5: error: `experts` cannot be split over `ep`: it is called with 3, 3, 3-D tensors, "
+        "not tokens (N, H) and top_k_index, top_k_weights (N, k)"
+    )
+
+
 def test_expert_count_of_a_hugging_face_mixtral():
     """transformers 5 holds Mixtral's experts in one module with 3-D weights and `num_experts`."""
     pytest.importorskip("transformers")

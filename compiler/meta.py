@@ -12,7 +12,7 @@ which module a node came from.
 | `meshplan.placement`     | `dict[str, Placement]`         | tensor-parallel pass    | the value's layout on each tensor axis (`Replicate()`, `Shard(d)`, `Partial()`) |
 | `meshplan.rule`          | `PlanRule`                     | tensor-parallel pass    | the plan rule that decided the value's layout (its span is the line to point at) |
 | `meshplan.requires_grad` | `bool`                         | tensor-parallel pass    | the value depends on a trainable parameter |
-| `meshplan.collective`    | `Collective` (a dict, below)   | tensor-parallel, zero   | the node is a collective: its kind, axis, dim and the rule behind it |
+| `meshplan.collective`    | `Collective` (a dict, below)   | tensor-parallel, experts, zero | the node is a collective: its kind, axis, dim and the rule behind it |
 | `meshplan.checkpoint`    | `CheckpointRegion` (a dict)    | checkpoint pass         | the call node of an outlined region: its path, mode, rule and submodule |
 | `meshplan.stage`         | `int`                          | pipeline pass           | the pipeline stage an activation runs in |
 | `meshplan.stages` (gm)   | `tuple[tuple[str, str], ...]`  | pipeline pass           | the pipeline's cuts, `("before", "layers.2")`, kept with the program |

@@ -1,4 +1,4 @@
-"""`meshplan run` under ZeRO 1/2/3 and offload, through real torchrun, vs plain data parallel.
+"""`meshplan run` under ZeRO 1/2/3 and offload, through the run's own worker setup, vs plain data parallel.
 
 Plain DP (zero = 0) is itself tested against one device (tests/runtime/test_dp_tp.py), so
 each ZeRO run is compared with the zero = 0 run of the same layout, data and seed: the
@@ -6,20 +6,26 @@ loss and gradient-norm sequences of the metrics JSONL must agree (1e-5 relative,
 Clipping is active (max norm 0.5 below the norms seen), so the global gradient norm over
 dp shards (and tp shards, for dp=2 x tp=2) must be right for the losses to agree.
 
-Every run starts torchrun and compiles the model in each worker (seconds of start-up), so
-the runs are launched side by side in two waves and the tests only read their metrics.
+Each run is what `meshplan run` does, minus torchrun: the plan compiled once and saved (the
+launcher's `program.pt`), every rank loading it (`session.open_session`, as a worker does) and
+training with `train_session`, which writes the metrics JSONL and the checkpoints. Starting
+processes and importing torch was most of each launch's cost, so the dp=2 runs share one spawn
+of two gloo processes and the dp=2 x tp=2 runs one of four; the tests only read the metrics.
+ZeRO through real torchrun is in test_reshard.py and test_padded_vocab.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from plans import llama_rules
+
+from meshplan.main import build_parser
+from meshplan.runtime.launch import spawn
+from meshplan.session import open_session, train_session
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +37,8 @@ from meshplan.examples.models.llama import build as _build
 def build():
     return _build(num_hidden_layers=2)  # start-up (export) time grows with the layers
 """
+BATCH, SEQ = 4, 32
+RUN_FLAGS = ("--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ), "--warmup", "2")
 
 
 def plan_text(zero: int, *, tp: bool = False, offload: str = "") -> str:
@@ -50,23 +58,49 @@ RUNS = {
     "tp-zero0": plan_text(0, tp=True),
     "tp-zero2": plan_text(2, tp=True),
 }
+DP_RUNS = ["zero0", "zero1", "zero2", "zero3", "zero3-offload"]
+TP_RUNS = ["tp-zero0", "tp-zero2"]
 
 
-def start(tmp: Path, name: str, *extra: str) -> subprocess.Popen:
-    plan = tmp / f"{name}.plan"
-    plan.write_text(RUNS[name.removesuffix("-resumed")])
-    argv = ["meshplan", "run", str(plan), "--model", f"{tmp / 'model.py'}:build", "--steps", str(STEPS)]
-    argv += ["--batch", "4", "--seq", "32", "--warmup", "2", "--grad-clip", "0.5", "--out", str(tmp / name)]
-    env = dict(os.environ, NO_COLOR="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+def run(rank: int, world_size: int, tmp: Path, name: str, *extra: str) -> None:
+    """One `meshplan run` of RUNS[name] into tmp/name, on the ranks of this spawn."""
+    import torch.distributed as dist
+
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.executable import save_executable, to_executable
+    from meshplan.dsl import load_plan
+
+    plan_name = name.removesuffix("-resumed")  # a resumed run runs the same plan and program
+    plan, program = tmp / f"{plan_name}.plan", tmp / f"{plan_name}.program.pt"
+    model = f"{tmp / 'model.py'}:build"
+    if rank == 0 and not program.exists():  # compiled once, as the launcher does; every rank loads it
+        plan.write_text(RUNS[plan_name])
+        shaped = with_token_shape(load_model(model), batch=BATCH, seq=SEQ)
+        compiled = compile_plan(load_plan(plan, world_size=world_size), shaped, world_size=world_size)
+        save_executable(to_executable(compiled), program)
+    dist.barrier()
+    argv = ["run", str(plan), "--program", str(program), "--model", model, *RUN_FLAGS, "--grad-clip", "0.5"]
+    args = build_parser().parse_args([*argv, "--out", str(tmp / name), *extra])
+    train_session(args, open_session(args, rank, world_size), show_progress=False)
+    dist.barrier()
 
 
-def finish(procs: dict[str, subprocess.Popen]) -> None:
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name}:\n{out}"
+def dp_worker(rank: int, world_size: int, tmp: str) -> None:
+    folder = Path(tmp)
+    for name in DP_RUNS:
+        run(rank, world_size, folder, name, *(["--save-every", "3"] if name == "zero2" else []))
+    # resume zero2 from its step-3 checkpoint, as if it had been stopped after saving it
+    if rank == 0:
+        shutil.copytree(folder / "zero2", folder / "zero2-resumed")
+        shutil.rmtree(folder / "zero2-resumed" / "checkpoints" / "step00000006")
+        shutil.rmtree(folder / "zero2-resumed" / "metrics")
+    run(rank, world_size, folder, "zero2-resumed", "--resume", "--save-every", "3")
+
+
+def tp_worker(rank: int, world_size: int, tmp: str) -> None:
+    for name in TP_RUNS:
+        run(rank, world_size, Path(tmp), name)
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +108,9 @@ def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
     """name -> per rank, the metrics records of each step."""
     tmp = tmp_path_factory.mktemp("zero_runs")
     (tmp / "model.py").write_text(MODEL)
-    first = ["zero0", "zero1", "zero2", "zero3", "zero3-offload"]
-    finish({name: start(tmp, name, *(["--save-every", "3"] if name == "zero2" else [])) for name in first})
-    # resume zero2 from its step-3 checkpoint, as if it had been stopped after saving it
-    shutil.copytree(tmp / "zero2", tmp / "zero2-resumed")
-    shutil.rmtree(tmp / "zero2-resumed" / "checkpoints" / "step00000006")
-    shutil.rmtree(tmp / "zero2-resumed" / "metrics")
-    second = {name: start(tmp, name) for name in ("tp-zero0", "tp-zero2")}
-    second["zero2-resumed"] = start(tmp, "zero2-resumed", "--resume", "--save-every", "3")
-    finish(second)
-    return {name: _metrics(tmp / name) for name in [*first, *second]}
+    spawn(dp_worker, 2, (str(tmp),), timeout_s=300)
+    spawn(tp_worker, 4, (str(tmp),), timeout_s=300)
+    return {name: _metrics(tmp / name) for name in [*DP_RUNS, "zero2-resumed", *TP_RUNS]}
 
 
 def _metrics(run_dir: Path) -> list[list[dict]]:

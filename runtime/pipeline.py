@@ -187,7 +187,10 @@ class PipelineStep:
     def _send(self, v: Tensor, dst: int, tag: int) -> None:
         work = dist.isend(v, self.ranks[dst], group=self.group, tag=tag)
         assert work is not None
-        self._pending.append((work, v))  # the buffer must live until the send completes
+        # the buffer must live until the send completes; those that have are let go as the
+        # step goes, so a rank holds the messages in flight, not every message of the step
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending.append((work, v))
 
     def _take(self, direction: str, stage: int, i: int) -> list[Tensor]:
         """What stage `stage` gets for microbatch i: from this rank or the neighbour's."""

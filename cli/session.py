@@ -122,7 +122,12 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     if dp_group is not None and dp_spec is not None and not experts:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
         if dp_spec.zero > 0:
-            dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype)
+            # a pipeline rank's parameters run in its stage programs, whose ZeRO nodes drive the engine
+            programs = [stages.stages[s] for s in sorted(stages.stages)] if stages is not None else []
+            tied = sorted(stages.tied) if stages is not None else []
+            dp = _shard_for_zero(args, program, dp_group, dp_spec, reduce_dtype, programs, tied)
+            if stages is not None:
+                stages.zero = dp  # a tied weight's gradient is summed piece by piece
         else:
             dp = DataParallel(
                 program,
@@ -130,6 +135,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
                 bucket_bytes=dp_spec.bucket_bytes,
                 reduce_dtype=reduce_dtype,
                 axis=dp_spec.axis,
+                late=[program.get_parameter(n) for n in stages.shared_here] if stages is not None else (),
             )
     axes = Axes(
         groups={name: mesh.get_group(name) for name in layout.names if layout.size(name) > 1},
@@ -282,7 +288,11 @@ class _PipelineRank:
     axis: str
     # weights tied across pipeline ranks: name -> (shape, the positions holding a copy)
     tied: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # weights several of this rank's stages read (the tied embedding and LM head in a V):
+    # complete only after both stages' last backwards
+    shared_here: frozenset[str] = frozenset()
     step: Any = None  # the PipelineStep, once `forward_backward` made it
+    zero: Zero | None = None  # the ZeRO engine of this rank's parameters, if any
 
     @property
     def copies(self) -> frozenset[str]:
@@ -291,11 +301,30 @@ class _PipelineRank:
 
     def sum_tied_grads(self) -> None:
         """Sum each tied weight's gradient over the pipeline ranks holding a copy (the others
-        add zeros), so every copy takes the same optimizer step."""
+        add zeros), so every copy takes the same optimizer step.
+
+        Under ZeRO the averaged gradient is sharded over the data axis: each holder sums its
+        piece. The weight has a flat of its own on every holder (`_shard_for_zero`), so the
+        ranks of one pipeline group, which share their data-axis coordinate, hold the same piece.
+        """
+        import math
+
         import torch
         import torch.distributed as dist
 
         for name, (shape, holders) in sorted(self.tied.items()):
+            if self.zero is not None:
+                piece = self.zero.own_grad_of(name) if self.position in holders else None
+                total = (
+                    piece.float()
+                    if piece is not None
+                    else torch.zeros(self.zero.shard_numel(math.prod(shape)))
+                )
+                total = total.clone()
+                dist.all_reduce(total, group=self.group)
+                if piece is not None:
+                    piece.copy_(total)
+                continue
             param = self.held.get_parameter(name) if self.position in holders else None
             grad = param.grad if param is not None and param.grad is not None else None
             total = grad.clone() if grad is not None else torch.zeros(shape)
@@ -364,20 +393,46 @@ def _pipeline(plan: Plan, compiled, program: fx.GraphModule, mesh, rank: int) ->
     mine = {s: programs[s] for s in range(cut.count) if schedule.owner[s] == position}
     for stage in mine.values():
         label_collectives(stage)
-    names = sorted({str(n.target) for st in mine.values() for n in st.graph.nodes if n.op == "get_attr"})
+    names = {str(n.target) for st in mine.values() for n in st.graph.nodes if n.op == "get_attr"}
+    # and every other name of the parameters held (a tied weight read under one name: its
+    # checkpoint keys and export names are the model's, whatever layout loads them)
+    held_ids = {id(p) for n in names if (p := _parameter(program, n)) is not None}
+    names |= {
+        str(n.target)
+        for n in program.graph.nodes
+        if n.op == "get_attr" and id(_parameter(program, str(n.target))) in held_ids
+    }
     graph = fx.Graph()
-    for name in names:
-        graph.get_attr(name)
+    # in the program's order, so that a tied weight's first name (its optimizer state's key) is
+    # the one every layout gives it
+    for name in dict.fromkeys(str(n.target) for n in program.graph.nodes if n.op == "get_attr"):
+        if name in names:
+            graph.get_attr(name)
     graph.output(None)
     held = fx.GraphModule(program, graph, class_name="PipelineRank")
     group = mesh.get_group(spec.axis) if ranks > 1 else None
     members = dist.get_process_group_ranks(group) if group is not None else [rank]
+    # a weight by its first name in the program, as every rank and `held` name it
+    first = {id(p): n for n, p in reversed(list(program.named_parameters(remove_duplicate=False)))}
     tied = {}
     for name, used in cut.shared.items():
         holders = tuple(sorted({schedule.owner[s] for s in used}))
         if len(holders) > 1:  # on one rank the copies are one parameter: autograd sums them
-            tied[name] = (tuple(program.get_parameter(name).shape), holders)
-    return _PipelineRank(held, mine, schedule, position, members, group, spec.axis, tied)
+            param = program.get_parameter(name)
+            tied[first[id(param)]] = (tuple(param.shape), holders)
+    here = frozenset(
+        first[id(program.get_parameter(n))]
+        for n, used in cut.shared.items()
+        if sum(s in mine for s in used) > 1
+    )
+    return _PipelineRank(held, mine, schedule, position, members, group, spec.axis, tied, here)
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:  # a buffer, or a constant
+        return None
 
 
 def compiled_folder(args: argparse.Namespace) -> Executable:
@@ -450,11 +505,16 @@ def _shard_for_zero(
     dp_group: torch.distributed.ProcessGroup,
     dp_spec: DataParallelSpec,
     reduce_dtype: torch.dtype | None,
+    programs: list[fx.GraphModule],
+    tied: list[str],
 ) -> Zero:
     """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
 
     The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
     ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
+    Under a pipeline `program` holds the rank's parameters and `programs` (its stages) run them;
+    each weight `tied` across pipeline ranks gets a flat of its own, so that every rank holding
+    a copy holds the same piece of its gradient (`_PipelineRank.sum_tied_grads` adds them).
     """
     from meshplan.runtime.buckets import decays
     from meshplan.runtime.data_parallel import broadcast_parameters
@@ -479,6 +539,8 @@ def _shard_for_zero(
         weight_decay=args.weight_decay,
         decay=decays,
         axis=dp_spec.axis,
+        programs=programs,
+        alone=tied,
     )
 
 

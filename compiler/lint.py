@@ -7,7 +7,8 @@ meshplan's, each stated independently of the pass that should keep it:
 - every placement is over a mesh axis, on a dim the tensor has, and a shard's global size
   divides over the axis (or the shard is padded and records that size, or is cut in blocks
   that add up to it);
-- ZeRO-3: a unit's parameters are read only between its gather and its release. "Read"
+- ZeRO-3: a unit's parameters are read only between its gather and its release (under a
+  pipeline, by the unit's stage: a tied weight is in a unit of each stage reading it). "Read"
   follows every value that may share a parameter's storage, by PyTorch's own alias
   annotations (`view`, `t`, `expand`, ...) and through meshplan's collectives whose forward
   is the identity; nothing handed to a release may share that storage, since the release
@@ -29,7 +30,9 @@ from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from .graph import PLACEMENT, describe, is_tensor_node, shape
+from .meta import stage
 from .placement import Shard
+from .stages import stages_reading
 
 
 class GraphLintError(AssertionError):
@@ -115,8 +118,11 @@ def _zero_spans(gm: fx.GraphModule) -> list[str]:
             continue
         gather, module = gathers[unit]
         sharing = _sharing_storage(gm, [reads[p] for p in module.params if p in reads])
+        in_stage = stage(gather)  # under a pipeline: other stages' reads of a tied weight are theirs
         for value in sharing:
             for user in value.users:
+                if in_stage is not None and in_stage not in stages_reading(user):
+                    continue
                 if user is release:
                     out.append(
                         f"{describe(value)} shares a parameter's storage and is handed to `{unit}`'s release"

@@ -14,7 +14,7 @@ which module a node came from.
 | `meshplan.requires_grad` | `bool`                         | tensor-parallel pass    | the value depends on a trainable parameter |
 | `meshplan.collective`    | `Collective` (a dict, below)   | tensor-parallel, experts, zero | the node is a collective: its kind, axis, dim and the rule behind it |
 | `meshplan.checkpoint`    | `CheckpointRegion` (a dict)    | checkpoint pass         | the call node of an outlined region: its path, mode, rule and submodule |
-| `meshplan.stage`         | `int`                          | pipeline pass           | the pipeline stage an activation runs in |
+| `meshplan.stage`         | `int`                          | pipeline pass, zero     | the pipeline stage an activation (or a ZeRO gather or release) runs in |
 | `meshplan.stages` (gm)   | `tuple[tuple[str, str], ...]`  | pipeline pass           | the pipeline's cuts, `("before", "layers.2")`, kept with the program |
 
 Export's own facts (`val`, `nn_module_stack`, `stack_trace`) are read through `graph.py`.

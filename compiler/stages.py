@@ -47,7 +47,7 @@ from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
 
 from .graph import module_path, shape, shape_text
-from .meta import CHECKPOINT, STAGES
+from .meta import CHECKPOINT, STAGES, stage
 from .outline import OPS, cut, within
 
 aten = torch.ops.aten
@@ -147,6 +147,16 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
         needs[s].add(n)
         for a in n.all_input_nodes:
             need(a, s)
+    # a node run for its effect alone (ZeRO's gather: no output, no user) runs in the stage of
+    # the next activation, the one it prepares
+    upcoming = count - 1
+    for n in reversed(ops):
+        if n in stage_of:
+            upcoming = stage_of[n]
+        elif not n.users and n.op == "call_module" and n.is_impure():
+            needs[upcoming].add(n)
+            for a in n.all_input_nodes:
+                need(a, upcoming)
     output = next(n for n in graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         if kind.get(a) != "activation":
@@ -176,6 +186,29 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
         modules,
         {name: tuple(sorted(used)) for name, used in users_of_param.items() if len(used) > 1},
     )
+
+
+def stages_reading(node: fx.Node) -> set[int]:
+    """The pipeline stages of the activations that read `node` (a parameter, or a node made
+    from parameters alone), directly or through nodes made from parameters alone, which have no
+    stage of their own; for a node with a stage, that stage."""
+    own = stage(node)
+    if own is not None:
+        return {own}
+    stages: set[int] = set()
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            s = stage(user)
+            if s is not None:
+                stages.add(s)
+            elif user.op != "output":
+                frontier.append(user)
+    return stages
 
 
 def _kinds(graph: fx.Graph) -> dict[fx.Node, str]:

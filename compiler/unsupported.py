@@ -1,20 +1,20 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
 Device placement (`on cpu`) parses and passes `meshplan check`, but no pass lowers it yet:
-a program compiled from such a plan would simply lack it and train as if it were not there.
-So every command that compiles against a model refuses it, one located error per rule, and
-so are the axes a `pipeline` does not compose with yet (ZeRO-3):
+a program compiled from such a plan would simply lack it and train as if it were not
+there. So every command that compiles against a model refuses it, one located error per
+rule:
 
     p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet: this plan would train without it
             norm: on cuda:1
                   ^~~~~~~~~
     hint: remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only
 
-Before that, the sizes these constructs need are checked against the model, because a
-size that can never work is the more useful message (and stays true once they are
-lowered): no more pipeline stages than layers. A size error and the refusal of the same construct
-are two problems and are both reported; the size error comes first in the file.
-Model-free sizes (microbatches vs stages) are `dsl.check`'s.
+Before that, the sizes the constructs need are checked against the model, because a size
+that can never work is the more useful message (and stays true once they are lowered): no
+more pipeline stages than layers. A size error and the refusal of the same construct are
+two problems and are both reported; the size error comes first in the file. Model-free
+sizes (microbatches vs stages) are `dsl.check`'s.
 
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
 size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan
-from meshplan.dsl.errors import Diagnostic, Span
+from meshplan.dsl.errors import Diagnostic
 
 from .capture import ModelSource
 from .match import Resolution
@@ -50,9 +50,8 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `on DEVICE` rule (no pass lowers them), and per axis a `pipeline` does
-    not compose with yet."""
-    out = _pipeline_compositions(plan)
+    """One error per `on DEVICE` rule (no pass lowers them)."""
+    out: list[Diagnostic] = []
     for rule in plan.rules:
         action = rule.action
         if isinstance(action, ast.Device):
@@ -69,25 +68,6 @@ def not_lowered(plan: Plan) -> list[Diagnostic]:
 
 
 # ---------------------------------------------------------------------------- pipeline
-
-
-def _pipeline_compositions(plan: Plan) -> list[Diagnostic]:
-    """A pipeline composes with tensor and sequence rules, data parallelism and ZeRO-1/2,
-    checkpointing, precision and accumulation, under every schedule; not yet with ZeRO-3 (its
-    gather and release nodes would be cut apart by the stages)."""
-    p, dp = plan.pipeline, plan.data_parallel
-    if p is None:
-        return []
-    out = []
-    if dp is not None and dp.zero == 3:
-        out.append(
-            Diagnostic(
-                dp.spans.get("zero", _keyword_span(dp.span, "data_parallel")),
-                "a pipeline with ZeRO-3 is not lowered yet",
-                hint="use `zero = 1` or `zero = 2` with a pipeline",
-            )
-        )
-    return out
 
 
 def _pipeline_sizes(plan: Plan, model: nn.Module) -> list[Diagnostic]:
@@ -130,10 +110,6 @@ def _num_layers(model: nn.Module) -> int | None:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _keyword_span(span: Span, word: str) -> Span:
-    return Span(span.path, span.line, span.col, span.line, span.col + len(word))
 
 
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

@@ -46,6 +46,15 @@ grads; the next unit (previous, in backward) is prefetched. Two ways to mark the
   `torch.export(...).module()` does not (it reads every parameter at the top of the
   graph), so without the compiler's nodes it is one unit, gathered whole.
 
+A pipeline rank holds its stages' parameters in one module that never runs and runs them in
+its stage programs (`programs`), whose nodes drive the engine. Each flat lies within one
+program, so its gradients are whole after that stage's last backward of the step, which
+runs outside `no_sync` (a weight two of the rank's stages read gets a flat of its own that
+only `finish()` reduces). Microbatches interleave, so every unit has a release, gathered
+again for each microbatch's backward and kept (`Flat.pins`) until that backward has
+accumulated its gradients: a split backward (zero-bubble schedules) computes the weight
+gradients later, after other microbatches' forwards.
+
 Why not FSDP2: `fully_shard` on the layer holders of a flat exported graph fails (their
 forward never runs, so the graph mixes DTensor params with plain tensors), and on the
 root alone it is the same single unit as here; stages 1 and 2 are not FSDP2 shapes at
@@ -55,6 +64,7 @@ all. One engine for 1-3 gives one ledger, one state-dict layout and exact memory
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -62,7 +72,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten
 
 from . import watchdog
@@ -122,6 +132,8 @@ class Zero:
         units: Sequence[str] | None = None,
         decay: Callable[[str, nn.Parameter], bool] | None = None,
         axis: str = "dp",
+        programs: Sequence[nn.Module] = (),
+        alone: Collection[str] = (),
     ) -> None:
         self.module, self.group, self.config, self.axis = module, group, config, axis
         self.world = dist.get_world_size(group)
@@ -132,19 +144,45 @@ class Zero:
         shard_device = torch.device("cpu") if config.offload_params else self.device
         # A flat holds only decayed or only undecayed params, so each master sits in one param group.
         decays = {id(p): decay is None or decay(n, p) for n, p in params}
-        # the compiled graph's ZeroGather nodes, in program order (none on other modules)
-        self._nodes = graph_units(module) if units is None else []
+        # the compiled graph's ZeroGather nodes, in program order (none on other modules), and
+        # the program each is in: a pipeline rank runs several (its stages), each on its own
+        self._programs = list(programs) or [module]
+        self._nodes, self._program_of = [], []
+        for k, program in enumerate(self._programs if units is None else []):
+            found = graph_units(program)
+            self._nodes += found
+            self._program_of += [k] * len(found)
         aliases = dict(module.named_parameters(remove_duplicate=False))  # a tied param has two names
+        # A param several programs read (a weight tied across two stages of a pipeline rank) has
+        # a flat of its own, reduced only by `finish()`: each program's last backward of the
+        # step is synchronized, and neither is the last to add to its gradient.
+        shared = _read_by_several(params, self._programs, aliases)
         self.units: list[Unit]
         if config.stage == 3 and self._nodes:
-            self.units = units_from_nodes(self._nodes, params, aliases, group, shard_device, decays, axis)
-            self.flats = [f for u in self.units for f in u.flats]
+            self.units = units_from_nodes(
+                self._nodes, params, aliases, group, shard_device, decays, axis, alone
+            )
+            self.flats = _unique(f for u in self.units for f in u.flats)
         elif config.stage == 3:
             self.units = build_units(module, params, group, shard_device, units, decays, axis)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
-            self.flats = bucket_flats(params, config.bucket_bytes, group, shard_device, decays, axis)
+            # a flat within one program: its gradients are complete after that program's backward
+            self.flats = [
+                f
+                for part in _by_program(params, self._programs, aliases)
+                for f in bucket_flats(
+                    part, config.bucket_bytes, group, shard_device, decays, axis, [*alone, *shared]
+                )
+            ]
+        self._units_of: dict[int, list[Unit]] = {}  # a flat of a tied weight is in several
+        for u in self.units:
+            for f in u.flats:
+                self._units_of.setdefault(id(f), []).append(u)
+        # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
+        self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
+        self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
         # stages 1/2 on a compiled graph: which flats each ZeroGather node waits for
         flat_of = {id(p): f for f in self.flats for p in f.params}
         self._waits = [
@@ -201,6 +239,8 @@ class Zero:
         if self.config.stage == 3:
             for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
                 u.free()
+            for f in self.flats:
+                f.pins = 0  # a backward that left a param without a gradient
         else:
             self._all_gather_params(wait=not self._nodes)
         self._last_issued, self._issued = self._issued, Counter()
@@ -243,6 +283,21 @@ class Zero:
             if self.config.stage == 3:
                 for u in self.units:
                     u.free()
+
+    def own_grad_of(self, name: str) -> Tensor:
+        """This rank's piece of the averaged gradient of parameter `name`, given a flat of its
+        own (`alone`): elements [r*S, (r+1)*S) of it, flattened and padded, S =
+        `shard_numel(numel)`. So an engine of the same group size elsewhere (another pipeline
+        rank holding a copy of a tied weight) holds the same elements. A view: changing it in
+        place changes the gradient the step uses."""
+        self._grads.finish(sync=self._sync)
+        grad = self._alone[name].own_grad()
+        assert grad is not None, f"{name} has no gradient this step"
+        return grad
+
+    def shard_numel(self, numel: int) -> int:
+        """S: the elements of a flat of `numel` elements each rank of the group owns."""
+        return math.ceil(numel / self.world)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the sharded gradients so their global L2 norm is at most `max_norm`; return the norm."""
@@ -338,6 +393,8 @@ class Zero:
 
     def _register_hooks(self) -> list[Any]:
         handles = [self.module.register_forward_pre_hook(self._before_root_forward)]
+        if self._programs != [self.module]:  # a pipeline's stages: the module itself never runs
+            handles += [p.register_forward_pre_hook(self._before_program_forward) for p in self._programs]
         for i, f in enumerate(self.flats):
             for p in f.params:
                 handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
@@ -370,6 +427,14 @@ class Zero:
             f.ready = 0
         for f in self._unwaited:
             f.wait_gather()
+
+    def _before_program_forward(self, module: nn.Module, args: Any) -> None:
+        """A pipeline stage starts: the params no node waits for must be whole. Unlike the
+        root's hook, it keeps the flats' counts of gradients: another stage's backward of the
+        step may have run, and each flat is counted by its own program's backwards."""
+        if not _in_backward():
+            for f in self._unwaited:
+                f.wait_gather()
 
     def _before_unit_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -413,23 +478,50 @@ class Zero:
                 f.wait_gather()
             return
         self.units[index].gather(self._record)
-        if not _in_backward() and index + 1 < len(self._nodes):
+        if not _in_backward() and self._same_program(index, index + 1):
             self.units[index + 1].prefetch(self._record)
         self._track_gathered()
 
+    def _same_program(self, index: int, other: int) -> bool:
+        """Whether unit `other` runs next to unit `index`, in the same program (the next stage
+        on a pipeline rank runs at another time: prefetching it would hold it gathered)."""
+        return 0 <= other < len(self._nodes) and self._program_of[other] == self._program_of[index]
+
     def on_release(self, index: int) -> None:
-        """`ZeroRelease` node `index` runs in forward: the layer is done with its params until backward."""
+        """`ZeroRelease` node `index` runs in forward: the layer is done with its params until
+        backward. A flat a backward still needs (`Flat.pins`) stays."""
         if not _in_backward():
-            self.units[index].free()
+            for f in self.units[index].flats:
+                if not f.pins:
+                    f.free_full()
 
     def before_backward(self, index: int) -> None:
         """The gradient reached `ZeroRelease` node `index`: gather its layer for its backward and
-        prefetch the layer whose backward comes next (the one released before it)."""
+        prefetch the layer whose backward comes next (the one released before it).
+
+        The layer's flats stay gathered until this backward has accumulated their gradients:
+        a pipeline's split backward computes them later (W, after the input gradients), and the
+        forwards of other microbatches may run in between; some weight gradients read the
+        weights (a LayerNorm's), and so does recomputing a checkpointed layer."""
         self.units[index].gather(self._record)
+        for f in self.units[index].flats:
+            f.pins += 1
         k = self._release_order.index(index)
-        if k > 0:
+        if k > 0 and self._same_program(index, self._release_order[k - 1]):
             self.units[self._release_order[k - 1]].prefetch(self._record)
         self._track_gathered()
+
+    def _grads_done(self, f: Flat) -> None:
+        """Stage 3: backward has accumulated the gradients of every param of `f`. A flat no
+        backward pinned (a unit kept gathered from its forward) is freed now; a pinned one once
+        every flat of its unit is done (recomputing a checkpointed layer reads all of them)."""
+        if not f.pins:
+            f.free_full()
+            return
+        f.pins -= 1
+        for unit in self._units_of[id(f)]:
+            if not any(g.pins for g in unit.flats):
+                unit.free()
 
     def _track_gathered(self) -> None:
         now = sum(f.full_nbytes() for f in self.flats if f.is_gathered())
@@ -442,10 +534,10 @@ class Zero:
             if f.ready < len(f.params):
                 return
             f.ready = 0
-            if self._sync:
+            if self._sync and id(f) not in self._late:
                 self._grads.start(f)
             if self.config.stage == 3:
-                f.free_full()  # backward is done with every param of this flat
+                self._grads_done(f)
 
         return hook
 
@@ -478,6 +570,8 @@ def shard_for_zero(
     units: Sequence[str] | None = None,
     decay: Callable[[str, nn.Parameter], bool] | None = None,
     axis: str = "dp",
+    programs: Sequence[nn.Module] = (),
+    alone: Collection[str] = (),
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
 
@@ -485,7 +579,10 @@ def shard_for_zero(
     plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
     `decay(name, param)` says which params get weight decay (default: all), like
     `make_optimizer`'s rule of no decay on 1-D params; the others go in their own flats
-    and a second param group with `weight_decay` 0.
+    and a second param group with `weight_decay` 0. `programs`: the compiled programs that
+    run `module`'s parameters, when it does not run them itself (a pipeline rank's stages);
+    `alone`: params that get a flat of their own (a weight tied across pipeline ranks, whose
+    gradient pieces `own_grad_of` gives, the same elements on every rank holding a copy).
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
@@ -501,10 +598,46 @@ def shard_for_zero(
         units=units,
         decay=decay,
         axis=axis,
+        programs=programs,
+        alone=alone,
     )
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _read_by_several(
+    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
+) -> set[str]:
+    """The names of the `params` that more than one of `programs` reads."""
+    readers: dict[int, int] = {}
+    for program in programs if len(programs) > 1 else ():
+        graph = program.graph if isinstance(program, fx.GraphModule) else None
+        nodes = graph.nodes if graph is not None else ()
+        read = {id(aliases[str(n.target)]) for n in nodes if n.op == "get_attr" and str(n.target) in aliases}
+        for i in read:
+            readers[i] = readers.get(i, 0) + 1
+    return {n for n, p in params if readers.get(id(p), 0) > 1}
+
+
+def _by_program(
+    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """`params` split by the first of `programs` that reads each (the rest in a last part);
+    one part, all of them, when there is one program."""
+    if len(programs) == 1:
+        return [params]
+    first: dict[int, int] = {}
+    for k, program in enumerate(programs):
+        graph = program.graph if isinstance(program, fx.GraphModule) else None
+        for node in graph.nodes if graph is not None else ():
+            p = aliases.get(str(node.target)) if node.op == "get_attr" else None
+            if p is not None:
+                first.setdefault(id(p), k)
+    parts: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(programs) + 1)]
+    for name, p in params:
+        parts[first.get(id(p), len(programs))].append((name, p))
+    return [part for part in parts if part]
 
 
 def _unique(flats: Iterable[Flat]) -> list[Flat]:

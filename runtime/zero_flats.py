@@ -21,7 +21,7 @@ compiler's ledger uses too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -75,6 +75,7 @@ class Flat:
         self.grad_shard: Tensor | None = None  # stages 2/3: (S,) averaged grads
         self.reduced = False  # grads reduced for this step
         self.ready = 0  # params whose grad has been accumulated in this backward
+        self.pins = 0  # stage 3: backwards that gathered it and have not accumulated its grads yet
         self._gather_work: Any = None
         if sharded_params:
             self.free_full()
@@ -191,11 +192,21 @@ def bucket_flats(
     shard_device: torch.device,
     decays: dict[int, bool],
     axis: str,
+    alone: Collection[str] = (),
 ) -> list[Flat]:
-    """Stages 1/2: the params as unsharded flats, one per gradient bucket (`bucket_params`)."""
+    """Stages 1/2: the params as unsharded flats, one per gradient bucket (`bucket_params`),
+    and one of its own for each param named in `alone` (see `Zero`)."""
+    rest = [(n, p) for n, p in params if n not in alone]
     return [
-        Flat(names, ps, group, sharded_params=False, shard_device=shard_device, axis=axis)
-        for names, ps in bucket_params(params, bucket_bytes, decays)
+        *(
+            Flat([n], [p], group, sharded_params=False, shard_device=shard_device, axis=axis)
+            for n, p in params
+            if n in alone
+        ),
+        *(
+            Flat(names, ps, group, sharded_params=False, shard_device=shard_device, axis=axis)
+            for names, ps in bucket_params(rest, bucket_bytes, decays)
+        ),
     ]
 
 
@@ -259,22 +270,38 @@ def units_from_nodes(
     shard_device: torch.device,
     decays: dict[int, bool],
     axis: str,
+    alone: Collection[str] = (),
 ) -> list[Unit]:
     """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
-    node names (the graph never reads them) go to a last unit only `gathered()` materializes."""
+    node names (the graph never reads them) go to a last unit only `gathered()` materializes.
+    A param several nodes name (a weight tied across pipeline stages of one rank) gets a flat
+    of its own, in each of their units: each gathers it before its reads."""
+    named_by: dict[int, int] = {}
+    for gather, _ in nodes:
+        for i in {id(aliases[n]) for n in gather.params if n in aliases}:
+            named_by[i] = named_by.get(i, 0) + 1
     left = {id(p): (n, p) for n, p in params}  # not yet in a unit
+    shared = {
+        i: sharded_flats([left.pop(i)], group, shard_device, decays, axis)[0]
+        for i, count in named_by.items()
+        if count > 1 and i in left
+    }
     units = []
     for gather, release in nodes:
-        named = [left.pop(id(aliases[n])) for n in gather.params if n in aliases and id(aliases[n]) in left]
+        ids = list(dict.fromkeys(id(aliases[n]) for n in gather.params if n in aliases))
+        named = [left.pop(i) for i in ids if i in left]
         units.append(
             Unit(
                 gather.unit,
                 None,
-                sharded_flats(named, group, shard_device, decays, axis),
+                [
+                    *sharded_flats(named, group, shard_device, decays, axis, alone),
+                    *(shared[i] for i in ids if i in shared),
+                ],
                 refetch=release is not None,
             )
         )
-    rest = sharded_flats(list(left.values()), group, shard_device, decays, axis)
+    rest = sharded_flats(list(left.values()), group, shard_device, decays, axis, alone)
     if rest:
         units.append(Unit("", None, rest, refetch=False))
     return units
@@ -286,8 +313,13 @@ def sharded_flats(
     shard_device: torch.device,
     decays: dict[int, bool],
     axis: str,
+    alone: Collection[str] = (),
 ) -> list[Flat]:
-    """A unit's params as sharded flats: one per dtype and decay class."""
+    """A unit's params as sharded flats: one per dtype and decay class, and one of its own for
+    each param named in `alone`."""
+    rest = [(n, p) for n, p in params if n not in alone]
+    groups: list[list[tuple[str, Tensor]]] = [[(n, p)] for n, p in params if n in alone]
+    groups += group_by_kind(rest, decays)
     return [
         Flat(
             [n for n, _ in ps],
@@ -297,7 +329,7 @@ def sharded_flats(
             shard_device=shard_device,
             axis=axis,
         )
-        for ps in group_by_kind(params, decays)
+        for ps in groups
     ]
 
 

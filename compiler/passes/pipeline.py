@@ -3,8 +3,8 @@
 Requires: the final forward graph (tensor-parallel collectives inserted, checkpoint
 regions outlined, so a checkpointed layer is one call node and never split); export's `val`
 on the nodes (the balancing cost); the plan's `pipeline` block.
-A weight several stages read (an embedding tied to the LM head) is held by each; under ZeRO,
-which shards it, that is refused.
+A weight several stages read (an embedding tied to the LM head) is held by each pipeline
+rank running one of them (`Stages.shared`); the ZeRO pass puts it in a unit of each stage.
 Ensures: `gm.meta["meshplan.stages"]` holds the cuts as module paths (`("before",
 "layers.2")`, ...), explicit or balanced, that make `size(axis) x virtual_stages` stages,
 each with at least one operation; every op node that runs in one stage has
@@ -32,18 +32,6 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         stages = cut_stages(gm, cuts)
     except StageError as e:
         ctx.diagnostics.append(Diagnostic(e.span or _keyword(spec.span), str(e), e.hint))
-        return gm
-    dp, ranks = ctx.plan.data_parallel, ctx.layout.size(spec.axis)
-    across = sorted(n for n, used in stages.shared.items() if len({s % ranks for s in used}) > 1)
-    if across and dp is not None and dp.zero > 0:
-        ctx.diagnostics.append(
-            Diagnostic(
-                dp.spans.get("zero", spec.span),
-                f"`{across[0]}` is shared by stages on different pipeline ranks (a tied weight), "
-                f"which ZeRO-{dp.zero} cannot shard yet",
-                hint="use `zero = 0` for this model's pipeline, or cut so that the stages sharing it are on one rank",
-            )
-        )
         return gm
     for node, s in stages.stage_of.items():
         node.meta[STAGE] = s

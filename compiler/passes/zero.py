@@ -16,6 +16,14 @@ the rest (embeddings, final norm, LM head). Each unit gets
   values) gathers them again before the unit's backward. The unit released last (the
   root, whose LM head ends forward) keeps its parameters: backward starts with it.
 
+Under a pipeline (the pipeline pass gave each activation its stage) a unit never spans two
+stages, so each stage program holds the nodes of its own units and a pipeline rank's engine
+binds the ones its stages run: the root is a unit per stage (`root@stage0` for the
+embeddings, `root@stage1` for the final norm and the head), as is a layer a cut splits; a
+weight several stages read (an embedding tied to the LM head) is in the unit of each, with
+its casts copied per stage. Every unit is released, the last one too: the microbatches'
+forwards and backwards interleave.
+
 The runtime's ZeRO engine (`runtime.zero`) binds itself to these nodes: it decides what
 "gather" means (stage 3: all-gather the unit's flats and prefetch the next unit; stages
 1/2: wait for the all-gather of the updated parameters that the optimizer step left
@@ -35,14 +43,16 @@ After (`zero = 3`, a Llama layer):
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import fx
 
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from ..graph import COLLECTIVE, is_tensor_node
-from ..meta import MODULE
+from ..graph import COLLECTIVE, is_tensor_node, module_path
+from ..meta import MODULE, STAGE, STAGES, stage
+from ..stages import stages_reading
 from . import Context, Pass
 
 
@@ -82,13 +92,19 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     graph = gm.graph
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
+    pipeline = STAGES in gm.meta
     _hoist(graph, reads)
+    if pipeline:
+        _copy_per_stage(graph, reads)
     _sink_parameter_nodes(graph, reads)
     order = {n: i for i, n in enumerate(graph.nodes)}
     units: dict[str, list[fx.Node]] = {}
     for node in reads:
         units.setdefault(unit_of(str(node.target)), []).append(node)
-    spans = {unit: _span(params, order) for unit, params in units.items()}
+    unit_stage: dict[str, int | None] = dict.fromkeys(units)
+    if pipeline:
+        units, unit_stage = _per_stage(units)
+    spans = {unit: _span(params, order, unit_stage[unit]) for unit, params in units.items()}
     by_start = sorted(units, key=lambda u: order[spans[u][0]])
     last_released = max(by_start, key=lambda u: order[spans[u][1]])
     for unit in by_start:
@@ -104,12 +120,70 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
             "unit": unit,
             "where": spec.where,
         }
-        gather.meta[MODULE] = unit
-        if spec.stage == 3 and unit != last_released:
-            _release(gm, unit, gather, last, spec)
+        gather.meta[MODULE] = unit_of(str(params[0].target))  # `root@stage0` is the root's
+        if unit_stage[unit] is not None:
+            gather.meta[STAGE] = unit_stage[unit]
+        # Under a pipeline every unit is released: the microbatches' forwards and backwards
+        # interleave (GPipe runs every forward first), so no unit can stay gathered from its
+        # forward to its backward; the release's backward gathers it for each microbatch.
+        if spec.stage == 3 and (pipeline or unit != last_released):
+            _release(gm, unit, gather, last, spec, in_stage=unit_stage[unit])
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _per_stage(units: dict[str, list[fx.Node]]) -> tuple[dict[str, list[fx.Node]], dict[str, int | None]]:
+    """Under a pipeline, a unit's parameters read by different stages (the root's embedding
+    in the first, its norm and LM head in the last; a layer cut in two) become one unit per
+    stage, named `root@stage0`, `layers.2@stage1`: each pipeline rank gathers what its own
+    stages read, and a unit's gather and release run in one stage program. A weight several
+    stages read (an embedding tied to the LM head) is in the unit of each: every pipeline
+    rank holding one of those stages holds a copy of it. Returns the units and their stages."""
+    out: dict[str, list[fx.Node]] = {}
+    stage_of: dict[str, int | None] = {}
+    for unit, params in units.items():
+        by_stage: dict[int, list[fx.Node]] = {}
+        for p in params:
+            for s in sorted(stages_reading(p)) or [0]:
+                by_stage.setdefault(s, []).append(p)
+        for s, ps in sorted(by_stage.items()):
+            name = unit if len(by_stage) == 1 else f"{unit or 'root'}@stage{s}"
+            out[name], stage_of[name] = ps, s
+    return out, stage_of
+
+
+def _copy_per_stage(graph: fx.Graph, reads: list[fx.Node]) -> None:
+    """Under a pipeline, give each stage its own copy of a node computed from parameters alone
+    (the cast of a tied weight) that several stages read.
+
+    Each stage program runs its nodes in graph order; a shared cast would run in the last
+    stage where the first stage reads it, ahead of that stage's gather of the weight. With a
+    copy per stage, the ZeRO nodes of each stage's unit surround its own reads.
+    """
+    derived = _derived(graph, reads)
+    serves: dict[fx.Node, set[int]] = {}
+    for node in reversed(derived):  # users first
+        serves[node] = set()
+        for user in node.users:
+            s = stage(user)
+            serves[node] |= serves.get(user, set()) if s is None else {s}
+    copies: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def in_stage(s: int) -> Callable[[fx.Node], fx.Node]:
+        return lambda a: copies.get((a, s), a)
+
+    for node in derived:  # inputs first: a copy reads its stage's copies of them
+        for s in sorted(serves[node])[1:]:
+            with graph.inserting_after(node):
+                copies[(node, s)] = graph.node_copy(node, in_stage(s))
+    for (node, s), copy in copies.items():
+        for user in list(node.users):
+            # an activation of stage s, or the original of a derived node whose first stage is s
+            # (copies already read their stage's copies)
+            reader = stage(user) if user not in serves else min(serves[user], default=None)
+            if reader == s:
+                user.replace_input_with(node, copy)
 
 
 def _hoist(graph: fx.Graph, reads: list[fx.Node]) -> None:
@@ -129,9 +203,8 @@ def _hoist(graph: fx.Graph, reads: list[fx.Node]) -> None:
         anchor = node
 
 
-def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
-    """Move nodes computed from parameters alone (casts, transposes, the tensor-parallel
-    `copy_to` of a sequence-parallel norm weight) down to their first user."""
+def _derived(graph: fx.Graph, reads: list[fx.Node]) -> list[fx.Node]:
+    """The nodes computed from the parameters `reads` alone, in graph order."""
     derived: list[fx.Node] = []
     sources = set(reads)
     for node in graph.nodes:
@@ -142,6 +215,13 @@ def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
         ):
             sources.add(node)
             derived.append(node)
+    return derived
+
+
+def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
+    """Move nodes computed from parameters alone (casts, transposes, the tensor-parallel
+    `copy_to` of a sequence-parallel norm weight) down to their first user."""
+    derived = _derived(graph, reads)
     for node in reversed(derived):
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_user = min(node.users, key=order.__getitem__, default=None)
@@ -149,8 +229,9 @@ def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
             first_user.prepend(node)
 
 
-def _span(params: list[fx.Node], order: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
-    """The first and last node reading the unit's parameters (directly or through casts)."""
+def _span(params: list[fx.Node], order: dict[fx.Node, int], in_stage: int | None) -> tuple[fx.Node, fx.Node]:
+    """The first and last node reading the unit's parameters (directly or through casts); under
+    a pipeline, of those in the unit's stage (a tied weight is read by other stages too)."""
     readers: set[fx.Node] = set()
     frontier = list(params)
     while frontier:
@@ -163,12 +244,20 @@ def _span(params: list[fx.Node], order: dict[fx.Node, int]) -> tuple[fx.Node, fx
                     # a cast of a parameter, or the tensor-parallel pass's `copy_to` (the
                     # identity forward of a sequence-parallel bias): its users read it too
                     frontier.append(user)
+    if in_stage is not None:
+        readers = {r for r in readers if stages_reading(r) == {in_stage}}
     ranked = sorted(readers, key=order.__getitem__)
     return ranked[0], ranked[-1]
 
 
-def _release(gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec: ZeroSpec) -> None:
-    """After `last`: pass every value made since `gather` and used later through a ZeroRelease."""
+def _release(
+    gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec: ZeroSpec, *, in_stage: int | None
+) -> None:
+    """After `last`: pass every value made since `gather` and used later through a ZeroRelease.
+
+    Under a pipeline the release (and its getitems) take `last`'s module path, so that a stage
+    cut `after` that module puts them in `last`'s stage, with the gather, not in the next.
+    """
     graph = gm.graph
     inside: list[fx.Node] = []
     node = gather.next
@@ -192,7 +281,10 @@ def _release(gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec
     gm.add_submodule(name, ZeroRelease(spec.axis, unit, position))
     with graph.inserting_after(last):
         release = graph.call_module(name, tuple(leaving))
-    release.meta[MODULE] = unit
+    module = module_path(last) if in_stage is not None else unit
+    release.meta[MODULE] = module
+    if in_stage is not None:
+        release.meta[STAGE] = in_stage
     release.meta[COLLECTIVE] = {"kind": "zero_release", "axis": spec.axis, "unit": unit, "where": spec.where}
     if len(leaving) == 1:
         release.meta["val"] = leaving[0].meta.get("val")
@@ -205,11 +297,11 @@ def _release(gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (release, i))
             anchor.meta["val"] = n.meta.get("val")
-            anchor.meta[MODULE] = unit
+            anchor.meta[MODULE] = module
             outs.append(anchor)
     for n, out in zip(leaving, outs, strict=True):
         n.replace_all_uses_with(out, delete_user_cb=lambda u: u not in members and u is not release)
 
 
 def _target(kind: str, unit: str) -> str:
-    return f"{kind}_{unit.replace('.', '_')}" if unit else f"{kind}_root"
+    return f"{kind}_{unit.replace('.', '_').replace('@', '_')}" if unit else f"{kind}_root"

@@ -2,8 +2,7 @@
 
 `check` without a model accepts them (the language is ahead of the compiler); every command
 that compiles against a model refuses them with one located error per rule, so a plan never
-compiles into a program that silently lacks its device placement;
-likewise the axes a pipeline does not compose with yet.
+compiles into a program that silently lacks its device placement.
 """
 
 from __future__ import annotations
@@ -38,36 +37,12 @@ def _refusal(text: str, model: nn.Module | None = None, *, seq: int = 16) -> str
 # ---------------------------------------------------------------------------- each construct refused
 
 
-def test_pipeline_with_zero_3_is_refused_at_the_zero_setting():
-    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n"
-    assert _refusal(text) == (
-        "p.plan:8:5: error: a pipeline with ZeRO-3 is not lowered yet\n"
-        "        zero = 3\n"
-        "        ^~~~~~~~\n"
-        "hint: use `zero = 1` or `zero = 2` with a pipeline"
-    )
-
-
 def test_pipeline_with_data_parallel_compiles():
     text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n}\n"
     compiled = compile_plan(
         check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs())
     )
     assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
-
-
-def test_weights_tied_across_pipeline_ranks_with_zero_are_refused():
-    pytest.importorskip("transformers")
-    from meshplan.compiler.capture import load_model
-
-    source = load_model(f"{ROOT}/tests/compiler/hf_factories.py:hf_gpt2")
-    text = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n\ndata_parallel over dp {\n    zero = 1\n}\n"
-    with pytest.raises(PlanError) as info:
-        compile_plan(check_text(text, "p.plan"), source)
-    assert (
-        "is shared by stages on different pipeline ranks (a tied weight), which ZeRO-1 cannot shard yet"
-        in (info.value.render())
-    )
 
 
 @pytest.mark.parametrize(("schedule", "cuts"), [("zero_bubble", 1), ("zbv", 3)])

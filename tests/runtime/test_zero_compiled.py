@@ -9,20 +9,22 @@ own worker setup (`session.open_session`) on gloo processes, against the unparti
 - ZeRO-3 on the example GPT, whose embedding and LM head are one tied parameter read under
   two names: it is gathered once, in the root unit.
 
-Each plan also trains like one device: `meshplan verify` against float64 and the yardstick.
+Each plan also trains like one device: `meshplan verify` against float64 and the yardstick. The
+facts above are read from the ranks of that same verify run (its worker is `meshplan verify`'s,
+recording the ZeRO engine after training): one launch per plan checks both.
 """
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from plans import data_parallel, llama_rules, plan
 
-from meshplan.main import build_parser
-from meshplan.runtime.launch import spawn
-from meshplan.session import open_session, train_session
+from meshplan.verify import Report
 
 pytestmark = pytest.mark.slow
 
@@ -40,80 +42,92 @@ PLANS = {  # name: (plan, world size, model)
     "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2, LLAMA),
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
 }
-STEPS, MICRO_BATCH, SEQ, CLIP = 3, 2, 32, 0.5
-RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
+STEPS, MICRO_BATCH, SEQ = 3, 2, 32
 
 
-def worker(rank: int, world_size: int, tmp: str, name: str) -> dict:
+def worker(facts: str, rank: int, world_size: int, job):
+    """`meshplan verify`'s own rank, then what its ZeRO engine did, written to `facts`/rank{R}.pkl."""
+    import meshplan.session
+    from meshplan.verify import _rank
+
+    opened = []
+    open_session = meshplan.session.open_session
+
+    def recording(*args, **kwargs):
+        opened.append(open_session(*args, **kwargs))
+        return opened[-1]
+
+    meshplan.session.open_session = recording  # `_rank` imports it when it is called
+    result = _rank(rank, world_size, job)
+    zero = opened[0].dp
+    full_bytes = sum(f.full_nbytes() for f in zero.flats)
+    with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:
+        pickle.dump(
+            {
+                "issued": {(c.op, c.bytes): c.count for c in zero.issued()},
+                "units": [u.name for u in zero.units],
+                "peak_gathered": zero.peak_gathered,
+                "full_bytes": full_bytes,
+                "layer_bytes": max(
+                    (sum(f.full_nbytes() for f in u.flats) for u in zero.units if u.name), default=0
+                ),
+                "root_bytes": sum(sum(f.full_nbytes() for f in u.flats) for u in zero.units if not u.name),
+            },
+            f,
+        )
+    return result
+
+
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def run(request, tmp_path_factory) -> tuple[str, Report, dict, list[dict]]:
+    """(name, the verify report, the compiler's dp ledger, each rank's ZeRO facts)."""
     from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.dsl import load_plan
+    from meshplan.verify import verify
 
-    plan_path = Path(tmp) / f"{name}.plan"
-    args = build_parser().parse_args(
-        [
-            "run",
-            str(plan_path),
-            "--model",
-            PLANS[name][2],
-            "--batch",
-            str(MICRO_BATCH),
-            "--seq",
-            str(SEQ),
-            "--out",
-            tmp,
-            *RUN_FLAGS,
-        ]
+    name = request.param
+    text, world, model = PLANS[name]
+    tmp = tmp_path_factory.mktemp(name)
+    plan_path = tmp / f"{name}.plan"
+    plan_path.write_text(text)
+    report = verify(
+        str(plan_path),
+        model,
+        steps=STEPS,
+        batch=MICRO_BATCH,
+        seq=SEQ,
+        worker=functools.partial(worker, str(tmp)),
     )
-    prepared = open_session(args, rank, world_size)
-    zero = prepared.dp
-    train_session(args, prepared, show_progress=False)
-    plan = load_plan(plan_path, world_size=world_size)
-    compiled = compile_plan(plan, with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ))
+    # the compiler's ledger, compiled here once: one program serves every rank
+    compiled = compile_plan(
+        load_plan(plan_path, world_size=world),
+        with_token_shape(load_model(model), batch=MICRO_BATCH, seq=SEQ),
+    )
     ledger: Counter[tuple[str, int]] = Counter()
     for row in compiled.ledger.rows:
         if row.axis == "dp":
             ledger[row.op, row.bytes] += row.count
-    full_bytes = sum(f.full_nbytes() for f in zero.flats)
-    return {
-        "ledger": dict(ledger),
-        "issued": {(c.op, c.bytes): c.count for c in zero.issued()},
-        "units": [u.name for u in zero.units],
-        "peak_gathered": zero.peak_gathered,
-        "full_bytes": full_bytes,
-        "layer_bytes": max((sum(f.full_nbytes() for f in u.flats) for u in zero.units if u.name), default=0),
-        "root_bytes": sum(sum(f.full_nbytes() for f in u.flats) for u in zero.units if not u.name),
-    }
+    facts = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    return name, report, dict(ledger), facts
 
 
-@pytest.fixture(scope="module", params=sorted(PLANS))
-def run(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    name = request.param
-    text, world, _ = PLANS[name]
-    tmp = tmp_path_factory.mktemp(name)
-    (tmp / f"{name}.plan").write_text(text)
-    return name, spawn(worker, world, (str(tmp), name), timeout_s=240)
+def test_trains_like_one_device(run) -> None:
+    from meshplan.verify import render
 
-
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_trains_like_one_device(tmp_path, name: str) -> None:
-    from meshplan.verify import render, verify
-
-    text, world, model = PLANS[name]
-    (tmp_path / f"{name}.plan").write_text(text)
-    report = verify(str(tmp_path / f"{name}.plan"), model, steps=STEPS, batch=MICRO_BATCH, seq=SEQ)
-    assert report.world_size == world
+    name, report, _, _ = run
+    assert report.world_size == PLANS[name][1]
     assert report.ok and report.float64, render(report)
 
 
 def test_ledger_is_what_the_engine_issued(run) -> None:
-    _, results = run
+    _, _, ledger, results = run
     for r in results:
-        assert r["ledger"] == r["issued"]
+        assert ledger == r["issued"]
 
 
 def test_zero3_gathers_layer_by_layer(run) -> None:
-    name, results = run
+    name, _, _, results = run
     if not name.startswith("zero3"):
         pytest.skip("stage 3 only")
     layers = "h" if name == "zero3_tied" else "layers"

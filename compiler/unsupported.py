@@ -50,8 +50,23 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `on DEVICE` rule (no pass lowers them)."""
+    """One error per `on DEVICE` rule (no pass lowers them), and per selective checkpoint rule
+    under a schedule that splits the backward (a region computed under selective
+    checkpointing can be backwarded once only; the split runs it in two halves)."""
     out: list[Diagnostic] = []
+    split = plan.pipeline is not None and plan.pipeline.schedule in ("zero_bubble", "zbv")
+    for rule in plan.rules_of("checkpoint"):
+        action = rule.action
+        if split and isinstance(action, ast.Checkpoint) and action.mode == "selective":
+            assert plan.pipeline is not None
+            out.append(
+                Diagnostic(
+                    action.span,
+                    f"selective checkpointing under `schedule = {plan.pipeline.schedule}` is not lowered yet: "
+                    "its backward runs in two halves, and a selective region can be backwarded once",
+                    hint="use `checkpoint full` here, or `schedule = 1f1b` / `interleaved`",
+                )
+            )
     for rule in plan.rules:
         action = rule.action
         if isinstance(action, ast.Device):

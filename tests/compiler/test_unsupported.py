@@ -255,3 +255,16 @@ class TinyMoE(nn.Module):
 def _moe_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+def test_selective_checkpointing_under_a_split_backward_is_refused(schedule: str):
+    text = (
+        "mesh pp=2\n\nmodules {\n    layers.*: checkpoint selective\n}\n\n"
+        f"pipeline over pp {{\n    schedule = {schedule}\n}}\n"
+    )
+    rendered = _refusal(text)
+    assert rendered.startswith(
+        f"p.plan:4:15: error: selective checkpointing under `schedule = {schedule}` is not lowered yet"
+    )
+    assert "hint: use `checkpoint full` here" in rendered

@@ -8,8 +8,9 @@ Three trainings on the same batches of random token ids (over the whole vocabula
 `meshplan run`'s own loop (`runtime/train.py`: AdamW, LR schedule, clipping, accumulation, loss
 scaling):
 
-- **partitioned**: the real program on as many gloo processes as the mesh has ranks, built by
-  `meshplan run`'s worker setup (`session.open_session`), its weights consolidated as `run --export` writes them;
+- **partitioned**: the real program on as many gloo processes as the mesh has ranks: compiled
+  once before they start and loaded by each, as `meshplan run`'s launcher and workers do
+  (`session.open_session`), its weights consolidated as `run --export` writes them;
 - **reference**: the unpartitioned model in float64 (complex tensors in complex128);
 - **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
   weights, the plan's precision policy and nothing else): rounding alone.
@@ -61,6 +62,7 @@ class Job:
     vocab: int  # token ids are drawn from [0, vocab)
     out: str
     microbatches: int = 1  # a pipeline's micro-step: this many batches of `batch` sequences
+    program: str = ""  # the compiled program every rank loads (`meshplan run --program`)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ def _rank(rank: int, world_size: int, job: Job):
             "--warmup", "1",
             "--seed", str(job.seed),
             "--out", str(Path(job.out) / "partitioned"),
+            *(("--program", job.program) if job.program else ()),
         ]
     )  # fmt: skip
     prepared = open_session(args, rank, world_size)
@@ -330,6 +333,7 @@ def verify(
 
     from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
@@ -358,7 +362,13 @@ def verify(
 
     with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as out:
         micro = pipeline_microbatches(plan, compiled.layout)
-        job = Job(plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out, micro)
+        # every rank loads the program compiled above instead of compiling it again, as the ranks
+        # of `meshplan run` load the launcher's
+        program = Path(out) / PROGRAM
+        save_executable(to_executable(compiled), program)
+        job = Job(
+            plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out, micro, str(program)
+        )
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
 

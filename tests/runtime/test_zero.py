@@ -8,8 +8,8 @@ its second moment, so a gradient element near zero moves its parameter by a roun
 difference times `lr / eps`-ish, and the reduction order of a data-parallel all-reduce differs
 from one device's by rounding. So the parameters' distance to the float64 run is compared with
 the float32 single-device run's own distance to it (the *yardstick*: rounding alone): within
-`YARDSTICK_FACTOR` times it. Every case runs in one spawn (`results`; process start-up
-dominates) and the tests read its results; the checkpoint test has its own spawn.
+`YARDSTICK_FACTOR` times it. Every case, the checkpoint resume included, runs in one spawn
+(`results`; process start-up dominates) and the tests read its results.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import tempfile
 from typing import NamedTuple
 
 import pytest
@@ -164,16 +163,17 @@ CASES = {
 }
 
 
-def all_cases_worker(rank: int, world: int) -> dict[str, dict]:
+def all_cases_worker(rank: int, world: int, tmp: str) -> dict[str, dict]:
     out = {name: parity_worker(rank, world, case) for name, case in CASES.items()}
     out["bf16"] = bf16_worker(rank, world)
+    out["checkpoint"] = checkpoint_worker(rank, world, tmp)
     return out
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
+def results(tmp_path_factory) -> list[dict[str, dict]]:
     """Every case's result, by rank."""
-    return spawn(all_cases_worker, WORLD)
+    return spawn(all_cases_worker, WORLD, (str(tmp_path_factory.mktemp("zero")),))
 
 
 # ---------------------------------------------------------------------------- parity
@@ -362,11 +362,10 @@ def checkpoint_worker(rank: int, world: int, tmp: str) -> dict[int, float]:
     return diffs
 
 
-def test_distributed_checkpoint_resume() -> None:
+def test_distributed_checkpoint_resume(results: list[dict]) -> None:
     """Resuming from a ZeRO checkpoint continues bit-identically (CPU), every stage."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for diffs in spawn(checkpoint_worker, WORLD, (tmp,)):
-            assert diffs == {1: 0.0, 2: 0.0, 3: 0.0}
+    for by_case in results:
+        assert by_case["checkpoint"] == {1: 0.0, 2: 0.0, 3: 0.0}
 
 
 def test_config_rejects_params_offload_below_stage_3() -> None:

@@ -23,6 +23,7 @@ Then GQA with fewer key/value heads than ranks (tp=4), and the families trained 
 dp=2 x tp=2 with SP and ZeRO-3, most with checkpointing, by `meshplan verify` (end of the file).
 """
 
+import traceback
 from pathlib import Path
 
 import pytest
@@ -67,10 +68,30 @@ def cells(rank: int, world_size: int, family: str) -> dict[str, dict]:
     }
 
 
+def every_family(rank: int, world_size: int) -> dict[str, dict[str, dict] | str]:
+    """`cells` of each family (or the traceback of the one that raised): one spawn for all."""
+    out: dict[str, dict[str, dict] | str] = {}
+    for family in sorted(FAMILIES):
+        try:
+            out[family] = cells(rank, world_size, family)
+        except Exception:
+            out[family] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def family_cells() -> list[dict[str, dict[str, dict] | str]]:
+    """Each rank's `cells` by family: starting processes and importing the models' libraries is
+    most of a family's cost, so every family runs in one spawn of two processes."""
+    return spawn(every_family, 2, (), timeout_s=600)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_tp_and_sequence_parallel_match_one_device(family: str) -> None:
+def test_tp_and_sequence_parallel_match_one_device(family_cells, family: str) -> None:
     tolerance = TOLERANCE[family]
-    for by_cell in spawn(cells, 2, (family,), timeout_s=300):
+    for by_family in family_cells:
+        by_cell = by_family[family]
+        assert isinstance(by_cell, dict), by_cell
         for cell, r in by_cell.items():
             assert r["loss"] <= tolerance and r["grad"] <= tolerance, (cell, r)
 

@@ -15,11 +15,15 @@ the whole global batch in the same process:
   is measured in units of that run's distance to the fp32 model (see `BF16_YARDSTICK`).
 
 All cells run in one spawn of four processes: starting processes and importing torch is most
-of a cell's cost, so the 24 cells take about as long as a handful of separate tests.
+of a cell's cost, so the 24 cells take about as long as a handful of separate tests. Each cell's
+plan is compiled once (as `meshplan run`'s launcher compiles it) by one of the ranks, the cells
+spread over them, and every rank loads it; cells whose reference is the same computation (the
+eight bf16 cells, the fp32 cells of one global batch) share it: each rank trains it once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -92,21 +96,59 @@ def one_rank_plan_text(cell: str) -> str:
     return "mesh dp=1\n\n" + EXTRAS[extra][1]
 
 
-def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
+def compile_cell(world_size: int, tmp: Path, cell: str) -> None:
+    """The cell's program, compiled as `meshplan run`'s launcher compiles it, for every rank to load."""
     from meshplan.compiler.capture import load_model, with_token_shape
-    from meshplan.compiler.compile import build_rank_program, compile_plan
-    from meshplan.compiler.executable import load_executable, save_executable, to_executable
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.executable import save_executable, to_executable
     from meshplan.dsl import load_plan
 
+    plan_path = tmp / f"{cell}.plan"
+    plan_path.write_text(plan_text(cell))
+    shaped = with_token_shape(load_model("meshplan.examples.models.llama:build"), batch=MICRO_BATCH, seq=SEQ)
+    compiled = compile_plan(load_plan(plan_path, world_size=world_size), shaped, world_size=world_size)
+    save_executable(to_executable(compiled), tmp / f"{cell}.program.pt")
+
+
+# (precision policy, global batch, training config) -> what `reference` returns, per process
+_REFERENCES: dict[tuple[str, int, str], tuple[list[float], dict, dict | None]] = {}
+
+
+def reference(
+    tmp: Path, rank: int, cell: str, model: str, cfg, global_batch: int
+) -> tuple[list[float], dict, dict | None]:
+    """`cell`'s reference, trained on one device on the whole global batch: its losses, its
+    parameters, and for a bf16 cell the parameters of the fp32 model trained the same way (the
+    yardstick), else None. Cells whose reference is the same computation share one."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.dsl import load_plan
+
+    key = (one_rank_plan_text(cell), global_batch, repr(dataclasses.replace(cfg, run_dir=Path())))
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    source = load_model(model)
+    full_params = dict(source.model.named_parameters())
+    if cell.endswith("bf16"):
+        one = tmp / f"{cell}.rank{rank}.plan"
+        one.write_text(one_rank_plan_text(cell))
+        shaped = with_token_shape(source, batch=global_batch, seq=SEQ)
+        program = build_rank_program(compile_plan(load_plan(one, world_size=1), shaped), shaped.model, 0)
+        model_run: torch.nn.Module = _LossOnly(program)
+        ref_params = dict(program.named_parameters())
+        single_device_losses(source.model, cfg, batch=global_batch, seq=SEQ, clip=CLIP)  # fp32 yardstick
+    else:
+        model_run = source.model
+        ref_params = full_params
+    ref_losses = single_device_losses(model_run, cfg, batch=global_batch, seq=SEQ, clip=CLIP)
+    _REFERENCES[key] = ref_losses, ref_params, full_params if ref_params is not full_params else None
+    return _REFERENCES[key]
+
+
+def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
+    from meshplan.compiler.executable import load_executable
+
     plan_path, program_path = tmp / f"{cell}.plan", tmp / f"{cell}.program.pt"
-    if rank == 0:  # compiled once, as `meshplan run`'s launcher does; every rank loads it
-        plan_path.write_text(plan_text(cell))
-        shaped = with_token_shape(
-            load_model("meshplan.examples.models.llama:build"), batch=MICRO_BATCH, seq=SEQ
-        )
-        compiled = compile_plan(load_plan(plan_path, world_size=world_size), shaped, world_size=world_size)
-        save_executable(to_executable(compiled), program_path)
-    torch.distributed.barrier()
     args = build_parser().parse_args(
         [
             "run",
@@ -128,21 +170,7 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
     summary = train_session(args, prepared, show_progress=False)
     cfg = train_config(args, prepared)
     global_batch = DP * MICRO_BATCH * prepared.accumulation
-
-    source = load_model(args.model)
-    full_params = dict(source.model.named_parameters())
-    if cell.endswith("bf16"):
-        one = tmp / f"{cell}.rank{rank}.plan"
-        one.write_text(one_rank_plan_text(cell))
-        shaped = with_token_shape(source, batch=global_batch, seq=SEQ)
-        program = build_rank_program(compile_plan(load_plan(one, world_size=1), shaped), shaped.model, 0)
-        reference: torch.nn.Module = _LossOnly(program)
-        ref_params = dict(program.named_parameters())
-        single_device_losses(source.model, cfg, batch=global_batch, seq=SEQ, clip=CLIP)  # fp32 yardstick
-    else:
-        reference = source.model
-        ref_params = full_params
-    ref_losses = single_device_losses(reference, cfg, batch=global_batch, seq=SEQ, clip=CLIP)
+    ref_losses, ref_params, fp32_params = reference(tmp, rank, cell, args.model, cfg, global_batch)
 
     compiled = load_executable(program_path)  # the placements the ranks ran with
     coords = compiled.layout.coords(rank)
@@ -156,8 +184,8 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
             placement = compiled.param_placements.get(name, {})
             expected = local_shard(ref_params[name].detach(), placement, coords, compiled.layout)
             diff = float((local.detach() - expected).norm() / expected.norm())
-            if ref_params is not full_params:  # bf16: in units of bf16's own distance to fp32
-                fp32 = local_shard(full_params[name].detach(), placement, coords, compiled.layout)
+            if fp32_params is not None:  # bf16: in units of bf16's own distance to fp32
+                fp32 = local_shard(fp32_params[name].detach(), placement, coords, compiled.layout)
                 yardstick = float((expected - fp32).norm() / expected.norm())
                 drift, yard = drift + diff**2, yard + yardstick**2
                 diff /= max(yardstick, FP32_TOL)
@@ -193,7 +221,11 @@ class _nothing:
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict[str, dict]:
-    return {cell: run_cell(rank, world_size, Path(tmp), cell) for cell in [*CELLS, *MESH_CELLS, BROKEN]}
+    cells = [*CELLS, *MESH_CELLS, BROKEN]
+    for cell in cells[rank::world_size]:  # each compiled once, by one rank
+        compile_cell(world_size, Path(tmp), cell)
+    torch.distributed.barrier()
+    return {cell: run_cell(rank, world_size, Path(tmp), cell) for cell in cells}
 
 
 @pytest.fixture(scope="module")

@@ -373,11 +373,14 @@ def _each_sharded(shard: dict, axes: Axes, fn: Callable[[str, torch.Tensor], tor
     """Replace every parameter cut over an axis, and its moments, by `fn(name, tensor)`."""
     for name in [k for k in shard["model"] if axes.sharded_over(k)]:
         shard["model"][name] = fn(name, shard["model"][name])
-    for name, moments in shard["optim"].get("state", {}).items():
+    state = shard["optim"].get("state", {})
+    for name, moments in state.items():
         if axes.sharded_over(name):
-            for key in _MOMENTS:
-                if key in moments:
-                    moments[key] = fn(name, moments[key])
+            # a new dict: `get_state_dict` hands out the optimizer's own per-parameter state, which
+            # must keep this rank's shards (a save in mid-run once left the full moments in it)
+            state[name] = {
+                key: fn(name, value) if key in _MOMENTS else value for key, value in moments.items()
+            }
 
 
 def _rng_key() -> str:

@@ -9,6 +9,7 @@ up to reduction order.
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -54,15 +55,31 @@ def run(tmp_path: Path, plan: str, out: str, batch: int, *extra: str) -> list[di
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[int, float]:
-    """8 steps of dp=2 x tp=2 without interruption: the losses a resumed run must continue."""
+def straight(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """8 steps of dp=2 x tp=2 (zero = 0) without interruption, saved at step 4: its folder, and the
+    losses a resumed run must continue."""
     tmp = tmp_path_factory.mktemp("straight")
-    return {r["step"]: r["loss"] for r in run(tmp, DP_TP.replace("ZERO", "0"), "a", 4, "--steps", "8")}
+    records = run(tmp, DP_TP.replace("ZERO", "0"), "a", 4, "--steps", "8", "--save-every", "4")
+    return tmp / "a", {r["step"]: r["loss"] for r in records}
+
+
+def stopped_at_step_4(straight_run: Path, out: Path) -> None:
+    """`out`: the straight run's folder as it was after its step-4 checkpoint, which is what a
+    4-step run of the same plan leaves (the learning rate is still warming up at step 8, so the
+    first 4 steps do not depend on --steps)."""
+    shutil.copytree(straight_run, out)
+    shutil.rmtree(out / "checkpoints" / "step00000008")
+    for metrics in (out / "metrics").glob("rank*.jsonl"):
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:4]))
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(3, 0), (0, 1)])
 def test_dp2_tp2_checkpoint_resumes_with_dp4(tmp_path, straight, saved: int, resumed: int):
-    run(tmp_path, DP_TP.replace("ZERO", str(saved)), "b", 4, "--steps", "4", "--save-every", "4")
+    straight_run, straight_losses = straight
+    if saved == 0:  # the straight run saved this checkpoint: a second 4-step run would repeat it
+        stopped_at_step_4(straight_run, tmp_path / "b")
+    else:
+        run(tmp_path, DP_TP.replace("ZERO", str(saved)), "b", 4, "--steps", "4", "--save-every", "4")
     # the same global batch of 8 sequences: 4 per rank on 2 dp ranks, 2 per rank on 4
     dp4 = DP4.replace("ZERO", str(resumed))
     records = run(tmp_path, dp4, "b", 2, "--steps", "8", "--resume")
@@ -70,8 +87,8 @@ def test_dp2_tp2_checkpoint_resumes_with_dp4(tmp_path, straight, saved: int, res
     # steps 1-4 from the first run, 5-8 from the resumed one (a fresh start would repeat 1-4)
     assert [r["step"] for r in records] == list(range(1, 9))
     for step in range(5, 9):
-        assert abs(resumed_losses[step] - straight[step]) <= 1e-4 * abs(straight[step]), (
+        assert abs(resumed_losses[step] - straight_losses[step]) <= 1e-4 * abs(straight_losses[step]), (
             step,
             resumed_losses[step],
-            straight[step],
+            straight_losses[step],
         )

@@ -2,11 +2,14 @@
 
 Every case trains the partitioned program on gloo processes beside the float64 model and the
 one-device yardstick in the same test (see cli/verify.py); nothing is compared with stored numbers.
+The cases of one world size run on the same processes (`gloo_pool`): starting them was most of
+a case's cost.
 """
 
 from pathlib import Path
 
 import pytest
+from gloo_pool import shared_processes
 
 from meshplan.main import main
 from meshplan.verify import _rank, render, verify
@@ -15,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPILER_TESTS = ROOT / "tests/compiler"
 LLAMA = f"{ROOT}/examples/models/llama.py:build"
 GPT = f"{ROOT}/examples/models/gpt.py:build"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
 
 
 def write(tmp_path: Path, text: str, name: str = "case.plan") -> str:
@@ -58,8 +67,12 @@ def _rank_without_copy_backward(rank, world_size, job):
     backward no longer all-reduces the input gradient."""
     from meshplan.runtime.collectives import CopyToAxis
 
+    forward = CopyToAxis.forward
     CopyToAxis.forward = lambda self, x: x
-    return _rank(rank, world_size, job)
+    try:
+        return _rank(rank, world_size, job)
+    finally:
+        CopyToAxis.forward = forward  # the process runs the next case's rank too
 
 
 @pytest.mark.slow

@@ -21,12 +21,15 @@ What each family exercises:
 
 Then GQA with fewer key/value heads than ranks (tp=4), and the families trained under
 dp=2 x tp=2 with SP and ZeRO-3, most with checkpointing, by `meshplan verify` (end of the file).
+The jobs of one world size run on the same processes (`gloo_pool`): starting them and importing
+the models' libraries was most of a job's cost.
 """
 
 import traceback
 from pathlib import Path
 
 import pytest
+from gloo_pool import shared_processes
 from parity import grad_parity
 from plans import (
     BERT_RULES,
@@ -44,7 +47,7 @@ from plans import (
     plan,
 )
 
-from meshplan.runtime.launch import spawn
+from meshplan.runtime import launch
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +59,14 @@ FAMILIES = {  # name: (factory, tensor rules, sequence rules, dtype)
     "titan_llama": ("factories.py:titan_llama", TITAN_RULES, TITAN_SEQUENCE, "float64"),
     "dtensor_transformer": ("factories.py:dtensor_transformer", DTENSOR_RULES, DTENSOR_SEQUENCE, "float64"),
 }
+
 TOLERANCE = {"gpt2": 1e-6, "bert": 1e-12, "mixtral": 1e-5, "titan_llama": 1e-12, "dtensor_transformer": 1e-6}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
 
 
 def cells(rank: int, world_size: int, family: str) -> dict[str, dict]:
@@ -83,7 +93,7 @@ def every_family(rank: int, world_size: int) -> dict[str, dict[str, dict] | str]
 def family_cells() -> list[dict[str, dict[str, dict] | str]]:
     """Each rank's `cells` by family: starting processes and importing the models' libraries is
     most of a family's cost, so every family runs in one spawn of two processes."""
-    return spawn(every_family, 2, (), timeout_s=600)
+    return launch.spawn(every_family, 2, (), timeout_s=600)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -145,7 +155,7 @@ def test_fewer_key_value_heads_than_ranks_are_replicated() -> None:
     """GQA at tp=4 with 2 kv heads (the example Llama with 8 query heads, Qwen2 with 4, the
     torchtitan-style Llama): each rank keeps the kv head its query heads use. Qwen2's loss and
     the torchtitan-style Llama's RoPE are float32 inside."""
-    for by_cell in spawn(gqa_cells, 4, (), timeout_s=300):
+    for by_cell in launch.spawn(gqa_cells, 4, (), timeout_s=300):
         for cell, r in by_cell.items():
             # the torchtitan-style Llama rotates k in float32 (`xk.float()`): under replication its
             # backward rounds each rank's share of a kv head's gradient before the sum

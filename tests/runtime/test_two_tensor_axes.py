@@ -6,7 +6,7 @@ axis; each axis's collectives keep the other axis's layout; the ledger counts ea
 collective's bytes as what this rank holds. Trained on 4 gloo ranks, it matches one device
 as closely as one device's own rounding does (`meshplan verify`), and so does the variant
 with the residual stream on sequence shards over `tp` (the MLP's `tq` split then runs on this
-rank's tokens).
+rank's tokens); both on the same four processes (`gloo_pool`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gloo_pool import shared_processes
 from plans import plan
 
 from meshplan.compiler.capture import load_model, with_token_shape
@@ -38,6 +39,12 @@ SEQUENCE = """
     norm:                                      sequence over tp
 """
 TWO_AXES = plan(RULES, mesh="tp=2, tq=2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
 
 
 def compiled(text: str):

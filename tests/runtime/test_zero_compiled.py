@@ -11,7 +11,8 @@ own worker setup (`session.open_session`) on gloo processes, against the unparti
 
 Each plan also trains like one device: `meshplan verify` against float64 and the yardstick. The
 facts above are read from the ranks of that same verify run (its worker is `meshplan verify`'s,
-recording the ZeRO engine after training): one launch per plan checks both.
+recording the ZeRO engine after training): one launch per plan checks both, and the plans of
+one world size run on the same processes (`gloo_pool`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from gloo_pool import shared_processes
 from plans import data_parallel, llama_rules, plan
 
 from meshplan.verify import Report
@@ -45,6 +47,12 @@ PLANS = {  # name: (plan, world size, model)
 STEPS, MICRO_BATCH, SEQ = 3, 2, 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
+
+
 def worker(facts: str, rank: int, world_size: int, job):
     """`meshplan verify`'s own rank, then what its ZeRO engine did, written to `facts`/rank{R}.pkl."""
     import meshplan.session
@@ -58,7 +66,10 @@ def worker(facts: str, rank: int, world_size: int, job):
         return opened[-1]
 
     meshplan.session.open_session = recording  # `_rank` imports it when it is called
-    result = _rank(rank, world_size, job)
+    try:
+        result = _rank(rank, world_size, job)
+    finally:
+        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
     zero = opened[0].dp
     full_bytes = sum(f.full_nbytes() for f in zero.flats)
     with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:

@@ -8,9 +8,12 @@ causal mask's rows of this rank (`all_gather`), or heads moved by all-to-all (`u
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.meta import placement
+from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import llama
 
@@ -77,3 +80,12 @@ def test_explain_predicts_each_variant_and_the_ledger_agrees(mode: str):
     kind = "all_gather" if mode == "all_gather" else "all_to_all"
     rows = [r for r in compiled.ledger.rows if r.kind == kind and r.phase == "forward"]
     assert sum(r.traffic for r in rows) / 4 == 8192  # per layer: (2 h (N/P)(P-1)) x B x 4 bytes
+
+
+def test_a_batch_of_one_sequence_is_cut_by_sequence_too():
+    """Long sequences come one per batch: the loss's (1, T, V) -> (T, V) keeps the sequence shard."""
+    text = "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n"
+    source = ModelSource("m", llama.build(), llama.example_inputs(1, 16))
+    compiled = compile_plan(check_text(text, "p.plan"), source)
+    flat = [n for n in compiled.graph.graph.nodes if n.target is torch.ops.aten.flatten.using_ints]
+    assert flat and all(placement(n)["cp"] == Shard(0) for n in flat)

@@ -152,6 +152,9 @@ def _flatten(w: Walk, node: fx.Node) -> None:
         if merged:
             _set_merged(w, node, merged, p)
             return
+        if start < p.dim <= end and all(known_equal(s, 1) for s in shape(x)[start : p.dim]):
+            w.set(node, p.at(start), w.rule_near(node))  # (1, T, V) -> (T, V): only ones before it
+            return
         if start < p.dim <= end:
             w.error(node, f"{describe(node)} flattens a dim sharded over `{w.axis}` into an inner position")
         out = p.dim if p.dim <= start else p.dim - (end - start)

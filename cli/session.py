@@ -240,7 +240,8 @@ def _expert_data_parallel(
 def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[str, Any]]:
     """Each step's expert load: the (token, slot) pairs routed to each expert of each MoE
     layer over the whole job, and its overload factor (the most loaded expert-parallel rank's
-    pairs over the balanced share). One all-reduce of the counts per data axis."""
+    pairs over the balanced share); under a capacity, `dropped`: those of them each expert
+    had no room for. One all-reduce of the counts per data axis."""
     import torch
 
     from meshplan.runtime.experts import ExpertParallel
@@ -250,15 +251,19 @@ def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[st
     def metrics() -> dict[str, Any]:
         if not units:
             return {}
-        counts = axes.sum_over(torch.cat([u.take_tokens() for u in units]), axes.data, "expert load")
+        local = torch.cat([torch.cat([u.take_tokens(), u.take_dropped()]) for u in units])
+        counts = axes.sum_over(local, axes.data, "expert load")
         load = {}
-        for unit, tokens in zip(units, counts.split([u.num_experts for u in units]), strict=True):
+        for unit, both in zip(units, counts.split([2 * u.num_experts for u in units]), strict=True):
+            tokens, dropped = both.chunk(2)
             per_rank = tokens.view(axes.size(unit.axis), -1).sum(1)
             share = float(tokens.sum()) / len(per_rank)
             load[unit.path] = {
                 "tokens": tokens.tolist(),
                 "overload": float(per_rank.max()) / share if share else 0.0,
             }
+            if unit.capacity_factor is not None:
+                load[unit.path]["dropped"] = dropped.tolist()
         return {"expert_load": load}
 
     return metrics

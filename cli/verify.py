@@ -11,7 +11,9 @@ scaling):
 - **partitioned**: the real program on as many gloo processes as the mesh has ranks: compiled
   once before they start and loaded by each, as `meshplan run`'s launcher and workers do
   (`session.open_session`), its weights consolidated as `run --export` writes them;
-- **reference**: the unpartitioned model in float64 (complex tensors in complex128);
+- **reference**: the unpartitioned model in float64 (complex tensors in complex128); under an
+  experts rule with a `capacity_factor`, its experts drop the pairs that rule drops
+  (`capacity_applied`: the routing weights of the pairs over capacity multiplied by 0);
 - **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
   weights, the plan's precision policy and nothing else): rounding alone.
 
@@ -334,6 +336,7 @@ def verify(
     from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
+    from meshplan.compiler.passes.experts import capacity_applied
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
@@ -381,7 +384,9 @@ def verify(
         yardstick = one_device(program, yard_loss, "yardstick")
         _fill_tied(yardstick.weights, source.model)
         try:
-            reference = one_device(float64, _eager_loss(float64, source, torch.float64), "reference")
+            # the model as the plan's capacity rules make it drop (the yardstick's unit drops alike)
+            with capacity_applied(plan, float64):
+                reference = one_device(float64, _eager_loss(float64, source, torch.float64), "reference")
             why_not = ""
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]

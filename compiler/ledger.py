@@ -28,7 +28,10 @@ brings the outputs back (the same shape); backward reverses the last two. Drople
 dispatch (and the combine's backward) sends a rank's N k rows, the rows it keeps included;
 the combine (and the dispatch's backward) sends back what its experts got, N k on average
 over the axis's ranks and exactly that summed over them. Where the rows go follows the
-routing: `traffic`, (n-1)/n x bytes, is the balanced prediction.
+routing: `traffic`, (n-1)/n x bytes, is the balanced prediction. With a capacity
+(`capacity_factor`) the buffers are fixed: no counts, and the dispatch and the combine each
+send E C rows (C = ceil(N k factor / E) per expert, `runtime.experts.expert_capacity`),
+exactly, on every rank, whatever the routing.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 from torch import fx
 
 from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
+from meshplan.runtime.experts import expert_capacity
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
@@ -267,7 +271,11 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     tokens, index = arg_node(node, 0), arg_node(node, 1)
     held = _held(tokens, shape(tokens), axis, layout)  # (N, H)
     k = _held(index, shape(index), axis, layout)[-1]
-    pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
+    factor, experts = info.get("capacity_factor"), int(info["experts"])
+    if factor is None:
+        pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
+    else:
+        pairs = (experts * expert_capacity(held[0], k, experts, factor), *held[1:])  # (E C, H)
     nbytes = math.prod(pairs) * value(tokens).element_size()
     n = layout.size(axis)
 
@@ -276,8 +284,9 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
             node.name, "experts", "all_to_all", op_phase, axis, shape_, size, count, n, where, again
         )
 
-    counts = (int(info["experts"]),)
-    forward = [row("forward", counts, 8 * counts[0], 1), row("forward", pairs, nbytes, 2)]
+    forward = [row("forward", pairs, nbytes, 2)]
+    if factor is None:  # dropless: the sizes follow the counts
+        forward.insert(0, row("forward", (experts,), 8 * experts, 1))
     rows = [*forward, row("backward", pairs, nbytes, 2)]
     if recomputed:  # checkpointing runs the forward again in backward
         rows += [dataclasses.replace(r, phase="backward", recompute=True) for r in forward]

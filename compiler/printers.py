@@ -179,7 +179,16 @@ def _expert_lines(compiled: Compiled) -> list[str]:
     if rows:
         first = [r for r in rows if r.node == rows[0].node]
         text = ", ".join(f"{r.count} x {r.bytes:,} B {r.phase}" for r in first if not r.recompute)
-        lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
+        info = next(u for u in units if u.name == rows[0].node).meta[COLLECTIVE]
+        if info.get("capacity_factor") is None:
+            lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
+        else:  # fixed buffers: E C rows each way, whatever the routing
+            capacity = first[0].shape[0] // info["experts"]
+            lines.append(
+                f"    all_to_all per unit and step: {text} (dispatch and combine of {info['experts']} x "
+                f"{capacity} rows: capacity_factor={info['capacity_factor']:g} lets each expert take "
+                f"{capacity} (token, slot) pairs of a rank's tokens here; the rest are dropped)"
+            )
     return [*lines, ""]
 
 

@@ -24,6 +24,26 @@ Dropless: every pair is computed, the all-to-alls have sizes that depend on the 
 (`_AllToAllV`), so autograd and the watchdog see the same collectives on every rank, even
 a rank whose experts got no token.
 
+With a capacity (`experts over ep (top_k=2, capacity_factor=1.25)`), each expert takes at
+most `C = ceil(N k f / E)` pairs of this rank's `N` tokens (GShard's and Switch's capacity,
+per routing group: the tokens this call routes, i.e. this rank's share of the micro-batch;
+`expert_capacity`). Which pairs it keeps is fixed by the routing alone (`expert_positions`):
+pairs rank by slot, then by token, so every token's first choice comes before any token's
+second (GShard's and DeepSpeed's top-2 order), and an expert keeps its first `C`. A dropped
+pair adds nothing to its token's output (its expert output counts as zero), so its routing
+weight gets no gradient from it either; the token keeps its other pairs (and the layer's
+residual, in the model). The buffers are fixed: each rank sends every expert `C` rows
+(kept pairs, then zero rows), so there is no count exchange, and the dispatch and combine
+move `E C` rows each, whatever the routing; the experts run on `E C` rows per rank, the zero
+rows' outputs are never read (so they add nothing to any gradient either):
+
+    step       what                                                    collective
+    place      kept pair (t, j) at row e C + position, zero elsewhere     -
+    dispatch   every expert's C rows to the rank of that expert          all_to_all (E C rows)
+    experts    the model's own experts module on them                    -
+    combine    back                                                      all_to_all (E C rows)
+    weigh      out[t] = sum of w[t, j] y[t, j] over the kept pairs        -
+
 Gradients. The batch is split over the expert axis too (it is data parallel for everything
 but the experts: torchtitan's layout), so the loss is the mean of every data rank's loss.
 An expert's weight gradient sums, through the combine's backward, the contributions of the
@@ -38,7 +58,9 @@ not shard it (`dp` in `mesh dp=2, ep=2`), as it averages every other weight over
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -83,6 +105,33 @@ class _AllToAllV(torch.autograd.Function):
         return (back if ctx.needs_input_grad[0] else None), anchor, None, None, None, None
 
 
+def expert_capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """Pairs an expert takes from one routing group of `num_tokens` tokens, each routed to `k`
+    experts: ceil(num_tokens k factor / num_experts), the factor taken as the decimal written
+    (1.1 is 11/10, so 20 pairs at 1.1 over 2 experts give 11, not 12).
+
+        expert_capacity(32, 2, 4, 1.25) == 20
+    """
+    return math.ceil(Fraction(repr(float(factor))) * num_tokens * k / num_experts)
+
+
+def expert_positions(top_k_index: Tensor, num_experts: int) -> Tensor:
+    """(N, k) -> (N, k): each (token, slot) pair's place in the queue of its expert, from 0.
+    Pairs queue by slot, then by token: every token's first choice before any second one.
+    An expert with capacity C keeps the pairs whose place is below C.
+
+        top_k_index = [[0, 1], [0, 2], [1, 0]]  ->  [[0, 1], [1, 0], [0, 2]]
+    """
+    num_tokens, k = top_k_index.shape
+    flat = top_k_index.t().reshape(-1)  # (k N,) slot-major: pair (t, j) at j N + t
+    order = flat.argsort(stable=True)  # (k N,) grouped by expert, slot-major inside
+    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    starts = counts.cumsum(0) - counts  # (E,) where each expert's group begins in `order`
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return place.view(k, num_tokens).t()  # (N, k)
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `factor`."""
 
@@ -102,7 +151,8 @@ class ExpertParallel(AxisCollective):
     The compiled graph holds a group-less instance naming the model's experts module (`path`)
     and its parameters (`param_names`, each stacked over the experts on dim 0); `bind` makes a
     rank's, which runs the model's own module code on this rank's experts. `tokens` counts the
-    rows routed to each of the `num_experts` experts by this rank since `take_tokens`, and
+    rows routed to each of the `num_experts` experts by this rank since `take_tokens`,
+    `dropped` those of them over capacity (`capacity_factor`; None: dropless), and
     `sent_bytes` what its all-to-alls sent (forward and backward, the rows it keeps included).
     """
 
@@ -115,17 +165,21 @@ class ExpertParallel(AxisCollective):
         path: str = "",
         num_experts: int = 0,
         param_names: tuple[str, ...] = (),
+        capacity_factor: float | None = None,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
+        self.capacity_factor = capacity_factor
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
+        self.dropped = torch.zeros(num_experts, dtype=torch.int64)
         self.sent_bytes = 0
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}"
+        capacity = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""
+        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}"
 
     def bind(self, group: dist.ProcessGroup | None, model: nn.Module) -> ExpertParallel:
         """This rank's instance: its process group, and the model's experts module as the
@@ -137,6 +191,7 @@ class ExpertParallel(AxisCollective):
             path=self.path,
             num_experts=self.num_experts,
             param_names=self.param_names,
+            capacity_factor=self.capacity_factor,
         )
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound
@@ -153,15 +208,22 @@ class ExpertParallel(AxisCollective):
         tokens, self.tokens = self.tokens, torch.zeros_like(self.tokens)
         return tokens
 
+    def take_dropped(self) -> Tensor:
+        """(num_experts,) of those rows, the ones over capacity (all 0 dropless)."""
+        dropped, self.dropped = self.dropped, torch.zeros_like(self.dropped)
+        return dropped
+
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *params: Tensor) -> Tensor:
         # x: (N, H) this rank's tokens; top_k_index, top_k_weights: (N, k); params: (E/n, ...) each
+        if self.capacity_factor is not None:
+            return self._with_capacity(x, top_k_index, top_k_weights, params)
         n = dist.get_world_size(self.group) if self.group is not None else 1
         local = self.num_experts // n
         num_tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # (N k,) the expert of each (token, slot) pair
         order = flat.argsort(stable=True)  # (N k,) pairs grouped by expert, so by rank
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,) pairs per expert
-        if torch.is_grad_enabled() and not _in_backward():  # not again when checkpointing recomputes
+        if _counting():
             self.tokens += counts.detach().cpu()
         received = self._exchange(counts)  # (n L,) pairs from rank j for local expert l at j L + l
         send = counts.view(n, local).sum(1).tolist()  # pairs to each rank
@@ -170,18 +232,53 @@ class ExpertParallel(AxisCollective):
         tokens = _AllToAllV.apply(rows, None, send, recv, self, "dispatch")  # (M, H)
         local_index = torch.arange(local, device=x.device).repeat(n).repeat_interleave(received)  # (M,)
         ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (M, 1): weighed after the combine
-        scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
-        y = torch.func.functional_call(
-            self.local,
-            dict(zip(self.param_names, scaled, strict=True)),
-            (tokens, local_index[:, None], ones),
-        )  # (M, H) each row through its expert
+        y = self._experts(tokens, local_index, ones, params, n)  # (M, H) each row through its expert
         anchor = tokens if tokens.shape[0] == 0 else None
         back = _AllToAllV.apply(y, anchor, recv, send, self, "combine")  # (N k, H) in `order`
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         pairs = back[inverse].view(num_tokens, k, -1)  # (N, k, H) in (token, slot) order
         return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
+
+    def _with_capacity(
+        self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, params: Sequence[Tensor]
+    ) -> Tensor:
+        """`forward` with each expert taking at most C pairs of this rank's tokens, in fixed
+        buffers of E C rows (see the module docstring)."""
+        assert self.capacity_factor is not None
+        n = dist.get_world_size(self.group) if self.group is not None else 1
+        experts, local = self.num_experts, self.num_experts // n
+        num_tokens, k = top_k_index.shape
+        capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
+        place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
+        kept = place < capacity  # (N, k)
+        if _counting():
+            self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=experts).cpu()
+            self.dropped += torch.bincount(top_k_index[~kept], minlength=experts).cpu()
+        slot = top_k_index * capacity + place  # (N, k) the pair's row in the send buffer, if kept
+        source = torch.full((experts * capacity,), num_tokens, device=x.device)  # (E C,) row N: zeros
+        token = torch.arange(num_tokens, device=x.device)[:, None].expand(num_tokens, k)  # (N, k)
+        source[slot[kept]] = token[kept]
+        rows = torch.cat([x, x.new_zeros((1, x.shape[1]))])[source]  # (E C, H) by expert, so by rank
+        split = [local * capacity] * n  # rows to (and from) each rank
+        tokens = _AllToAllV.apply(rows, None, split, split, self, "dispatch")  # (n L C, H)
+        local_index = torch.arange(local, device=x.device).repeat_interleave(capacity).repeat(n)  # (n L C,)
+        ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (n L C, 1): weighed after the combine
+        y = self._experts(tokens, local_index, ones, params, n)  # (n L C, H)
+        anchor = tokens if tokens.shape[0] == 0 else None
+        back = _AllToAllV.apply(y, anchor, split, split, self, "combine")  # (E C, H) as `rows`
+        padded = torch.cat([back, back.new_zeros((1, back.shape[1]))])  # row E C: a dropped pair's zero
+        pairs = padded[torch.where(kept, slot, experts * capacity)]  # (N, k, H)
+        return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
+
+    def _experts(self, tokens: Tensor, local_index: Tensor, ones: Tensor, params, n: int) -> Tensor:
+        """The model's experts module on rows `tokens` (M, H), row i through local expert
+        `local_index[i]` with weight 1; each expert weight's gradient scaled by 1/n (the mean
+        over the axis's data ranks, see the module docstring)."""
+        scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
+        return torch.func.functional_call(
+            self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens, local_index[:, None], ones)
+        )  # (M, H)
 
     def _exchange(self, counts: Tensor) -> Tensor:
         """Every rank's pairs per expert for this rank's experts (an all-to-all of the counts)."""
@@ -192,6 +289,12 @@ class ExpertParallel(AxisCollective):
         self.sent_bytes += counts.numel() * counts.element_size()
         dist.all_to_all_single(out, counts, group=self.group)
         return out
+
+
+def _counting() -> bool:
+    """Whether a forward counts its routing for the metrics: in training, once (not when
+    checkpointing recomputes it in backward)."""
+    return torch.is_grad_enabled() and not _in_backward()
 
 
 def _in_backward() -> bool:

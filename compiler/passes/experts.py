@@ -21,6 +21,12 @@ The interface is what Hugging Face's transformers 5 gives every MoE model
 (`experts(hidden_states, top_k_index, top_k_weights)`, 3-D parameters with the experts on
 dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{i[t, j]}(x[t]).
 
+A `capacity_factor` goes to the unit (`ExpertParallel(..., capacity_factor=1.25)`): each
+expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and the rest are
+dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
+unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Not under a
+context axis: its ranks route slices of sequences, so their drops would not be one device's.
+
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
 inputs are whole over every tensor axis: the operator has no sharding rule).
 Ensures: no `meshplan.experts` node is left; each became a call_module node
@@ -37,6 +43,10 @@ After (ep=2; each rank holds 2 experts: gate_up_proj (2, 2I, H), down_proj (2, H
 
     experts_ep = self.experts_ep(reshape_1, getitem_5, div,
         layers_0_mlp_experts_gate_up_proj, layers_0_mlp_experts_down_proj)
+
+where `self.experts_ep` is `ExpertParallel(axis='ep', path='layers.0.mlp.experts',
+num_experts=4)`, or with `capacity_factor=1.25` in the rule `ExpertParallel(...,
+capacity_factor=1.25)`.
 """
 
 from __future__ import annotations
@@ -234,13 +244,22 @@ def _lower(
         index += 1
     target = f"experts_{rule.axis}_{index}"
     relative = tuple(name.removeprefix(f"{path}.") for name in names)
-    gm.add_submodule(
-        target, ExpertParallel(None, rule.axis, path=str(path), num_experts=count, param_names=relative)
+    factor = capacity_factor(rule)
+    unit = ExpertParallel(
+        None, rule.axis, path=str(path), num_experts=count, param_names=relative, capacity_factor=factor
     )
+    gm.add_submodule(target, unit)
     with gm.graph.inserting_before(node):
         call = gm.graph.call_module(target, (tokens, top_k_index, top_k_weights, *params))
     call.meta.update(node.meta)
-    call.meta[COLLECTIVE] = {"kind": "experts", "axis": rule.axis, "dim": 0, "rule": rule, "experts": count}
+    call.meta[COLLECTIVE] = {
+        "kind": "experts",
+        "axis": rule.axis,
+        "dim": 0,
+        "rule": rule,
+        "experts": count,
+        "capacity_factor": factor,
+    }
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
     for get_attr in gm.graph.nodes:
@@ -248,6 +267,47 @@ def _lower(
             get_attr.meta.setdefault(PLACEMENT, {})[rule.axis] = Shard(0)
     for name in names:
         ctx.experts[name] = ExpertParams(rule.axis, rule)
+
+
+def capacity_factor(rule: PlanRule) -> float | None:
+    """The rule's `capacity_factor`, or None: dropless."""
+    assert isinstance(rule.action, ast.ExpertParallel)
+    return next((float(a.value) for a in rule.action.args if a.name.text == "capacity_factor"), None)
+
+
+@contextlib.contextmanager
+def capacity_applied(plan: Plan, model: nn.Module) -> Iterator[None]:
+    """While it lasts, every experts module a rule with a `capacity_factor` governs drops the
+    pairs the compiled unit drops (`runtime.experts.expert_positions`, over the tokens of each
+    call): their routing weights multiplied by 0, its own code computing the rest. So the
+    unpartitioned model (`meshplan verify`'s float64 reference) follows the plan's capacity
+    rule without the unit's buffers and all-to-alls: a dropped pair adds 0 to its token's
+    output, and its weight gets no gradient from it, as in the unit."""
+    from meshplan.runtime.experts import expert_capacity, expert_positions
+
+    modules = dict(model.named_modules())
+    patched = []
+    for path, rule in expert_modules(plan, model).items():
+        factor, module = capacity_factor(rule), modules[path]
+        count = num_experts(module, model)
+        if factor is None or count is None:
+            continue
+        signature, forward = inspect.signature(module.forward), module.forward
+
+        def dropping(*args, _signature=signature, _forward=forward, _factor=factor, _count=count, **kwargs):
+            bound = _signature.bind(*args, **kwargs)
+            tokens, index, weights = bound.args[:3]
+            capacity = expert_capacity(index.shape[0], index.shape[1], _count, _factor)
+            kept = expert_positions(index, _count) < capacity  # (N, k)
+            return _forward(tokens, index, weights * kept, *bound.args[3:], **bound.kwargs)
+
+        module.forward = dropping
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
 
 
 def _sizes(
@@ -284,13 +344,16 @@ def _sizes(
                 )
         for arg in rule.action.args:
             if arg.name.text == "capacity_factor":
-                out.append(
-                    Diagnostic(
-                        arg.span,
-                        "expert capacity (`capacity_factor`) is not lowered yet: experts run dropless",
-                        hint="remove `capacity_factor` to train dropless (every token reaches its experts)",
+                if plan.rules_of("context"):
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            "expert capacity (`capacity_factor`) with context parallelism is not lowered "
+                            "yet: a rank routes a slice of each sequence, so its drops would not be "
+                            "one device's",
+                            hint="remove `capacity_factor` to train dropless (every token reaches its experts)",
+                        )
                     )
-                )
                 continue
             for (count, k), paths in groups.items():
                 if arg.value > count:

@@ -98,14 +98,37 @@ def test_what_cannot_work_and_what_is_not_lowered_yet_are_located_errors():
         "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
         "                                               ^~~~~~~\n"
         "hint: use top_k of at most 4\n"
-        "p.plan:4:53: error: expert capacity (`capacity_factor`) is not lowered yet: experts run dropless\n"
-        "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
-        "                                                        ^~~~~~~~~~~~~~~~~~~~\n"
-        "hint: remove `capacity_factor` to train dropless (every token reaches its experts)\n"
         "p.plan:8:5: error: ZeRO with expert parallelism (experts over `ep`) is not lowered yet\n"
         "        zero = 1\n"
         "        ^~~~~~~~\n"
         "hint: use `zero = 0` with `experts` rules"
+    )
+
+
+def test_a_capacity_fixes_the_all_to_all_buffers():
+    """`capacity_factor=1.25`: each expert takes C = ceil(32 tokens x 2 x 1.25 / 4) = 20 pairs of
+    a rank's tokens, so the dispatch and the combine move 4 x 20 rows each way, no counts."""
+    text = EXPERTS.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)")
+    compiled = _compile(f"mesh dp=2, ep=2\n\n{text}\ndata_parallel over dp {{\n}}\n")
+    rows = [(r.phase, r.shape, r.bytes, r.count) for r in compiled.ledger.rows if r.node == "experts_ep_0"]
+    assert rows == [("forward", (80, 64), 20480, 2), ("backward", (80, 64), 20480, 2)]
+    assert compiled.graph.experts_ep_0.capacity_factor == 1.25
+    assert (
+        "all_to_all per unit and step: 2 x 20,480 B forward, 2 x 20,480 B backward (dispatch and "
+        "combine of 4 x 20 rows: capacity_factor=1.25 lets each expert take 20 (token, slot) pairs "
+        "of a rank's tokens here; the rest are dropped)" in explain(compiled)
+    )
+
+
+def test_a_capacity_under_context_parallelism_is_refused():
+    """A context rank routes a slice of each sequence: its capacity would not be one device's."""
+    text = (
+        "mesh cp=2, ep=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n"
+        "    layers.*.mlp.experts: experts over ep (top_k=2, capacity_factor=1.25)\n}\n"
+    )
+    assert _errors(text).splitlines()[0] == (
+        "p.plan:5:53: error: expert capacity (`capacity_factor`) with context parallelism is not "
+        "lowered yet: a rank routes a slice of each sequence, so its drops would not be one device's"
     )
 
 

@@ -311,5 +311,5 @@ def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> 
         return template.bind(mesh.get_group(template.axis) if mesh is not None else None, model)
     if isinstance(template, AxisCollective):
         group = mesh.get_group(template.axis) if mesh is not None else None
-        return type(template)(group, template.axis)
+        return type(template)(group, template.axis, balanced=template.balanced)
     return copy.copy(template)

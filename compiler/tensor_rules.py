@@ -91,12 +91,16 @@ def _ulysses_over_split_heads(plan: Plan, resolution: Resolution, axis: str) -> 
 
 def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: str) -> TensorParallelSpec:
     """Context parallelism over `axis`: every parameter whole, every activation cut by sequence
-    from the token inputs on, and the attention modules the `context` rules name."""
+    from the token inputs on, and the attention modules the `context` rules name; the
+    load-balanced layout unless a module uses Ulysses (or no attention is causal: the walk)."""
     modules = {
         path: kinds["context"]
         for path, kinds in resolution.placements.items()
         if "context" in kinds and kinds["context"].axis == axis
     }
+    # Ulysses attends to the whole sequence on every rank (its heads only): nothing to balance,
+    # and its all-to-alls move heads, so the axis keeps contiguous chunks with it
+    balanced = all(rule.action.mode in ("ring", "all_gather") for rule in modules.values())  # type: ignore[union-attr]
     return TensorParallelSpec(
         axis,
         layout.size(axis),
@@ -105,6 +109,7 @@ def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: 
         sequence_modules=modules,  # what a message about a sequence-cut tensor points at
         fallback_span=next(iter(modules.values())).span if modules else plan.mesh.span,
         context_modules=modules,
+        balanced=balanced,
     )
 
 

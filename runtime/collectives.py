@@ -22,6 +22,13 @@ Each forward collective has its conjugate in backward (Megatron's f/g pairs):
     VocabParallelEmbedding lookup of the local vocab rows, partial sums; the caller reduces
     VocabParallelCrossEntropy  cross-entropy over vocab-sharded logits (3 small all-reduces)
 
+A collective made with `balanced=True` (a context axis under the load-balanced causal layout)
+cuts a sharded dim into 2n chunks and gives rank r chunks r and 2n-1-r, in that order; its
+split, gather, reduce-scatter and all-to-all all use that layout (`to_balanced` before a
+contiguous cut, `from_balanced` after a contiguous gather), so the shards stay consistent:
+
+    n = 2, T = 8, chunks of 2:   rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5
+
 The modules hold their process group; nothing here is global state. Each collective
 tells `runtime/watchdog.py` what it is about to wait in (op, axis, node label), so a rank
 that times out can say which collective; `label_collectives` names the nodes.
@@ -46,37 +53,64 @@ def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x
 
 
-def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+def balanced_order(n: int) -> list[int]:
+    """The 2n chunks of a dim in the order the ranks hold them under the load-balanced layout:
+    rank r holds chunks r and 2n-1-r. n = 2: [0, 3, 1, 2]; n = 3: [0, 5, 1, 4, 2, 3]."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+def to_balanced(x: Tensor, dim: int, n: int) -> Tensor:
+    """A whole `dim` in sequence order -> in the ranks' order: its n contiguous pieces are then
+    the n ranks' shards under the load-balanced layout."""
+    chunks = x.chunk(2 * n, dim)
+    return torch.cat([chunks[c] for c in balanced_order(n)], dim)
+
+
+def from_balanced(x: Tensor, dim: int, n: int) -> Tensor:
+    """The inverse of `to_balanced`: the ranks' shards side by side -> sequence order."""
+    chunks = x.chunk(2 * n, dim)
+    where = {c: i for i, c in enumerate(balanced_order(n))}
+    return torch.cat([chunks[where[c]] for c in range(2 * n)], dim)
+
+
+def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = False) -> Tensor:
     """Concatenate every rank's `x` along `dim`: (.., n, ..) -> (.., n * world, ..)."""
     world = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
     _all_gather(out, moved, group=group)
+    out = from_balanced(out, 0, world) if balanced else out
     return out.movedim(0, dim)
 
 
-def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = False) -> Tensor:
     """Sum over ranks, each keeping its chunk of `dim`: (.., n, ..) -> (.., n / world, ..)."""
     world = dist.get_world_size(group)
-    moved = x.movedim(dim, 0).contiguous()
+    moved = x.movedim(dim, 0)
+    moved = (to_balanced(moved, 0, world) if balanced else moved).contiguous()
     out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
     _reduce_scatter(out, moved, group=group)
     return out.movedim(0, dim)
 
 
-def all_to_all(x: Tensor, src: int, dst: int, group: dist.ProcessGroup) -> Tensor:
+def all_to_all(x: Tensor, src: int, dst: int, group: dist.ProcessGroup, balanced: bool = False) -> Tensor:
     """A shard on `src` -> a shard on `dst`: `x` (this rank's chunk of `src`) is cut into `world`
     pieces along `dst`, piece j sent to rank j; the pieces received (every rank's chunk of `src`,
     this rank's of `dst`) are laid side by side along `src`: (.., S/n, .., D, ..) -> (.., S, .., D/n, ..)."""
     world = dist.get_world_size(group)
+    x = to_balanced(x, dst, world) if balanced else x
     sends = [piece.contiguous() for piece in x.chunk(world, dst)]
     received = [torch.empty_like(sends[0]) for _ in range(world)]
     dist.all_to_all(received, sends, group=group)
-    return torch.cat(received, src)
+    out = torch.cat(received, src)
+    return from_balanced(out, src, world) if balanced else out
 
 
-def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = False) -> Tensor:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if balanced:  # chunks rank and 2 world - 1 - rank of 2 world
+        chunks = x.chunk(2 * world, dim)
+        return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim).contiguous()
     return x.chunk(world, dim)[rank].contiguous()
 
 
@@ -108,14 +142,15 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x, dim, site, grad_is_partial):
         ctx.dim, ctx.site, ctx.grad_is_partial = dim, site, grad_is_partial
         site.note("all_gather")
-        return all_gather(x, dim, site.group)
+        return all_gather(x, dim, site.group, site.balanced)
 
     @staticmethod
     def backward(ctx, grad):
+        site = ctx.site
         if ctx.grad_is_partial:
-            ctx.site.note("reduce_scatter", "backward")
-            return reduce_scatter(grad, ctx.dim, ctx.site.group), None, None, None
-        return local_chunk(grad, ctx.dim, ctx.site.group), None, None, None
+            site.note("reduce_scatter", "backward")
+            return reduce_scatter(grad, ctx.dim, site.group, site.balanced), None, None, None
+        return local_chunk(grad, ctx.dim, site.group, site.balanced), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -123,24 +158,24 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx, x, dim, site):
         ctx.dim, ctx.site = dim, site
         site.note("reduce_scatter")
-        return reduce_scatter(x, dim, site.group)
+        return reduce_scatter(x, dim, site.group, site.balanced)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.site.note("all_gather", "backward")
-        return all_gather(grad, ctx.dim, ctx.site.group), None, None
+        return all_gather(grad, ctx.dim, ctx.site.group, ctx.site.balanced), None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, site):
         ctx.dim, ctx.site = dim, site
-        return local_chunk(x, dim, site.group)
+        return local_chunk(x, dim, site.group, site.balanced)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.site.note("all_gather", "backward")
-        return all_gather(grad, ctx.dim, ctx.site.group), None, None
+        return all_gather(grad, ctx.dim, ctx.site.group, ctx.site.balanced), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -148,12 +183,12 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, src, dst, site):
         ctx.src, ctx.dst, ctx.site = src, dst, site
         site.note("all_to_all")
-        return all_to_all(x, src, dst, site.group)
+        return all_to_all(x, src, dst, site.group, site.balanced)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.site.note("all_to_all", "backward")
-        return all_to_all(grad, ctx.dst, ctx.src, ctx.site.group), None, None, None
+        return all_to_all(grad, ctx.dst, ctx.src, ctx.site.group, ctx.site.balanced), None, None, None
 
 
 def _in_blocks(op, x: Tensor, dim: int, blocks: int) -> Tensor:
@@ -171,17 +206,23 @@ class AxisCollective(nn.Module):
     """Base: a collective bound to the process group of one mesh axis.
 
     `label` is its name in the program (`all_reduce_tp_3`, see `label_collectives`): the
-    watchdog's report names the node a rank waits in.
+    watchdog's report names the node a rank waits in. `balanced`: the axis's shards are in the
+    load-balanced layout (rank r holds chunks r and 2n-1-r of 2n), see the module docstring.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, axis: str, label: str = ""):
+    balanced: bool = False  # (a class default: programs saved before the layout existed)
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, axis: str, label: str = "", *, balanced: bool = False
+    ):
         super().__init__()
         self.group = group
         self.axis = axis
         self.label = label
+        self.balanced = balanced
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}"
+        return f"axis={self.axis!r}" + (", balanced" if self.balanced else "")
 
     def note(self, op: str, part: str = "") -> None:
         """Tell the watchdog this rank enters `op` here (`part`: "backward", a step of the loss)."""

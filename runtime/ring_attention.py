@@ -11,6 +11,16 @@ blocks, whatever the sequence length; the all-gather variant holds all n.
     step s on rank r holds the block of rank (r - s) mod n
     causal: a block from a later rank is masked whole (skipped), its own block triangularly
 
+Causal attention over contiguous chunks gives the last rank n blocks of work and rank 0 one.
+Under the load-balanced layout (`balanced`, the compiler's default for causal context
+parallelism) the sequence is cut into 2n chunks and rank r holds chunks r and 2n-1-r, so
+every rank does the same work at every step (`visible`, c = T / 2n, the block's chunks s and
+2n-1-s against the rank's r and 2n-1-r):
+
+    src == r   the whole 2c x 2c block, causal within (its positions still increase)
+    src <  r   every query row, the block's first chunk only (c columns): 2c x c
+    src >  r   the rank's second chunk only (c rows), every column: c x 2c
+
 The math is plain matmuls in float32 (scores, probabilities, the running statistics), so it
 runs wherever torch does, gloo and CPU included; the messages are `isend`/`irecv` on the axis's
 group. The whole-sequence result equals `scaled_dot_product_attention` with `is_causal`.
@@ -29,8 +39,9 @@ from .collectives import COLLECTIVES, AxisCollective
 
 class RingAttention(AxisCollective):
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)` over a sequence
-    cut into one contiguous chunk per rank of the axis (q, k, v: (B, H, T/n, D); GQA's fewer
-    key/value heads are repeated to the query heads first)."""
+    cut into one contiguous chunk per rank of the axis, or under `balanced` into chunks r and
+    2n-1-r of 2n (q, k, v: (B, H, T/n, D); GQA's fewer key/value heads are repeated to the
+    query heads first)."""
 
     def forward(
         self,
@@ -69,20 +80,25 @@ class _RingFunction(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
         block = [k.contiguous(), v.contiguous()]
+        t = q.shape[-2]
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             pending = ring.shift(block, "forward") if step < ring.n - 1 else None
-            if not (causal and src > ring.rank):
-                scores = _scores(q, block[0], scale, causal and src == ring.rank, _columns(mask, src, ring.n))
+            seen = visible(ring.rank, src, ring.n, t, causal, owner.balanced)
+            if seen is not None:
+                rows, cols, diagonal = seen
+                scores = _scores(
+                    q[..., rows, :], block[0][..., cols, :], scale, diagonal, _mask_of(mask, src, seen, owner)
+                )
                 block_lse = torch.logsumexp(scores, dim=-1)
                 # rows a mask hides from the whole block add nothing (and no NaN)
                 finite = torch.where(torch.isinf(block_lse), 0.0, block_lse)
-                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ block[1].float()
-                merged = torch.logaddexp(lse, block_lse)
-                keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse - merged))
+                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ block[1][..., cols, :].float()
+                merged = torch.logaddexp(lse[..., rows], block_lse)
+                keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse[..., rows] - merged))
                 add = torch.where(torch.isinf(merged), 0.0, torch.exp(block_lse - merged))
-                out = out * keep.unsqueeze(-1) + block_out * add.unsqueeze(-1)
-                lse = merged
+                out[..., rows, :] = out[..., rows, :] * keep.unsqueeze(-1) + block_out * add.unsqueeze(-1)
+                lse[..., rows] = merged
             if pending is not None:
                 block = pending()
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
@@ -99,18 +115,21 @@ class _RingFunction(torch.autograd.Function):
         delta = (grad * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32)
         block = [k.contiguous(), v.contiguous(), torch.zeros(k.shape), torch.zeros(v.shape)]
+        t = q.shape[-2]
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             kb, vb, dk, dv = block
-            if not (ctx.causal and src > ring.rank):
-                scores = _scores(
-                    q, kb, ctx.scale, ctx.causal and src == ring.rank, _columns(mask, src, ring.n)
-                )
-                p = torch.exp(scores - lse.unsqueeze(-1))
-                dv += p.transpose(-1, -2) @ grad
-                ds = p * (grad @ vb.float().transpose(-1, -2) - delta) * ctx.scale
-                dq += ds @ kb.float()
-                dk += ds.transpose(-1, -2) @ q.float()
+            seen = visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced)
+            if seen is not None:
+                rows, cols, diagonal = seen
+                qr, gr = q[..., rows, :].float(), grad[..., rows, :]
+                kc, vc = kb[..., cols, :].float(), vb[..., cols, :].float()
+                scores = _scores(qr, kc, ctx.scale, diagonal, _mask_of(mask, src, seen, ctx.owner))
+                p = torch.exp(scores - lse[..., rows].unsqueeze(-1))
+                dv[..., cols, :] += p.transpose(-1, -2) @ gr
+                ds = p * (gr @ vc.transpose(-1, -2) - delta[..., rows, :]) * ctx.scale
+                dq[..., rows, :] += ds @ kc
+                dk[..., cols, :] += ds.transpose(-1, -2) @ qr
             # the last step only takes each block's gradients home
             moving = block if step < ring.n - 1 else [dk, dv]
             received = ring.shift(moving, "backward")()
@@ -119,12 +138,41 @@ class _RingFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _columns(mask: Tensor | None, src: int, n: int) -> Tensor | None:
-    """The mask's columns of the keys in rank `src`'s block (of n)."""
+Visible = tuple[slice, slice, bool]
+
+
+def visible(rank: int, src: int, n: int, t: int, causal: bool, balanced: bool) -> Visible | None:
+    """Which scores rank `rank` (of n) computes against the key block of rank `src`, each
+    holding `t` positions: (query rows, key columns, causal within), or None for none at all.
+    Under `balanced` each rank holds chunks r and 2n-1-r of 2n (see the module docstring)."""
+    whole = slice(0, t)
+    if not causal or src == rank:
+        return whole, whole, causal
+    if not balanced:  # contiguous chunks: an earlier rank's block whole, a later one's not at all
+        return (whole, whole, False) if src < rank else None
+    half = t // 2
+    if src < rank:  # its chunk src precedes both of ours; its chunk 2n-1-src follows both
+        return whole, slice(0, half), False
+    return slice(half, t), whole, False  # our chunk 2n-1-r follows both of its chunks
+
+
+def _mask_of(mask: Tensor | None, src: int, seen: Visible, owner: RingAttention) -> Tensor | None:
+    """The model's mask for the scores `seen` computes: its rows of this rank's queries (unless
+    broadcast), its columns of the keys in rank `src`'s block."""
     if mask is None:
         return None
-    width = mask.shape[-1] // n
-    return mask[..., src * width : (src + 1) * width]
+    n = dist.get_world_size(owner.group)
+    rows, cols, _ = seen
+    if owner.balanced:  # the block is chunks src and 2n-1-src of 2n
+        width = mask.shape[-1] // (2 * n)
+        first, second = src * width, (2 * n - 1 - src) * width
+        block = torch.cat([mask[..., first : first + width], mask[..., second : second + width]], -1)
+    else:
+        width = mask.shape[-1] // n
+        block = mask[..., src * width : (src + 1) * width]
+    if block.shape[-2] != 1:
+        block = block[..., rows, :]
+    return block[..., cols]
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool, mask: Tensor | None = None) -> Tensor:

@@ -31,6 +31,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    # False: attention gets the grouped key/value heads (`enable_gqa`), as Hugging Face's sdpa
+    # path does without a mask, instead of heads repeated to the query heads first
+    repeat_kv: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +76,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.num_kv_groups = config.num_attention_heads // config.num_key_value_heads
+        self.repeat_kv = config.repeat_kv
         hidden, head_dim = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=False)
@@ -87,6 +91,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not self.repeat_kv:  # attention repeats them itself
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, nh, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
         # Grouped-query attention: each kv head serves num_kv_groups consecutive query heads.
         k = k.repeat_interleave(self.num_kv_groups, dim=1)  # (B, nh, T, D)
         v = v.repeat_interleave(self.num_kv_groups, dim=1)  # (B, nh, T, D)

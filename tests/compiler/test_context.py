@@ -12,14 +12,20 @@ import torch
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
-from meshplan.compiler.meta import placement
+from meshplan.compiler.meta import PLACEMENT, placement
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import llama
+from meshplan.runtime.collectives import AxisCollective
 
 
-def _compile(text: str):
-    return compile_plan(check_text(text, "p.plan"), ModelSource("m", llama.build(), llama.example_inputs()))
+def _compile(text: str, seq: int = 16, **config: object):
+    model = llama.build(**config)
+    return compile_plan(check_text(text, "p.plan"), ModelSource("m", model, llama.example_inputs(seq=seq)))
+
+
+def _plan(mode: str, mesh: str = "cp=2") -> str:
+    return f"mesh {mesh}\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n"
 
 
 def _calls(compiled) -> list[str]:
@@ -41,6 +47,54 @@ def test_all_gather_cuts_the_tokens_and_gathers_keys_and_values():
 def test_ulysses_moves_heads_by_all_to_all():
     compiled = _compile("mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n}\n")
     assert _calls(compiled).count("all_to_all_cp") == 4 * 4  # q, k, v in and the output back, per layer
+    assert not compiled.graph.all_to_all_cp.balanced  # Ulysses keeps contiguous chunks
+
+
+def test_causal_ring_and_all_gather_use_the_load_balanced_layout():
+    """Every collective over `cp` cuts the sequence into 2 x 2 chunks, rank r holding r and 3 - r:
+    the token inputs, the rotary tables and this rank's rows of the causal mask alike."""
+    for mode in ("ring", "all_gather"):
+        graph = _compile(_plan(mode)).graph
+        collectives = [m for m in graph.children() if isinstance(m, AxisCollective) and m.axis == "cp"]
+        assert collectives and all(m.balanced for m in collectives), mode
+        assert "balanced" in repr(graph.split_cp)
+
+
+def test_the_balanced_layout_needs_a_sequence_divisible_by_twice_the_context_size():
+    with pytest.raises(PlanError) as info:
+        _compile(_plan("ring"), seq=6)
+    assert info.value.render().splitlines()[0] == (
+        "p.plan:4:5: error: the sequence length 6 is not divisible by 4 = 2 x 2 ranks over `cp`: "
+        "causal attention's load-balanced layout gives each rank two chunks (r and 3 - r of 4)"
+    )
+    _compile(_plan("ulysses"), seq=6)  # contiguous chunks: 6 divides by 2
+
+
+def test_ulysses_with_fewer_key_value_heads_than_ranks_keeps_each_rank_its_head():
+    """One key/value head for four query heads at cp=2, handed to attention grouped: each rank
+    gathers the sequence of k and v and keeps the head its two query heads use (both ranks: 0)."""
+    compiled = _compile(_plan("ulysses"), num_key_value_heads=1, repeat_kv=False)
+    calls = _calls(compiled)
+    layers = 4
+    assert calls.count("all_to_all_cp") == 2 * layers  # q in, the output back
+    assert calls.count("all_gather_cp") == calls.count("kv_group_cp") == 2 * layers  # k and v
+    kept = [n for n in compiled.graph.graph.nodes if n.target == "kv_group_cp"]
+    assert {n.args[1:] for n in kept} == {(1, 2)}  # heads dim, 2 ranks per head
+    assert {str(n.meta[PLACEMENT]["cp"]) for n in kept} == {"Shard(1, replicas=2)"}
+
+
+def test_ulysses_refuses_query_heads_the_ranks_do_not_divide():
+    with pytest.raises(PlanError) as info:
+        _compile(_plan("ulysses"), num_attention_heads=1, num_key_value_heads=1)
+    rendered = info.value.render()
+    assert (
+        "has 1 query heads, not divisible by 2 ranks over `cp`: Ulysses gives each rank whole heads"
+        in rendered
+    )
+    assert (
+        "hint: use `context ring` or `context all_gather` for this module, or a `cp` size dividing 1"
+        in rendered
+    )
 
 
 def test_ulysses_over_heads_already_split_by_tensor_parallelism_is_refused_at_its_rule():

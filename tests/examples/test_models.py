@@ -108,6 +108,15 @@ def test_llama_grouped_query_attention_shapes() -> None:
     assert all(module.bias is None for module in model.modules() if isinstance(module, nn.Linear))
 
 
+def test_llama_grouped_heads_given_to_attention_compute_the_same() -> None:
+    """`repeat_kv=False` hands attention the key/value heads grouped (`enable_gqa`): same loss."""
+    input_ids, labels = llama.example_inputs(batch=2, seq=8)
+    with torch.no_grad():
+        want = llama.build(num_key_value_heads=1)(input_ids, labels)
+        got = llama.build(num_key_value_heads=1, repeat_kv=False)(input_ids, labels)
+    torch.testing.assert_close(got, want)
+
+
 def test_llama_is_causal() -> None:
     model = llama.build(num_hidden_layers=2)
     input_ids, _ = llama.example_inputs(batch=1, seq=8)

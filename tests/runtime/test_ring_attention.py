@@ -3,7 +3,9 @@
 Each rank holds one chunk of the sequence; the output and the gradients of q, k and v of its
 chunk must be the whole-sequence attention's (computed in float64 in the same test): causal,
 full, and with the model's own mask (a causal one with some keys hidden, so whole blocks of
-a row are masked), with fewer key/value heads than query heads (GQA), on 2 and 3 ranks.
+a row are masked), with fewer key/value heads than query heads (GQA), on 2 and 3 ranks; each
+in both layouts: one contiguous chunk per rank, and the load-balanced one (chunks r and
+2n-1-r of 2n, whose causal blocks are computed only where visible).
 """
 
 from __future__ import annotations
@@ -40,19 +42,27 @@ def worker(rank: int, world_size: int, kind: str) -> list[float]:
         is_causal=causal,
     )
     want.backward(g)
-    mine = slice(rank * T // world_size, (rank + 1) * T // world_size)
-    local = [t[:, :, mine].float().requires_grad_() for t in (q, k, v)]
-    rows = mask[mine] if mask is not None else None
-    out = RingAttention(dist.group.WORLD, "cp")(*local, causal, None, rows)
-    out.backward(g[:, :, mine].float())
-    errors = [(out.double() - want[:, :, mine]).abs().max().item()]
-    errors += [
-        (a.grad.double() - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, whole, strict=True)
-    ]
+    errors = []
+    for balanced in (False, True):
+        if balanced:  # chunks rank and 2n-1-rank of 2n
+            c = T // (2 * world_size)
+            mine = list(range(rank * c, (rank + 1) * c)) + list(range(T - (rank + 1) * c, T - rank * c))
+        else:
+            mine = list(range(rank * T // world_size, (rank + 1) * T // world_size))
+        local = [t[:, :, mine].float().requires_grad_() for t in (q, k, v)]
+        rows = mask[mine] if mask is not None else None
+        ring = RingAttention(dist.group.WORLD, "cp", balanced=balanced)
+        out = ring(*local, causal, None, rows)
+        out.backward(g[:, :, mine].float())
+        errors += [(out.double() - want[:, :, mine]).abs().max().item()]
+        errors += [
+            (a.grad.double() - b.grad[:, :, mine]).abs().max().item()
+            for a, b in zip(local, whole, strict=True)
+        ]
     return errors
 
 
 @pytest.mark.parametrize(("world_size", "kind"), [(2, "causal"), (3, "causal"), (2, "full"), (3, "mask")])
 def test_ring_attention_is_whole_sequence_attention(world_size: int, kind: str) -> None:
     for errors in spawn(worker, world_size, (kind,)):
-        assert max(errors) < 1e-5, errors  # output, dq, dk, dv of this rank's chunk
+        assert max(errors) < 1e-5, errors  # output, dq, dk, dv of this rank's chunk, both layouts

@@ -8,6 +8,7 @@ from torch import fx
 from ...graph import (
     COLLECTIVE,
     PLACEMENT,
+    REQUIRES_GRAD,
     RULE,
     arg_node,
     describe,
@@ -69,7 +70,8 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
                      out = sdpa(q, k, v, attn_mask=rows[:, None] >= arange(T))
         ring         k, v blocks passed around the ring with an online softmax (one module)
         ulysses      q, k, v moved by all-to-all from sequence shards to head shards, attention
-                     over the whole sequence with this rank's heads, and back
+                     over the whole sequence with this rank's heads, and back; fewer key/value
+                     heads than ranks (GQA) are gathered and each rank keeps its query heads' one
     """
     q, k, v = (arg_node(node, i) for i in range(3))
     rule = w.rule_for_module(node)
@@ -87,17 +89,19 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
     mode = rule.action.mode  # type: ignore[union-attr]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if mode == "ulysses":
-        for t in (q, k, v):
-            heads = shape(t)[1]
-            if not isinstance(heads, int) or heads % w.n:
-                w.error(
-                    node,
-                    f"{describe(node)} has {heads} heads in {describe(t)}, not divisible by {w.n} ranks "
-                    f"over `{w.axis}`: Ulysses gives each rank whole heads",
-                    hint="use `context all_gather` for this module, or a context size dividing the heads",
-                    rule=rule,
-                )
-            w.use(node, t, w.convert(t, Shard(1), because=rule))
+        heads = shape(q)[1]
+        if not isinstance(heads, int) or heads % w.n:
+            w.error(
+                node,
+                f"{describe(node)} has {heads} query heads, not divisible by {w.n} ranks over `{w.axis}`: "
+                "Ulysses gives each rank whole heads",
+                hint=f"use `context ring` or `context all_gather` for this module, or a `{w.axis}` size "
+                f"dividing {heads}",
+                rule=rule,
+            )
+        w.use(node, q, w.convert(q, Shard(1), because=rule))
+        for t in (k, v):
+            _ulysses_key_value(w, node, t, heads, rule)
         if isinstance(mask, fx.Node) and w.placement(mask) != REPLICATE:
             w.use(node, mask, w.convert(mask, REPLICATE, because=rule))
         w.set(node, Shard(1), rule)
@@ -122,6 +126,41 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         node.args = tuple(args[:6])
         node.kwargs = {k: a for k, a in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
     w.set(node, Shard(SEQ), rule)
+
+
+def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> None:
+    """Keys or values to Ulysses' head shards. As many heads as the queries, or a multiple of
+    the ranks: an all-to-all like the queries'. Fewer key/value heads than ranks (GQA reaching
+    attention with `enable_gqa`), when they divide the ranks: each rank needs the one head its
+    query heads use, shared by m = n / kv ranks, so the sequence is gathered whole and each
+    rank keeps its head, Shard(1, replicas=m) (backward: the ranks' gradients of a head are
+    summed by the gather's reduce-scatter)
+
+        k = self.all_gather_cp(k, 2)           # (B, kv, T, D)
+        k = self.kv_group_cp(k, 1, m)          # (B, 1, T, D): head rank // m
+    """
+    kv = shape(t)[1]
+    if isinstance(kv, int) and kv % w.n == 0:
+        w.use(node, t, w.convert(t, Shard(1), because=rule))
+        return
+    if not isinstance(kv, int) or w.n % kv or heads % kv:
+        w.error(
+            node,
+            f"{describe(node)} has {kv} key/value heads in {describe(t)} for {heads} query heads: "
+            f"neither a multiple of {w.n} ranks over `{w.axis}` nor dividing it, so Ulysses cannot "
+            "give each rank the key/value heads its query heads use",
+            hint=f"use `context ring` or `context all_gather` for this module, or a `{w.axis}` size "
+            f"that {kv} divides or that divides {kv}",
+            rule=rule,
+        )
+    replicas = w.n // kv
+    whole = w.convert(t, REPLICATE, into_sharded=True, because=rule)
+    with w.graph.inserting_after(whole):
+        group = w.graph.call_module(w.module_for("kv_group"), (whole, 1, replicas))
+    group.meta.update({k: a for k, a in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)})
+    group.meta[PLACEMENT] = w.other_axes(whole)
+    w.set(group, Shard(1, (), replicas), rule)
+    w.use(node, t, group)
 
 
 def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:

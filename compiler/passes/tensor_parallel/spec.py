@@ -42,6 +42,10 @@ class TensorParallelSpec:
     # context parallelism over this axis: the token inputs are cut by sequence, so every
     # activation is, and the attention of each module here gathers what it needs (its rule's mode)
     context_modules: dict[str, PlanRule] = field(default_factory=dict)
+    # the load-balanced causal layout over this (context) axis: the sequence in 2n chunks, rank r
+    # holding chunks r and 2n-1-r, in every collective of the axis. The context rules allow it
+    # (ring and all_gather, no Ulysses); the walk keeps it only if some attention is causal.
+    balanced: bool = False
 
     @property
     def fallback_rule(self) -> PlanRule | None:

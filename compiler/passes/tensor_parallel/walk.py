@@ -80,6 +80,8 @@ class Walk:
         self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
         self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
         self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
+        if spec.balanced and not _attends_causally(gm, spec.context_modules):
+            spec.balanced = False  # nothing to balance: every rank's attention is the same work
 
     # -- facts
     def placement(self, node: Argument) -> Placement:
@@ -117,7 +119,7 @@ class Walk:
         example = hint(size)
         if example is None:
             return  # a data-dependent size: never sharded into (the rules refuse it)
-        pieces = self.n // placement.replicas
+        pieces = self.n // placement.replicas * (2 if self.spec.balanced else 1)
         ok = divides(pieces, size)
         because = (
             (self.rule_for_module(node) or self.sequence_rule_near(node))
@@ -125,9 +127,14 @@ class Walk:
             else None
         ) or (rule or self.rule_near(node))
         if ok is False or example % pieces:
+            what = (
+                f"{pieces} chunks (2 per rank: the load-balanced layout)"
+                if self.spec.balanced
+                else f"{pieces} shards"
+            )
             self.error(
                 node,
-                f"{describe(node)} cuts dim {placement.dim} (size {example}) into {pieces} shards "
+                f"{describe(node)} cuts dim {placement.dim} (size {example}) into {what} "
                 f"over `{self.axis}`, and {example} does not divide by {pieces}",
                 hint="compile and run with a --seq (and --batch) that the plan's splits divide",
                 rule=because,
@@ -195,9 +202,21 @@ class Walk:
     def cut_by_sequence(self, tokens: fx.Node) -> None:
         """Context parallelism: every reader of the token input `tokens` (ids, labels, position
         ids: (B, T) integers) gets this rank's slice of the sequence, so everything computed from
-        them is cut by sequence too."""
+        them is cut by sequence too. Under the load-balanced layout the slice is chunks r and
+        2n-1-r of 2n; every collective of the axis uses that layout (`spec.balanced`), so a
+        replicated tensor met later (positions from `arange`, rotary tables, a mask) is split
+        the same way, and gathers put the chunks back in sequence order."""
         users = list(tokens.users)
         seq = hint(shape(tokens)[self.spec.seq_dim])
+        if seq is not None and self.spec.balanced and seq % (2 * self.n):
+            self.error(
+                tokens,
+                f"the sequence length {seq} is not divisible by {2 * self.n} = 2 x {self.n} ranks over "
+                f"`{self.axis}`: causal attention's load-balanced layout gives each rank two chunks "
+                f"(r and {2 * self.n - 1} - r of {2 * self.n})",
+                hint=f"compile for a sequence length that is a multiple of {2 * self.n} (--seq)",
+                rule=self.spec.fallback_rule,
+            )
         if seq is not None and seq % self.n:
             self.error(
                 tokens,
@@ -481,7 +500,7 @@ class Walk:
         """
         name = f"{kind}_{self.axis}"
         if not hasattr(self.gm, name):
-            self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis))
+            self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis, balanced=self.spec.balanced))
         return name
 
     def fuse_blocks(
@@ -596,6 +615,22 @@ def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]]
                 return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
         prefix_out *= size
     return None
+
+
+def _attends_causally(gm: fx.GraphModule, modules: dict[str, PlanRule]) -> bool:
+    """Whether an attention of the context modules is causal (`is_causal`, or a mask of the
+    model's own, which may be): only then do contiguous chunks load the ranks unevenly."""
+    for node in gm.graph.nodes:
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        path = module_path(node)
+        if not any(path == m or path.startswith(f"{m}.") for m in modules):
+            continue
+        causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if causal or isinstance(mask, fx.Node):
+            return True
+    return False
 
 
 def _is_token_input(node: fx.Node) -> bool:

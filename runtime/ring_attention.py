@@ -17,7 +17,8 @@ parallelism) the sequence is cut into 2n chunks and rank r holds chunks r and 2n
 every rank does the same work at every step (`visible`, c = T / 2n, the block's chunks s and
 2n-1-s against the rank's r and 2n-1-r):
 
-    src == r   the whole 2c x 2c block, causal within (its positions still increase)
+    src == r   chunk r against itself and chunk 2n-1-r against both, causal within: 3 c x c
+               (chunk r never sees chunk 2n-1-r: that quarter is skipped)
     src <  r   every query row, the block's first chunk only (c columns): 2c x c
     src >  r   the rank's second chunk only (c rows), every column: c x 2c
 
@@ -84,11 +85,10 @@ class _RingFunction(torch.autograd.Function):
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             pending = ring.shift(block, "forward") if step < ring.n - 1 else None
-            seen = visible(ring.rank, src, ring.n, t, causal, owner.balanced)
-            if seen is not None:
-                rows, cols, diagonal = seen
+            for piece in visible(ring.rank, src, ring.n, t, causal, owner.balanced):
+                rows, cols, _ = piece
                 scores = _scores(
-                    q[..., rows, :], block[0][..., cols, :], scale, diagonal, _mask_of(mask, src, seen, owner)
+                    q[..., rows, :], block[0][..., cols, :], scale, piece, _mask_of(mask, src, piece, owner)
                 )
                 block_lse = torch.logsumexp(scores, dim=-1)
                 # rows a mask hides from the whole block add nothing (and no NaN)
@@ -119,12 +119,11 @@ class _RingFunction(torch.autograd.Function):
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             kb, vb, dk, dv = block
-            seen = visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced)
-            if seen is not None:
-                rows, cols, diagonal = seen
+            for piece in visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced):
+                rows, cols, _ = piece
                 qr, gr = q[..., rows, :].float(), grad[..., rows, :]
                 kc, vc = kb[..., cols, :].float(), vb[..., cols, :].float()
-                scores = _scores(qr, kc, ctx.scale, diagonal, _mask_of(mask, src, seen, ctx.owner))
+                scores = _scores(qr, kc, ctx.scale, piece, _mask_of(mask, src, piece, ctx.owner))
                 p = torch.exp(scores - lse[..., rows].unsqueeze(-1))
                 dv[..., cols, :] += p.transpose(-1, -2) @ gr
                 ds = p * (gr @ vc.transpose(-1, -2) - delta[..., rows, :]) * ctx.scale
@@ -138,31 +137,35 @@ class _RingFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-Visible = tuple[slice, slice, bool]
+Piece = tuple[slice, slice, bool]  # query rows, key columns, causal within (by local index)
 
 
-def visible(rank: int, src: int, n: int, t: int, causal: bool, balanced: bool) -> Visible | None:
-    """Which scores rank `rank` (of n) computes against the key block of rank `src`, each
-    holding `t` positions: (query rows, key columns, causal within), or None for none at all.
-    Under `balanced` each rank holds chunks r and 2n-1-r of 2n (see the module docstring)."""
+def visible(rank: int, src: int, n: int, t: int, causal: bool, balanced: bool) -> list[Piece]:
+    """The scores rank `rank` (of n) computes against the key block of rank `src`, each rank
+    holding `t` positions: rectangles of (query rows, key columns, causal), where causal masks
+    a column whose local index exceeds the row's (positions increase with the local index in
+    both layouts). Rectangles masked whole are left out. Under `balanced` each rank holds
+    chunks r and 2n-1-r of 2n (see the module docstring)."""
     whole = slice(0, t)
-    if not causal or src == rank:
-        return whole, whole, causal
+    if not causal:
+        return [(whole, whole, False)]
     if not balanced:  # contiguous chunks: an earlier rank's block whole, a later one's not at all
-        return (whole, whole, False) if src < rank else None
-    half = t // 2
+        return [(whole, whole, src == rank)] if src <= rank else []
+    first, second = slice(0, t // 2), slice(t // 2, t)
+    if src == rank:  # our first chunk never sees our second: a quarter of the block skipped
+        return [(first, first, True), (second, whole, True)]
     if src < rank:  # its chunk src precedes both of ours; its chunk 2n-1-src follows both
-        return whole, slice(0, half), False
-    return slice(half, t), whole, False  # our chunk 2n-1-r follows both of its chunks
+        return [(whole, first, False)]
+    return [(second, whole, False)]  # our chunk 2n-1-r follows both of its chunks
 
 
-def _mask_of(mask: Tensor | None, src: int, seen: Visible, owner: RingAttention) -> Tensor | None:
-    """The model's mask for the scores `seen` computes: its rows of this rank's queries (unless
+def _mask_of(mask: Tensor | None, src: int, piece: Piece, owner: RingAttention) -> Tensor | None:
+    """The model's mask for the scores `piece` computes: its rows of this rank's queries (unless
     broadcast), its columns of the keys in rank `src`'s block."""
     if mask is None:
         return None
     n = dist.get_world_size(owner.group)
-    rows, cols, _ = seen
+    rows, cols, _ = piece
     if owner.balanced:  # the block is chunks src and 2n-1-src of 2n
         width = mask.shape[-1] // (2 * n)
         first, second = src * width, (2 * n - 1 - src) * width
@@ -175,13 +178,14 @@ def _mask_of(mask: Tensor | None, src: int, seen: Visible, owner: RingAttention)
     return block[..., cols]
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool, mask: Tensor | None = None) -> Tensor:
+def _scores(q: Tensor, k: Tensor, scale: float, piece: Piece, mask: Tensor | None = None) -> Tensor:
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
-    if diagonal:  # the rank's own block: causal within it
-        t = scores.shape[-1]
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    rows, cols, causal = piece
+    if causal:  # within the rank's own block: a key after the query is hidden
+        later = torch.arange(cols.start, cols.stop)[None, :] > torch.arange(rows.start, rows.stop)[:, None]
+        scores = scores.masked_fill(later, -math.inf)
     return scores
 
 

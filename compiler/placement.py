@@ -7,6 +7,11 @@ Shard(dim, replicas=m)  rank r holds chunk r // m of size / m: each chunk on m n
 Shard(dim, padded=V)    `dim` has V entries, which do not divide: each rank holds ceil(V / size),
               the last chunks zero-padded (a vocabulary not divisible by the axis)
 Partial()     every rank holds a summand; the tensor is their sum
+
+Over a context axis in the load-balanced causal layout (`TensorParallelSpec.balanced`: the
+axis's collectives are built `balanced`), Shard(dim) holds two chunks of 2 x size: rank r
+chunks r and 2 size - 1 - r, in that order (size 2, T = 8: rank 0 positions 0 1 6 7, rank 1
+2 3 4 5). The layout is the axis's, so a placement does not repeat it.
 """
 
 from __future__ import annotations

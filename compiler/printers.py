@@ -232,7 +232,24 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
     return [
         f"    per layer, a rank receives in forward: {text}",
         f"      ({b} x {n} tokens over {p} ranks; q {heads} heads, k/v {kv_heads} heads of {d} as they reach attention)",
+        _context_layout(compiled, axis, p),
     ]
+
+
+def _context_layout(compiled: Compiled, axis: str, p: int) -> str:
+    """How the sequence is cut over the context axis: the load-balanced causal layout when the
+    axis's collectives are built balanced (`TensorParallelSpec.balanced`), else contiguous."""
+    from meshplan.runtime.collectives import AxisCollective
+
+    balanced = any(
+        isinstance(m, AxisCollective) and m.axis == axis and m.balanced for m in compiled.graph.modules()
+    )
+    if balanced:
+        return (
+            f"    layout: load-balanced causal, the sequence in {2 * p} chunks, rank r holding chunks r and "
+            f"{2 * p - 1} - r (the same attention work on every rank)"
+        )
+    return f"    layout: contiguous, the sequence in {p} chunks, rank r holding chunk r"
 
 
 def _kb(nbytes: float) -> str:

@@ -131,6 +131,8 @@ def test_explain_predicts_each_variant_and_the_ledger_agrees(mode: str):
     text = explain(compiled)
     assert "per layer, a rank receives in forward: all_gather 8.2 KB" in text
     assert f"{mode} 8.2 KB (this plan)" in text
+    balanced = "layout: load-balanced causal, the sequence in 4 chunks, rank r holding chunks r and 3 - r"
+    assert (balanced in text) == (mode == "all_gather")  # Ulysses keeps contiguous chunks
     kind = "all_gather" if mode == "all_gather" else "all_to_all"
     rows = [r for r in compiled.ledger.rows if r.kind == kind and r.phase == "forward"]
     assert sum(r.traffic for r in rows) / 4 == 8192  # per layer: (2 h (N/P)(P-1)) x B x 4 bytes

@@ -3,8 +3,8 @@
     python bench/checkpoint_memory.py [--layers 8] [--hidden 256] [--batch 4] [--seq 256]
 
 Model: the example Llama (GQA 8/4 heads, I = 8/3 H rounded), fp32, one process, CPU.
-Each plan is `layers.*: <rule>` compiled by meshplan, then checkpointed by
-`compiler/passes/checkpoint.py`. Measured after the forward, before backward:
+Each plan is `layers.*: <rule>` compiled by meshplan (its checkpoint pass,
+`compiler/passes/checkpoint.py`, outlines the regions). Measured after the forward, before backward:
 
 - kept: bytes of every storage made during forward that is still alive (what autograd
   keeps for backward: saved activations, the selective cache, checkpoint inputs), seen
@@ -29,7 +29,6 @@ from torch.utils._pytree import tree_leaves
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import build_rank_program, compile_plan
-from meshplan.compiler.passes.checkpoint import checkpoint_regions, regions_from
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build, example_inputs
 
@@ -37,16 +36,19 @@ RULES = (None, "checkpoint", "checkpoint every 2", "checkpoint selective")
 
 
 class LiveStorages(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, program: torch.nn.Module):
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        held = (*program.parameters(), *program.buffers())
+        self.skip = {t.untyped_storage()._cdata for t in held}  # a weight's view (`t`) is no activation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
-                self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+                if s._cdata not in self.skip:
+                    self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
         return out
 
     def live_bytes(self) -> int:
@@ -55,8 +57,8 @@ class LiveStorages(TorchDispatchMode):
 
 def program_for(rule: str | None, source: ModelSource):
     text = f"mesh dp=1\n\nmodules {{\n    layers.*: {rule}\n}}\n" if rule else "mesh dp=1\n"
+    # compiling runs the checkpoint pass: the regions come outlined
     compiled = compile_plan(check_text(text, "bench.plan"), source)
-    checkpoint_regions(compiled.graph, regions_from(compiled.plan, compiled.resolution))
     return build_rank_program(compiled, source.model, 0)
 
 
@@ -70,7 +72,7 @@ def measure(program, args) -> tuple[int, int, float]:
             packed.setdefault(s._cdata, s.nbytes())
         return t
 
-    watch = LiveStorages()
+    watch = LiveStorages(program)
     with watch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         (loss,) = program(*args)
     kept = watch.live_bytes()

@@ -13,7 +13,8 @@ scaling):
   (`session.open_session`), its weights consolidated as `run --export` writes them;
 - **reference**: the unpartitioned model in float64 (complex tensors in complex128); under an
   experts rule with a `capacity_factor`, its experts drop the pairs that rule drops
-  (`capacity_applied`: the routing weights of the pairs over capacity multiplied by 0);
+  (`capacity_applied`: the routing weights of the pairs over capacity multiplied by 0), and
+  with a `z_loss` its routers' z-losses are added to its loss (`z_loss_applied`);
 - **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
   weights, the plan's precision policy and nothing else): rounding alone.
 
@@ -338,6 +339,7 @@ def verify(
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
     from meshplan.compiler.passes.experts import capacity_applied
     from meshplan.compiler.passes.precision import cast_floating
+    from meshplan.compiler.passes.router_loss import z_loss_applied, z_loss_units
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
     from meshplan.runtime.launch import spawn
@@ -384,9 +386,11 @@ def verify(
         yardstick = one_device(program, yard_loss, "yardstick")
         _fill_tied(yardstick.weights, source.model)
         try:
-            # the model as the plan's capacity rules make it drop (the yardstick's unit drops alike)
-            with capacity_applied(plan, float64):
-                reference = one_device(float64, _eager_loss(float64, source, torch.float64), "reference")
+            # the model as the plan's capacity rules make it drop (the yardstick's unit drops
+            # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them
+            eager = _eager_loss(float64, source, torch.float64)
+            with capacity_applied(plan, float64), z_loss_applied(z_loss_units(compiled.graph), float64) as z:
+                reference = one_device(float64, lambda ids, labels: eager(ids, labels) + z(), "reference")
             why_not = ""
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]

@@ -23,7 +23,7 @@ from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
 from .ledger import _held
 from .meta import CHECKPOINT, RULE
-from .passes.checkpoint import region_modules
+from .passes.checkpoint import collective_nodes, region_modules
 from .placement import Shard
 
 
@@ -151,7 +151,8 @@ _DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
 def _expert_lines(compiled: Compiled) -> list[str]:
     """Expert parallelism: the experts each rank holds, how the batch and the gradients are
     split, and each unit's all-to-all bytes per step."""
-    units = [n for n in compiled.graph.graph.nodes if n.meta.get(COLLECTIVE, {}).get("kind") == "experts"]
+    # checkpointed layers' units are in their regions
+    units = [n for n, _ in collective_nodes(compiled.graph) if n.meta[COLLECTIVE]["kind"] == "experts"]
     axes = [a for a in compiled.layout.names if any(n.meta[COLLECTIVE]["axis"] == a for n in units)]
     if not units:
         return []
@@ -175,6 +176,14 @@ def _expert_lines(compiled: Compiled) -> list[str]:
         f"data ranks); gradients are averaged over them, an expert's over "
         + (" x ".join(others) if others else "none (its ranks hold other experts)")
     )
+    z_losses = [u for u in units if u.meta[COLLECTIVE].get("z_loss") is not None]
+    if z_losses:
+        routers = compress_paths(u.meta[COLLECTIVE]["router"] for u in z_losses)
+        coefficients = sorted({u.meta[COLLECTIVE]["z_loss"] for u in z_losses})
+        lines.append(
+            f"    router z-loss {', '.join(f'{c:g}' for c in coefficients)} x mean(logsumexp(logits)^2) "
+            f"of {', '.join(routers)} added to the loss, each rank's over its tokens"
+        )
     rows = [r for r in compiled.ledger.rows if r.kind == "experts"]
     if rows:
         first = [r for r in rows if r.node == rows[0].node]

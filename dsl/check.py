@@ -207,7 +207,7 @@ _ROLE_WORDS = {
     "data": "data parallelism",
 }
 _COMPATIBLE_ROLES = ({"tensor", "sequence"}, {"data", "experts"})
-_EXPERT_ARGS = {"top_k": "int", "capacity_factor": "float"}
+_EXPERT_ARGS = {"top_k": "int", "capacity_factor": "float", "z_loss": "float"}
 
 
 class _Checker:

@@ -26,6 +26,7 @@ expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and th
 dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
 unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Not under a
 context axis: its ranks route slices of sequences, so their drops would not be one device's.
+A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
 
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
 inputs are whole over every tensor axis: the operator has no sharding rule).
@@ -67,6 +68,7 @@ from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
 from ..placement import Shard
 from . import Context, Pass
+from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
 
 _OP = "meshplan::experts"
 
@@ -220,10 +222,25 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
                 "top_k_weights) whose parameters stack the experts on dim 0 (Hugging Face's MoE layout)",
             )
         )
+    no_logits: dict[int, tuple[PlanRule, list[str], str]] = {}  # per rule: its paths, the first why
+    for path, node in markers.items():
+        rule = governed.get(path)
+        found = router_logits(arg_node(node, 1)) if rule and z_loss_of(rule) is not None else None
+        if rule is not None and isinstance(found, str):
+            no_logits.setdefault(id(rule), (rule, [], found))[1].append(path)
+    ctx.diagnostics += [z_loss_problem(r, _modules_phrase(p), why) for r, p, why in no_logits.values()]
     if ctx.failed:
         return gm
+    z_losses = []
     for path, node in markers.items():
-        _lower(gm, node, governed[path], modules[path], model, ctx)
+        call = _lower(gm, node, governed[path], modules[path], model, ctx)
+        coefficient = z_loss_of(governed[path])
+        if coefficient is not None:
+            z_losses.append((arg_node(call, 1), coefficient))
+            logits = router_logits(arg_node(call, 1))
+            assert isinstance(logits, fx.Node)
+            call.meta[COLLECTIVE].update(z_loss=coefficient, router=router_path(logits), path=path)
+    add_z_loss(gm, z_losses) if z_losses else None
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -231,7 +248,7 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 def _lower(
     gm: fx.GraphModule, node: fx.Node, rule: PlanRule, module: nn.Module, model: nn.Module, ctx: Context
-) -> None:
+) -> fx.Node:
     """Replace one marker node by the axis's ExpertParallel call; place its parameters."""
     assert rule.axis is not None
     tokens, top_k_index, top_k_weights, params, path = node.args
@@ -267,6 +284,7 @@ def _lower(
             get_attr.meta.setdefault(PLACEMENT, {})[rule.axis] = Shard(0)
     for name in names:
         ctx.experts[name] = ExpertParams(rule.axis, rule)
+    return call
 
 
 def capacity_factor(rule: PlanRule) -> float | None:
@@ -354,6 +372,8 @@ def _sizes(
                             hint="remove `capacity_factor` to train dropless (every token reaches its experts)",
                         )
                     )
+                continue
+            if arg.name.text != "top_k":
                 continue
             for (count, k), paths in groups.items():
                 if arg.value > count:

@@ -142,14 +142,18 @@ def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_expert_capacity_drops_as_one_device_drops(tmp_path):
+def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
     """dp=2 x ep=2 with `capacity_factor=1.0`: each expert takes at most ceil(64 x 2 / 4) = 32
     pairs of a rank's 64 tokens, the rest are dropped. The float64 reference drops the same
     pairs of each data rank's micro-batch (the model's own experts with their weights at 0),
-    the yardstick through the unit on one rank; the metrics count the drops."""
+    the yardstick through the unit on one rank; the metrics count the drops. `z_loss=1e-3`:
+    the reference adds each router's z-loss from its own output (a hook), the program from
+    the graph, each rank over its tokens. Layer 1 is checkpointed: its unit (and z-loss) runs
+    again in backward, and must drop the same pairs and count them once."""
     text = (
         "mesh dp=2, ep=2\n\nmodules {\n"
-        "    layers.*.mlp.experts: experts over ep (top_k=2, capacity_factor=1.0)\n}\n\n"
+        "    layers.*.mlp.experts: experts over ep (top_k=2, capacity_factor=1.0, z_loss=1e-3)\n"
+        "    layers.1: checkpoint\n}\n\n"
         "data_parallel over dp {\n}\n"
     )
     report = verify(

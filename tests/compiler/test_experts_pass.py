@@ -14,6 +14,7 @@ from torch import nn
 
 from meshplan.compiler.capture import ModelSource, load_model
 from meshplan.compiler.compile import Compiled, compile_plan
+from meshplan.compiler.graph import COLLECTIVE
 from meshplan.compiler.placement import Shard
 from meshplan.compiler.printers import annotated_code, explain
 from meshplan.dsl import PlanError, check_text
@@ -130,6 +131,71 @@ def test_a_capacity_under_context_parallelism_is_refused():
         "p.plan:5:53: error: expert capacity (`capacity_factor`) with context parallelism is not "
         "lowered yet: a rank routes a slice of each sequence, so its drops would not be one device's"
     )
+
+
+def test_a_router_z_loss_is_added_to_the_loss():
+    """`z_loss=0.01`: the program's loss is the model's plus 0.01 x mean over the tokens of
+    logsumexp(router logits)^2 for each MoE layer (ST-MoE), computed here by hand from the
+    routers' outputs; loss and every gradient match on one rank (ep=1: the unit runs the
+    model's experts whole), and verify's reference (`z_loss_applied`) adds the same."""
+    from meshplan.compiler.capture import bind_inputs
+    from meshplan.compiler.compile import build_rank_program
+    from meshplan.compiler.passes.router_loss import z_loss_applied
+
+    model = moe.build().double()
+    text = "mesh ep=1\n\n" + EXPERTS.replace("(top_k=2)", "(top_k=2, z_loss=0.01)")
+    compiled = _compile(text, model)
+    units = [n.meta[COLLECTIVE] for n in compiled.graph.graph.nodes if "z_loss" in n.meta.get(COLLECTIVE, {})]
+    assert [(u["router"], u["z_loss"]) for u in units] == [(f"layers.{i}.mlp.gate", 0.01) for i in (0, 1)]
+    program = build_rank_program(compiled, model, 0)
+    input_ids, labels = moe.example_inputs(batch=2, seq=16)
+    got = program(*bind_inputs(model, compiled.graph, (input_ids, labels), {}))[0]
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in program.named_parameters()}
+
+    logits = []
+    hooks = [
+        model.layers[i].mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out)) for i in (0, 1)
+    ]
+    model.zero_grad()
+    want = model(input_ids, labels) + sum(0.01 * (x.exp().sum(-1).log() ** 2).mean() for x in logits)
+    want.backward()
+    for hook in hooks:
+        hook.remove()
+    with torch.no_grad():
+        assert float(got) == pytest.approx(float(want), rel=1e-12)
+        assert float(want - model(input_ids, labels)) > 1e-3  # the z-loss is no rounding
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-10, atol=1e-14), name
+    assert (
+        "router z-loss 0.01 x mean(logsumexp(logits)^2) of layers.{0..1}.mlp.gate added to the loss"
+        in explain(compiled)
+    )
+    units_of = {f"layers.{i}.mlp.experts": (f"layers.{i}.mlp.gate", 4, 0.01) for i in (0, 1)}
+    with z_loss_applied(units_of, model) as take, torch.no_grad():
+        assert float(model(input_ids, labels) + take()) == pytest.approx(float(want), rel=1e-12)
+        assert take() == 0.0
+
+
+def test_a_z_loss_without_softmax_routing_is_a_located_error():
+    """A router that takes its top-k over sigmoid scores has no softmax logits to penalize."""
+    model = moe.build()
+    for layer in model.layers:
+        mlp = layer.mlp
+
+        def forward(x, mlp=mlp):
+            tokens = x.reshape(-1, x.shape[-1])  # (N, H)
+            weights, index = mlp.gate(tokens).sigmoid().topk(mlp.top_k, dim=-1)  # (N, k)
+            return mlp.experts(tokens, index, weights).view(x.shape)
+
+        mlp.forward = forward
+    text = "mesh ep=2\n\n" + EXPERTS.replace("(top_k=2)", "(top_k=2, z_loss=1e-3)")
+    assert _errors(text, model).splitlines()[0::3] == [
+        "p.plan:4:53: error: `z_loss` needs the router logits of `layers.0.mlp.experts` and 1 more "
+        "like it: its top-k is taken over `sigmoid`, not over a softmax of the router's logits",
+        "hint: the z-loss is taken over the logits whose softmax's top-k routes the tokens (Hugging "
+        "Face's routers); remove `z_loss` or compute it in the model",
+    ]
 
 
 def test_top_k_is_the_models_own():

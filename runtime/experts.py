@@ -35,7 +35,9 @@ weight gets no gradient from it either; the token keeps its other pairs (and the
 residual, in the model). The buffers are fixed: each rank sends every expert `C` rows
 (kept pairs, then zero rows), so there is no count exchange, and the dispatch and combine
 move `E C` rows each, whatever the routing; the experts run on `E C` rows per rank, the zero
-rows' outputs are never read (so they add nothing to any gradient either):
+rows' outputs are never read (so they add nothing to any gradient either). Every rank of the
+axis must then route as many tokens, so that its `C` is theirs (`meshplan run` and `verify`
+give every rank a batch of the same shape):
 
     step       what                                                    collective
     place      kept pair (t, j) at row e C + position, zero elsewhere     -

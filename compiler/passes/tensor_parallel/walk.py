@@ -208,6 +208,14 @@ class Walk:
         the same way, and gathers put the chunks back in sequence order."""
         users = list(tokens.users)
         seq = hint(shape(tokens)[self.spec.seq_dim])
+        if seq is not None and seq % self.n:
+            self.error(
+                tokens,
+                f"the sequence length {seq} is not divisible by {self.n} ranks over `{self.axis}`",
+                hint=f"compile for a sequence length that is a multiple of {self.n} (--seq), "
+                f"or use a `{self.axis}` size dividing {seq}",
+                rule=self.spec.fallback_rule,
+            )
         if seq is not None and self.spec.balanced and seq % (2 * self.n):
             self.error(
                 tokens,
@@ -215,14 +223,6 @@ class Walk:
                 f"`{self.axis}`: causal attention's load-balanced layout gives each rank two chunks "
                 f"(r and {2 * self.n - 1} - r of {2 * self.n})",
                 hint=f"compile for a sequence length that is a multiple of {2 * self.n} (--seq)",
-                rule=self.spec.fallback_rule,
-            )
-        if seq is not None and seq % self.n:
-            self.error(
-                tokens,
-                f"the sequence length {seq} is not divisible by {self.n} ranks over `{self.axis}`",
-                hint=f"compile for a sequence length that is a multiple of {self.n} (--seq), "
-                f"or use a `{self.axis}` size dividing {seq}",
                 rule=self.spec.fallback_rule,
             )
         local = self.convert(tokens, Shard(self.spec.seq_dim), because=self.spec.fallback_rule)

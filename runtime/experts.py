@@ -193,7 +193,8 @@ class ExpertParallel(AxisCollective):
             path=self.path,
             num_experts=self.num_experts,
             param_names=self.param_names,
-            capacity_factor=self.capacity_factor,
+            # a program saved before capacities existed has none: dropless
+            capacity_factor=getattr(self, "capacity_factor", None),
         )
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound

@@ -70,17 +70,19 @@ def test_the_balanced_layout_needs_a_sequence_divisible_by_twice_the_context_siz
     _compile(_plan("ulysses"), seq=6)  # contiguous chunks: 6 divides by 2
 
 
-def test_ulysses_with_fewer_key_value_heads_than_ranks_keeps_each_rank_its_head():
-    """One key/value head for four query heads at cp=2, handed to attention grouped: each rank
-    gathers the sequence of k and v and keeps the head its two query heads use (both ranks: 0)."""
-    compiled = _compile(_plan("ulysses"), num_key_value_heads=1, repeat_kv=False)
+@pytest.mark.parametrize(("kv", "cp"), [(1, 2), (2, 4)])
+def test_ulysses_with_fewer_key_value_heads_than_ranks_keeps_each_rank_its_head(kv: int, cp: int):
+    """Fewer key/value heads than ranks, handed to attention grouped: each rank gathers the
+    sequence of k and v and keeps the head its query heads use, cp / kv ranks per head (kv 2
+    at cp 4: ranks 0 and 1 keep head 0, ranks 2 and 3 head 1)."""
+    compiled = _compile(_plan("ulysses", f"cp={cp}"), num_key_value_heads=kv, repeat_kv=False)
     calls = _calls(compiled)
     layers = 4
     assert calls.count("all_to_all_cp") == 2 * layers  # q in, the output back
     assert calls.count("all_gather_cp") == calls.count("kv_group_cp") == 2 * layers  # k and v
     kept = [n for n in compiled.graph.graph.nodes if n.target == "kv_group_cp"]
-    assert {n.args[1:] for n in kept} == {(1, 2)}  # heads dim, 2 ranks per head
-    assert {str(n.meta[PLACEMENT]["cp"]) for n in kept} == {"Shard(1, replicas=2)"}
+    assert {n.args[1:] for n in kept} == {(1, cp // kv)}  # heads dim, ranks per head
+    assert {str(n.meta[PLACEMENT]["cp"]) for n in kept} == {f"Shard(1, replicas={cp // kv})"}
 
 
 def test_ulysses_refuses_query_heads_the_ranks_do_not_divide():

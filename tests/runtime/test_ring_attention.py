@@ -5,7 +5,9 @@ chunk must be the whole-sequence attention's (computed in float64 in the same te
 full, and with the model's own mask (a causal one with some keys hidden, so whole blocks of
 a row are masked), with fewer key/value heads than query heads (GQA), on 2 and 3 ranks; each
 in both layouts: one contiguous chunk per rank, and the load-balanced one (chunks r and
-2n-1-r of 2n, whose causal blocks are computed only where visible).
+2n-1-r of 2n, whose causal blocks are computed only where visible). The same processes check
+the axis's other collectives in the load-balanced layout against slices of the whole tensor:
+split, all-gather (backward: reduce-scatter), reduce-scatter and all-to-all.
 """
 
 from __future__ import annotations
@@ -59,6 +61,35 @@ def worker(rank: int, world_size: int, kind: str) -> list[float]:
             (a.grad.double() - b.grad[:, :, mine]).abs().max().item()
             for a, b in zip(local, whole, strict=True)
         ]
+    return errors + balanced_collectives(rank, world_size)
+
+
+def balanced_collectives(rank: int, n: int) -> list[float]:
+    """The balanced split, gather, reduce-scatter and all-to-all against slices of x: rank r's
+    shard of a dim is chunks r and 2n-1-r of 2n, in that order."""
+    import torch.distributed as dist
+
+    from meshplan.runtime.collectives import AllGather, AllToAll, ReduceScatter, Split
+
+    def mine(size: int) -> list[int]:
+        c = size // (2 * n)
+        return list(range(rank * c, (rank + 1) * c)) + list(range(size - (rank + 1) * c, size - rank * c))
+
+    group = dist.group.WORLD
+    x = torch.randn(B, T, 2 * n * 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    local = Split(group, "cp", balanced=True)(x, 1)
+    errors = [(local - x[:, mine(T)]).abs().max().item()]
+    shard = x[:, mine(T)].clone().requires_grad_()
+    gathered = AllGather(group, "cp", balanced=True)(shard, 1)
+    gathered.backward(g)  # every rank's g: the reduce-scatter sums n of them
+    errors += [(gathered - x).abs().max().item(), (shard.grad - n * g[:, mine(T)]).abs().max().item()]
+    scattered = ReduceScatter(group, "cp", balanced=True)(x, 1)
+    errors += [(scattered - n * x[:, mine(T)]).abs().max().item()]
+    heads = AllToAll(group, "cp", balanced=True)(
+        x[:, mine(T)], 1, 2
+    )  # the whole sequence, my chunks of dim 2
+    errors += [(heads - x[:, :, mine(x.shape[2])]).abs().max().item()]
     return errors
 
 

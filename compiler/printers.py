@@ -209,6 +209,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
 
         all_gather, ring   2 h_kv (N / P) (P - 1)      (k and v blocks of the P - 1 others)
         ulysses            (2 h + 2 h_kv) (N / P) (P - 1) / P      (q, k, v in, the output back)
+                           2 h (N / P) (P - 1) / P + 2 h_kv (N / P) (P - 1)   (kv heads < P: k, v gathered)
     """
     axis = rule.axis
     attention = next(
@@ -234,7 +235,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
     moved = {
         "all_gather": 2 * h_kv * (n // p) * (p - 1) * b * size,
         "ring": 2 * h_kv * (n // p) * (p - 1) * b * size,
-        "ulysses": (2 * h + 2 * h_kv) * (n // p) * (p - 1) // p * b * size,
+        "ulysses": _ulysses_bytes(h, h_kv, kv_heads, n, p) * b * size,
     }
     mode = rule.action.mode
     text = ", ".join(f"{m} {_kb(v)}" + (" (this plan)" if m == mode else "") for m, v in moved.items())
@@ -259,6 +260,14 @@ def _context_layout(compiled: Compiled, axis: str, p: int) -> str:
             f"{2 * p - 1} - r (the same attention work on every rank)"
         )
     return f"    layout: contiguous, the sequence in {p} chunks, rank r holding chunk r"
+
+
+def _ulysses_bytes(h: int, h_kv: int, kv_heads: int, n: int, p: int) -> int:
+    """Per sequence: q in and the output back by all-to-all; k and v likewise, or, with fewer
+    key/value heads than ranks, gathered whole (each rank then keeps the head its queries use)."""
+    if kv_heads < p:
+        return 2 * h * (n // p) * (p - 1) // p + 2 * h_kv * (n // p) * (p - 1)
+    return (2 * h + 2 * h_kv) * (n // p) * (p - 1) // p
 
 
 def _kb(nbytes: float) -> str:

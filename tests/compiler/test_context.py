@@ -83,6 +83,13 @@ def test_ulysses_with_fewer_key_value_heads_than_ranks_keeps_each_rank_its_head(
     kept = [n for n in compiled.graph.graph.nodes if n.target == "kv_group_cp"]
     assert {n.args[1:] for n in kept} == {(1, cp // kv)}  # heads dim, ranks per head
     assert {str(n.meta[PLACEMENT]["cp"]) for n in kept} == {f"Shard(1, replicas={cp // kv})"}
+    # explain's formula (q and the output by all-to-all, k and v gathered) is the ledger's traffic
+    from meshplan.compiler.printers import explain
+
+    rows = [
+        r for r in compiled.ledger.rows if r.kind in ("all_to_all", "all_gather") and r.phase == "forward"
+    ]
+    assert f"ulysses {sum(r.traffic for r in rows) / layers / 1e3:.1f} KB (this plan)" in explain(compiled)
 
 
 def test_ulysses_refuses_query_heads_the_ranks_do_not_divide():

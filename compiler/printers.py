@@ -262,7 +262,13 @@ def _context_layout(compiled: Compiled, axis: str, p: int) -> str:
     return f"    layout: contiguous, the sequence in {p} chunks, rank r holding chunk r"
 
 
-def _ulysses_bytes(h: int, h_kv: int, kv_heads: int, n: int, p: int) -> int:
+def _ulysses_bytes(
+    h: int | torch.SymInt,
+    h_kv: int | torch.SymInt,
+    kv_heads: int | torch.SymInt,
+    n: int | torch.SymInt,
+    p: int,
+) -> int | torch.SymInt:
     """Per sequence: q in and the output back by all-to-all; k and v likewise, or, with fewer
     key/value heads than ranks, gathered whole (each rank then keeps the head its queries use)."""
     if kv_heads < p:

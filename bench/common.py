@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -361,3 +362,9 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def result(title: str, unit: str, values: dict[str, float]) -> None:
+    """One machine-readable line of a benchmark's numbers, a bar per label: `python -m bench`
+    plots it into the report (`bench/__main__.py`)."""
+    print("bench-result " + json.dumps({"title": title, "unit": unit, "values": values}))

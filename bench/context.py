@@ -43,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from common import result
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -243,6 +244,7 @@ def main() -> int:
     print(
         f"{'':>11} {'formula/L':>11} {'sent/L':>11} {'ratio':>7} {'ledger/L':>11} {'ratio':>7} {'backward/L':>11} {'all-reduce':>11}"
     )
+    sent_ratio = {}
     for mode in MODES:
         sent = Counter({tuple(k): v for k, v in by_rank[0]["sent"][mode].items()})
         forward = sum(n for (op, p), n in sent.items() if op in WIRE and p == "forward") / L
@@ -250,6 +252,7 @@ def main() -> int:
         reduce = sum(n for (op, _), n in sent.items() if op == "all_reduce")
         ledger = by_rank[0]["ledger"][mode]["forward"] / L
         f = formula(mode, args, P)
+        sent_ratio[mode] = forward / f
         print(
             f"{mode:>11} {f / 1e6:>9.3f}MB {forward / 1e6:>9.3f}MB {forward / f:>7.3f} "
             f"{ledger / 1e6:>9.3f}MB {ledger / f:>7.3f} {backward / 1e6:>9.3f}MB {reduce / 1e6:>9.3f}MB"
@@ -268,6 +271,15 @@ def main() -> int:
     }
     for name, t in times.items():
         print(f"{name:>11} {t * 1e3:>9.1f} ms   {t / times['none']:.2f}")
+    result(
+        f"forward + backward at T={args.seq}, cp={P}", "ms", {k: round(v * 1e3, 1) for k, v in times.items()}
+    )
+    kept = {name: round(max(r["kept"][name] for r in by_rank) / 2**20, 2) for name in ("none", *MODES)}
+    result("activations kept for backward, per rank", "MiB", kept)
+    print()
+    print("sent / formula: " + ", ".join(f"{m} {sent_ratio[m]:.3f}" for m in MODES))
+    print("kept / none:    " + ", ".join(f"{m} {kept[m] / kept['none']:.3f}" for m in MODES))
+    print("time / none:    " + ", ".join(f"{m} {times[m] / times['none']:.2f}" for m in MODES))
     return 0
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from common import result
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -129,6 +130,7 @@ def main() -> int:
     pairs = [("dp", "ddp"), ("zero1", "ddp"), ("zero2", "ddp"), ("zero2", "fsdp2-noresh"), ("zero3", "fsdp2")]
     for ours, theirs in pairs:
         print(f"{ours} / {theirs:<13} {t[ours] / t[theirs]:.2f}")
+    result("DP step time by layout (slowest rank)", "ms", {name: round(t[name] * 1e3, 1) for name in names})
     return 0
 
 

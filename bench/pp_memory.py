@@ -29,6 +29,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from common import result
 from pp_common import (
     SCHEDULES,
     ActionClock,
@@ -142,6 +143,9 @@ def main() -> int:
             ratios = [results[r][name][0] / results[r]["gpipe"][0] for r in range(p)]
             print(f"{name:<14}" + "".join(f"{x:>18.3f}" for x in ratios))
         print(f"{'(p - r) / m':<14}" + "".join(f"{min(p - r, m) / m:>18.3f}" for r in range(p)))
+    for r in range(p):
+        values = {name: round(results[r][name][0] / 2**20, 1) for name in names}
+        result(f"pipeline rank {r}: peak bytes kept during a step", "MiB", values)
     return 0
 
 

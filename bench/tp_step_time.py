@@ -42,6 +42,7 @@ from common import (
     llama_source,
     median,
     parallelize_with_pytorch,
+    result,
 )
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -180,6 +181,9 @@ def main() -> None:
         )
     print(f"fastest steps: {ratios(fastest)}")
     print(f"ratio (medians) {ratios(medians)}")
+    result(
+        "TP=2 step time (median, slower rank)", "ms", {name: round(t * 1e3, 1) for name, t in medians.items()}
+    )
 
 
 if __name__ == "__main__":

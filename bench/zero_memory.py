@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import result
 from torch import nn
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
@@ -175,6 +176,8 @@ def main() -> int:
             f" {expected / mib:>9.2f} {peak['total'] / expected:>8.3f} {steady['total'] / expected:>9.3f}"
         )
     print(f"\nlargest |peak/analytical - 1|: {worst:.1%} (target 5%)")
+    values = {f"zero {r['stage']}": round(r["peak"]["total"] / mib, 2) for r in rows}
+    result("training state per rank, peak (params + grads + optimizer)", "MiB", values)
     print("\nZeRO-3 on the compiled program: most parameter bytes gathered at once / whole model")
     for r in compiled:
         how = "per-layer nodes" if r["stage"] == "3c" else "no nodes (one unit)"

@@ -205,7 +205,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
     """What each way of splitting attention over the sequence would move per layer, for the
     first attention the rule governs, so the choice is visible: a rank's received bytes in
     forward (backward moves as much again, gradients the other way). With h = heads x
-    head_dim of q, h_kv of k and v as they reach attention, N tokens, P ranks:
+    head_dim of q, h_kv of k and v as they travel (before a GQA repeat), N tokens, P ranks:
 
         all_gather, ring   2 h_kv (N / P) (P - 1)      (k and v blocks of the P - 1 others)
         ulysses            (2 h + 2 h_kv) (N / P) (P - 1) / P      (q, k, v in, the output back)
@@ -228,6 +228,8 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
         return []
     p = compiled.layout.size(axis)
     q, k = attention.args[0], attention.args[1]
+    if k.target is torch.ops.aten.repeat_interleave.self_int:  # the key/value heads move, then repeat
+        k = k.args[0]
     b, heads, n, d = _held(q, shape(q), axis, compiled.layout)
     kv_heads = _held(k, shape(k), axis, compiled.layout)[1]
     size = value(q).element_size()
@@ -241,7 +243,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
     text = ", ".join(f"{m} {_kb(v)}" + (" (this plan)" if m == mode else "") for m, v in moved.items())
     return [
         f"    per layer, a rank receives in forward: {text}",
-        f"      ({b} x {n} tokens over {p} ranks; q {heads} heads, k/v {kv_heads} heads of {d} as they reach attention)",
+        f"      ({b} x {n} tokens over {p} ranks; q {heads} heads, k/v {kv_heads} heads of {d} as they travel)",
         _context_layout(compiled, axis, p),
     ]
 

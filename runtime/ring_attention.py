@@ -41,8 +41,10 @@ from .collectives import COLLECTIVES, AxisCollective
 class RingAttention(AxisCollective):
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)` over a sequence
     cut into one contiguous chunk per rank of the axis, or under `balanced` into chunks r and
-    2n-1-r of 2n (q, k, v: (B, H, T/n, D); GQA's fewer key/value heads are repeated to the
-    query heads first)."""
+    2n-1-r of 2n (q: (B, H, T/n, D); k, v: (B, H_kv, T/n, D)). Under GQA (H_kv dividing H)
+    the blocks travel with their key/value heads only and are repeated to the query heads
+    where a step computes, so the ring moves H_kv / H of what repeated heads would cost; the
+    gradients of a head's H / H_kv repeats are summed before they travel."""
 
     def forward(
         self,
@@ -55,9 +57,6 @@ class RingAttention(AxisCollective):
     ) -> Tensor:
         """`mask`: the model's own attention mask, this rank's query rows over the whole
         sequence's keys ((.., T/n, T), boolean (True attends) or added to the scores)."""
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return _RingFunction.apply(q, k, v, causal, scale, mask, self)
 
@@ -81,19 +80,18 @@ class _RingFunction(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
         block = [k.contiguous(), v.contiguous()]
-        t = q.shape[-2]
+        t, rep = q.shape[-2], q.shape[1] // k.shape[1]  # rep: query heads per key/value head
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             pending = ring.shift(block, "forward") if step < ring.n - 1 else None
             for piece in visible(ring.rank, src, ring.n, t, causal, owner.balanced):
                 rows, cols, _ = piece
-                scores = _scores(
-                    q[..., rows, :], block[0][..., cols, :], scale, piece, _mask_of(mask, src, piece, owner)
-                )
+                kc, vc = _repeated(block[0][..., cols, :], rep), _repeated(block[1][..., cols, :], rep)
+                scores = _scores(q[..., rows, :], kc, scale, piece, _mask_of(mask, src, piece, owner))
                 block_lse = torch.logsumexp(scores, dim=-1)
                 # rows a mask hides from the whole block add nothing (and no NaN)
                 finite = torch.where(torch.isinf(block_lse), 0.0, block_lse)
-                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ block[1][..., cols, :].float()
+                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ vc.float()
                 merged = torch.logaddexp(lse[..., rows], block_lse)
                 keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse[..., rows] - merged))
                 add = torch.where(torch.isinf(merged), 0.0, torch.exp(block_lse - merged))
@@ -115,20 +113,20 @@ class _RingFunction(torch.autograd.Function):
         delta = (grad * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32)
         block = [k.contiguous(), v.contiguous(), torch.zeros(k.shape), torch.zeros(v.shape)]
-        t = q.shape[-2]
+        t, rep = q.shape[-2], q.shape[1] // k.shape[1]
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             kb, vb, dk, dv = block
             for piece in visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced):
                 rows, cols, _ = piece
                 qr, gr = q[..., rows, :].float(), grad[..., rows, :]
-                kc, vc = kb[..., cols, :].float(), vb[..., cols, :].float()
+                kc, vc = _repeated(kb[..., cols, :], rep).float(), _repeated(vb[..., cols, :], rep).float()
                 scores = _scores(qr, kc, ctx.scale, piece, _mask_of(mask, src, piece, ctx.owner))
                 p = torch.exp(scores - lse[..., rows].unsqueeze(-1))
-                dv[..., cols, :] += p.transpose(-1, -2) @ gr
+                dv[..., cols, :] += _folded(p.transpose(-1, -2) @ gr, rep)
                 ds = p * (gr @ vc.transpose(-1, -2) - delta[..., rows, :]) * ctx.scale
                 dq[..., rows, :] += ds @ kc
-                dk[..., cols, :] += ds.transpose(-1, -2) @ qr
+                dk[..., cols, :] += _folded(ds.transpose(-1, -2) @ qr, rep)
             # the last step only takes each block's gradients home
             moving = block if step < ring.n - 1 else [dk, dv]
             received = ring.shift(moving, "backward")()
@@ -157,6 +155,16 @@ def visible(rank: int, src: int, n: int, t: int, causal: bool, balanced: bool) -
     if src < rank:  # its chunk src precedes both of ours; its chunk 2n-1-src follows both
         return [(whole, first, False)]
     return [(second, whole, False)]  # our chunk 2n-1-r follows both of its chunks
+
+
+def _repeated(x: Tensor, rep: int) -> Tensor:
+    """Key/value heads repeated to the query heads they serve (GQA): (B, H_kv, .., D) -> (B, H, .., D)."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _folded(x: Tensor, rep: int) -> Tensor:
+    """The gradient of `_repeated`: each key/value head's `rep` query-head gradients summed."""
+    return x if rep == 1 else x.unflatten(1, (-1, rep)).sum(2)
 
 
 def _mask_of(mask: Tensor | None, src: int, piece: Piece, owner: RingAttention) -> Tensor | None:

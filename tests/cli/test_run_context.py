@@ -5,8 +5,10 @@ the keys and values (`all_gather`), passes them around a ring (`ring`) or moves 
 shards and back (`ulysses`). The same batch on one process must give the same losses and
 gradient norms at every step. Ring and all_gather run in the load-balanced causal layout
 (rank r holds chunks r and 2n-1-r of 2n: tokens, labels, rotary tables, masks alike);
-Ulysses runs a model with one key/value head for its four query heads (`enable_gqa`), fewer
-than the two ranks: each rank gathers the head its query heads use.
+Ulysses runs a model with one key/value head for its four query heads, fewer than the two
+ranks (repeated to the query heads by the model in layers 0 and 2, handed to attention
+grouped with `enable_gqa` in 1 and 3): each rank gathers the head its query heads use. The
+example Llama repeats its 2 key/value heads for 4 query heads: ring and all_gather move the 2.
 """
 
 from __future__ import annotations

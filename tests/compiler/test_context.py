@@ -125,7 +125,10 @@ def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():
     assert _calls(compiled).count("ring_attention_cp") == 4
     rows = [r for r in compiled.ledger.rows if r.kind == "ring_attention"]
     # k and v blocks forward; k, v and their gradients backward: the whole sequence's k, (n-1)/n of it each
-    k_bytes = 2 * 4 * 16 * 16 * 4  # (B, heads after the GQA repeat, T, head_dim) float32
+    # (B, the 2 key/value heads: the model's GQA repeat to 4 is left to the ring, T, head_dim) float32
+    k_bytes = 2 * 2 * 16 * 16 * 4
+    repeats = [n for n in compiled.graph.graph.nodes if n.target is torch.ops.aten.repeat_interleave.self_int]
+    assert not repeats
     assert {(r.phase, r.count, r.bytes) for r in rows} == {("forward", 2, k_bytes), ("backward", 4, k_bytes)}
     assert sum(r.traffic for r in rows) == 4 * (2 + 4) * k_bytes / 2
 
@@ -133,18 +136,23 @@ def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():
 @pytest.mark.parametrize("mode", ["all_gather", "ulysses"])
 def test_explain_predicts_each_variant_and_the_ledger_agrees(mode: str):
     """The formulas `explain` prints (k and v of the P - 1 others; Ulysses' q, k, v and output
-    by all-to-all) against the ledger of the collectives the walk inserted: equal."""
+    by all-to-all) against the ledger of the collectives the walk inserted: equal. The example
+    Llama repeats its 2 key/value heads to the 4 query heads; the collectives move the 2."""
     from meshplan.compiler.printers import explain
 
     compiled = _compile(f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n")
     text = explain(compiled)
-    assert "per layer, a rank receives in forward: all_gather 8.2 KB" in text
-    assert f"{mode} 8.2 KB (this plan)" in text
+    # h = 4 x 16, h_kv = 2 x 16, N = 16, P = 2, B = 2, 4 bytes: 2 h_kv (N/P)(P-1) and (2h + 2h_kv)(N/P)(P-1)/P
+    per_layer = {"all_gather": 4096, "ulysses": 6144}
+    assert "per layer, a rank receives in forward: all_gather 4.1 KB" in text
+    assert all(f"{m} {kb} KB" in text for m, kb in (("ring", "4.1"), ("ulysses", "6.1")))
+    assert f"{mode} {per_layer[mode] / 1e3:.1f} KB (this plan)" in text
+    assert "k/v 2 heads of 16 as they travel" in text
     balanced = "layout: load-balanced causal, the sequence in 4 chunks, rank r holding chunks r and 3 - r"
     assert (balanced in text) == (mode == "all_gather")  # Ulysses keeps contiguous chunks
     kind = "all_gather" if mode == "all_gather" else "all_to_all"
     rows = [r for r in compiled.ledger.rows if r.kind == kind and r.phase == "forward"]
-    assert sum(r.traffic for r in rows) / 4 == 8192  # per layer: (2 h (N/P)(P-1)) x B x 4 bytes
+    assert sum(r.traffic for r in rows) / 4 == per_layer[mode]
 
 
 def test_a_batch_of_one_sequence_is_cut_by_sequence_too():

@@ -63,8 +63,9 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
     """Attention of queries cut by sequence over a context axis, by the mode of the module's
     `context` rule:
 
-        all_gather   k, v gathered whole (backward: reduce-scatter of their gradients); the
-                     causal mask is this rank's rows of the whole one
+        all_gather   k, v gathered whole (backward: reduce-scatter of their gradients), before
+                     the model's GQA repeat of their heads when it has one; the causal mask is
+                     this rank's rows of the whole one
                      k = self.all_gather_cp(k, 2); v = self.all_gather_cp(v, 2)
                      rows = self.split_cp(arange(T), 0)      # this rank's query positions
                      out = sdpa(q, k, v, attn_mask=rows[:, None] >= arange(T))
@@ -101,7 +102,13 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
             )
         w.use(node, q, w.convert(q, Shard(1), because=rule))
         for t in (k, v):
-            _ulysses_key_value(w, node, t, heads, rule)
+            grouped = _grouped(w, t)
+            if grouped is None:
+                _ulysses_key_value(w, node, t, heads, rule)
+                continue
+            # move the key/value heads, then repeat this rank's to its query heads
+            _ulysses_key_value(w, t, grouped, heads, rule)
+            _repeat_interleave(w, t)
         if isinstance(mask, fx.Node) and w.placement(mask) != REPLICATE:
             w.use(node, mask, w.convert(mask, REPLICATE, because=rule))
         w.set(node, Shard(1), rule)
@@ -113,7 +120,12 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         _ring(w, node, rule, mask, causal)
         return
     for t in (k, v):
-        w.use(node, t, w.convert(t, REPLICATE, into_sharded=True, because=rule))
+        grouped = _grouped(w, t)
+        if grouped is not None:  # gather the key/value heads, repeat them after
+            t.replace_input_with(grouped, w.convert(grouped, REPLICATE, into_sharded=True, because=rule))
+            w.set(t, REPLICATE, rule)
+        else:
+            w.use(node, t, w.convert(t, REPLICATE, into_sharded=True, because=rule))
     if isinstance(mask, fx.Node):  # this rank's query rows of the model's own mask
         rows = len(shape(mask)) - 2
         if not known_equal(shape(mask)[rows], 1) and w.placement(mask) != Shard(rows):
@@ -165,7 +177,8 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
 
 def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
     """Ring attention (`runtime/ring_attention.py`): the key/value blocks travel, the queries stay;
-    a mask of the model's own goes along as this rank's rows.
+    a mask of the model's own goes along as this rank's rows. Key/value heads the model repeats
+    for GQA travel unrepeated (the ring repeats them where it computes).
 
         out = self.ring_attention_cp(q, k, v, True, scale)
         out = self.ring_attention_cp(q, k, v, False, scale, split_cp(mask, 2))
@@ -179,7 +192,9 @@ def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
             rule=rule,
         )
     scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
-    q, k, v = node.args[:3]
+    q, k, v = (arg_node(node, i) for i in range(3))
+    repeats = list(dict.fromkeys(t for t in (k, v) if _grouped(w, t) is not None))
+    k, v = (_grouped(w, t) or t for t in (k, v))  # the ring repeats them where it computes
     args: tuple = (q, k, v, bool(causal), scale)
     if isinstance(mask, fx.Node):
         rows = len(shape(mask)) - 2
@@ -192,7 +207,22 @@ def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
     ring.meta[COLLECTIVE] = {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule}
     node.replace_all_uses_with(ring)
     w.graph.erase_node(node)
+    for t in repeats:
+        w.graph.erase_node(t)
     w.set(ring, Shard(SEQ), rule)
+
+
+def _grouped(w: Walk, t: fx.Node) -> fx.Node | None:
+    """The key/value heads behind `t` when `t` is the model's GQA repeat of them to the query
+    heads (`repeat_interleave(kv, r, dim=1)`) and attention is its only reader: the heads the
+    context collectives then move instead, r times fewer bytes. None otherwise."""
+    if t.target is not aten.repeat_interleave.self_int or len(t.users) != 1:
+        return None
+    dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim")
+    kv = arg_node(t, 0)
+    if dim is None or _norm_dim(dim, len(shape(t))) != 1 or w.placement(kv) != Shard(SEQ):
+        return None
+    return kv
 
 
 def _causal_rows(w: Walk, node: fx.Node, keys: fx.Node, rule) -> fx.Node:

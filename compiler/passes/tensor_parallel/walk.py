@@ -237,9 +237,9 @@ class Walk:
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
         if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
             self.set(node, self.placement(inputs[0]))
-        elif isinstance(module, RingAttention) and len({self.placement(a) for a in inputs[:3]}) == 1:
+        elif isinstance(module, RingAttention) and _heads_alike(*(self.placement(a) for a in node.args[:3])):
             # attention is independent per head: q, k, v split alike by heads stay so
-            self.set(node, self.placement(inputs[0]))
+            self.set(node, self.placement(node.args[0]))
         elif all(isinstance(self.placement(a), Replicate) for a in inputs):
             self.set(node, REPLICATE)
         else:
@@ -615,6 +615,18 @@ def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]]
                 return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
         prefix_out *= size
     return None
+
+
+def _heads_alike(q: Placement, k: Placement, v: Placement) -> bool:
+    """q, k and v placed alike over an axis, so attention stays per rank: the same placement,
+    or q split by heads and k, v by key/value heads shared by neighbouring ranks (GQA with
+    fewer kv heads than ranks, each rank keeping the one its query heads use)."""
+
+    def alike(kv: Placement) -> bool:
+        shared = isinstance(q, Shard) and isinstance(kv, Shard) and kv.replicas > 1
+        return kv == q or (shared and q == Shard(1) and kv.dim == 1 and not kv.blocks)  # type: ignore[union-attr]
+
+    return alike(k) and alike(v)
 
 
 def _attends_causally(gm: fx.GraphModule, modules: dict[str, PlanRule]) -> bool:

@@ -120,6 +120,25 @@ def test_ulysses_over_heads_already_split_by_tensor_parallelism_is_refused_at_it
     assert "hint: use `context all_gather` with tensor-parallel attention" in rendered
 
 
+def test_a_context_axis_before_the_tensor_axis_compiles_as_after_it():
+    """`mesh cp=2, tp=4` walks cp first, so the tensor walk reads every weight through cp's f
+    (copy_to_cp): the split weights' rules and GQA's shared kv heads (2 for tp=4) are still
+    found behind it, and the ring's kv heads, each kept by two tp ranks, stay per rank.
+    It used to stop on an internal error; the numbers are meshplan verify's (8 ranks)."""
+    rules = (
+        "    layers.*.self_attn: context ring over cp\n"
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
+        "    layers.*.mlp.{gate,up}_proj: column over tp\n    layers.*.mlp.down_proj: row over tp\n"
+    )
+    ledgers = []
+    for mesh in ("cp=2, tp=4", "tp=4, cp=2"):
+        compiled = _compile(f"mesh {mesh}\n\nmodules {{\n{rules}}}\n")
+        assert _calls(compiled).count("kv_group_tp") == 2 * 4  # k and v of every layer
+        assert not [d for d in compiled.warnings if "runs on whole tensors" in d.message]
+        ledgers.append(sorted((r.kind, r.axis, r.phase, r.count, r.bytes) for r in compiled.ledger.rows))
+    assert ledgers[0] == ledgers[1]
+
+
 def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():
     compiled = _compile("mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n")
     assert _calls(compiled).count("ring_attention_cp") == 4

@@ -236,7 +236,9 @@ class Walk:
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
         if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
-            self.set(node, self.placement(inputs[0]))
+            # and the rule behind the input's placement here (a split weight's, read through the
+            # f of a context axis walked before this one)
+            self.set(node, self.placement(inputs[0]), inputs[0].meta.get(RULE))
         elif isinstance(module, RingAttention) and _heads_alike(*(self.placement(a) for a in node.args[:3])):
             # attention is independent per head: q, k, v split alike by heads stay so
             self.set(node, self.placement(node.args[0]))
@@ -564,10 +566,19 @@ _RULES: dict[object, Rule] = {}
 
 
 def _through_casts(node: fx.Node) -> fx.Node:
-    """The node a chain of dtype casts starts from (a parameter behind its compute-dtype cast)."""
-    while node.target in (aten._to_copy.default, aten.to.dtype):
+    """The node a chain of dtype casts starts from (a parameter behind its compute-dtype cast),
+    and behind the f (`copy_to`) an earlier axis's walk put on it: a context axis walked before
+    this tensor axis (`mesh cp=2, tp=4`) reads every parameter through one."""
+    while node.target in (aten._to_copy.default, aten.to.dtype) or (
+        node.op == "call_module" and isinstance(_module(node), CopyToAxis)
+    ):
         node = arg_node(node, 0)
     return node
+
+
+def _module(node: fx.Node) -> torch.nn.Module | None:
+    owner = node.graph.owning_module
+    return owner.get_submodule(str(node.target)) if owner is not None else None
 
 
 def _get_attr(gm: fx.GraphModule, target: str):

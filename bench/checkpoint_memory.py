@@ -23,9 +23,7 @@ import statistics
 import time
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from common import LiveStorages
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import build_rank_program, compile_plan
@@ -33,26 +31,6 @@ from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build, example_inputs
 
 RULES = (None, "checkpoint", "checkpoint every 2", "checkpoint selective")
-
-
-class LiveStorages(TorchDispatchMode):
-    def __init__(self, program: torch.nn.Module):
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        held = (*program.parameters(), *program.buffers())
-        self.skip = {t.untyped_storage()._cdata for t in held}  # a weight's view (`t`) is no activation
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if s._cdata not in self.skip:
-                    self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
-
-    def live_bytes(self) -> int:
-        return sum(n for ref, n in self.storages.values() if not ref.expired())
 
 
 def program_for(rule: str | None, source: ModelSource):

@@ -32,6 +32,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.examples.models.llama import Llama, build, example_inputs
@@ -368,3 +371,26 @@ def result(title: str, unit: str, values: dict[str, float]) -> None:
     """One machine-readable line of a benchmark's numbers, a bar per label: `python -m bench`
     plots it into the report (`bench/__main__.py`)."""
     print("bench-result " + json.dumps({"title": title, "unit": unit, "values": values}))
+
+
+class LiveStorages(TorchDispatchMode):
+    """Storages made under the mode, by weak reference: what is still alive is what was kept
+    (for backward, when read after a forward). The program's parameters and buffers do not count."""
+
+    def __init__(self, program: torch.nn.Module) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        held = (*program.parameters(), *program.buffers())
+        self.skip = {t.untyped_storage()._cdata for t in held}  # a weight's view (`t`) is no activation
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s._cdata not in self.skip:
+                    self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self.storages.values() if not ref.expired())

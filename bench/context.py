@@ -43,10 +43,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from common import result
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from common import LiveStorages, result
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
@@ -133,28 +130,6 @@ class SentBytes:
 
     def total(self, ops: tuple[str, ...], phase: str) -> int:
         return sum(n for (op, p), n in self.bytes.items() if op in ops and p == phase)
-
-
-class LiveStorages(TorchDispatchMode):
-    """Storages made under the mode, by weak reference: what is still alive is what was kept."""
-
-    def __init__(self, program: torch.nn.Module) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-        held = (*program.parameters(), *program.buffers())
-        self.skip = {t.untyped_storage()._cdata for t in held}  # a weight's view (`t`) is no activation
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if s._cdata not in self.skip:
-                    self.storages.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
-
-    def live_bytes(self) -> int:
-        return sum(n for ref, n in self.storages.values() if not ref.expired())
 
 
 # ---------------------------------------------------------------------------- the programs

@@ -39,17 +39,24 @@ def launch(args: argparse.Namespace) -> int:
     """Check what can be checked before starting processes, then exec torchrun and return its status."""
     import tempfile
 
+    command = torchrun_command(args, prepare(args))
+    with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return _run_torchrun(command, env, Path(errors))
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """Everything before the workers start: check the plan, the model, the data and the run folder,
+    compile the program once (`args.program`, `args.vocab_size` set for the workers). Returns the
+    number of workers the mesh needs."""
     plan = _check_before_launch(args)
     world_size = plan.mesh.world_size
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
     source = _model_source(args)
     _check_data(args, plan, source.model)
     args.program = str(_compile_once(args, world_size, source))
-    command = torchrun_command(args, world_size)
-    with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
-        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return _run_torchrun(command, env, Path(errors))
+    return world_size
 
 
 # Signals that end a run: passed on to torchrun, which stops its workers (a worker killed

@@ -38,8 +38,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshplan.args import DefaultInt, DefaultStr, non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    from meshplan.runtime.train import Summary
 
 DEFAULT_MODEL = "meshplan.examples.models.llama:build"
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2  # 1: a bug in meshplan
@@ -265,13 +269,11 @@ def _worker(args: argparse.Namespace) -> int:
 
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
-    from meshplan.examples import CORPUS
     from meshplan.launcher import HINT
     from meshplan.runtime import watchdog
     from meshplan.runtime.checkpoint import CheckpointError
-    from meshplan.runtime.data import DataError, within_vocab
+    from meshplan.runtime.data import DataError
     from meshplan.runtime.train import PeerFailure, is_peer_failure
-    from meshplan.session import export_weights, open_session, train_session
 
     rank = int(os.environ["RANK"])
     if restart_attempt() > 0:
@@ -283,13 +285,7 @@ def _worker(args: argparse.Namespace) -> int:
     _init_process_group(args.timeout)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        prepared = open_session(args, rank, dist.get_world_size())
-        if args.vocab_size is not None:  # an id beyond it is a located DataError, not an IndexError
-            spec = args.data or str(CORPUS)
-            prepared = replace(prepared, batches=within_vocab(prepared.batches, args.vocab_size, spec))
-        summary = train_session(args, prepared)
-        if args.export:
-            export_weights(args, prepared, rank)
+        summary = train_rank(args, rank, dist.get_world_size())
         _teardown_in_order()
     except (PlanError, CompileError, DataError, CheckpointError, RunError) as e:
         _say_user_error(e, rank)
@@ -308,6 +304,25 @@ def _worker(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_OK if summary.steps_done >= args.steps else EXIT_USER
+
+
+def train_rank(
+    args: argparse.Namespace, rank: int, world_size: int, *, show_progress: bool | None = None
+) -> Summary:
+    """One worker's run, in a process group that is up: load the program and this rank's shards,
+    train (resuming if asked), export if asked."""
+    from meshplan.examples import CORPUS
+    from meshplan.runtime.data import within_vocab
+    from meshplan.session import export_weights, open_session, train_session
+
+    prepared = open_session(args, rank, world_size)
+    if args.vocab_size is not None:  # an id beyond it is a located DataError, not an IndexError
+        spec = args.data or str(CORPUS)
+        prepared = replace(prepared, batches=within_vocab(prepared.batches, args.vocab_size, spec))
+    summary = train_session(args, prepared, show_progress=show_progress)
+    if args.export:
+        export_weights(args, prepared, rank)
+    return summary
 
 
 def _say_user_error(error: Exception, rank: int) -> None:

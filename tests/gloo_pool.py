@@ -1,20 +1,22 @@
-"""Gloo processes kept for a test module's multi-process jobs, instead of new ones for each.
+"""Gloo processes kept for the test session's multi-process jobs, instead of new ones for each.
 
 `meshplan verify` and the multi-process tests run each job on new processes
 (`meshplan.runtime.launch.spawn`): start Python, import torch, meshplan and the model's
 libraries, join a process group. On 2 cores that is most of a small job's cost, and a module
 of `verify` tests pays it for every test. Inside `shared_processes()`, `spawn` hands each job
-to processes kept from the module's previous job of the same world size:
+to processes kept from an earlier job of the same world size (of this module or another):
 
     @pytest.fixture(scope="module", autouse=True)
     def processes():
         with shared_processes():
             yield
 
-Each job still runs `fn(rank, world_size, *args)` on every rank of a gloo group of its size
-and returns the results by rank, as `spawn` does. A job that fails, or whose process dies,
-ends its processes (the others may be stuck in a collective): the next job starts new ones.
-A job runs in a process that earlier jobs ran in, so a job must undo what it patches.
+`gloo_pool.spawn(fn, world_size, args)` does the same for one call. Each job still runs
+`fn(rank, world_size, *args)` on every rank of a gloo group of its size and returns the
+results by rank, as `spawn` does. A job that fails, or whose process dies, ends its processes
+(the others may be stuck in a collective): the next job starts new ones. A job runs in a
+process that earlier jobs ran in, so a job must undo what it patches. The processes end with
+the session (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -118,15 +120,26 @@ class _Pool:
             self._stop(world_size)
 
 
+_SESSION = _Pool()  # kept across the modules that share processes; `close_all` ends them
+
+
 @contextlib.contextmanager
 def shared_processes() -> Iterator[None]:
     """Within: `meshplan.runtime.launch.spawn` (as looked up when called, which is how `verify`
-    calls it) runs on kept processes; they end on exit."""
-    pool = _Pool()
+    calls it) runs on kept processes. They outlive the block, for the next module that shares
+    processes, until `close_all()` (the test session's end)."""
     original = launch.spawn
-    launch.spawn = pool.spawn  # type: ignore[assignment]
+    launch.spawn = _SESSION.spawn  # type: ignore[assignment]
     try:
         yield
     finally:
         launch.spawn = original
-        pool.close()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list:
+    """`launch.spawn` on the session's kept processes, for a module that calls it directly."""
+    return _SESSION.spawn(fn, world_size, args)
+
+
+def close_all() -> None:
+    _SESSION.close()

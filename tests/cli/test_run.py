@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runs import meshplan_run
 
 from meshplan.launcher import first_failure, torchrun_command, worker_argv
 from meshplan.main import build_parser, main
@@ -216,16 +217,15 @@ def test_paths_that_cannot_work_are_found_before_training(tmp_path, capsys, case
 
 
 def test_a_damaged_checkpoint_stops_the_resume_with_one_line(tmp_path: Path) -> None:
-    def run(*extra: str) -> subprocess.CompletedProcess:
-        argv = ["meshplan", "run", TINY_DP, "--out", str(tmp_path), "--batch", "2", "--seq", "16", *extra]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=240)
-
-    assert run("--steps", "2", "--save-every", "1").returncode == 0
+    argv = [TINY_DP, "--out", str(tmp_path), "--batch", "2", "--seq", "16"]
+    meshplan_run(*argv, "--steps", "2", "--save-every", "1")  # the run that saved it (no torchrun)
     shard = tmp_path / "checkpoints" / "step00000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[-200:-136] = bytes(64)
     shard.write_bytes(bytes(data))
-    done = run("--steps", "3", "--resume")
+    done = subprocess.run(
+        ["meshplan", "run", *argv, "--steps", "3", "--resume"], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         f"meshplan: error: checkpoint {tmp_path}/checkpoints/step00000002 is damaged: __1_0.distcp does "

@@ -1,11 +1,11 @@
 """The compiled program is what runs: `meshplan run` compiles once, before any worker starts,
 and every rank loads that program; `meshplan run DIR` runs a `meshplan compile -o DIR` folder.
 
-Through the real command line and torchrun: a compile folder trains exactly like its plan
-(the same losses, step by step), at the shapes it was compiled at and at any other its
-splits divide; a folder that does not fit the run (a sequence the plan cannot cut, another
-model) and a plan that does not fit the model are one error from the launcher, exit 2,
-before any process starts.
+Through the real command line and torchrun, a compile folder trains exactly like its plan
+(the same losses, step by step); at any other shape its splits divide it trains like the
+plan compiled for that shape (`meshplan run` minus torchrun: tests/runs.py). A folder that
+does not fit the run (a sequence the plan cannot cut, another model) and a plan that does
+not fit the model are one error from the launcher, exit 2, before any process starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from runs import meshplan_run
+
+from meshplan.main import main
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +63,10 @@ def test_a_compile_folder_runs_other_shapes_like_a_plan_compiled_for_them(
     """Captured with symbolic batch and sequence length, the folder compiled at (2, 32) trains
     (3, 16) micro-batches exactly as the plan compiled for (3, 16) does."""
     other = ("--batch", "3", "--seq", "16")
-    from_plan = meshplan("run", str(PLAN), *other, "--steps", "3", "--out", str(tmp_path / "plan"))
-    assert from_plan.returncode == 0, from_plan.stderr
-    from_folder = meshplan("run", str(compiled), *other, "--steps", "3", "--out", str(tmp_path / "folder"))
-    assert from_folder.returncode == 0, from_folder.stderr
-    assert losses(tmp_path / "folder") == losses(tmp_path / "plan")
-    assert len(losses(tmp_path / "folder")) == 3
+    from_plan = meshplan_run(str(PLAN), *other, "--steps", "3", "--out", str(tmp_path / "plan"))[0]
+    from_folder = meshplan_run(str(compiled), *other, "--steps", "3", "--out", str(tmp_path / "folder"))[0]
+    assert [r["loss"] for r in from_folder] == [r["loss"] for r in from_plan]
+    assert len(from_folder) == 3
 
 
 @pytest.mark.parametrize(
@@ -82,21 +83,23 @@ def test_a_compile_folder_runs_other_shapes_like_a_plan_compiled_for_them(
     ],
 )
 def test_a_folder_that_does_not_fit_the_run_is_refused_before_launch(
-    compiled: Path, tmp_path: Path, argv: list[str], message: str
+    compiled: Path, tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture
 ) -> None:
-    done = meshplan("run", str(compiled), "--steps", "1", "--out", str(tmp_path / "run"), *argv)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr and "torch.distributed" not in done.stderr
+    assert main(["run", str(compiled), "--steps", "1", "--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err and "torch.distributed" not in err
     assert not list((tmp_path / "run").glob("metrics/*.jsonl"))  # no worker wrote a step
 
 
-def test_a_plan_that_does_not_fit_the_model_is_refused_before_launch(tmp_path: Path) -> None:
+def test_a_plan_that_does_not_fit_the_model_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     plan = tmp_path / "typo.plan"
     plan.write_text(PLAN.read_text().replace("o_proj:", "out_proj:"))
-    done = meshplan("run", str(plan), *SHAPE, "--steps", "1", "--out", str(tmp_path / "run"))
-    assert done.returncode == 2
-    assert "typo.plan:" in done.stderr and "matches no module" in done.stderr
-    assert done.stderr.count("matches no module") == 1  # once, from the launcher, not once per rank
-    assert "torch.distributed" not in done.stderr
+    assert main(["run", str(plan), *SHAPE, "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "typo.plan:" in err and "matches no module" in err
+    assert err.count("matches no module") == 1  # once, from the launcher, not once per rank
+    assert "torch.distributed" not in err
     assert not list((tmp_path / "run").glob("metrics/*.jsonl"))  # no worker wrote a step

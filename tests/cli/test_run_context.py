@@ -1,4 +1,4 @@
-"""`meshplan run` of context-parallel plans through real torchrun, against one process.
+"""`meshplan run` of context-parallel plans (minus torchrun: tests/runs.py), against one process.
 
 Every activation is cut by sequence over `cp` from the token inputs on; attention gathers
 the keys and values (`all_gather`), passes them around a ring (`ring`) or moves to head

@@ -1,5 +1,5 @@
-"""`meshplan run` of the example MoE model with its experts over `ep`, through real torchrun,
-against the same global batch on one process.
+"""`meshplan run` of the example MoE model with its experts over `ep` (minus torchrun:
+tests/runs.py), against the same global batch on one process.
 
 One launch checks several things at once: `mesh dp=2, ep=2` on 4 processes (the dense
 gradients averaged over dp x ep, the experts' over dp), a checkpointed layer (its
@@ -10,12 +10,10 @@ rank. The one-process run trains the same 8 sequences per step: losses and gradi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from runs import meshplan_run
 
 pytestmark = pytest.mark.slow
 
@@ -39,38 +37,16 @@ train {
 """
 
 
-def start(tmp: Path, name: str, text: str, batch: int) -> tuple[subprocess.Popen, Path]:
+def run(tmp: Path, name: str, text: str, batch: int) -> list[dict]:
     (tmp / f"{name}.plan").write_text(text)
-    out = tmp / name
-    argv = ["meshplan", "run", str(tmp / f"{name}.plan"), "--model", MODEL, "--steps", str(STEPS)]
-    argv += [
-        "--batch",
-        str(batch),
-        "--seq",
-        str(SEQ),
-        "--warmup",
-        "2",
-        "--grad-clip",
-        "0.5",
-        "--out",
-        str(out),
-    ]
-    env = dict(os.environ, NO_COLOR="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out
-
-
-def metrics(proc: subprocess.Popen, out: Path) -> list[dict]:
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    return [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    argv = [str(tmp / f"{name}.plan"), "--model", MODEL, "--steps", str(STEPS), "--batch", str(batch)]
+    argv += ["--seq", str(SEQ), "--warmup", "2", "--grad-clip", "0.5", "--out", str(tmp / name)]
+    return meshplan_run(*argv)[0]
 
 
 def test_experts_over_ep_train_like_one_process(tmp_path: Path) -> None:
-    runs = [
-        start(tmp_path, "ep", EXPERT_PARALLEL, batch=1),
-        start(tmp_path, "one", "mesh dp=1\n", batch=8),  # side by side: each waits on start-up
-    ]
-    got, want = (metrics(*run) for run in runs)
+    got = run(tmp_path, "ep", EXPERT_PARALLEL, batch=1)
+    want = run(tmp_path, "one", "mesh dp=1\n", batch=8)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), g["step"]

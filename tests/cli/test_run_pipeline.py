@@ -1,4 +1,4 @@
-"""`meshplan run` of pipeline plans through real torchrun, against the same run on one process.
+"""`meshplan run` of pipeline plans (minus torchrun: tests/runs.py) against the same run on one process.
 
 Under a pipeline, `--batch` is one microbatch and a micro-step runs `microbatches` of them,
 so `--batch 2` with 4 microbatches trains on the same data as `--batch 8` on one process:
@@ -8,17 +8,14 @@ pipeline must resume on one process as if the run had never stopped.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from plans import data_parallel, llama_rules, llama_sequence, plan
+from runs import meshplan_run
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, SEQ, MICRO = 4, 16, 4
 PIPELINE = "\npipeline over pp {{\n    schedule = {schedule}\n{virtual}    microbatches = 4\n}}\n"
 
@@ -34,26 +31,8 @@ def pipeline_plan(
 
 
 def run(plan_path: Path, out: Path, *extra: str, batch: int = 2, steps: int = STEPS) -> list[dict]:
-    argv = [
-        "meshplan",
-        "run",
-        str(plan_path),
-        "--steps",
-        str(steps),
-        "--seq",
-        str(SEQ),
-        "--batch",
-        str(batch),
-    ]
-    done = subprocess.run(
-        [*argv, "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, NO_COLOR="1"),
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    argv = [str(plan_path), "--steps", str(steps), "--seq", str(SEQ), "--batch", str(batch)]
+    return meshplan_run(*argv, "--out", str(out), *extra)[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """`meshplan run` of pipelines under ZeRO-3, with a weight tied across stages, and resumed on
-another layout, through real torchrun, against the same data on one process.
+another layout (minus torchrun: tests/runs.py), against the same data on one process.
 
 The model is the example GPT, whose embedding and LM head are one parameter: its copies on
 the first and the last stage must take the same steps. Helpers and conventions are those of

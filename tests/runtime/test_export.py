@@ -1,11 +1,11 @@
-"""--export writes full weights that the unpartitioned model loads strictly, from a TP run."""
+"""--export writes full weights that the unpartitioned model loads strictly, from a TP run
+(`meshplan run` minus torchrun: tests/runs.py)."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from runs import meshplan_run
 
 from meshplan.examples import CORPUS
 from meshplan.examples.models import llama
@@ -20,28 +20,10 @@ def test_tensor_parallel_run_exports_a_loadable_state_dict(tmp_path, suffix):
     if suffix == ".safetensors":
         pytest.importorskip("safetensors")
     target = tmp_path / f"model{suffix}"
-    done = subprocess.run(
-        [
-            "meshplan",
-            "run",
-            str(ROOT / "examples/llama_tp.plan"),
-            "--steps",
-            "20",
-            "--batch",
-            "4",
-            "--seq",
-            "32",
-            "--out",
-            str(tmp_path / "run"),
-            "--export",
-            str(target),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, NO_COLOR="1"),
-        timeout=300,
+    meshplan_run(
+        *(str(ROOT / "examples/llama_tp.plan"), "--steps", "20", "--batch", "4", "--seq", "32"),
+        *("--out", str(tmp_path / "run"), "--export", str(target)),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     if suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -1,11 +1,9 @@
-"""fp16 training under `meshplan run`: overflowing steps are skipped and counted, nothing is updated."""
+"""fp16 training under `meshplan run` (minus torchrun: tests/runs.py): overflowing steps are skipped and counted, nothing is updated."""
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from runs import meshplan_run
 
 pytestmark = pytest.mark.slow
 
@@ -26,27 +24,8 @@ precision {
 def run(tmp_path: Path, scale: str, steps: int) -> list[dict]:
     plan = tmp_path / "fp16.plan"
     plan.write_text(PLAN.replace("{scale}", scale))
-    done = subprocess.run(
-        [
-            "meshplan",
-            "run",
-            str(plan),
-            "--steps",
-            str(steps),
-            "--out",
-            str(tmp_path / "run"),
-            "--batch",
-            "4",
-            "--seq",
-            "32",
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, NO_COLOR="1"),
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return [json.loads(line) for line in (tmp_path / "run/metrics/rank0.jsonl").read_text().splitlines()]
+    argv = [str(plan), "--steps", str(steps), "--out", str(tmp_path / "run"), "--batch", "4", "--seq", "32"]
+    return meshplan_run(*argv)[0]
 
 
 def test_a_scale_that_always_overflows_skips_every_step(tmp_path):

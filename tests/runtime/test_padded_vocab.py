@@ -4,11 +4,11 @@ dp2 x tp2 + SP + ZeRO-3 resumes on a layout without tensor parallelism and back,
 unpartitioned model loads the export strictly. Training numerics are in test_tp_parity.py
 (float64 gradients) and test_verify.py."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from runs import meshplan_run
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +39,11 @@ def run(tmp_path: Path, plan: str, export: str, *extra: str) -> dict[str, torch.
     path = tmp_path / f"{export}.plan"
     path.write_text(plan)
     target = tmp_path / f"{export}.pt"
-    done = subprocess.run(
-        [
-            *("meshplan", "run", str(path), "--model", MODEL, "--steps", "3", "--save-every", "3"),
-            *("--batch", "2", "--seq", "32", "--out", str(tmp_path / "run"), "--export", str(target)),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    meshplan_run(
+        *(str(path), "--model", MODEL, "--steps", "3", "--save-every", "3"),
+        *("--batch", "2", "--seq", "32", "--out", str(tmp_path / "run"), "--export", str(target)),
+        *extra,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     return torch.load(target, weights_only=True)
 
 

@@ -1,4 +1,4 @@
-"""Resume on a different plan: a checkpoint saved with dp=2 x tp=2 continues with dp=4,
+"""Resume on a different plan (`meshplan run` minus torchrun: tests/runs.py): a checkpoint saved with dp=2 x tp=2 continues with dp=4,
 with or without ZeRO on either side (saved under ZeRO-3 and resumed without, and the reverse).
 
 Checkpoints hold whole tensors keyed by parameter name (tensor-parallel shards and ZeRO
@@ -7,14 +7,12 @@ run continues the same computation: its losses match an uninterrupted dp=2 x tp=
 up to reduction order.
 """
 
-import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from plans import data_parallel, llama_rules, plan
+from runs import meshplan_run
 
 pytestmark = pytest.mark.slow
 
@@ -31,27 +29,8 @@ data_parallel over dp {
 def run(tmp_path: Path, plan: str, out: str, batch: int, *extra: str) -> list[dict]:
     path = tmp_path / f"{out}.plan"
     path.write_text(plan)
-    done = subprocess.run(
-        [
-            "meshplan",
-            "run",
-            str(path),
-            "--batch",
-            str(batch),
-            "--seq",
-            "32",
-            "--out",
-            str(tmp_path / out),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, NO_COLOR="1"),
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = (tmp_path / out / "metrics/rank0.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    argv = [str(path), "--batch", str(batch), "--seq", "32", "--out", str(tmp_path / out), *extra]
+    return meshplan_run(*argv)[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""`meshplan run` without torchrun, for the tests that compare training runs by their metrics.
+
+`meshplan run PLAN ...` is two halves: the launcher checks the plan, the model, the data and
+the run folder and compiles the program once (`launcher.prepare`), then torchrun starts a
+worker per rank that joins the process group and trains (`run.train_rank`). Here the
+launcher's half runs in the test process and each rank's half on the session's kept gloo
+processes (`gloo_pool`), so a run costs neither torchrun nor a fresh Python importing torch
+per rank: both halves are the command's own code, only the process start-up is shared.
+
+    records = meshplan_run(str(plan), "--steps", "4", "--out", str(tmp_path / "run"))[0]
+
+torchrun itself (restarts, signals, exit codes, errors from the workers) is tested through
+the real command in tests/cli/test_run.py, test_run_user_errors.py and test_restart.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gloo_pool
+
+from meshplan.launcher import prepare, worker_argv
+from meshplan.main import build_parser
+from meshplan.run import run_dir, train_rank
+
+
+def meshplan_run(*argv: str) -> list[list[dict]]:
+    """Train as `meshplan run *argv` does; each rank's metrics records, by rank."""
+    args = build_parser().parse_args(["run", *argv])
+    world_size = prepare(args)  # sets the program and vocabulary the workers are given
+    steps = gloo_pool.spawn(_worker, world_size, (worker_argv(args),))
+    assert all(done >= args.steps for done in steps), steps  # the command would exit 2
+    return metrics(run_dir(args))
+
+
+def _worker(rank: int, world_size: int, argv: list[str]) -> int:
+    """A torchrun worker's part: the arguments the launcher hands it, parsed as it parses them."""
+    args = build_parser().parse_args(["run", *argv])
+    return train_rank(args, rank, world_size, show_progress=False).steps_done
+
+
+def metrics(folder: Path) -> list[list[dict]]:
+    """Each rank's records (one per step) from a run folder, by rank."""
+    files = sorted((folder / "metrics").glob("rank*.jsonl"), key=lambda f: int(f.stem.removeprefix("rank")))
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]

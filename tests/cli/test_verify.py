@@ -132,6 +132,31 @@ def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("factory", "mesh", "rules"),
+    [
+        ("factories.py:gpt_matmul_attention", "cp=2", "    h.*.attn: context all_gather over cp\n"),
+        (
+            "hf_factories.py:hf_llama_eager",
+            "cp=2, tp=2",
+            "    model.layers.*.self_attn: context all_gather over cp\n",
+        ),
+    ],
+)
+def test_attention_written_with_matmuls_under_context_all_gather(tmp_path, factory, mesh, rules):
+    """nanoGPT's attention (a mask buffer, masked_fill) and Hugging Face's eager one (its own
+    causal mask added, kv heads repeated by expand + reshape, heads also cut over tp): the keys
+    and values are gathered at the matmuls, each rank's scores are its queries' rows."""
+    pytest.importorskip("transformers")
+    from plans import llama_rules, plan
+
+    if "tp" in mesh:
+        rules += llama_rules("model.")
+    text = plan(rules, mesh=mesh)
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/{factory}", steps=2))
+
+
+@pytest.mark.slow
 def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path):
     """Mixtral's experts split over 2 ranks (tokens dispatched and combined by all-to-all), its
     load-balancing loss in the loss: each data rank's over its own tokens, as one device computes

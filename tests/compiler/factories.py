@@ -1,6 +1,8 @@
 """Model factories for compiler tests, loaded by spec like a user's file:
 `tests/compiler/factories.py:llama_tp4`. Every factory is deterministic (seeded)."""
 
+import math
+
 import torch
 from torch import nn
 
@@ -321,3 +323,33 @@ class TokenMix(nn.Module):
 def token_mix():
     torch.manual_seed(0)
     return TokenMix()
+
+
+class MatmulAttention(nn.Module):
+    """nanoGPT's attention, written out: scores by matmul, a causal mask buffer, softmax, matmul."""
+
+    def __init__(self, attention: nn.Module, max_positions: int = 128):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = attention.q_proj, attention.k_proj, attention.v_proj
+        self.out_proj, self.head_dim = attention.out_proj, attention.head_dim
+        mask = torch.tril(torch.ones(max_positions, max_positions))
+        self.register_buffer("bias", mask.view(1, 1, max_positions, max_positions), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H)
+        return self.out_proj(y)
+
+
+def gpt_matmul_attention():
+    """The example GPT with attention written out in matmuls, as many plain PyTorch models have it."""
+    torch.manual_seed(0)
+    model = gpt.build(num_hidden_layers=2)
+    for block in model.h:
+        block.attn = MatmulAttention(block.attn)
+    return model

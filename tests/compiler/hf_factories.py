@@ -22,6 +22,14 @@ def hf_llama():
     return LlamaForCausalLM(config)
 
 
+def hf_llama_eager():
+    """`hf_llama` with Hugging Face's own attention code (`attn_implementation="eager"`): scores by
+    matmul, the causal mask added, softmax, and the GQA repeat of the kv heads by expand + reshape."""
+    model = hf_llama()
+    model.config._attn_implementation = "eager"
+    return model
+
+
 def hf_gpt2(vocab_size: int = 256):
     from transformers import GPT2Config, GPT2LMHeadModel
 

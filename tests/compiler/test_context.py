@@ -7,6 +7,8 @@ causal mask's rows of this rank (`all_gather`), or heads moved by all-to-all (`u
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -181,3 +183,19 @@ def test_a_batch_of_one_sequence_is_cut_by_sequence_too():
     compiled = compile_plan(check_text(text, "p.plan"), source)
     flat = [n for n in compiled.graph.graph.nodes if n.target is torch.ops.aten.flatten.using_ints]
     assert flat and all(placement(n)["cp"] == Shard(0) for n in flat)
+
+
+def test_ring_and_ulysses_refuse_attention_written_with_matmuls():
+    """They replace a `scaled_dot_product_attention` call; written-out attention is all_gather's."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+
+    for mode in ("ring", "ulysses"):
+        text = f"mesh cp=2\n\nmodules {{\n    h.*.attn: context {mode} over cp\n}}\n"
+        source = with_token_shape(
+            load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
+        )
+        with pytest.raises(PlanError) as e:
+            compile_plan(check_text(text, "p.plan"), source)
+        rendered = e.value.render()
+        assert f"is attention written with matmuls: `context {mode}` replaces" in rendered, rendered
+        assert "hint: use `context all_gather` for this module" in rendered

@@ -262,6 +262,9 @@ def _matmul(w: Walk, node: fx.Node) -> None:
         w.set(node, REPLICATE)
         return
     nd = len(shape(node))
+    if w.spec.context_modules and pa == Shard(len(shape(a)) - 2) and _context_rule(w, node) is not None:
+        _context_matmul(w, node, a, b)
+        return
     if (  # both sharded on a batch dim
         isinstance(pa, Shard)
         and isinstance(pb, Shard)
@@ -277,6 +280,43 @@ def _matmul(w: Walk, node: fx.Node) -> None:
         f"{describe(node)} multiplies tensors placed {pa} and {pb} over `{w.axis}`",
         hint="only batched matmuls over a shared sharded batch dim (attention heads) are supported",
     )
+
+
+def _context_rule(w: Walk, node: fx.Node):
+    """The `context` rule of the module `node` runs in, if any."""
+    path = module_path(node)
+    while path:
+        if path in w.spec.context_modules:
+            return w.spec.context_modules[path]
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
+    """Attention written with matmuls (`softmax(q @ k.transpose(-2, -1)) @ v`) in a module of a
+    `context all_gather` rule, the queries' rows cut by sequence: the right-hand side, keys or
+    values, is gathered whole (backward: reduce-scatter of its gradient), so each rank's rows
+    of the scores, and of the output, are its own queries'
+
+        scores = q @ self.all_gather_cp(k.transpose(-2, -1), 3)   # (B, H, T/n, T)
+        out = probs @ self.all_gather_cp(v, 2)                    # (B, H, T/n, D)
+
+    A mask of the model's own meets the scores' rows as this rank's rows of it. Ring and
+    Ulysses need the attention as one op (`scaled_dot_product_attention`), which they replace."""
+    rule = _context_rule(w, node)
+    mode = rule.action.mode
+    if mode != "all_gather":
+        w.error(
+            node,
+            f"{describe(node)} is attention written with matmuls: `context {mode}` replaces a "
+            "`scaled_dot_product_attention` call, which this module does not make",
+            hint="use `context all_gather` for this module, or write its attention with "
+            "torch.nn.functional.scaled_dot_product_attention (Hugging Face models: "
+            'attn_implementation="sdpa")',
+            rule=rule,
+        )
+    w.use(node, b, w.convert(b, REPLICATE, into_sharded=True, because=rule))
+    w.set(node, Shard(len(shape(node)) - 2), rule)
 
 
 def _factory(w: Walk, node: fx.Node) -> None:

@@ -41,9 +41,53 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             node.op == "call_function" and node.target in _NOISE and not node.users
         ):
             graph.erase_node(node)
+    _repeats_as_repeat_interleave(graph)
     graph._codegen = fx.graph.CodeGen()
     gm.recompile()
     return gm
+
+
+def _repeats_as_repeat_interleave(graph: fx.Graph) -> None:
+    """Write each `x.unsqueeze(d).expand(..., r, ...).reshape(...)` that merges the new dim into
+    dim d-1 as the `x.repeat_interleave(r, d - 1)` it computes. Hugging Face's eager attention
+    repeats its key/value heads for GQA this way (`repeat_kv`); the passes then see one GQA
+    repeat however the model wrote it (context parallelism moves the heads unrepeated)."""
+    aten = torch.ops.aten
+    for reshape in list(graph.nodes):
+        if reshape.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+            continue
+        expand = reshape.args[0]
+        if not (
+            isinstance(expand, fx.Node) and expand.target is aten.expand.default and len(expand.users) == 1
+        ):
+            continue
+        unsqueeze = expand.args[0]
+        if not (
+            isinstance(unsqueeze, fx.Node)
+            and unsqueeze.target is aten.unsqueeze.default
+            and len(unsqueeze.users) == 1
+        ):
+            continue
+        x = unsqueeze.args[0]
+        if not isinstance(x, fx.Node) or not isinstance(value(x), torch.Tensor):
+            continue
+        sizes, d = list(value(x).shape), as_int(unsqueeze.args[1])
+        d = d + len(sizes) + 1 if d < 0 else d
+        expanded, merged = list(value(expand).shape), list(value(reshape).shape)
+        r = expanded[d] if 0 < d < len(expanded) else None
+        if not isinstance(r, int) or r < 1 or len(merged) != len(sizes):
+            continue
+        want = [*sizes[: d - 1], sizes[d - 1] * r, *sizes[d:]]
+        if not all(known_equal(a, b) for a, b in zip(expanded[:d] + expanded[d + 1 :], sizes, strict=True)):
+            continue
+        if not all(known_equal(a, b) for a, b in zip(merged, want, strict=True)):
+            continue
+        with graph.inserting_before(reshape):
+            repeat = graph.call_function(aten.repeat_interleave.self_int, (x, r, d - 1))
+        repeat.meta.update(reshape.meta)
+        reshape.replace_all_uses_with(repeat)
+        for dead in (reshape, expand, unsqueeze):
+            graph.erase_node(dead)
 
 
 def module_path(node: fx.Node) -> str:

@@ -199,3 +199,22 @@ def test_ring_and_ulysses_refuse_attention_written_with_matmuls():
         rendered = e.value.render()
         assert f"is attention written with matmuls: `context {mode}` replaces" in rendered, rendered
         assert "hint: use `context all_gather` for this module" in rendered
+
+
+def test_hugging_face_eager_attention_gathers_its_key_value_heads_unrepeated():
+    """`repeat_kv` (unsqueeze, expand, reshape) is captured as the repeat_interleave it is, so
+    all_gather moves Llama's 2 kv heads and repeats them to the 4 query heads after."""
+    pytest.importorskip("transformers")
+    from meshplan.compiler.capture import load_model, with_token_shape
+
+    spec = f"{Path(__file__).parent}/hf_factories.py:hf_llama_eager"
+    text = "mesh cp=2\n\nmodules {\n    model.layers.*.self_attn: context all_gather over cp\n}\n"
+    compiled = compile_plan(check_text(text, "p.plan"), with_token_shape(load_model(spec), seq=16))
+    nodes = compiled.graph.graph.nodes
+    gathered = [
+        n.args[0].meta["val"].shape
+        for n in nodes
+        if str(n.target) == "all_gather_cp" and n.args[0].meta["val"].dim() == 4
+    ]
+    assert gathered and all(heads == 2 for _, heads, _, _ in gathered), gathered  # k, v of each layer
+    assert sum(str(n.target) == "aten.repeat_interleave.self_int" for n in nodes) == 2 * 2

@@ -301,7 +301,9 @@ def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
         scores = q @ self.all_gather_cp(k.transpose(-2, -1), 3)   # (B, H, T/n, T)
         out = probs @ self.all_gather_cp(v, 2)                    # (B, H, T/n, D)
 
-    A mask of the model's own meets the scores' rows as this rank's rows of it. Ring and
+    Key/value heads the model repeats for GQA (`repeat_interleave`, or Hugging Face's expand +
+    reshape, which capture writes as one) are gathered before the repeat. A mask of the
+    model's own meets the scores' rows as this rank's rows of it. Ring and
     Ulysses need the attention as one op (`scaled_dot_product_attention`), which they replace."""
     rule = _context_rule(w, node)
     mode = rule.action.mode
@@ -315,7 +317,16 @@ def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
             'attn_implementation="sdpa")',
             rule=rule,
         )
-    w.use(node, b, w.convert(b, REPLICATE, into_sharded=True, because=rule))
+    through = b if b.target is aten.transpose.int and len(b.users) == 1 else None
+    repeat = arg_node(b, 0) if through is not None else b
+    grouped = _grouped(w, repeat)
+    if grouped is None:
+        w.use(node, b, w.convert(b, REPLICATE, into_sharded=True, because=rule))
+    else:  # gather the key/value heads, repeat them (and transpose the keys) after
+        repeat.replace_input_with(grouped, w.convert(grouped, REPLICATE, into_sharded=True, because=rule))
+        for t in (repeat, through):
+            if t is not None:
+                w.set(t, REPLICATE, rule)
     w.set(node, Shard(len(shape(node)) - 2), rule)
 
 

@@ -116,8 +116,9 @@ class _Pool:
         ranks.folder.cleanup()
 
     def close(self) -> None:
+        """End every kept process. They hold nothing worth a clean exit: killed, not asked."""
         for world_size in list(self._ranks):
-            self._stop(world_size)
+            self._stop(world_size, kill=True)
 
 
 _SESSION = _Pool()  # kept across the modules that share processes; `close_all` ends them
@@ -136,9 +137,9 @@ def shared_processes() -> Iterator[None]:
         launch.spawn = original
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list:
-    """`launch.spawn` on the session's kept processes, for a module that calls it directly."""
-    return _SESSION.spawn(fn, world_size, args)
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 0.0) -> list:
+    """`launch.spawn` on the session's kept processes (whose collectives wait up to `TIMEOUT_S`)."""
+    return _SESSION.spawn(fn, world_size, args, timeout_s=timeout_s)
 
 
 def close_all() -> None:

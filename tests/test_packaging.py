@@ -60,7 +60,7 @@ def test_wheel_installs_and_runs_outside_the_repo(wheel, tmp_path):
     declared dependencies resolved offline (`--no-index`) against this test environment's, so a
     dependency missing from pyproject.toml, or a package the system happens to have, cannot hide."""
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=False, with_pip=True)
+    venv.create(env_dir, system_site_packages=False, with_pip=False)  # this pip installs into it
     python = env_dir / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -68,10 +68,9 @@ def test_wheel_installs_and_runs_outside_the_repo(wheel, tmp_path):
         text=True,
         check=True,
     ).stdout.strip()
-    # the venv's own bundled setuptools would shadow the newer one torch requires
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False)
     (Path(purelib) / "test_environment.pth").write_text(f"{dependencies_of_this_environment(tmp_path)}\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", str(wheel)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    subprocess.run([*pip, "install", "-q", "--no-index", str(wheel)], check=True)
     plan = tmp_path / "ok.plan"
     plan.write_text("mesh dp=*, tp=2\n\nmodules {\n    layers.*.mlp.up_proj: column over tp\n}\n")
     result = subprocess.run(

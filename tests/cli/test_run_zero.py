@@ -21,10 +21,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from gloo_pool import spawn
 from plans import llama_rules
 
 from meshplan.main import build_parser
-from meshplan.runtime.launch import spawn
 from meshplan.session import open_session, train_session
 
 pytestmark = pytest.mark.slow

@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import spawn
 from torch import fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,7 +34,6 @@ from meshplan.compiler.passes.checkpoint import (
 )
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
 
 aten = torch.ops.aten

@@ -8,12 +8,12 @@ tensor into the data-dependent part is a located error.
 from pathlib import Path
 
 import pytest
+from gloo_pool import spawn
 from parity import grad_parity
 
 from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan
 from meshplan.dsl import PlanError, check_text
-from meshplan.runtime.launch import spawn
 
 MOE = f"{Path(__file__).resolve().parent}/factories.py:dropless_moe"
 ATTENTION_TP = """

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import spawn
 from plans import GPT2_RULES, GPT2_SEQUENCE, llama_rules, llama_sequence, plan
 
 from meshplan.compiler.capture import SEQ, load_model, with_token_shape
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.executable import load_executable, save_executable, to_executable
 from meshplan.dsl import check_text
-from meshplan.runtime.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

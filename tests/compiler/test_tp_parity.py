@@ -8,10 +8,9 @@ Training-level parity (several AdamW steps in float32 and bf16, under every comp
 from pathlib import Path
 
 import pytest
+from gloo_pool import spawn
 from parity import grad_parity
 from plans import PHI3_TP, llama_rules, llama_sequence, plan
-
-from meshplan.runtime.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_pool import spawn
 from torch import nn
 
 from meshplan.runtime.axes import Axes
 from meshplan.runtime.grad_sync import Local
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import MeshLayout, init_mesh
 from meshplan.runtime.shards import AxisCut, Cut
 from meshplan.runtime.train import global_grad_norm

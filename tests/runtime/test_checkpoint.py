@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import spawn
 
 from meshplan.examples import CORPUS
 from meshplan.examples.models.llama import build
@@ -16,7 +17,6 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime.axes import Axes
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.train import TrainConfig, train
 
 

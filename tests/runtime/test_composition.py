@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import spawn
 from plans import llama_rules, llama_sequence
 from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.main import build_parser
-from meshplan.runtime.launch import spawn
 from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import spawn
 from torch import nn
 
 from meshplan.runtime.data_parallel import DataParallel
-from meshplan.runtime.launch import spawn
 
 pytestmark = pytest.mark.slow
 

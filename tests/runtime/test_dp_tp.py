@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gloo_pool import spawn
 from plans import data_parallel, llama_rules, plan
 from reference import single_device_losses
 
 from meshplan.compiler.compile import local_shard
 from meshplan.examples.models.llama import build
 from meshplan.main import build_parser
-from meshplan.runtime.launch import spawn
 from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow

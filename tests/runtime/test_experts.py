@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_pool import spawn
 
 from meshplan.examples.models import moe
 from meshplan.runtime.experts import ExpertParallel, expert_capacity, local_experts
-from meshplan.runtime.launch import spawn
 
 TOKENS, K = 12, 2  # per rank
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_pool import spawn
 
 from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
 from meshplan.compiler.compile import build_rank_program, compile_plan
@@ -17,7 +18,6 @@ from meshplan.compiler.stages import Cut, StageError, balanced_cuts, cut_stages
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime import schedules
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.pipeline import PipelineStep, split_microbatches
 
 BATCH, MICRO, SEQ = 8, 4, 16  # 4 microbatches of 2 sequences

@@ -11,31 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import meshplan_run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def argv(out: Path) -> list[str]:
+    plan = str(ROOT / "examples/tiny_dp.plan")
+    return [plan, "--steps", "12", "--save-every", "4", "--batch", "4", "--seq", "32", "--out", str(out)]
+
+
 def run(out: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    command = [
-        "meshplan",
-        "run",
-        str(ROOT / "examples/tiny_dp.plan"),
-        "--steps",
-        "12",
-        "--save-every",
-        "4",
-        "--batch",
-        "4",
-        "--seq",
-        "32",
-        "--out",
-        str(out),
-        *extra,
-    ]
     return subprocess.run(
-        command,
+        ["meshplan", "run", *argv(out), *extra],
         capture_output=True,
         text=True,
         env=dict(os.environ, NO_COLOR="1", **(env or {})),
@@ -66,8 +56,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def test_killed_rank_restarts_and_matches_an_uninterrupted_run(tmp_path):
-    clean = run(tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr
+    meshplan_run(*argv(tmp_path / "clean"))  # the uninterrupted run, without torchrun (tests/runs.py)
     faulty = run(tmp_path / "faulty", "--max-restarts", "1", env={"MESHPLAN_FAULT": "rank=1,step=9"})
     assert faulty.returncode == 0, faulty.stdout + faulty.stderr
     assert "resuming from the last checkpoint" in faulty.stderr

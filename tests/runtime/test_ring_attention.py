@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from meshplan.runtime.launch import spawn
+from gloo_pool import spawn
 
 B, H, KV, T, D = 2, 4, 2, 12, 8
 

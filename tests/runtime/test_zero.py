@@ -22,10 +22,10 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import spawn
 from torch.utils.checkpoint import checkpoint
 
 from meshplan.examples.models.llama import build, example_inputs
-from meshplan.runtime.launch import spawn
 from meshplan.runtime.zero import Collective, ZeroConfig, shard_for_zero
 
 pytestmark = pytest.mark.slow

@@ -100,7 +100,11 @@ def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: 
     }
     # Ulysses attends to the whole sequence on every rank (its heads only): nothing to balance,
     # and its all-to-alls move heads, so the axis keeps contiguous chunks with it
-    balanced = all(rule.action.mode in ("ring", "all_gather") for rule in modules.values())  # type: ignore[union-attr]
+    # (and `layout=contiguous` asks for contiguous chunks; `check` refuses mixed layouts on an axis)
+    balanced = all(
+        rule.action.mode in ("ring", "all_gather") and rule.action.layout != "contiguous"  # type: ignore[union-attr]
+        for rule in modules.values()
+    )
     return TensorParallelSpec(
         axis,
         layout.size(axis),

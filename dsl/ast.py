@@ -83,6 +83,9 @@ class ContextParallel:
     mode: Literal["ring", "ulysses", "all_gather"]
     axis: Name
     span: Span = _span()
+    # how the sequence is cut over the axis: `balanced` (chunks r and 2n-1-r of 2n, the same
+    # causal attention work on every rank) or `contiguous`; None: the compiler's default
+    layout: Literal["balanced", "contiguous"] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -389,10 +389,42 @@ class _Checker:
                     "`every` must be at least 1",
                     hint="`checkpoint every 2` checkpoints every second matched module",
                 )
+            if (
+                isinstance(action, ast.ContextParallel)
+                and action.mode == "ulysses"
+                and action.layout == "balanced"
+            ):
+                self.error(
+                    rule.span,
+                    "`context ulysses` keeps contiguous chunks: each rank attends over the whole "
+                    "sequence with its heads, so there is no causal work to balance",
+                    hint="drop `(layout=balanced)`, or use `context ring` or `context all_gather`",
+                )
             if glob is not None:
                 out.append(PlanRule(glob, action, kind, axis, rule.span, rule.pattern.span, order))
         self.duplicate_rules(out)
+        self.context_layouts(out)
         return tuple(out)
+
+    def context_layouts(self, rules: list[PlanRule]) -> None:
+        """The sequence is cut one way over a context axis: every collective of the axis uses it."""
+        first: dict[str, PlanRule] = {}
+        for rule in rules:
+            action = rule.action
+            if not isinstance(action, ast.ContextParallel) or rule.axis is None:
+                continue
+            chunks = "contiguous" if action.mode == "ulysses" else action.layout or "balanced"
+            seen = first.setdefault(rule.axis, rule)
+            seen_action = seen.action
+            assert isinstance(seen_action, ast.ContextParallel)
+            seen_chunks = "contiguous" if seen_action.mode == "ulysses" else seen_action.layout or "balanced"
+            if chunks != seen_chunks and (action.layout or seen_action.layout):
+                self.error(
+                    rule.span,
+                    f"this rule cuts the sequence over `{rule.axis}` in {chunks} chunks, but line "
+                    f"{seen.span.line} cuts it in {seen_chunks} ones: an axis has one layout",
+                    hint=f"write the same `(layout=...)` on every context rule over `{rule.axis}`",
+                )
 
     def glob(self, pattern: ast.Pattern) -> Glob | None:
         try:

@@ -45,8 +45,8 @@ def action_text(action: ast.Action) -> str:
             return "replicate"
         case ast.SequenceParallel(axis=axis):
             return f"sequence over {axis.text}"
-        case ast.ContextParallel(mode=mode, axis=axis):
-            return f"context {mode} over {axis.text}"
+        case ast.ContextParallel(mode=mode, axis=axis, layout=layout):
+            return f"context {mode} over {axis.text}" + (f" (layout={layout})" if layout else "")
         case ast.ExpertParallel(axis=axis, args=args):
             inner = ", ".join(f"{a.name.text}={a.text}" for a in args)
             return f"experts over {axis.text}" + (f" ({inner})" if args else "")

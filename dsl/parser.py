@@ -401,10 +401,16 @@ class _ToAst(Transformer):
     def sequence(self, meta, axis):
         return ast.SequenceParallel(self._name(axis), self._span(meta))
 
-    def context(self, meta, mode, axis):
-        return ast.ContextParallel(mode, self._name(axis), self._span(meta))
+    def context(self, meta, mode, axis, layout=None):
+        return ast.ContextParallel(mode, self._name(axis), self._span(meta), layout)
 
     def context_mode(self, meta, tok):
+        return str(tok)
+
+    def context_layout(self, meta, name):
+        return name
+
+    def layout_name(self, meta, tok):
         return str(tok)
 
     def experts(self, meta, axis, *args):

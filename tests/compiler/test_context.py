@@ -62,6 +62,15 @@ def test_causal_ring_and_all_gather_use_the_load_balanced_layout():
         assert "balanced" in repr(graph.split_cp)
 
 
+def test_layout_contiguous_turns_the_balanced_layout_off():
+    """`(layout=contiguous)`: rank r holds chunk r of n, so a sequence n divides is enough."""
+    for mode in ("ring", "all_gather"):
+        text = _plan(mode).replace(" over cp", " over cp (layout=contiguous)")
+        graph = _compile(text, seq=6).graph
+        collectives = [m for m in graph.children() if isinstance(m, AxisCollective) and m.axis == "cp"]
+        assert collectives and not any(m.balanced for m in collectives), mode
+
+
 def test_the_balanced_layout_needs_a_sequence_divisible_by_twice_the_context_size():
     with pytest.raises(PlanError) as info:
         _compile(_plan("ring"), seq=6)

@@ -57,6 +57,10 @@ def test_mesh_axes_in_order_with_auto_size() -> None:
         ("sequence over tp", A.SequenceParallel(A.Name("tp"))),
         ("context ring over tp", A.ContextParallel("ring", A.Name("tp"))),
         ("context ulysses over tp", A.ContextParallel("ulysses", A.Name("tp"))),
+        (
+            "context ring over cp (layout=contiguous)",
+            A.ContextParallel("ring", A.Name("cp"), layout="contiguous"),
+        ),
         ("experts over dp", A.ExpertParallel(A.Name("dp"), ())),
         (
             "experts over dp (top_k=2, capacity_factor=1.25)",

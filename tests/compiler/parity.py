@@ -2,8 +2,10 @@
 
     spawn(grad_parity, 2, (plan_text, "tests/compiler/factories.py:dropless_moe", "float64"))
 
-Every rank builds the full model (the factory is seeded), compiles the plan, binds its shards
-and runs the model's example inputs through both; it returns the relative difference of the
+Every rank builds the full model (the factory is seeded), compiles the plan for the example
+inputs' shapes (`dynamic=False`: one shape is run, and a symbolic compile costs 2.5 times as
+much on every rank; programs with symbolic shapes are trained by the `verify` and run tests),
+binds its shards and runs the model's example inputs through both; it returns the relative difference of the
 loss and the worst relative difference of a gradient (shard against the matching slice of
 the full gradient). In float64 a correct program is exact up to rounding (about 1e-15).
 """
@@ -27,7 +29,7 @@ def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dty
     source = load_model(model_spec)
     cast_floating(source.model, getattr(torch, dtype))
     plan = check_text(plan_text, str(Path(tempfile.gettempdir()) / "parity.plan"), world_size=world_size)
-    compiled = compile_plan(plan, source, world_size=world_size)
+    compiled = compile_plan(plan, source, world_size=world_size, dynamic=False)
     program = build_rank_program(compiled, source.model, rank, init_mesh(compiled.layout))
 
     reference = source.model

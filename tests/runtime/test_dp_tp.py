@@ -45,9 +45,10 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     reference = build()  # the factory's fixed seed: the weights the program was sharded from
     ref_losses = single_device_losses(reference, cfg, batch=2 * MICRO_BATCH, seq=SEQ, clip=CLIP)
 
-    # placements of each parameter, from a compile of the same plan (cheap to redo here)
+    # placements of each parameter, from a compile of the same plan for this shape (cheap to redo here)
     plan = load_plan(plan_path, world_size=world_size)
-    compiled = compile_plan(plan, with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ))
+    shaped = with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ)
+    compiled = compile_plan(plan, shaped, dynamic=False)
     coords = compiled.layout.coords(rank)
     ref_params = dict(reference.named_parameters())
     worst = 0.0

@@ -236,7 +236,7 @@ def _one_device_program(plan, source):
     # export may not capture itself (Mixtral's eager loop)
     rules = plan.rules_of("dtype") + plan.rules_of("experts")
     alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
-    compiled = compile_plan(alone, source, world_size=1)
+    compiled = compile_plan(alone, source, world_size=1, dynamic=False)  # it runs the job's one shape
     program = build_rank_program(compiled, source.model, 0)
 
     def loss_of(input_ids, labels):

@@ -1,9 +1,21 @@
-"""Session-wide fixtures, and the order modules run in."""
+"""Session-wide fixtures, the order modules run in, and one compute thread per test process.
+
+Two test processes share the cores with the gloo processes of their multi-process tests
+(each on one thread, as `meshplan run`'s workers are): a test process on as many threads as
+cores would oversubscribe them, its threads spinning while they wait for a core.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by gloo_pool)
 
 from collections.abc import Iterator
 
 import gloo_pool
 import pytest
+import torch
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

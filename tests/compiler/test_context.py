@@ -74,6 +74,21 @@ def test_layout_contiguous_turns_the_balanced_layout_off():
         assert collectives and not any(m.balanced for m in collectives), mode
 
 
+def test_layout_balanced_is_kept_where_the_compiler_would_not_choose_it():
+    """Attention written in matmuls is not seen as causal, so the default is contiguous chunks;
+    `(layout=balanced)` is the plan's word and is kept (verify passes it against float64)."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+
+    source = with_token_shape(
+        load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
+    )
+    for layout, balanced in (("", False), (" (layout=balanced)", True)):
+        text = f"mesh cp=2\n\nmodules {{\n    h.*.attn: context all_gather over cp{layout}\n}}\n"
+        graph = compile_plan(check_text(text, "p.plan"), source, dynamic=False).graph
+        collectives = [m for m in graph.children() if isinstance(m, AxisCollective) and m.axis == "cp"]
+        assert collectives and all(m.balanced == balanced for m in collectives), layout
+
+
 def test_the_balanced_layout_needs_a_sequence_divisible_by_twice_the_context_size():
     with pytest.raises(PlanError) as info:
         _compile(_plan("ring"), seq=6)

@@ -262,7 +262,7 @@ def _matmul(w: Walk, node: fx.Node) -> None:
         w.set(node, REPLICATE)
         return
     nd = len(shape(node))
-    if w.spec.context_modules and pa == Shard(len(shape(a)) - 2) and _context_rule(w, node) is not None:
+    if w.spec.context_modules and pa == Shard(len(shape(a)) - 2) and w.rule_for_module(node) is not None:
         _context_matmul(w, node, a, b)
         return
     if (  # both sharded on a batch dim
@@ -282,16 +282,6 @@ def _matmul(w: Walk, node: fx.Node) -> None:
     )
 
 
-def _context_rule(w: Walk, node: fx.Node):
-    """The `context` rule of the module `node` runs in, if any."""
-    path = module_path(node)
-    while path:
-        if path in w.spec.context_modules:
-            return w.spec.context_modules[path]
-        path = path.rpartition(".")[0]
-    return None
-
-
 def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
     """Attention written with matmuls (`softmax(q @ k.transpose(-2, -1)) @ v`) in a module of a
     `context all_gather` rule, the queries' rows cut by sequence: the right-hand side, keys or
@@ -305,8 +295,8 @@ def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
     reshape, which capture writes as one) are gathered before the repeat. A mask of the
     model's own meets the scores' rows as this rank's rows of it. Ring and
     Ulysses need the attention as one op (`scaled_dot_product_attention`), which they replace."""
-    rule = _context_rule(w, node)
-    mode = rule.action.mode
+    rule = w.rule_for_module(node)  # a context axis's sequence modules are its context rules'
+    mode = rule.action.mode  # type: ignore[union-attr]
     if mode != "all_gather":
         w.error(
             node,

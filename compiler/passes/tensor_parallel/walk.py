@@ -80,7 +80,8 @@ class Walk:
         self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
         self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
         self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
-        if spec.balanced and not _attends_causally(gm, spec.context_modules):
+        asked = any(getattr(r.action, "layout", None) == "balanced" for r in spec.context_modules.values())
+        if spec.balanced and not asked and not _attends_causally(gm, spec.context_modules):
             spec.balanced = False  # nothing to balance: every rank's attention is the same work
 
     # -- facts

@@ -23,10 +23,13 @@ by the square root of tiny second moments and amplifies rounding, so no fixed to
 a correct float32 plan from a broken one; the yardstick's own distance to float64 does. The
 program passes when, for the losses, the gradient norms and the whole model's weights, its
 distance to the reference is within `--tolerance` times the yardstick's, and within
-`TENSOR_FACTOR` times that for every single weight tensor (a small tensor's rounding is a noisy
-sample). Gradient norms after the first step are computed from weights that already carry
-Adam's amplified rounding, so their floor, like a tensor's, is the yardstick's distance in
-the whole model's weights. A dropped reduction or a wrong shard is off by orders of magnitude.
+`TENSOR_FACTOR` times that for every single weight tensor. One tensor's rounding is a noisy
+sample (GPT-2's first attention projection: 1.1e-6 from float64 on one thread, 4.2e-6 on two),
+so the yardstick is trained a second time from weights one float32 rounding away, and a
+tensor's yardstick distance is the larger of the two samples. Gradient norms after the first
+step are computed from weights that already carry Adam's amplified rounding, so their floor,
+like a tensor's, is the yardstick's distance in the whole model's weights. A dropped reduction
+or a wrong shard is off by orders of magnitude.
 
 A model that cannot run in float64 (an op without a float64 kernel here) is compared with the
 yardstick instead, against fixed bounds (`FALLBACK`), and verify says so.
@@ -202,6 +205,19 @@ def _named_weights(module) -> dict[str, Any]:
     return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
 
 
+def _one_rounding_away(module, start: dict[str, Any], seed: int) -> None:
+    """Set `module`'s weights to `start`, each element moved by one float32 rounding (a relative
+    2^-23, up or down at random): the yardstick run from there differs from the first only
+    by how far training carries a rounding, which is what a tensor's floor must measure."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            sign = torch.randint(0, 2, p.shape, generator=generator).to(p.dtype) * 2 - 1
+            p.copy_(start[name] * (1 + sign * 2.0**-23))
+
+
 def _eager_loss(model, source, dtype=None) -> Callable:
     """The model's own forward, called as `run` calls the program; float inputs cast to `dtype`."""
     from meshplan.compiler.graph import find_loss
@@ -260,9 +276,15 @@ def relative(a, b) -> float:
 
 
 def measure(
-    partitioned: Trajectory, reference: Trajectory, yardstick: Trajectory | None, tolerance: float
+    partitioned: Trajectory,
+    reference: Trajectory,
+    yardstick: Trajectory | None,
+    tolerance: float,
+    spread: Trajectory | None = None,
 ) -> list[Measure]:
-    """Distances to the reference, with their limits (see the module docstring)."""
+    """Distances to the reference, with their limits (see the module docstring). `spread`: the
+    yardstick trained from weights one rounding away, whose distance to the yardstick is a
+    second sample of each tensor's rounding."""
     names = list(reference.weights)
     missing = [n for n in names if n not in partitioned.weights]
     if missing:
@@ -291,7 +313,9 @@ def measure(
             f"worst tensor: {n}",
             lambda run, n=n: relative(run.weights[n], reference.weights[n]),
             TENSOR_FACTOR,
-            model_floor,
+            max(model_floor, relative(spread.weights[n], yardstick.weights[n]))
+            if spread and yardstick
+            else model_floor,
         )
         for n in names
     ]
@@ -383,8 +407,12 @@ def verify(
         float64 = cast_floating(copy.deepcopy(source.model), torch.float64)
         yard_source = replace(source, model=copy.deepcopy(source.model))
         program, yard_loss = _one_device_program(plan, yard_source)
+        start = _named_weights(program)
         yardstick = one_device(program, yard_loss, "yardstick")
         _fill_tied(yardstick.weights, source.model)
+        _one_rounding_away(program, start, seed)  # a second sample of rounding, for each tensor
+        spread = one_device(program, yard_loss, "yardstick-perturbed")
+        _fill_tied(spread.weights, source.model)
         try:
             # the model as the plan's capacity rules make it drop (the yardstick's unit drops
             # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them
@@ -395,7 +423,13 @@ def verify(
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]
     has_yardstick = not why_not
-    measures = measure(partitioned, reference, yardstick if has_yardstick else None, tolerance)
+    measures = measure(
+        partitioned,
+        reference,
+        yardstick if has_yardstick else None,
+        tolerance,
+        spread if has_yardstick else None,
+    )
     return Report(
         job,
         world,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch stays unimported until a session opens
     from meshplan.runtime.data import BatchFn
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.expert_data_parallel import ExpertDataParallel
+    from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.zero import Zero
 
 
@@ -60,7 +61,7 @@ class Session:
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> loss
     batches: BatchFn
     axes: Axes  # process groups by axis name, the data axes, each parameter's cuts
-    dp: DataParallel | ExpertDataParallel | Zero | None  # None: no data-parallel axis
+    dp: DataParallel | ExpertDataParallel | Zero | ExpertZero | None  # None: no data-parallel axis
     accumulation: int
     loss_scale: str | float | None = None  # the plan's: "dynamic", a fixed scale, or None
     export_names: frozenset[str] = frozenset()  # the unpartitioned model's state_dict keys
@@ -117,7 +118,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
     dp_group = mesh.get_group(dp_axis) if dp_axis else None
-    dp: DataParallel | ExpertDataParallel | Zero | None = None
+    dp: DataParallel | ExpertDataParallel | Zero | ExpertZero | None = None
     experts = tuple(a for a in layout.names if a in {r.axis for r in plan.rules_of("experts")})
     if dp_group is not None and dp_spec is not None and not experts:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
@@ -153,7 +154,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_rank = coords[dp_axis] if dp_axis else 0
     if experts:  # the expert axes split the batch too: data parallel for all but the experts
         axes = dataclasses.replace(axes, data=tuple(a for a in layout.names if a in {*axes.data, *experts}))
-        dp = _expert_data_parallel(program, axes, layout, mesh, plan)
+        dp = _expert_data_parallel(args, program, axes, layout, mesh, plan)
         dp_rank = axes.data_rank
     dp_size = axes.data_size
     microbatches = pipeline_microbatches(plan, layout)
@@ -217,21 +218,37 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
 
 
 def _expert_data_parallel(
-    program: fx.GraphModule, axes: Axes, layout, mesh, plan: Plan
-) -> ExpertDataParallel:
+    args: argparse.Namespace, program: fx.GraphModule, axes: Axes, layout, mesh, plan: Plan
+) -> ExpertDataParallel | ExpertZero:
     """Gradient averaging under expert parallelism (`runtime/experts.py`): each parameter over
-    the data axes that do not shard it, in buckets of the plan's size."""
+    the data axes that do not shard it, in buckets of the plan's size; under ZeRO, each
+    parameter's training state sharded over those axes (`runtime/expert_zero.py`)."""
     import torch
 
+    from meshplan.runtime.buckets import decays
     from meshplan.runtime.expert_data_parallel import expert_data_parallel
+    from meshplan.runtime.expert_zero import expert_zero
     from meshplan.runtime.mesh import group_over
+    from meshplan.runtime.train import TrainConfig
 
     dp_spec = plan.data_parallel
     reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    groups = lambda over: group_over(layout, over, mesh)  # noqa: E731
+    if dp_spec is not None and dp_spec.zero > 0:
+        return expert_zero(
+            program,
+            axes,
+            groups,
+            _zero_config(dp_spec, reduce_dtype),
+            lr=args.lr,
+            betas=TrainConfig.betas,
+            weight_decay=args.weight_decay,
+            decay=decays,
+        )
     return expert_data_parallel(
         program,
         axes,
-        lambda over: group_over(layout, over, mesh),
+        groups,
         bucket_bytes=dp_spec.bucket_bytes if dp_spec is not None else 25_000_000,
         reduce_dtype=reduce_dtype,
     )
@@ -524,21 +541,14 @@ def _shard_for_zero(
     from meshplan.runtime.buckets import decays
     from meshplan.runtime.data_parallel import broadcast_parameters
     from meshplan.runtime.train import TrainConfig
-    from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+    from meshplan.runtime.zero import shard_for_zero
 
     # every rank built the same seeded model, but only each rank's own shard survives sharding
     broadcast_parameters([p for p in program.parameters() if p.requires_grad], dp_group)
-    config = ZeroConfig(
-        stage=dp_spec.zero,
-        bucket_bytes=dp_spec.bucket_bytes,
-        offload_optimizer=dp_spec.offload_optimizer,
-        offload_params=dp_spec.offload_params,
-        reduce_dtype=reduce_dtype,
-    )
     return shard_for_zero(
         program,
         dp_group,
-        config,
+        _zero_config(dp_spec, reduce_dtype),
         lr=args.lr,
         betas=TrainConfig.betas,
         weight_decay=args.weight_decay,
@@ -546,6 +556,19 @@ def _shard_for_zero(
         axis=dp_spec.axis,
         programs=programs,
         alone=tied,
+    )
+
+
+def _zero_config(dp_spec: DataParallelSpec, reduce_dtype: torch.dtype | None):
+    """The plan's `data_parallel` block as the ZeRO engine's settings."""
+    from meshplan.runtime.zero import ZeroConfig
+
+    return ZeroConfig(
+        stage=dp_spec.zero,
+        bucket_bytes=dp_spec.bucket_bytes,
+        offload_optimizer=dp_spec.offload_optimizer,
+        offload_params=dp_spec.offload_params,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -592,10 +615,12 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     shards gathered over their axes, ZeRO's gathered, and each tied weight under every name it has."""
     import contextlib
 
+    from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.export import consolidate
     from meshplan.runtime.zero import Zero
 
-    gathered = prepared.dp.gathered() if isinstance(prepared.dp, Zero) else contextlib.nullcontext()
+    dp = prepared.dp
+    gathered = dp.gathered() if isinstance(dp, Zero | ExpertZero) else contextlib.nullcontext()
     with gathered:
         state = consolidate(prepared.program, prepared.axes, set(prepared.export_names))
     if prepared.pipeline_group is not None:  # each pipeline rank holds other stages: put them together

@@ -294,22 +294,27 @@ def _expert_data_facts(
     ]
     if not any(a in experts for a in data):
         return None
+    from meshplan.runtime.buckets import decays
+
     params, _ = _local_params(gm, model, placements, layout)
-    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, p in params.items():
         sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
-        groups.setdefault(tuple(a for a in data if a not in sharded), []).append(p)
+        groups.setdefault(tuple(a for a in data if a not in sharded), []).append((name, p))
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
     span = dp.span if dp is not None else plan.rules_of("experts")[0].span
+    zero = dp.zero if dp is not None else 0
     return ExpertDataFacts(
         tuple(
             (over, math.prod(layout.size(a) for a in over), tuple(ps))
             for over, ps in sorted(groups.items())
-            if over
+            if over or zero  # ZeRO keeps a group of one rank too: its optimizer step
         ),
         dp.bucket_bytes if dp is not None else 25_000_000,
         reduce,
         f"{span.path}:{span.line}",
+        zero,
+        decays,
     )
 
 

@@ -154,10 +154,12 @@ class ExpertDataFacts:
     data-parallel engine per set of data axes some parameters are averaged over (the dense ones
     over `dp` x `ep`, the experts over `dp`), each with its own buckets."""
 
-    groups: Sequence[tuple[tuple[str, ...], int, Sequence[torch.Tensor]]]  # (axes, ranks, params)
+    groups: Sequence[tuple[tuple[str, ...], int, Sequence[tuple[str, torch.Tensor]]]]  # (axes, ranks, params)
     bucket_bytes: int
     reduce_dtype: torch.dtype | None
     where: str  # `file:line` of the data_parallel block, or of the first experts rule
+    zero: int = 0  # ZeRO-1/2: each group's state sharded over its ranks (`runtime/expert_zero.py`)
+    decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
 
 
 def build_ledger(
@@ -188,24 +190,7 @@ def build_ledger(
     if data is not None and layout.size(data.axis) > 1:
         rows += _data_parallel_rows(gm, layout, data, accumulation)
     if experts_data is not None:
-        rows += [
-            LedgerRow(
-                f"bucket {i}",
-                "dp_bucket",
-                "all_reduce",
-                "backward",
-                " x ".join(axes),
-                (nbytes,),
-                nbytes,
-                1,
-                n,
-                experts_data.where,
-            )
-            for axes, n, params in experts_data.groups
-            for i, nbytes in enumerate(
-                bucket_sizes(params, experts_data.bucket_bytes, experts_data.reduce_dtype)
-            )
-        ]
+        rows += _expert_data_rows(experts_data)
     return Ledger(tuple(rows))
 
 
@@ -293,6 +278,59 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     return rows
 
 
+def _expert_data_rows(facts: ExpertDataFacts) -> list[LedgerRow]:
+    """Each group's buckets, all-reduced; under ZeRO-1/2 its flats, reduced and gathered back
+    over the group's ranks, and its engine's gradient-norm sums."""
+    rows = []
+    for axes, n, params in facts.groups:
+        axis = " x ".join(axes)
+        if facts.zero:
+            decay = facts.decay or (lambda name, p: True)
+            rows += _zero_bucket_rows(
+                params, axis, n, facts.zero, facts.bucket_bytes, facts.reduce_dtype, decay, facts.where
+            )
+            rows.append(
+                LedgerRow("grad norm", "zero_norm", "all_reduce", "step", axis, (2,), 16, 1, n, facts.where)
+            )
+            continue
+        sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
+        rows += [
+            LedgerRow(f"bucket {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, facts.where)
+            for i, b in enumerate(sizes)
+        ]
+    return rows
+
+
+def _zero_bucket_rows(
+    params: Sequence[tuple[str, torch.Tensor]],
+    axis: str,
+    n: int,
+    zero: int,
+    bucket_bytes: int,
+    reduce_dtype: torch.dtype | None,
+    decay: Callable[[str, torch.Tensor], bool],
+    where: str,
+) -> list[LedgerRow]:
+    """ZeRO-1/2's flats: each gradient flat reduced in backward (all-reduce for stage 1,
+    reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards."""
+    decays = {id(p): decay(name, p) for name, p in params}
+    reduce = "all_reduce" if zero == 1 else "reduce_scatter"
+    rows = []
+    for i, (_, group) in enumerate(bucket_params(params, bucket_bytes, decays)):
+        numel = math.ceil(sum(p.numel() for p in group) / n) * n
+        dtypes = (
+            (reduce, "backward", reduce_dtype or group[0].dtype),
+            ("all_gather", "step", group[0].dtype),
+        )
+        rows += [
+            LedgerRow(
+                f"bucket {i}", "zero_bucket", op, phase, axis, (numel,), numel * dtype.itemsize, 1, n, where
+            )
+            for op, phase, dtype in dtypes
+        ]
+    return rows
+
+
 def _data_parallel_rows(
     gm: fx.GraphModule, layout: MeshLayout, data: DataParallelFacts, accumulation: int
 ) -> list[LedgerRow]:
@@ -332,15 +370,9 @@ def _data_parallel_rows(
         ]
     rows = []
     if data.zero in (1, 2):
-        reduce = "all_reduce" if data.zero == 1 else "reduce_scatter"
-        for i, (names, group) in enumerate(bucket_params(params, data.bucket_bytes, decays)):
-            named = list(zip(names, group, strict=True))
-            rows.append(
-                row(f"bucket {i}", "zero_bucket", reduce, "backward", padded(named), reduce_dtype(named), 1)
-            )
-            rows.append(
-                row(f"bucket {i}", "zero_bucket", "all_gather", "step", padded(named), named[0][1].dtype, 1)
-            )
+        rows += _zero_bucket_rows(
+            params, data.axis, n, data.zero, data.bucket_bytes, data.reduce_dtype, data.decay, data.where
+        )
     else:
         left = dict(params)  # not yet in a unit
         released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}

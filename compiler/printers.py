@@ -117,6 +117,20 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         2: f"1/{size} of the optimizer state and gradients (reduce-scatter in buckets)",
         3: f"1/{size} of parameters, gradients and optimizer state; each layer gathered before use, freed after",
     }[dp.zero]
+    layout = compiled.layout
+    experts = {r.axis for r in compiled.plan.rules_of("experts") if layout.size(r.axis) > 1}
+    if dp.zero and experts:  # each parameter's state over the ranks that average it
+        data = [a for a in layout.names if (a == dp.axis or a in experts) and layout.size(a) > 1]
+        others = [a for a in data if a not in experts]
+        what = "optimizer state" + (" and gradients" if dp.zero == 2 else "")
+        keeps = f"1/{math.prod(layout.size(a) for a in data)} of the dense parameters' {what} (over " + (
+            f"{' x '.join(data)}), "
+            + (
+                f"1/{math.prod(layout.size(a) for a in others)} of its experts' (over {' x '.join(others)})"
+                if others
+                else "its experts' whole (no other rank holds them)"
+            )
+        )
     lines = [
         f"line {dp.span.line}: data_parallel over {dp.axis} ({size} ranks): ZeRO-{dp.zero}"
         if dp.zero
@@ -358,12 +372,15 @@ def ledger_table(compiled: Compiled) -> str:
         key = (r.phase, r.op, r.axis, r.shape, r.rule)
         entry = agg.setdefault(key, [0, r.bytes])
         entry[0] += r.count
-    header = f"{'phase':<9} {'op':<15} {'axis':<5} {'shape':<16} {'bytes':>10} {'count':>6}  rule"
+    width = max([5, *(len(key[2]) for key in agg)])  # `dp x ep` under expert parallelism
+    header = f"{'phase':<9} {'op':<15} {'axis':<{width}} {'shape':<16} {'bytes':>10} {'count':>6}  rule"
     lines = [header, "-" * len(header)]
     for (phase, op, axis, shp, rule), (count, nbytes) in sorted(
         agg.items(), key=lambda kv: (_PHASES.index(kv[0][0]), kv[0][4], kv[0][1])
     ):
-        lines.append(f"{phase:<9} {op:<15} {axis:<5} {tuple(shp)!s:<16} {nbytes:>10} {count:>6}  {rule}")
+        lines.append(
+            f"{phase:<9} {op:<15} {axis:<{width}} {tuple(shp)!s:<16} {nbytes:>10} {count:>6}  {rule}"
+        )
     lines.append("-" * len(header))
     lines.append(compiled.ledger.summary())
     return "\n".join(lines) + "\n"

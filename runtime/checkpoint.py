@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .axes import Axes
+from .expert_zero import ExpertZero
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
@@ -116,7 +117,7 @@ def save(
     root: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     *,
     axes: Axes | None = None,
     keep: int = 2,
@@ -136,7 +137,7 @@ def write_temporary(
     root: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     *,
     axes: Axes | None = None,
 ) -> Path:
@@ -236,7 +237,7 @@ def prune(root: str | Path, *, keep: int) -> None:
 def load(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     *,
     axes: Axes | None = None,
 ) -> Restored:
@@ -252,7 +253,7 @@ def load(
         raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_cause(e)}") from None
     shard = state[_REPLICATED]
     _keep_local(shard, axes)
-    if isinstance(optimizer, Zero):
+    if isinstance(optimizer, Zero | ExpertZero):
         optimizer.load_full_state(shard["model"], shard["optim"]["state"])
         model.load_state_dict(_buffers(model, shard["model"]), strict=False)
     else:
@@ -298,13 +299,13 @@ _REPLICATED = "replicated"  # the key of the layout-free state (a name older che
 
 def _state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     step: int,
     axes: Axes | None = None,
     *,
     for_load: bool = False,
 ) -> dict:
-    if isinstance(optimizer, Zero):
+    if isinstance(optimizer, Zero | ExpertZero):
         shard = _zero_state(model, optimizer, for_load=for_load)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -321,7 +322,7 @@ def _state(
     }
 
 
-def _zero_state(model: nn.Module, zero: Zero, *, for_load: bool) -> dict:
+def _zero_state(model: nn.Module, zero: Zero | ExpertZero, *, for_load: bool) -> dict:
     """The same keys as without ZeRO: each param by every name it has (tied ones too), its
     moments by its first name, and the buffers. For loading: empty tensors for DCP to fill."""
     if for_load:

@@ -90,6 +90,19 @@ class LocalParams:
         scale_param_grads_(self.params, factor)
 
 
+def averaged_over(module: nn.Module, axes: Axes) -> dict[tuple[str, ...], list[nn.Parameter]]:
+    """The trainable parameters (tied ones once) by the data axes their gradient is averaged
+    over: `axes.data` minus the axes that shard them, sorted (the same order on every rank)."""
+    by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            over = tuple(a for a in axes.data if a not in axes.sharded_over(name) and axes.size(a) > 1)
+            by_axes.setdefault(over, []).append(p)
+    return dict(sorted(by_axes.items()))
+
+
 def expert_data_parallel(
     module: nn.Module,
     axes: Axes,
@@ -98,17 +111,10 @@ def expert_data_parallel(
     bucket_bytes: int = 25_000_000,
     reduce_dtype: torch.dtype | None = None,
 ) -> ExpertDataParallel:
-    """One engine per set of data axes a parameter is averaged over (`axes.data` minus the axes
-    that shard it); `groups(axes)` is the process group of those axes together."""
-    by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
-    seen: set[int] = set()
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            over = tuple(a for a in axes.data if a not in axes.sharded_over(name) and axes.size(a) > 1)
-            by_axes.setdefault(over, []).append(p)
+    """One engine per set of data axes a parameter is averaged over (`averaged_over`);
+    `groups(axes)` is the process group of those axes together."""
     engines: list[DataParallel | LocalParams] = []
-    for over, params in sorted(by_axes.items()):  # the same order on every rank
+    for over, params in averaged_over(module, axes).items():
         group = groups(over)
         if group is None:
             engines.append(LocalParams(module, params))

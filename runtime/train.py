@@ -72,6 +72,7 @@ from . import checkpoint, watchdog
 from .axes import Axes
 from .buckets import decays
 from .collectives import label_collectives
+from .expert_zero import ExpertZero
 from .grad_sync import GradSync, Local
 from .zero import Zero
 
@@ -234,11 +235,12 @@ def train(
     rank = dist.get_rank() if dist.is_initialized() else 0
     axes = axes or Axes()
     torch.manual_seed(config.seed)
-    zero = sync if isinstance(sync, Zero) else None
+    zero = sync if isinstance(sync, Zero | ExpertZero) else None
     grads: GradSync = sync if sync is not None else Local(program)
-    optimizer = zero.optimizer if zero is not None else make_optimizer(program, config)
+    # ZeRO brings its own AdamW: the engine steps, zeroes and is checkpointed
+    optimizer = zero if zero is not None else make_optimizer(program, config)
     ckpt_root = config.run_dir / "checkpoints"
-    start = _maybe_resume(ckpt_root, program, zero or optimizer, config, axes)
+    start = _maybe_resume(ckpt_root, program, optimizer, config, axes)
     metrics = MetricsWriter(config.run_dir, rank)
     dp_size = axes.data_size
     tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
@@ -256,18 +258,20 @@ def train(
             watchdog.progress(step + 1)
             t0 = time.perf_counter()
             lr = lr_at(step, config)
-            for group in optimizer.param_groups:
+            # read each step: loading a checkpoint replaces an optimizer's param groups
+            adamw = optimizer.optimizer if isinstance(optimizer, Zero | ExpertZero) else optimizer
+            for group in adamw.param_groups:
                 group["lr"] = lr
             loss = _accumulate(
                 forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
             )  # () mean loss
             if after_backward is not None:
                 after_backward()
-            norm = _optimizer_step(grads, zero or optimizer, axes, names, scale, config.grad_clip)
+            norm = _optimizer_step(grads, optimizer, axes, names, scale, config.grad_clip)
             skipped = not bool(torch.isfinite(norm))
             if zero is not None:
                 zero_memory = zero.memory()
-            (zero or optimizer).zero_grad()
+            optimizer.zero_grad()
             if scale is not None and config.dynamic_loss_scale:
                 scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
             mean_loss = float(axes.mean_over_data(loss, "mean loss"))
@@ -303,7 +307,7 @@ def train(
                     ckpt_root,
                     step + 1,
                     program,
-                    zero or optimizer,
+                    optimizer,
                     axes=axes,
                 )
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
@@ -320,7 +324,7 @@ def train(
 
 def _optimizer_step(
     grads: GradSync,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     axes: Axes,
     names: list[str],
     scale: float | None,
@@ -411,7 +415,7 @@ def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int
 def _maybe_resume(
     root: Path,
     program: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero,
+    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     config: TrainConfig,
     axes: Axes,
 ) -> int:

@@ -134,10 +134,15 @@ class Zero:
         axis: str = "dp",
         programs: Sequence[nn.Module] = (),
         alone: Collection[str] = (),
+        only: Collection[str] | None = None,
+        bind_nodes: bool = True,
     ) -> None:
         self.module, self.group, self.config, self.axis = module, group, config, axis
         self.world = dist.get_world_size(group)
-        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        mine = None if only is None else set(only)
+        params = [
+            (n, p) for n, p in module.named_parameters() if p.requires_grad and (mine is None or n in mine)
+        ]
         if not params:
             raise ValueError("the module has no trainable parameters to shard")
         self.device = params[0][1].device
@@ -148,7 +153,7 @@ class Zero:
         # the program each is in: a pipeline rank runs several (its stages), each on its own
         self._programs = list(programs) or [module]
         self._nodes, self._program_of = [], []
-        for k, program in enumerate(self._programs if units is None else []):
+        for k, program in enumerate(self._programs if units is None and bind_nodes else []):
             found = graph_units(program)
             self._nodes += found
             self._program_of += [k] * len(found)
@@ -572,6 +577,8 @@ def shard_for_zero(
     axis: str = "dp",
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
+    only: Collection[str] | None = None,
+    bind_nodes: bool = True,
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
 
@@ -583,6 +590,9 @@ def shard_for_zero(
     run `module`'s parameters, when it does not run them itself (a pipeline rank's stages);
     `alone`: params that get a flat of their own (a weight tied across pipeline ranks, whose
     gradient pieces `own_grad_of` gives, the same elements on every rank holding a copy).
+    `only`: the names of the params this engine shards (default: every trainable one), when
+    several engines share a module, each over its own group (`runtime/expert_zero.py`); one of
+    them binds the program's ZeRO nodes, the others (`bind_nodes=False`) wait in `step`.
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
@@ -600,6 +610,8 @@ def shard_for_zero(
         axis=axis,
         programs=programs,
         alone=alone,
+        only=only,
+        bind_nodes=bind_nodes,
     )
 
 

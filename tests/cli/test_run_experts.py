@@ -6,19 +6,24 @@ gradients averaged over dp x ep, the experts' over dp), a checkpointed layer (it
 all-to-alls run again in backward) and two accumulated micro-steps of one sequence per
 rank. The one-process run trains the same 8 sequences per step: losses and gradient norms
 (clipping active) must agree step by step, and the metrics count every routed token once.
+Under ZeRO-2 the same run shards each parameter's optimizer state and gradient over the
+ranks that average it (the dense ones over all four, an expert's over two); under ZeRO-1
+with the experts over the only data axis, an expert's state stays whole on its one rank.
 """
 
 from __future__ import annotations
 
+import runpy
 from pathlib import Path
 
 import pytest
-from runs import meshplan_run
+from runs import meshplan_run, metrics
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = f"{ROOT}/examples/models/moe.py:build"
+ADAM_BYTES = 8  # two fp32 moments per parameter (an fp32 parameter's shard is its own master)
 STEPS, SEQ = 4, 16
 EXPERT_PARALLEL = """mesh dp=2, ep=2
 
@@ -37,21 +42,72 @@ train {
 """
 
 
-def run(tmp: Path, name: str, text: str, batch: int) -> list[dict]:
+def run(tmp: Path, name: str, text: str, batch: int, *more: str) -> list[dict]:
+    """Rank 0's records of `meshplan run` of `text` into the run folder `name` (the last
+    --steps given wins: `more` may stop it early)."""
     (tmp / f"{name}.plan").write_text(text)
     argv = [str(tmp / f"{name}.plan"), "--model", MODEL, "--steps", str(STEPS), "--batch", str(batch)]
-    argv += ["--seq", str(SEQ), "--warmup", "2", "--grad-clip", "0.5", "--out", str(tmp / name)]
+    argv += ["--seq", str(SEQ), "--warmup", "2", "--grad-clip", "0.5", "--out", str(tmp / name), *more]
     return meshplan_run(*argv)[0]
 
 
-def test_experts_over_ep_train_like_one_process(tmp_path: Path) -> None:
-    got = run(tmp_path, "ep", EXPERT_PARALLEL, batch=1)
-    want = run(tmp_path, "one", "mesh dp=1\n", batch=8)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The unpartitioned model on one process, trained on the same 8 sequences per step."""
+    return run(tmp_path_factory.mktemp("one"), "one", "mesh dp=1\n", batch=8)
+
+
+def same_training(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), g["step"]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), g["step"]
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_experts_over_ep_train_like_one_process(tmp_path: Path, one_process: list[dict], zero: int) -> None:
+    plan = EXPERT_PARALLEL.replace("bucket = 64KB", f"bucket = 64KB\n    zero = {zero}")
+    got = run(tmp_path, "ep", plan, batch=1)
+    same_training(got, one_process)
+    if zero:  # the dense params' state over 4 ranks, an expert's over the 2 of the 4 holding it
+        want = ADAM_BYTES * model_params() / 4
+        assert all(r["zero_memory"]["optimizer"] == pytest.approx(want, rel=0.01) for r in got)
     for record in got:  # every (token, slot) pair of the step's 8 sequences, once per layer
         load = record["expert_load"]
         assert sorted(load) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
         assert all(sum(unit["tokens"]) == 8 * SEQ * 2 and unit["overload"] >= 1.0 for unit in load.values())
+
+
+def test_experts_over_the_only_data_axis_under_zero_1(tmp_path: Path, one_process: list[dict]) -> None:
+    """`mesh dp=2`, experts over dp: the dense state in halves, each rank's experts' state whole."""
+    plan = (
+        "mesh dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp\n}\n\n"
+        "data_parallel over dp {\n    zero = 1\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+    )
+    got = run(tmp_path, "ep_dp", plan, batch=2)
+    same_training(got, one_process)
+    # half the dense params' state, and the whole state of half the experts
+    want = ADAM_BYTES * model_params() / 2
+    assert all(r["zero_memory"]["optimizer"] == pytest.approx(want, rel=0.01) for r in got)
+
+
+def model_params() -> int:
+    build = runpy.run_path(MODEL.removesuffix(":build"))["build"]
+    return sum(p.numel() for p in build().parameters())
+
+
+def test_a_zero_checkpoint_resumes_under_another_expert_layout(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """Saved at step 2 by ZeRO-2 over dp x ep (every state cut in quarters), resumed by `mesh ep=4`
+    under ZeRO-1 (each rank one expert, the dense state over ep): the layout-free checkpoint."""
+    zero2 = EXPERT_PARALLEL.replace("bucket = 64KB", "bucket = 64KB\n    zero = 2")
+    ep4 = (
+        "mesh ep=4\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n    layers.1: checkpoint\n}"
+        "\n\ndata_parallel over ep {\n    zero = 1\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+    )
+    first = run(tmp_path, "run", zero2, 1, "--steps", "2", "--save-every", "2")
+    run(tmp_path, "run", ep4, 1, "--resume")
+    resumed = metrics(tmp_path / "run")[0]  # the first two steps' records, then the resumed ones
+    assert [r["step"] for r in first] == [1, 2]
+    same_training(resumed, one_process)

@@ -86,7 +86,7 @@ def test_what_cannot_work_and_what_is_not_lowered_yet_are_located_errors():
     text = (
         "mesh dp=2, ep=3\n\nmodules {\n"
         "    layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n}\n\n"
-        "data_parallel over dp {\n    zero = 1\n}\n"
+        "data_parallel over dp {\n    zero = 3\n}\n"
     )
     assert _errors(text) == (
         "p.plan:4:5: error: `layers.0.mlp.experts` and 1 more like it have 4 experts, "
@@ -99,10 +99,11 @@ def test_what_cannot_work_and_what_is_not_lowered_yet_are_located_errors():
         "        layers.*.mlp.experts: experts over ep (top_k=5, capacity_factor=1.25)\n"
         "                                               ^~~~~~~\n"
         "hint: use top_k of at most 4\n"
-        "p.plan:8:5: error: ZeRO with expert parallelism (experts over `ep`) is not lowered yet\n"
-        "        zero = 1\n"
+        "p.plan:8:5: error: ZeRO-3 with expert parallelism (experts over `ep`) is not lowered yet: an "
+        "expert's weights would be gathered over other ranks than its layer's\n"
+        "        zero = 3\n"
         "        ^~~~~~~~\n"
-        "hint: use `zero = 0` with `experts` rules"
+        "hint: use `zero = 1` or `zero = 2` (optimizer state and gradients sharded) with `experts` rules"
     )
 
 

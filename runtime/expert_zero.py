@@ -1,0 +1,164 @@
+"""ZeRO under expert parallelism: the training state of each parameter sharded over the ranks
+that average its gradient.
+
+    zero = expert_zero(program, axes, lambda over: group_over(layout, over, mesh), ZeroConfig(stage=2), ...)
+    train(program, loss_of, batches, config, axes=axes, sync=zero)
+
+`mesh dp=2, ep=2` with `zero = 2` (ranks dp-major): the dense parameters' fp32 masters,
+moments and gradients are cut in quarters over all four ranks, an expert's in halves over
+the ranks holding the same experts, {0, 2} and {1, 3}. With `experts over dp` on `mesh dp=2`
+no other rank holds a rank's experts, so their state stays whole on it (an engine over a
+group of one). The sets are `expert_data_parallel`'s; each is one `Zero` engine over its own
+parameters and group, and this object is the `Zero` the loop, checkpoints and export see.
+
+Stages 1 and 2: the engine of the parameters the compiled program's ZeRO nodes wait for
+(the dense ones) binds those nodes and overlaps its post-step all-gather with the next
+forward; the others wait for theirs in `step`. Stage 3 would gather an expert's weights over
+a group other than its layer's: not lowered (the experts pass refuses it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .axes import Axes
+from .data_parallel import broadcast_parameters
+from .expert_data_parallel import averaged_over
+from .zero import Collective, Zero, ZeroConfig
+
+
+class ExpertZero:
+    """Several `Zero` engines over one module, each over the group that averages its params."""
+
+    def __init__(self, engines: Sequence[Zero]) -> None:
+        self.engines = list(engines)
+        self.optimizer = _Optimizers([e.optimizer for e in self.engines])
+
+    def step(self) -> None:
+        for e in self.engines:
+            e.step()
+
+    def zero_grad(self) -> None:
+        for e in self.engines:
+            e.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for e in self.engines:
+                stack.enter_context(e.no_sync())
+            yield
+
+    def finish(self) -> None:
+        for e in self.engines:
+            e.finish()
+
+    def grad_squares(self, kinds: Sequence[Collection[str]] = ()) -> Tensor:
+        """Each parameter is in one engine, whose sum covers the ranks averaging it; the loop
+        then sums a kind cut over the expert axis over that axis, as without ZeRO."""
+        return torch.stack([e.grad_squares(kinds) for e in self.engines]).sum(0)
+
+    def scale_grads_(self, factor: Tensor | float) -> None:
+        for e in self.engines:
+            e.scale_grads_(factor)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for e in self.engines:
+                stack.enter_context(e.gathered())
+            yield
+
+    def memory(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for e in self.engines:
+            for key, nbytes in e.memory().items():
+                total[key] = total.get(key, 0) + nbytes
+        return total
+
+    def collectives(self, micro_steps: int = 1) -> list[Collective]:
+        return [c for e in self.engines for c in e.collectives(micro_steps)]
+
+    def issued(self) -> list[Collective]:
+        return [c for e in self.engines for c in e.issued()]
+
+    def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+        """`Zero.full_state` of every engine, one dict: the engines own disjoint names."""
+        values: dict[str, Tensor] = {}
+        moments: dict[str, dict[str, Tensor]] = {}
+        for e in self.engines:
+            v, m = e.full_state()
+            values |= v
+            moments |= m
+        return values, moments
+
+    def load_full_state(self, values: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
+        """Every engine keeps its own elements (each reads only its params' names)."""
+        for e in self.engines:
+            e.load_full_state(values, moments)
+
+
+class _Optimizers:
+    """The engines' AdamWs as the loop sets them: one list of param groups (the LR, every step)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+
+def expert_zero(
+    module: nn.Module,
+    axes: Axes,
+    groups: Callable[[tuple[str, ...]], dist.ProcessGroup | None],
+    config: ZeroConfig,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float = 1e-8,
+    decay: Callable[[str, nn.Parameter], bool] | None = None,
+) -> ExpertZero:
+    """One `Zero` per set of data axes a parameter is averaged over (`averaged_over`), sharding
+    those parameters over that set's group, from the group's first rank's values; every rank
+    calls it. The engine of the parameters averaged over the most ranks (the dense ones) binds
+    the compiled program's ZeRO nodes."""
+    if config.stage == 3:
+        raise ValueError("ZeRO-3 with expert parallelism is not lowered: use stage 1 or 2")
+    parts = averaged_over(module, axes)
+    names = {id(p): n for n, p in module.named_parameters()}
+    widest = max(parts, key=lambda over: (len(over), over))
+    engines = []
+    for over, params in parts.items():  # sorted: the same order on every rank
+        group = groups(over) or _own_group()
+        broadcast_parameters(params, group)  # the same seeded model: make it exact
+        engines.append(
+            Zero(
+                module,
+                group,
+                config,
+                lr=lr,
+                betas=betas,
+                weight_decay=weight_decay,
+                eps=eps,
+                decay=decay,
+                axis=" x ".join(over) or "(this rank)",
+                only={names[id(p)] for p in params},
+                bind_nodes=over == widest,
+            )
+        )
+    return ExpertZero(engines)
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A group of this rank alone (parameters no other rank holds); every rank makes all of them."""
+    group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    return group

@@ -55,6 +55,19 @@ def prepare(args: argparse.Namespace) -> int:
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
     source = _model_source(args)
     _check_data(args, plan, source.model)
+    if args.between_steps and plan.pipeline is not None:
+        raise RunError(
+            "--between-steps with a pipeline is not supported yet: each stage holds other layers' buffers "
+            "(hint: run the plan without its `pipeline` block)"
+        )
+    if args.between_steps:  # a missing function is the user's mistake: before any worker starts
+        from meshplan.compiler.capture import load_function
+        from meshplan.compiler.errors import CompileError
+
+        try:
+            load_function(args.between_steps, "--between-steps")
+        except CompileError as e:
+            raise RunError(str(e)) from None
     args.program = str(_compile_once(args, world_size, source))
     return world_size
 

@@ -72,6 +72,7 @@ WORKER_FLAGS = (
     ("timeout", "--timeout"),
     ("peak_tflops", "--peak-tflops"),
     ("export", "--export"),
+    ("between_steps", "--between-steps"),
 )
 
 
@@ -98,6 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         metavar="FILE",
         help="a text file (bytes are tokens) or FILE.py:factory (default: the shipped corpus)",
+    )
+    p.add_argument(
+        "--between-steps",
+        metavar="SPEC",
+        help="FILE.py:function or module:function called with the model after each optimizer step "
+        "(e.g. an aux-loss-free expert bias update), the buffers the model counts into summed over "
+        "the data ranks first",
     )
     p.add_argument(
         "--batch",

@@ -72,6 +72,7 @@ class Session:
     pipeline_group: torch.distributed.ProcessGroup | None = None  # ranks holding the other stages
     step_metrics: Callable[[], dict[str, Any]] | None = None  # facts the pipeline adds to each step
     after_backward: Callable[[], None] | None = None  # a pipeline's tied weights: sum their gradients
+    between_steps: Callable[[], None] | None = None  # --between-steps: the model's update of its buffers
 
 
 def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
@@ -214,6 +215,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         pipeline_group,
         stages.metrics if stages is not None else _expert_metrics(program, axes) if experts else None,
         stages.sum_tied_grads if stages is not None and stages.tied else None,
+        _between_steps(args.between_steps, program, source.model, axes) if args.between_steps else None,
     )
 
 
@@ -284,6 +286,50 @@ def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[st
         return {"expert_load": load}
 
     return metrics
+
+
+def _between_steps(spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes) -> Callable[[], None]:
+    """`--between-steps FILE.py:update`: after each optimizer step, `update(model)` on the
+    user's own model object, its buffers this rank's. The buffers the program writes while it
+    runs (a router's token counts) are statistics of this rank's tokens: they are summed over
+    the data axes first, so every rank calls `update` on the same numbers and the buffers it
+    sets (an expert bias) stay identical everywhere, as on one device over the whole batch."""
+    import torch
+
+    from meshplan.compiler.capture import load_function
+    from meshplan.compiler.graph import mutated_buffers
+
+    update = load_function(spec, "--between-steps")
+    written = mutated_buffers(program)  # a checkpointed layer may not write any (checkpoint pass)
+    own = dict(program.named_buffers())
+    theirs = dict(model.named_buffers())
+    mirrored = [n for n, b in own.items() if n in theirs and theirs[n].shape == b.shape]
+
+    def between_steps() -> None:
+        with torch.no_grad():
+            stats = [own[n] for n in written]
+            if stats and axes.data:
+                total = axes.sum_over(torch.cat([s.flatten().double() for s in stats]), axes.data, spec)
+                for s, part in zip(stats, total.split([s.numel() for s in stats]), strict=True):
+                    s.copy_(part.view_as(s))
+            for n in mirrored:
+                theirs[n].copy_(own[n])
+            before = {n: b.clone() for n, b in theirs.items() if n not in mirrored}
+        try:
+            update(model)
+        except Exception as e:
+            raise RunError(f"--between-steps {spec} raised {type(e).__name__}: {e}") from e
+        with torch.no_grad():
+            for n in mirrored:
+                own[n].copy_(model.get_buffer(n))
+            changed = [n for n, b in before.items() if not torch.equal(b, model.get_buffer(n))]
+        if changed:
+            raise RunError(
+                f"--between-steps {spec} changed `{changed[0]}`, a buffer this plan cuts over ranks: "
+                "meshplan cannot give it back to the program"
+            )
+
+    return between_steps
 
 
 def pipeline_microbatches(plan: Plan, layout) -> int:
@@ -676,4 +722,5 @@ def train_session(args: argparse.Namespace, prepared: Session, *, show_progress:
         forward_backward=prepared.forward_backward,
         step_metrics=prepared.step_metrics,
         after_backward=prepared.after_backward,
+        between_steps=prepared.between_steps,
     )

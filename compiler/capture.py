@@ -225,6 +225,24 @@ def load_model(spec: str) -> ModelSource:
     return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
 
 
+def load_function(spec: str, option: str) -> Callable[..., Any]:
+    """The function a spec like `--model`'s names (`path/to/file.py:name` or `module:name`),
+    e.g. `--between-steps model.py:update_bias`. A file the model was loaded from is not run
+    again: the function sees the model's own classes (its `isinstance` checks hold)."""
+    target, name = _split_spec(spec)
+    is_file = _names_a_file(target)
+    with _folder_first_on_path(str(Path(target).resolve().parent) if is_file else None):
+        loaded = sys.modules.get(_file_module_name(Path(target))) if is_file else None
+        module = loaded or (_run_file(target) if is_file else _import_module(target))
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ModelLoadError(
+            f"{option} {spec}: {target!r} defines no function {name!r}",
+            hint=_factory_hint(module, name, target).replace("returns the nn.Module", f"{option} can call"),
+        )
+    return function
+
+
 @contextlib.contextmanager
 def _folder_first_on_path(folder: str | None) -> Iterator[None]:
     """`folder` at the front of sys.path for the duration, unless it is there already.
@@ -269,7 +287,7 @@ def _run_file(target: str) -> ModuleType:
             hint=f"the path is relative to the current directory ({Path.cwd()}); {_SPEC_HINT}",
         )
     resolved = path.resolve()
-    name = "_meshplan_model_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    name = _file_module_name(path)
     file_spec = importlib.util.spec_from_file_location(name, resolved)
     if file_spec is None or file_spec.loader is None:
         raise ModelLoadError(f"cannot load {target!r} as Python", hint=_SPEC_HINT)
@@ -285,6 +303,11 @@ def _run_file(target: str) -> ModuleType:
             hint=f"run `python {target}` to see the full traceback",
         ) from exc
     return module
+
+
+def _file_module_name(path: Path) -> str:
+    """The private module name a model file runs as (one per resolved path)."""
+    return "_meshplan_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
 
 
 def _import_module(target: str) -> ModuleType:

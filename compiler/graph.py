@@ -357,3 +357,21 @@ def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> 
         group = mesh.get_group(template.axis) if mesh is not None else None
         return type(template)(group, template.axis, balanced=template.balanced)
     return copy.copy(template)
+
+
+def mutated_buffers(gm: fx.GraphModule) -> list[str]:
+    """The buffers the program writes in place while it runs, in graph order (a router's token
+    counts under aux-loss-free balancing: `self.tokens_per_expert += counts`)."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    return list(dict.fromkeys(b for node in gm.graph.nodes if (b := written_buffer(node, buffers))))
+
+
+def written_buffer(node: fx.Node, buffers: set[str]) -> str | None:
+    """The buffer (of `buffers`, by name) that `node` writes in place, or None: an op whose
+    schema marks an argument written (`add_`, `copy_`, `index_put_`) given a `get_attr`."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    for arg, formal in zip(node.args, schema.arguments if schema is not None else (), strict=False):
+        written = formal.alias_info is not None and formal.alias_info.is_write
+        if written and isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target) in buffers:
+            return str(arg.target)
+    return None

@@ -219,6 +219,7 @@ def train(
     forward_backward: ForwardBackward | None = None,
     step_metrics: Callable[[], dict[str, Any]] | None = None,
     after_backward: Callable[[], None] | None = None,
+    between_steps: Callable[[], None] | None = None,
 ) -> Summary:
     """Train `program` (the module holding this rank's parameters) for `config.steps` optimizer steps.
 
@@ -229,7 +230,9 @@ def train(
     micro-step is more than a forward and a backward (a pipeline's schedule over its
     microbatches), `step_metrics` adds its own facts to each step's record (a
     pipeline's measured idle fraction), and `after_backward` runs once the step's gradients
-    are synchronized, before they are read (a pipeline sums a tied weight's over its copies). ZeRO brings its own optimizer, built with `decays` and this config's
+    are synchronized, before they are read (a pipeline sums a tied weight's over its copies);
+    `between_steps` runs after each optimizer step (the model's own update of its buffers:
+    aux-loss-free balancing's expert bias). ZeRO brings its own optimizer, built with `decays` and this config's
     hyperparameters; the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -272,6 +275,8 @@ def train(
             if zero is not None:
                 zero_memory = zero.memory()
             optimizer.zero_grad()
+            if between_steps is not None:
+                between_steps()
             if scale is not None and config.dynamic_loss_scale:
                 scale, good_steps = _update_scale(scale, good_steps, skipped, config.scale_growth_interval)
             mean_loss = float(axes.mean_over_data(loss, "mean loss"))

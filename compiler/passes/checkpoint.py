@@ -55,7 +55,7 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 
 from .. import outline
-from ..graph import COLLECTIVE, for_rank
+from ..graph import COLLECTIVE, for_rank, written_buffer
 from ..match import Resolution
 from ..meta import CHECKPOINT, MODULE
 from . import Context, Pass
@@ -158,8 +158,17 @@ def checkpoint_regions(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.Grap
     Raises `CheckpointError` when a region's nodes are interleaved with nodes that
     depend on them (the module is not one contiguous piece of the graph).
     """
+    buffers = {name for name, _ in gm.named_buffers()}
     for region in regions:
         nodes = outline.nodes_under(gm.graph, region.path)
+        written = next((b for n in nodes if (b := written_buffer(n, buffers))), None)
+        if written is not None:
+            raise CheckpointError(
+                f"`{region.path}` writes the buffer `{written}` in its forward: recomputing it in "
+                "backward would write it again (a count would count twice)",
+                rule=region.rule,
+                hint="checkpoint modules that only read their buffers (e.g. the layer's attention)",
+            )
         if nodes:
             try:
                 outline.make_contiguous(gm.graph, nodes, what=f"checkpoint `{region.path}`")

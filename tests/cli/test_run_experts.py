@@ -17,6 +17,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 from runs import meshplan_run, metrics
 
 pytestmark = pytest.mark.slow
@@ -111,3 +112,20 @@ def test_a_zero_checkpoint_resumes_under_another_expert_layout(
     resumed = metrics(tmp_path / "run")[0]  # the first two steps' records, then the resumed ones
     assert [r["step"] for r in first] == [1, 2]
     same_training(resumed, one_process)
+
+
+def test_aux_loss_free_balancing_counts_the_whole_job(tmp_path: Path) -> None:
+    """`--between-steps` calls the model's bias update after each step: every rank's token counts
+    summed first, so the bias (which picks the experts) moves as on one device over all 8
+    sequences, and stays the same on every rank (rank 0's is exported, and the losses agree)."""
+    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
+    more = ["--model", f"{factory}:build", "--between-steps", f"{factory}:update_bias"]
+    one = run(tmp_path, "one", "mesh dp=1\n", 8, *more, "--export", str(tmp_path / "one.pt"))
+    ep = EXPERT_PARALLEL.replace("    layers.1:             checkpoint\n", "")  # it writes a buffer
+    got = run(tmp_path, "ep", ep, 1, *more, "--export", str(tmp_path / "ep.pt"))
+    same_training(got, one)
+    want, have = (torch.load(tmp_path / f"{name}.pt") for name in ("one", "ep"))
+    for layer in (0, 1):
+        bias = f"layers.{layer}.mlp.expert_bias"
+        assert want[bias].abs().min() > 0  # the update ran, and moved every expert's bias
+        torch.testing.assert_close(have[bias], want[bias], rtol=1e-5, atol=1e-7)

@@ -155,3 +155,12 @@ def test_an_id_beyond_the_vocabulary_in_a_later_batch_stops_the_workers_with_one
         "the model's vocabulary of 256 token ids (0..255) (hint: map the ids below 256, or build the "
         "model with vocab_size >= 301)"
     )
+
+
+def test_a_between_steps_function_that_is_not_there_is_one_error(tmp_path: Path) -> None:
+    write(tmp_path, "update.py", "def update_bias(model):\n    pass\n")
+    err = one_error(run(tmp_path, "--between-steps", "update.py:update"), tmp_path)
+    assert (
+        "meshplan: error: --between-steps update.py:update: 'update.py' defines no function 'update'\n"
+        "hint: did you mean 'update_bias'? functions defined there: update_bias"
+    ) in err

@@ -5,6 +5,7 @@ tests/runtime/test_experts.py, tests/cli/test_run_experts.py and the Mixtral ver
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -287,4 +288,20 @@ def test_expert_count_of_a_hugging_face_mixtral():
     assert info.value.render().splitlines()[0] == (
         "p.plan:4:5: error: `model.layers.0.mlp.experts` and 1 more like it have 4 experts, "
         "not divisible by 3 ranks over `ep`"
+    )
+
+
+def test_a_checkpointed_layer_that_writes_a_buffer_is_refused():
+    """Aux-loss-free balancing counts tokens into a buffer in forward; recomputing the layer in
+    backward would count them twice."""
+    sys.path.insert(0, str(HERE.parent / "cli"))
+    from aux_free_moe import build
+
+    text = "mesh dp=1\n\nmodules {\n    layers.1: checkpoint\n    layers.0.self_attn: checkpoint\n}\n"
+    assert _errors(text, build()) == (
+        "p.plan:4:5: error: `layers.1` writes the buffer `layers.1.mlp.tokens_per_expert` in its forward: "
+        "recomputing it in backward would write it again (a count would count twice)\n"
+        "        layers.1: checkpoint\n"
+        "        ^~~~~~~~~~~~~~~~~~~~\n"
+        "hint: checkpoint modules that only read their buffers (e.g. the layer's attention)"
     )

@@ -296,7 +296,7 @@ def _expert_data_facts(
         return None
     from meshplan.runtime.buckets import decays
 
-    params, _ = _local_params(gm, model, placements, layout)
+    params, aliases = _local_params(gm, model, placements, layout)
     groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, p in params.items():
         sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
@@ -315,6 +315,7 @@ def _expert_data_facts(
         f"{span.path}:{span.line}",
         zero,
         decays,
+        aliases,
     )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -158,8 +158,9 @@ class ExpertDataFacts:
     bucket_bytes: int
     reduce_dtype: torch.dtype | None
     where: str  # `file:line` of the data_parallel block, or of the first experts rule
-    zero: int = 0  # ZeRO-1/2: each group's state sharded over its ranks (`runtime/expert_zero.py`)
+    zero: int = 0  # ZeRO: each group's state sharded over its ranks (`runtime/expert_zero.py`)
     decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
+    aliases: dict[str, str] = field(default_factory=dict)  # a param's graph names -> its name (ties)
 
 
 def build_ledger(
@@ -190,7 +191,7 @@ def build_ledger(
     if data is not None and layout.size(data.axis) > 1:
         rows += _data_parallel_rows(gm, layout, data, accumulation)
     if experts_data is not None:
-        rows += _expert_data_rows(experts_data)
+        rows += _expert_data_rows(gm, experts_data, accumulation)
     return Ledger(tuple(rows))
 
 
@@ -278,26 +279,35 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     return rows
 
 
-def _expert_data_rows(facts: ExpertDataFacts) -> list[LedgerRow]:
-    """Each group's buckets, all-reduced; under ZeRO-1/2 its flats, reduced and gathered back
-    over the group's ranks, and its engine's gradient-norm sums."""
+def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: int) -> list[LedgerRow]:
+    """Each group's buckets, all-reduced; under ZeRO its flats (stages 1/2: reduced and gathered
+    back over the group's ranks; 3: its units' nodes), and its engine's gradient-norm sums. A
+    group no other rank shares (`experts over dp`) is ZeRO-2 at most, over this rank alone."""
     rows = []
+    decay = facts.decay or (lambda name, p: True)
     for axes, n, params in facts.groups:
         axis = " x ".join(axes)
-        if facts.zero:
-            decay = facts.decay or (lambda name, p: True)
-            rows += _zero_bucket_rows(
-                params, axis, n, facts.zero, facts.bucket_bytes, facts.reduce_dtype, decay, facts.where
-            )
-            rows.append(
-                LedgerRow("grad norm", "zero_norm", "all_reduce", "step", axis, (2,), 16, 1, n, facts.where)
-            )
+        if not facts.zero:
+            sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
+            rows += [
+                LedgerRow(
+                    f"bucket {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, facts.where
+                )
+                for i, b in enumerate(sizes)
+            ]
             continue
-        sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
-        rows += [
-            LedgerRow(f"bucket {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, facts.where)
-            for i, b in enumerate(sizes)
-        ]
+        if facts.zero == 3 and axes:
+            rows += _zero_unit_rows(
+                gm, params, facts.aliases, axis, n, decay, facts.reduce_dtype, facts.where, accumulation
+            )
+        else:
+            stage = min(facts.zero, 2)
+            rows += _zero_bucket_rows(
+                params, axis, n, stage, facts.bucket_bytes, facts.reduce_dtype, decay, facts.where
+            )
+        rows.append(
+            LedgerRow("grad norm", "zero_norm", "all_reduce", "step", axis, (2,), 16, 1, n, facts.where)
+        )
     return rows
 
 
@@ -331,26 +341,49 @@ def _zero_bucket_rows(
     return rows
 
 
+def _zero_unit_rows(
+    gm: fx.GraphModule,
+    params: Sequence[tuple[str, torch.Tensor]],
+    aliases: dict[str, str],
+    axis: str,
+    n: int,
+    decay: Callable[[str, torch.Tensor], bool],
+    reduce_dtype: torch.dtype | None,
+    where: str,
+    accumulation: int,
+) -> list[LedgerRow]:
+    """ZeRO-3's units, from the graph's `ZeroGather` nodes over `axis` (under expert
+    parallelism a layer has one per group): each unit's flats gathered before its forward
+    (and again before its backward unless it stays gathered), its gradients reduce-scattered."""
+    decays = {id(p): decay(name, p) for name, p in params}
+    left = dict(params)  # not yet in a unit
+    released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}
+    rows = []
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(module, ZeroGather) or module.axis != axis:
+            continue
+        names = [aliases[p] for p in module.params if p in aliases]
+        named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
+        phases = ["forward", "backward"] if module.unit in released else ["forward"]
+        for group in group_by_kind(named, decays):
+            numel = math.ceil(sum(p.numel() for _, p in group) / n) * n
+            dtype, reduced = group[0][1].dtype, reduce_dtype or group[0][1].dtype
+            gathers = [("all_gather", phase, dtype, accumulation) for phase in phases]
+            rows += [
+                LedgerRow(
+                    node.name, "zero_gather", op, phase, axis, (numel,), numel * t.itemsize, k, n, where
+                )
+                for op, phase, t, k in [*gathers, ("reduce_scatter", "backward", reduced, 1)]
+            ]
+    return rows
+
+
 def _data_parallel_rows(
     gm: fx.GraphModule, layout: MeshLayout, data: DataParallelFacts, accumulation: int
 ) -> list[LedgerRow]:
     n = layout.size(data.axis)
     params = list(data.params)
-    decays = {id(p): data.decay(name, p) for name, p in params}
-
-    def row(
-        node: str, kind: str, op: str, phase: str, numel: int, dtype: torch.dtype, count: int
-    ) -> LedgerRow:
-        size = dtype.itemsize
-        return LedgerRow(node, kind, op, phase, data.axis, (numel,), numel * size, count, n, data.where)
-
-    def padded(group: Sequence[tuple[str, torch.Tensor]]) -> int:
-        numel = sum(p.numel() for _, p in group)
-        return math.ceil(numel / n) * n
-
-    def reduce_dtype(group: Sequence[tuple[str, torch.Tensor]]) -> torch.dtype:
-        return data.reduce_dtype or group[0][1].dtype
-
     if data.zero == 0:
         sizes = bucket_sizes([p for _, p in params], data.bucket_bytes, data.reduce_dtype)
         return [
@@ -374,27 +407,9 @@ def _data_parallel_rows(
             params, data.axis, n, data.zero, data.bucket_bytes, data.reduce_dtype, data.decay, data.where
         )
     else:
-        left = dict(params)  # not yet in a unit
-        released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}
-        for node in gm.graph.nodes:
-            module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-            if not isinstance(module, ZeroGather):
-                continue
-            names = [data.aliases[p] for p in module.params if p in data.aliases]
-            named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
-            refetch = module.unit in released
-            for group in group_by_kind(named, decays):
-                numel, dtype = padded(group), group[0][1].dtype
-                rows.append(
-                    row(node.name, "zero_gather", "all_gather", "forward", numel, dtype, accumulation)
-                )
-                if refetch:
-                    rows.append(
-                        row(node.name, "zero_gather", "all_gather", "backward", numel, dtype, accumulation)
-                    )
-                rows.append(
-                    row(node.name, "zero_gather", "reduce_scatter", "backward", numel, reduce_dtype(group), 1)
-                )
+        rows += _zero_unit_rows(
+            gm, params, data.aliases, data.axis, n, data.decay, data.reduce_dtype, data.where, accumulation
+        )
     rows.append(
         LedgerRow(
             "grad norm",

@@ -65,7 +65,9 @@ def _collectives(gm: fx.GraphModule, layout: MeshLayout) -> list[str]:
             if isinstance(module, (AxisCollective, ZeroGather, ZeroRelease))
             else None
         )
-        if axis is not None and axis not in layout.names:
+        # ZeRO's nodes under expert parallelism run over a group of axes: `dp x ep`
+        missing = [a for a in axis.split(" x ") if a not in layout.names] if axis is not None else []
+        if missing:
             out.append(f"{node.name} runs over `{axis}`, which the mesh ({', '.join(layout.names)}) lacks")
     return out
 

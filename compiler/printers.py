@@ -122,7 +122,9 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     if dp.zero and experts:  # each parameter's state over the ranks that average it
         data = [a for a in layout.names if (a == dp.axis or a in experts) and layout.size(a) > 1]
         others = [a for a in data if a not in experts]
-        what = "optimizer state" + (" and gradients" if dp.zero == 2 else "")
+        what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
+            dp.zero, "parameters, gradients and optimizer state"
+        )
         keeps = f"1/{math.prod(layout.size(a) for a in data)} of the dense parameters' {what} (over " + (
             f"{' x '.join(data)}), "
             + (

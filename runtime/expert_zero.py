@@ -11,15 +11,18 @@ no other rank holds a rank's experts, so their state stays whole on it (an engin
 group of one). The sets are `expert_data_parallel`'s; each is one `Zero` engine over its own
 parameters and group, and this object is the `Zero` the loop, checkpoints and export see.
 
-Stages 1 and 2: the engine of the parameters the compiled program's ZeRO nodes wait for
-(the dense ones) binds those nodes and overlaps its post-step all-gather with the next
-forward; the others wait for theirs in `step`. Stage 3 would gather an expert's weights over
-a group other than its layer's: not lowered (the experts pass refuses it).
+The compiler's ZeRO pass gives each layer a unit per group (`layers.0` over `dp x ep`,
+`layers.0+dp` for its experts), its nodes named by the group, and each engine binds its
+own: under stage 3 a layer's dense parameters and its experts' are gathered, each over
+their own ranks, before the layer and freed after; under stages 1/2 each group's post-step
+all-gather overlaps the next forward. Parameters no other rank holds (`experts over dp`)
+are in no unit: their engine, over this rank alone, keeps them whole (stage 2 at most).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -131,15 +134,14 @@ def expert_zero(
     those parameters over that set's group, from the group's first rank's values; every rank
     calls it. The engine of the parameters averaged over the most ranks (the dense ones) binds
     the compiled program's ZeRO nodes."""
-    if config.stage == 3:
-        raise ValueError("ZeRO-3 with expert parallelism is not lowered: use stage 1 or 2")
-    parts = averaged_over(module, axes)
     names = {id(p): n for n, p in module.named_parameters()}
-    widest = max(parts, key=lambda over: (len(over), over))
     engines = []
-    for over, params in parts.items():  # sorted: the same order on every rank
-        group = groups(over) or _own_group()
+    for over, params in averaged_over(module, axes).items():  # sorted: the same order on every rank
+        group = groups(over)
+        if group is None:  # no other rank holds them: stage 3 would gather from itself
+            group, config = _own_group(), dataclasses.replace(config, stage=min(config.stage, 2))
         broadcast_parameters(params, group)  # the same seeded model: make it exact
+        label = " x ".join(over)
         engines.append(
             Zero(
                 module,
@@ -150,9 +152,9 @@ def expert_zero(
                 weight_decay=weight_decay,
                 eps=eps,
                 decay=decay,
-                axis=" x ".join(over) or "(this rank)",
+                axis=label or "(this rank)",
                 only={names[id(p)] for p in params},
-                bind_nodes=over == widest,
+                node_axis=label,  # the compiler's ZeRO pass names each node's group alike
             )
         )
     return ExpertZero(engines)

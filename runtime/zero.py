@@ -135,7 +135,7 @@ class Zero:
         programs: Sequence[nn.Module] = (),
         alone: Collection[str] = (),
         only: Collection[str] | None = None,
-        bind_nodes: bool = True,
+        node_axis: str | None = None,
     ) -> None:
         self.module, self.group, self.config, self.axis = module, group, config, axis
         self.world = dist.get_world_size(group)
@@ -153,8 +153,8 @@ class Zero:
         # the program each is in: a pipeline rank runs several (its stages), each on its own
         self._programs = list(programs) or [module]
         self._nodes, self._program_of = [], []
-        for k, program in enumerate(self._programs if units is None and bind_nodes else []):
-            found = graph_units(program)
+        for k, program in enumerate(self._programs if units is None else []):
+            found = graph_units(program, node_axis)
             self._nodes += found
             self._program_of += [k] * len(found)
         aliases = dict(module.named_parameters(remove_duplicate=False))  # a tied param has two names
@@ -578,7 +578,7 @@ def shard_for_zero(
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
     only: Collection[str] | None = None,
-    bind_nodes: bool = True,
+    node_axis: str | None = None,
 ) -> Zero:
     """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
 
@@ -591,8 +591,9 @@ def shard_for_zero(
     `alone`: params that get a flat of their own (a weight tied across pipeline ranks, whose
     gradient pieces `own_grad_of` gives, the same elements on every rank holding a copy).
     `only`: the names of the params this engine shards (default: every trainable one), when
-    several engines share a module, each over its own group (`runtime/expert_zero.py`); one of
-    them binds the program's ZeRO nodes, the others (`bind_nodes=False`) wait in `step`.
+    several engines share a module, each over its own group (`runtime/expert_zero.py`), and
+    `node_axis` the group whose ZeRO nodes it binds (the compiler names each node's group:
+    `dp x ep` for a layer's dense params, `dp` for its experts'); None binds them all.
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
@@ -611,7 +612,7 @@ def shard_for_zero(
         programs=programs,
         alone=alone,
         only=only,
-        bind_nodes=bind_nodes,
+        node_axis=node_axis,
     )
 
 

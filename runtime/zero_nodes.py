@@ -96,9 +96,10 @@ class _Release(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def graph_units(module: nn.Module) -> list[tuple[ZeroGather, ZeroRelease | None]]:
+def graph_units(module: nn.Module, axis: str | None = None) -> list[tuple[ZeroGather, ZeroRelease | None]]:
     """The `ZeroGather` nodes a compiled program calls, in program order, each with the
-    `ZeroRelease` of the same layer (None where the layer stays gathered)."""
+    `ZeroRelease` of the same layer (None where the layer stays gathered); only those of the
+    group `axis` names, if given (under expert parallelism a layer has one per group)."""
     if not isinstance(module, fx.GraphModule):
         return []
     releases = {m.unit: m for m in module.modules() if isinstance(m, ZeroRelease)}
@@ -106,6 +107,6 @@ def graph_units(module: nn.Module) -> list[tuple[ZeroGather, ZeroRelease | None]
     for node in module.graph.nodes:
         if node.op == "call_module":
             target = module.get_submodule(str(node.target))
-            if isinstance(target, ZeroGather):
+            if isinstance(target, ZeroGather) and axis in (None, target.axis):
                 out.append((target, releases.get(target.unit)))
     return out

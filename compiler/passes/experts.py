@@ -398,19 +398,10 @@ def _sizes(
 
 
 def _compositions(plan: Plan) -> list[Diagnostic]:
-    """What expert parallelism does not compose with yet: ZeRO-3 and pipelines."""
+    """What expert parallelism does not compose with yet: pipelines."""
     out = []
     axes = ", ".join(f"`{r.axis}`" for r in plan.rules_of("experts"))
-    dp, p = plan.data_parallel, plan.pipeline
-    if dp is not None and dp.zero == 3:
-        out.append(
-            Diagnostic(
-                dp.spans.get("zero", dp.span),
-                f"ZeRO-3 with expert parallelism (experts over {axes}) is not lowered yet: an expert's "
-                "weights would be gathered over other ranks than its layer's",
-                hint="use `zero = 1` or `zero = 2` (optimizer state and gradients sharded) with `experts` rules",
-            )
-        )
+    p = plan.pipeline
     if p is not None:
         out.append(
             Diagnostic(

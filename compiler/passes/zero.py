@@ -67,7 +67,32 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     dp = ctx.plan.data_parallel
     if dp is None or dp.zero == 0 or ctx.layout.size(dp.axis) == 1:
         return gm
-    return shard_parameters(gm, ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}"))
+    spec = ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}")
+    return shard_parameters(gm, spec, groups=averaging_groups(ctx) if ctx.experts else None)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Under expert parallelism, each parameter's ZeRO group, named by the data axes that
+    average it as the runtime names its engines (`runtime/expert_zero.py`): the dense ones
+    `dp x ep`, an expert's `dp`, or "" where no other rank holds it (`experts over dp`)."""
+
+    dense: str
+    experts: dict[str, str]  # an expert parameter -> its group
+
+    def of(self, name: str) -> str:
+        return self.experts.get(name, self.dense)
+
+
+def averaging_groups(ctx: Context) -> Groups:
+    dp = ctx.plan.data_parallel
+    split = {e.axis for e in ctx.experts.values()}
+    layout = ctx.layout
+    data = [
+        a for a in layout.names if (a in split or (dp is not None and a == dp.axis)) and layout.size(a) > 1
+    ]
+    experts = {name: " x ".join(a for a in data if a != e.axis) for name, e in ctx.experts.items()}
+    return Groups(" x ".join(data), experts)
 
 
 PASS = Pass(
@@ -87,8 +112,14 @@ def unit_of(param: str) -> str:
     return ""
 
 
-def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
-    """Insert the units' gather (and, for ZeRO-3, release) nodes; see the module docstring."""
+def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | None = None) -> fx.GraphModule:
+    """Insert the units' gather (and, for ZeRO-3, release) nodes; see the module docstring.
+
+    `groups` (expert parallelism): each parameter's ZeRO group, where engines over different
+    ranks hold a layer's parameters (its dense ones over `dp x ep`, its experts' over `dp`): a
+    layer is then a unit per group, `layers.0` and `layers.0+dp`, whose nodes carry the group
+    as their axis (the engine of that group binds them). A parameter in group "" is sharded
+    over no other rank: it is in no unit."""
     graph = gm.graph
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
@@ -99,8 +130,16 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     _sink_parameter_nodes(graph, reads)
     order = {n: i for i, n in enumerate(graph.nodes)}
     units: dict[str, list[fx.Node]] = {}
+    group: dict[fx.Node, str] = {}  # a parameter read -> the group its unit's nodes name
     for node in reads:
-        units.setdefault(unit_of(str(node.target)), []).append(node)
+        unit, group[node] = unit_of(str(node.target)), spec.axis
+        if groups is not None:
+            group[node] = groups.of(str(node.target))
+            if not group[node]:
+                continue
+            if group[node] != groups.dense:
+                unit = f"{unit or 'root'}+{group[node].replace(' x ', '+')}"
+        units.setdefault(unit, []).append(node)
     unit_stage: dict[str, int | None] = dict.fromkeys(units)
     if pipeline:
         units, unit_stage = _per_stage(units)
@@ -110,16 +149,11 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
     for unit in by_start:
         params = units[unit]
         first, last = spans[unit]
-        name = _target("zero_gather", unit)
-        gm.add_submodule(name, ZeroGather(spec.axis, unit, [str(p.target) for p in params]))
+        name, axis = _target("zero_gather", unit), group[params[0]]
+        gm.add_submodule(name, ZeroGather(axis, unit, [str(p.target) for p in params]))
         with graph.inserting_before(first):
             gather = graph.call_module(name, tuple(params))
-        gather.meta[COLLECTIVE] = {
-            "kind": "zero_gather",
-            "axis": spec.axis,
-            "unit": unit,
-            "where": spec.where,
-        }
+        gather.meta[COLLECTIVE] = {"kind": "zero_gather", "axis": axis, "unit": unit, "where": spec.where}
         gather.meta[MODULE] = unit_of(str(params[0].target))  # `root@stage0` is the root's
         if unit_stage[unit] is not None:
             gather.meta[STAGE] = unit_stage[unit]
@@ -127,7 +161,7 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec) -> fx.GraphModule:
         # interleave (GPipe runs every forward first), so no unit can stay gathered from its
         # forward to its backward; the release's backward gathers it for each microbatch.
         if spec.stage == 3 and (pipeline or unit != last_released):
-            _release(gm, unit, gather, last, spec, in_stage=unit_stage[unit])
+            _release(gm, unit, gather, last, spec, axis, in_stage=unit_stage[unit])
     graph.lint()
     gm.recompile()
     return gm
@@ -251,7 +285,14 @@ def _span(params: list[fx.Node], order: dict[fx.Node, int], in_stage: int | None
 
 
 def _release(
-    gm: fx.GraphModule, unit: str, gather: fx.Node, last: fx.Node, spec: ZeroSpec, *, in_stage: int | None
+    gm: fx.GraphModule,
+    unit: str,
+    gather: fx.Node,
+    last: fx.Node,
+    spec: ZeroSpec,
+    axis: str,
+    *,
+    in_stage: int | None,
 ) -> None:
     """After `last`: pass every value made since `gather` and used later through a ZeroRelease.
 
@@ -278,14 +319,14 @@ def _release(
         return
     name = _target("zero_release", unit)
     position = next(i for i, n in enumerate(graph.nodes) if n is last)  # releases in graph order
-    gm.add_submodule(name, ZeroRelease(spec.axis, unit, position))
+    gm.add_submodule(name, ZeroRelease(axis, unit, position))
     with graph.inserting_after(last):
         release = graph.call_module(name, tuple(leaving))
     module = module_path(last) if in_stage is not None else unit
     release.meta[MODULE] = module
     if in_stage is not None:
         release.meta[STAGE] = in_stage
-    release.meta[COLLECTIVE] = {"kind": "zero_release", "axis": spec.axis, "unit": unit, "where": spec.where}
+    release.meta[COLLECTIVE] = {"kind": "zero_release", "axis": axis, "unit": unit, "where": spec.where}
     if len(leaving) == 1:
         release.meta["val"] = leaving[0].meta.get("val")
         outs = [release]
@@ -304,4 +345,4 @@ def _release(
 
 
 def _target(kind: str, unit: str) -> str:
-    return f"{kind}_{unit.replace('.', '_').replace('@', '_')}" if unit else f"{kind}_root"
+    return f"{kind}_{unit.replace('.', '_').replace('@', '_').replace('+', '_')}" if unit else f"{kind}_root"

@@ -8,6 +8,9 @@ own worker setup (`session.open_session`) on gloo processes, against the unparti
   optimizer step and each layer's node waits for its own flats; the ledger again.
 - ZeRO-3 on the example GPT, whose embedding and LM head are one tied parameter read under
   two names: it is gathered once, in the root unit.
+- ZeRO-3 under expert parallelism (dp=2 x ep=2, one layer checkpointed): a layer's dense
+  parameters gathered over all four ranks and its experts over the two holding them, each
+  by its own engine; the ledger again, summed over both.
 
 Each plan also trains like one device: `meshplan verify` against float64 and the yardstick. The
 facts above are read from the ranks of that same verify run (its worker is `meshplan verify`'s,
@@ -31,6 +34,7 @@ from meshplan.verify import Report
 pytestmark = pytest.mark.slow
 
 LLAMA, GPT = "meshplan.examples.models.llama:build", "meshplan.examples.models.gpt:build"
+MOE = "meshplan.examples.models.moe:build"
 PLANS = {  # name: (plan, world size, model)
     "zero3_tp": (
         plan(
@@ -43,6 +47,12 @@ PLANS = {  # name: (plan, world size, model)
     ),
     "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2, LLAMA),
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
+    "experts_zero3": (
+        "mesh dp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n"
+        "    layers.1: checkpoint\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n",
+        4,
+        MOE,
+    ),
 }
 STEPS, MICRO_BATCH, SEQ = 3, 2, 32
 
@@ -71,18 +81,22 @@ def worker(facts: str, rank: int, world_size: int, job):
     finally:
         meshplan.session.open_session = open_session  # the process runs the next plan's rank too
     zero = opened[0].dp
-    full_bytes = sum(f.full_nbytes() for f in zero.flats)
+    engines = getattr(zero, "engines", [zero])  # under expert parallelism, one per group
+    issued: Counter[tuple[str, int]] = Counter()
+    for c in zero.issued():
+        issued[c.op, c.bytes] += c.count
+    units = [u for e in engines for u in e.units]
     with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:
         pickle.dump(
             {
-                "issued": {(c.op, c.bytes): c.count for c in zero.issued()},
-                "units": [u.name for u in zero.units],
-                "peak_gathered": zero.peak_gathered,
-                "full_bytes": full_bytes,
+                "issued": dict(issued),
+                "units": [u.name for u in units],
+                "peak_gathered": sum(e.peak_gathered for e in engines),
+                "full_bytes": sum(f.full_nbytes() for e in engines for f in e.flats),
                 "layer_bytes": max(
-                    (sum(f.full_nbytes() for f in u.flats) for u in zero.units if u.name), default=0
+                    (sum(f.full_nbytes() for f in u.flats) for u in units if u.name), default=0
                 ),
-                "root_bytes": sum(sum(f.full_nbytes() for f in u.flats) for u in zero.units if not u.name),
+                "root_bytes": sum(sum(f.full_nbytes() for f in u.flats) for u in units if not u.name),
             },
             f,
         )
@@ -117,7 +131,7 @@ def run(request, tmp_path_factory) -> tuple[str, Report, dict, list[dict]]:
     )
     ledger: Counter[tuple[str, int]] = Counter()
     for row in compiled.ledger.rows:
-        if row.axis == "dp":
+        if row.kind.startswith("zero_"):  # over `dp`, or under experts `dp x ep` and `dp`
             ledger[row.op, row.bytes] += row.count
     facts = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     return name, report, dict(ledger), facts
@@ -147,3 +161,13 @@ def test_zero3_gathers_layer_by_layer(run) -> None:
         # the root (embedding + head) stays whole; at most two layers at once (one prefetched)
         assert r["peak_gathered"] <= r["root_bytes"] + 2 * r["layer_bytes"]
         assert r["peak_gathered"] < 0.75 * r["full_bytes"]
+
+
+def test_experts_and_dense_parameters_are_units_of_their_own_groups(run) -> None:
+    """Under `mesh dp=2, ep=2` a layer is two units: its dense parameters over dp x ep and its
+    experts over dp (`layers.0+dp`), each gathered by the engine of its group."""
+    name, _, _, results = run
+    if name != "experts_zero3":
+        pytest.skip("expert parallelism only")
+    for r in results:
+        assert r["units"] == ["layers.0+dp", "layers.1+dp", "", "layers.0", "layers.1"]  # engine, graph order

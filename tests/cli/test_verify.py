@@ -141,12 +141,20 @@ def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
             "cp=2, tp=2",
             "    model.layers.*.self_attn: context all_gather over cp\n",
         ),
+        ("factories.py:gpt_matmul_attention", "cp=2", "    h.*.attn: context ring over cp\n"),
+        (
+            "hf_factories.py:hf_llama_eager",
+            "cp=2, tp=2",
+            "    model.layers.*.self_attn: context ring over cp\n",
+        ),
+        ("hf_factories.py:hf_llama_eager", "cp=2", "    model.layers.*.self_attn: context ulysses over cp\n"),
     ],
 )
-def test_attention_written_with_matmuls_under_context_all_gather(tmp_path, factory, mesh, rules):
+def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, factory, mesh, rules):
     """nanoGPT's attention (a mask buffer, masked_fill) and Hugging Face's eager one (its own
-    causal mask added, kv heads repeated by expand + reshape, heads also cut over tp): the keys
-    and values are gathered at the matmuls, each rank's scores are its queries' rows."""
+    causal mask added, kv heads repeated by expand + reshape, heads also cut over tp). Under
+    all_gather the keys and values are gathered at the matmuls, each rank's scores are its
+    queries' rows; ring and Ulysses take the chain as the one sdpa call it computes."""
     pytest.importorskip("transformers")
     from plans import llama_rules, plan
 

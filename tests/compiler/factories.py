@@ -353,3 +353,29 @@ def gpt_matmul_attention():
     for block in model.h:
         block.attn = MatmulAttention(block.attn)
     return model
+
+
+class LearnedTemperatureAttention(MatmulAttention):
+    """`MatmulAttention` whose scores are scaled by a learned tensor, not a number: not the
+    attention `scaled_dot_product_attention` computes."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__(attention)
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * self.temperature
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(dim=-1)
+        return self.out_proj((att @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+def gpt_learned_temperature_attention():
+    torch.manual_seed(0)
+    model = gpt.build(num_hidden_layers=2)
+    for block in model.h:
+        block.attn = LearnedTemperatureAttention(block.attn)
+    return model

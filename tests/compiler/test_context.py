@@ -14,7 +14,7 @@ import torch
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
-from meshplan.compiler.meta import PLACEMENT, placement
+from meshplan.compiler.meta import COLLECTIVE, PLACEMENT, placement
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import llama
@@ -212,20 +212,35 @@ def test_a_batch_of_one_sequence_is_cut_by_sequence_too():
     assert flat and all(placement(n)["cp"] == Shard(0) for n in flat)
 
 
-def test_ring_and_ulysses_refuse_attention_written_with_matmuls():
-    """They replace a `scaled_dot_product_attention` call; written-out attention is all_gather's."""
+def test_ring_and_ulysses_take_attention_written_with_matmuls_as_one_sdpa():
+    """nanoGPT's attention (scores, a scale, masked_fill, softmax, @ v) is the sdpa call those
+    modes replace: ring attention takes the mask buffer's rows, Ulysses moves q, k, v by heads."""
     from meshplan.compiler.capture import load_model, with_token_shape
 
-    for mode in ("ring", "ulysses"):
+    source = with_token_shape(
+        load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
+    )
+    for mode, module in (("ring", "ring_attention"), ("ulysses", "all_to_all")):
         text = f"mesh cp=2\n\nmodules {{\n    h.*.attn: context {mode} over cp\n}}\n"
-        source = with_token_shape(
-            load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
-        )
-        with pytest.raises(PlanError) as e:
-            compile_plan(check_text(text, "p.plan"), source)
-        rendered = e.value.render()
-        assert f"is attention written with matmuls: `context {mode}` replaces" in rendered, rendered
-        assert "hint: use `context all_gather` for this module" in rendered
+        compiled = compile_plan(check_text(text, "p.plan"), source)
+        graph = compiled.graph.graph
+        assert not [n for n in graph.nodes if n.target is torch.ops.aten.matmul.default]
+        kinds = [n.meta[COLLECTIVE]["kind"] for n in graph.nodes if COLLECTIVE in n.meta]
+        assert kinds.count(module) >= 2, kinds  # one per layer at least
+
+
+def test_attention_in_matmuls_that_is_not_sdpa_is_refused_under_ring():
+    """A learned temperature (a tensor, not a number) is not what sdpa computes: refused, located."""
+    from meshplan.compiler.capture import load_model, with_token_shape
+
+    factory = f"{Path(__file__).parent}/factories.py:gpt_learned_temperature_attention"
+    source = with_token_shape(load_model(factory), seq=16)
+    text = "mesh cp=2\n\nmodules {\n    h.*.attn: context ring over cp\n}\n"
+    with pytest.raises(PlanError) as e:
+        compile_plan(check_text(text, "p.plan"), source)
+    rendered = e.value.render()
+    assert "is attention written with matmuls in a form `context ring` does not recognize" in rendered
+    assert "hint: use `context all_gather` for this module" in rendered
 
 
 def test_hugging_face_eager_attention_gathers_its_key_value_heads_unrepeated():

@@ -42,6 +42,7 @@ from meshplan.dsl.errors import Diagnostic
 
 from .. import Context, Pass
 from . import attention, linear, pointwise, shapes  # noqa: F401  (each registers its op rules)
+from .matmul_attention import attention_as_sdpa
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
 from .walk import Walk
 
@@ -50,6 +51,8 @@ __all__ = ["PASS", "ParamPlacement", "TensorParallelError", "TensorParallelSpec"
 
 def tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec) -> tuple[fx.GraphModule, list[Diagnostic]]:
     """Annotate placements, insert collectives, rewrite local shapes. Returns warnings and errors."""
+    if spec.context_modules:  # ring and Ulysses replace an sdpa call: attention in matmuls becomes one
+        attention_as_sdpa(gm, spec.context_modules)
     walk = Walk(gm, spec)
     walk.run()
     gm.graph.lint()

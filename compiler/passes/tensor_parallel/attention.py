@@ -293,15 +293,17 @@ def _context_matmul(w: Walk, node: fx.Node, a: fx.Node, b: fx.Node) -> None:
 
     Key/value heads the model repeats for GQA (`repeat_interleave`, or Hugging Face's expand +
     reshape, which capture writes as one) are gathered before the repeat. A mask of the
-    model's own meets the scores' rows as this rank's rows of it. Ring and
-    Ulysses need the attention as one op (`scaled_dot_product_attention`), which they replace."""
+    model's own meets the scores' rows as this rank's rows of it. Ring and Ulysses replace
+    one `scaled_dot_product_attention` call: attention in matmuls reaches them as one
+    (`matmul_attention.py`), unless it is written in a way that rewrite does not recognize."""
     rule = w.rule_for_module(node)  # a context axis's sequence modules are its context rules'
     mode = rule.action.mode  # type: ignore[union-attr]
     if mode != "all_gather":
         w.error(
             node,
-            f"{describe(node)} is attention written with matmuls: `context {mode}` replaces a "
-            "`scaled_dot_product_attention` call, which this module does not make",
+            f"{describe(node)} is attention written with matmuls in a form `context {mode}` does not "
+            "recognize as one attention: (q @ k.transpose(-2, -1)) times or over a number, plus a mask "
+            "or masked_fill(-inf), softmax over the last dim, @ v, each step read by the next only",
             hint="use `context all_gather` for this module, or write its attention with "
             "torch.nn.functional.scaled_dot_product_attention (Hugging Face models: "
             'attn_implementation="sdpa")',

@@ -23,6 +23,12 @@ How it works (the design of PyTorch's DDP, written out so the collectives are vi
 - `finish()` launches whatever backward did not (a parameter that got no gradient on
   this step contributes zeros), waits, divides by the group size and writes the average
   back into `.grad`.
+- Gradients live in the buckets (DDP's `gradient_as_bucket_view`): each bucket is one
+  buffer, and a parameter's `.grad` becomes a view of its slice once backward has made it
+  (later micro-steps accumulate into it in place). The all-reduce runs on the buffer and
+  the average is written in place: no copy in, none out, and no second copy of the
+  gradients alive. Under a reduce dtype other than the gradients' (`reduce = bf16` on fp32
+  gradients) the bucket is converted into a flat of that dtype and back, as before.
 
 Rank arithmetic: the group is the mesh's dp axis. With `mesh dp=2, tp=2` (last axis
 fastest) ranks 0 and 2 hold tp shard 0 and form dp group {0, 2}; ranks 1 and 3 form
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -62,6 +68,9 @@ class Bucket:
     ready: int = 0  # parameters whose gradient is accumulated this step
     work: dist.Work | None = None
     flat: Tensor | None = None  # (sum of numels,) the buffer being reduced
+    # the gradients themselves, each param's `.grad` a view of its slice (None: another reduce dtype)
+    buffer: Tensor | None = None
+    views: list[Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,12 @@ class DataParallel(nn.Module):
         broadcast_parameters(params, group)
         self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._view_of = {
+            id(p): v
+            for b in self.buckets
+            if b.buffer is not None
+            for p, v in zip(b.params, b.views, strict=True)
+        }
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def forward(self, *args, **kwargs):
@@ -140,7 +155,9 @@ class DataParallel(nn.Module):
             where = f"bucket {bucket.index + 1} of {len(self.buckets)}, {watchdog.size_text(bucket.nbytes)}"
             watchdog.note("all_reduce", self.axis, where, self.group)
             bucket.work.wait()
-            _unflatten_into_grads(bucket.flat.div_(self.world), bucket.params)
+            bucket.flat.div_(self.world)
+            if bucket.buffer is None:
+                _unflatten_into_grads(bucket.flat, bucket.params)
             bucket.work, bucket.flat, bucket.ready = None, None, 0
         self._next = 0
 
@@ -153,9 +170,11 @@ class DataParallel(nn.Module):
         scale_param_grads_(self.params, factor)
 
     def _on_grad(self, param: Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        if bucket.buffer is not None:
+            _into_view(param, self._view_of[id(param)])
         if not self._sync or id(param) in self._late:
             return
-        bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         # launch every consecutive ready bucket: same order on every rank
         while self._next < len(self.buckets):
@@ -165,7 +184,16 @@ class DataParallel(nn.Module):
             self._launch(head)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.flat = _flatten_grads(bucket.params, self.reduce_dtype)
+        if bucket.buffer is not None:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is None:  # no gradient this step: it contributes zeros
+                    view.zero_()
+                    p.grad = view
+                else:
+                    _into_view(p, view)  # a late param's, made while its hook was quiet
+            bucket.flat = bucket.buffer
+        else:
+            bucket.flat = _flatten_grads(bucket.params, self.reduce_dtype)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         self.launches.append(Launch(bucket.index, bucket.nbytes, during_backward=not self._in_finish))
         self._next += 1
@@ -187,9 +215,25 @@ def _unique_trainable(module: nn.Module) -> list[nn.Parameter]:
 def _make_buckets(
     params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None
 ) -> list[Bucket]:
-    return [
-        Bucket(i, ps, nbytes) for i, (ps, nbytes) in enumerate(dp_buckets(params, bucket_bytes, reduce_dtype))
-    ]
+    buckets = []
+    for i, (ps, nbytes) in enumerate(dp_buckets(params, bucket_bytes, reduce_dtype)):
+        bucket = Bucket(i, ps, nbytes)
+        dtype, device = ps[0].dtype, ps[0].device
+        if reduce_dtype in (None, dtype) and all(p.dtype == dtype and p.device == device for p in ps):
+            bucket.buffer = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            pieces = bucket.buffer.split([p.numel() for p in ps])
+            bucket.views = [piece.view_as(p) for piece, p in zip(pieces, ps, strict=True)]
+        buckets.append(bucket)
+    return buckets
+
+
+def _into_view(param: Tensor, view: Tensor) -> None:
+    """Make `param.grad` the bucket's view of it (a copy once per step; autograd then adds the
+    next micro-steps' gradients into it in place)."""
+    grad = param.grad
+    if grad is not None and grad.data_ptr() != view.data_ptr():
+        view.copy_(grad)
+        param.grad = view
 
 
 def _flatten_grads(params: list[Tensor], dtype: torch.dtype | None) -> Tensor:

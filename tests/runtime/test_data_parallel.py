@@ -6,7 +6,8 @@ One spawn runs everything (process start-up is the expensive part on 2 cores). E
   torch loop: AdamW, the same LR schedule, `clip_grad_norm_`);
 - trains it with `DataParallel` over 2 ranks, 4 sequences each (1 micro-step);
 - trains it with `DataParallel` over 2 ranks, 1 sequence per micro-step, 4 micro-steps
-  (gradient accumulation: sync only on the last micro-step).
+  (gradient accumulation: sync only on the last micro-step);
+- and with the gradients reduced in bf16 (converted, not reduced in place).
 
 All three see the same 8 windows per step (`TextBatches` is layout independent), so
 losses and parameters must agree to float32 rounding after 3 AdamW steps.
@@ -69,13 +70,19 @@ def reference(tokens: torch.Tensor, cfg: TrainConfig) -> tuple[list[float], dict
     return losses, arrays(model)
 
 
-def data_parallel_run(rank: int, tokens: torch.Tensor, cfg: TrainConfig, micro_batch: int) -> dict:
+def data_parallel_run(
+    rank: int,
+    tokens: torch.Tensor,
+    cfg: TrainConfig,
+    micro_batch: int,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict:
     model = small_model()
     if rank == 1:  # a different start on rank 1: the wrap-time broadcast must make them equal
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    dp = DataParallel(model, dist.group.WORLD, bucket_bytes=BUCKET_BYTES)
+    dp = DataParallel(model, dist.group.WORLD, bucket_bytes=BUCKET_BYTES, reduce_dtype=reduce_dtype)
     batches = TextBatches(
         tokens,
         batch=micro_batch,
@@ -94,12 +101,17 @@ def data_parallel_run(rank: int, tokens: torch.Tensor, cfg: TrainConfig, micro_b
         sync=dp,
         show_progress=False,
     )
+    params, launches = arrays(model), list(dp.launches)
+    dp(*batches(0)).backward()  # one more backward: where do the gradients live?
+    dp.finish()
+    storages = {b.buffer.untyped_storage().data_ptr() for b in dp.buckets if b.buffer is not None}
     return {
         "losses": summary.losses,
-        "params": arrays(model),
-        "launches": dp.launches,
+        "params": params,
+        "launches": launches,
         "num_buckets": len(dp.buckets),
         "ledger": dp.ledger(),
+        "grads_in_buckets": all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters()),
     }
 
 
@@ -108,7 +120,10 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     ref_losses, ref_params = reference(tokens, config(tmp, "ref", 1))
     plain = data_parallel_run(rank, tokens, config(tmp, "dp", 1), micro_batch=GLOBAL_BATCH // 2)
     accumulated = data_parallel_run(rank, tokens, config(tmp, "acc", 4), micro_batch=GLOBAL_BATCH // 8)
-    return {"ref_losses": ref_losses, "ref_params": ref_params, "dp": plain, "acc": accumulated}
+    bf16 = data_parallel_run(
+        rank, tokens, config(tmp, "bf16", 1), micro_batch=GLOBAL_BATCH // 2, reduce_dtype=torch.bfloat16
+    )
+    return {"ref_losses": ref_losses, "ref_params": ref_params, "dp": plain, "acc": accumulated, "bf16": bf16}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +144,16 @@ def test_matches_one_device(results: list[dict], case: str) -> None:
             assert abs(loss - ref) / abs(ref) < 1e-5, (case, run["losses"], r["ref_losses"])
         worst = max(rel(run["params"][n], p) for n, p in r["ref_params"].items())
         assert worst < 1e-5, (case, worst)
+
+
+def test_gradients_live_in_the_buckets(results: list[dict]) -> None:
+    """Reduced in their own dtype, the gradients are views of the buckets (no copy in or out);
+    reduced in bf16 they are converted, and train like one device to bf16's rounding."""
+    for r in results:
+        assert r["dp"]["grads_in_buckets"] and r["acc"]["grads_in_buckets"]
+        assert not r["bf16"]["grads_in_buckets"]
+        for loss, ref in zip(r["bf16"]["losses"], r["ref_losses"], strict=True):
+            assert abs(loss - ref) / abs(ref) < 1e-2, (r["bf16"]["losses"], r["ref_losses"])
 
 
 def test_replicas_stay_identical(results: list[dict]) -> None:

@@ -165,12 +165,19 @@ def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, fact
 
 
 @pytest.mark.slow
-def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path):
+@pytest.mark.parametrize(
+    ("mesh", "extra"), [("ep=2", ""), ("dp=2, ep=2", "\ndata_parallel over dp {\n    zero = 3\n}\n")]
+)
+def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path, mesh, extra):
     """Mixtral's experts split over 2 ranks (tokens dispatched and combined by all-to-all), its
     load-balancing loss in the loss: each data rank's over its own tokens, as one device computes
-    it for each micro-batch; experts in the eager loop, so the reference is float64."""
+    it for each micro-batch; experts in the eager loop, so the reference is float64. Under ZeRO-3
+    on dp=2 x ep=2, each layer's dense weights are gathered over all four ranks and its experts'
+    over the two holding them."""
     pytest.importorskip("transformers")
-    text = "mesh ep=2\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
+    text = (
+        f"mesh {mesh}\n\nmodules {{\n    model.layers.*.mlp.experts: experts over ep (top_k=2)\n}}\n{extra}"
+    )
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_mixtral_aux", steps=2))
 
 

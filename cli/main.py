@@ -481,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=4.0,
         help="how many times the one-device run's own rounding the partitioned program may be off (default 4)",
     )
+    p.add_argument(
+        "--between-steps",
+        metavar="SPEC",
+        help="FILE.py:function called with the model after each step, as for `run` (all three trainings)",
+    )
 
     from meshplan.run import add_arguments, cmd_run
 

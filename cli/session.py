@@ -215,7 +215,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         pipeline_group,
         stages.metrics if stages is not None else _expert_metrics(program, axes) if experts else None,
         stages.sum_tied_grads if stages is not None and stages.tied else None,
-        _between_steps(args.between_steps, program, source.model, axes) if args.between_steps else None,
+        between_steps_hook(args.between_steps, program, source.model, axes) if args.between_steps else None,
     )
 
 
@@ -288,7 +288,9 @@ def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[st
     return metrics
 
 
-def _between_steps(spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes) -> Callable[[], None]:
+def between_steps_hook(
+    spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes
+) -> Callable[[], None]:
     """`--between-steps FILE.py:update`: after each optimizer step, `update(model)` on the
     user's own model object, its buffers this rank's. The buffers the program writes while it
     runs (a router's token counts) are statistics of this rank's tokens: they are summed over

@@ -69,6 +69,7 @@ class Job:
     out: str
     microbatches: int = 1  # a pipeline's micro-step: this many batches of `batch` sequences
     program: str = ""  # the compiled program every rank loads (`meshplan run --program`)
+    between_steps: str = ""  # `run --between-steps`: the model's update after each step
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def _rank(rank: int, world_size: int, job: Job):
             "--seed", str(job.seed),
             "--out", str(Path(job.out) / "partitioned"),
             *(("--program", job.program) if job.program else ()),
+            *(("--between-steps", job.between_steps) if job.between_steps else ()),
         ]
     )  # fmt: skip
     prepared = open_session(args, rank, world_size)
@@ -186,8 +188,11 @@ def _rank(rank: int, world_size: int, job: Job):
 # ---------------------------------------------------------------------------- the unpartitioned runs
 
 
-def _train_one_device(model, loss_of, job: Job, config, dp_size: int, name: str) -> Trajectory:
-    """`model` trained by `runtime.train.train` on one process, on every rank's micro-batches."""
+def _train_one_device(
+    model, loss_of, job: Job, config, dp_size: int, name: str, between_steps: Callable | None = None
+) -> Trajectory:
+    """`model` trained by `runtime.train.train` on one process, on every rank's micro-batches;
+    `between_steps()` after each step (the model's own update, `--between-steps`)."""
     from meshplan.runtime.train import train
 
     one = replace(
@@ -197,7 +202,7 @@ def _train_one_device(model, loss_of, job: Job, config, dp_size: int, name: str)
         save_every=0,
     )
     batches = whole_job_batches(job, dp_size=dp_size, accumulation=config.accumulation)
-    summary = train(model, loss_of, batches, one, show_progress=False)
+    summary = train(model, loss_of, batches, one, show_progress=False, between_steps=between_steps)
     return Trajectory(summary.losses, summary.grad_norms, _named_weights(model))
 
 
@@ -352,13 +357,14 @@ def verify(
     tolerance: float = 4.0,
     timeout_s: float = 900.0,
     worker: Callable = _rank,
+    between_steps: str = "",
 ) -> Report:
     """Check, compile, train the three ways, compare. Plan and model mistakes raise `PlanError`
     or `CompileError` (located, before any process starts). `worker(rank, world_size, job)`
     trains one rank (tests pass a broken one to see verify fail)."""
     import torch
 
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import load_function, load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
     from meshplan.compiler.passes.experts import capacity_applied
@@ -366,8 +372,9 @@ def verify(
     from meshplan.compiler.passes.router_loss import z_loss_applied, z_loss_units
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
+    from meshplan.runtime.axes import Axes
     from meshplan.runtime.launch import spawn
-    from meshplan.session import check_supported, pipeline_microbatches
+    from meshplan.session import between_steps_hook, check_supported, pipeline_microbatches
 
     plan = load_plan(plan_path, world_size=world_size)
     world = plan.mesh.world_size
@@ -376,6 +383,8 @@ def verify(
     check_supported(plan)
     torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
     source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
+    if between_steps:  # a missing function is said before any process starts
+        load_function(between_steps, "--between-steps")
     compiled = compile_plan(plan, source, world_size=world)  # every refusal, before processes start
     draws = random_draws(compiled.graph)
     if draws:
@@ -396,29 +405,54 @@ def verify(
         program = Path(out) / PROGRAM
         save_executable(to_executable(compiled), program)
         job = Job(
-            plan_path, model_spec, steps, batch, seq, lr, grad_clip, seed, vocab, out, micro, str(program)
+            plan_path,
+            model_spec,
+            steps,
+            batch,
+            seq,
+            lr,
+            grad_clip,
+            seed,
+            vocab,
+            out,
+            micro,
+            str(program),
+            between_steps,
         )
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
 
-        def one_device(model, loss_of, name):
-            return _train_one_device(model, loss_of, job, config, dp_size, name)
+        def one_device(model, loss_of, name, update=None):
+            return _train_one_device(model, loss_of, job, config, dp_size, name, update)
 
         float64 = cast_floating(copy.deepcopy(source.model), torch.float64)
         yard_source = replace(source, model=copy.deepcopy(source.model))
         program, yard_loss = _one_device_program(plan, yard_source)
-        start = _named_weights(program)
-        yardstick = one_device(program, yard_loss, "yardstick")
+        # the model's update between steps, on the program's buffers (one device: nothing to sum)
+        update = (
+            between_steps_hook(between_steps, program, yard_source.model, Axes()) if between_steps else None
+        )
+        start, buffers = _named_weights(program), {n: b.clone() for n, b in program.named_buffers()}
+        yardstick = one_device(program, yard_loss, "yardstick", update)
         _fill_tied(yardstick.weights, source.model)
         _one_rounding_away(program, start, seed)  # a second sample of rounding, for each tensor
-        spread = one_device(program, yard_loss, "yardstick-perturbed")
+        with torch.no_grad():  # from the same buffers (token counts, an expert bias)
+            for name, b in program.named_buffers():
+                b.copy_(buffers[name])
+        spread = one_device(program, yard_loss, "yardstick-perturbed", update)
         _fill_tied(spread.weights, source.model)
         try:
             # the model as the plan's capacity rules make it drop (the yardstick's unit drops
             # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them
             eager = _eager_loss(float64, source, torch.float64)
+            own = load_function(between_steps, "--between-steps") if between_steps else None
             with capacity_applied(plan, float64), z_loss_applied(z_loss_units(compiled.graph), float64) as z:
-                reference = one_device(float64, lambda ids, labels: eager(ids, labels) + z(), "reference")
+                reference = one_device(
+                    float64,
+                    lambda ids, labels: eager(ids, labels) + z(),
+                    "reference",
+                    (lambda: own(float64)) if own is not None else None,
+                )
             why_not = ""
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]
@@ -535,6 +569,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         lr=args.lr,
         grad_clip=args.grad_clip,
         tolerance=args.tolerance,
+        between_steps=args.between_steps or "",
     )
     print(render(report))
     return EXIT_OK if report.ok else EXIT_MISMATCH

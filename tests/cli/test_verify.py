@@ -182,6 +182,22 @@ def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path, mesh, extra):
 
 
 @pytest.mark.slow
+def test_aux_loss_free_balancing_under_zero_2(tmp_path):
+    """`--between-steps`: the model's expert-bias update runs after every step of all three
+    trainings; the partitioned one sums the token counts of the 4 data ranks first (without the
+    sum its routing drifts from one device's by the second step: losses off by 1e-3)."""
+    text = (
+        "mesh dp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n\n"
+        "data_parallel over dp {\n    zero = 2\n}\n"
+    )
+    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
+    report = verify(
+        write(tmp_path, text), f"{factory}:build", steps=3, between_steps=f"{factory}:update_bias"
+    )
+    assert_ok(report)
+
+
+@pytest.mark.slow
 def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
     """dp=2 x ep=2 with `capacity_factor=1.0`: each expert takes at most ceil(64 x 2 / 4) = 32
     pairs of a rank's 64 tokens, the rest are dropped. The float64 reference drops the same

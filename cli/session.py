@@ -155,7 +155,11 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_rank = coords[dp_axis] if dp_axis else 0
     if experts:  # the expert axes split the batch too: data parallel for all but the experts
         axes = dataclasses.replace(axes, data=tuple(a for a in layout.names if a in {*axes.data, *experts}))
-        dp = _expert_data_parallel(args, program, axes, layout, mesh, plan)
+        from meshplan.runtime.expert_zero import ExpertZero
+
+        dp = _expert_data_parallel(args, program, axes, layout, mesh, plan, stages)
+        if stages is not None and isinstance(dp, ExpertZero):
+            stages.zero = dp  # a tied weight's gradient is summed piece by piece
         dp_rank = axes.data_rank
     dp_size = axes.data_size
     microbatches = pipeline_microbatches(plan, layout)
@@ -213,18 +217,29 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         forward_backward,
         microbatches,
         pipeline_group,
-        stages.metrics if stages is not None else _expert_metrics(program, axes) if experts else None,
+        _step_metrics(
+            stages.metrics if stages is not None else None,
+            _expert_metrics(list(stages.stages.values()) if stages else [program], axes) if experts else None,
+        ),
         stages.sum_tied_grads if stages is not None and stages.tied else None,
         between_steps_hook(args.between_steps, program, source.model, axes) if args.between_steps else None,
     )
 
 
 def _expert_data_parallel(
-    args: argparse.Namespace, program: fx.GraphModule, axes: Axes, layout, mesh, plan: Plan
+    args: argparse.Namespace,
+    program: fx.GraphModule,
+    axes: Axes,
+    layout,
+    mesh,
+    plan: Plan,
+    stages: _PipelineRank | None,
 ) -> ExpertDataParallel | ExpertZero:
     """Gradient averaging under expert parallelism (`runtime/experts.py`): each parameter over
     the data axes that do not shard it, in buckets of the plan's size; under ZeRO, each
-    parameter's training state sharded over those axes (`runtime/expert_zero.py`)."""
+    parameter's training state sharded over those axes (`runtime/expert_zero.py`). Under a
+    pipeline `program` holds the rank's parameters and its stage programs run them (as for
+    `_shard_for_zero`)."""
     import torch
 
     from meshplan.runtime.buckets import decays
@@ -246,6 +261,8 @@ def _expert_data_parallel(
             betas=TrainConfig.betas,
             weight_decay=args.weight_decay,
             decay=decays,
+            programs=[stages.stages[s] for s in sorted(stages.stages)] if stages is not None else [],
+            alone=sorted(stages.tied) if stages is not None else [],
         )
     return expert_data_parallel(
         program,
@@ -253,19 +270,29 @@ def _expert_data_parallel(
         groups,
         bucket_bytes=dp_spec.bucket_bytes if dp_spec is not None else 25_000_000,
         reduce_dtype=reduce_dtype,
+        late=[program.get_parameter(n) for n in stages.shared_here] if stages is not None else (),
     )
 
 
-def _expert_metrics(program: fx.GraphModule, axes: Axes) -> Callable[[], dict[str, Any]]:
+def _step_metrics(*sources: Callable[[], dict[str, Any]] | None) -> Callable[[], dict[str, Any]] | None:
+    """The facts of each source, in one record (None without any)."""
+    present = [m for m in sources if m is not None]
+    if not present:
+        return None
+    return lambda: {k: v for m in present for k, v in m().items()}
+
+
+def _expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], dict[str, Any]]:
     """Each step's expert load: the (token, slot) pairs routed to each expert of each MoE
     layer over the whole job, and its overload factor (the most loaded expert-parallel rank's
     pairs over the balanced share); under a capacity, `dropped`: those of them each expert
-    had no room for. One all-reduce of the counts per data axis."""
+    had no room for. One all-reduce of the counts per data axis. Under a pipeline, the layers
+    of this rank's stages (`programs`)."""
     import torch
 
     from meshplan.runtime.experts import ExpertParallel
 
-    units = [m for m in program.modules() if isinstance(m, ExpertParallel)]
+    units = [m for program in programs for m in program.modules() if isinstance(m, ExpertParallel)]
 
     def metrics() -> dict[str, Any]:
         if not units:
@@ -362,7 +389,7 @@ class _PipelineRank:
     # complete only after both stages' last backwards
     shared_here: frozenset[str] = frozenset()
     step: Any = None  # the PipelineStep, once `forward_backward` made it
-    zero: Zero | None = None  # the ZeRO engine of this rank's parameters, if any
+    zero: Zero | ExpertZero | None = None  # the ZeRO engine of this rank's parameters, if any
 
     @property
     def copies(self) -> frozenset[str]:

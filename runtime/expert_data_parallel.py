@@ -110,9 +110,10 @@ def expert_data_parallel(
     *,
     bucket_bytes: int = 25_000_000,
     reduce_dtype: torch.dtype | None = None,
+    late: Collection[nn.Parameter] = (),
 ) -> ExpertDataParallel:
     """One engine per set of data axes a parameter is averaged over (`averaged_over`);
-    `groups(axes)` is the process group of those axes together."""
+    `groups(axes)` is the process group of those axes together. `late`: `DataParallel`'s."""
     engines: list[DataParallel | LocalParams] = []
     for over, params in averaged_over(module, axes).items():
         group = groups(over)
@@ -127,6 +128,7 @@ def expert_data_parallel(
                 reduce_dtype=reduce_dtype,
                 axis=" x ".join(over),
                 params=params,
+                late=[p for p in late if any(p is q for q in params)],
             )
         )
     return ExpertDataParallel(engines)

@@ -91,6 +91,14 @@ class ExpertZero:
     def issued(self) -> list[Collective]:
         return [c for e in self.engines for c in e.issued()]
 
+    def own_grad_of(self, name: str) -> Tensor:
+        """`Zero.own_grad_of`, from the engine holding `name` (a tied weight: a dense one)."""
+        return next(e for e in self.engines if e.holds_alone(name)).own_grad_of(name)
+
+    def shard_numel(self, numel: int) -> int:
+        """`Zero.shard_numel` of the dense parameters' engine (the widest group): a tied weight's."""
+        return max(self.engines, key=lambda e: e.world).shard_numel(numel)
+
     def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
         """`Zero.full_state` of every engine, one dict: the engines own disjoint names."""
         values: dict[str, Tensor] = {}
@@ -129,32 +137,37 @@ def expert_zero(
     weight_decay: float,
     eps: float = 1e-8,
     decay: Callable[[str, nn.Parameter], bool] | None = None,
+    programs: Sequence[nn.Module] = (),
+    alone: Collection[str] = (),
 ) -> ExpertZero:
     """One `Zero` per set of data axes a parameter is averaged over (`averaged_over`), sharding
     those parameters over that set's group, from the group's first rank's values; every rank
     calls it. The engine of the parameters averaged over the most ranks (the dense ones) binds
-    the compiled program's ZeRO nodes."""
+    the compiled program's ZeRO nodes. `programs` and `alone`: `shard_for_zero`'s (a pipeline
+    rank's stage programs, the weights tied across pipeline ranks)."""
     names = {id(p): n for n, p in module.named_parameters()}
     engines = []
     for over, params in averaged_over(module, axes).items():  # sorted: the same order on every rank
-        group = groups(over)
+        group, settings = groups(over), config
         if group is None:  # no other rank holds them: stage 3 would gather from itself
-            group, config = _own_group(), dataclasses.replace(config, stage=min(config.stage, 2))
+            group, settings = _own_group(), dataclasses.replace(config, stage=min(config.stage, 2))
         broadcast_parameters(params, group)  # the same seeded model: make it exact
-        label = " x ".join(over)
+        label, mine = " x ".join(over), {names[id(p)] for p in params}
         engines.append(
             Zero(
                 module,
                 group,
-                config,
+                settings,
                 lr=lr,
                 betas=betas,
                 weight_decay=weight_decay,
                 eps=eps,
                 decay=decay,
                 axis=label or "(this rank)",
-                only={names[id(p)] for p in params},
+                only=mine,
                 node_axis=label,  # the compiler's ZeRO pass names each node's group alike
+                programs=programs,
+                alone=[n for n in alone if n in mine],
             )
         )
     return ExpertZero(engines)

@@ -300,6 +300,10 @@ class Zero:
         assert grad is not None, f"{name} has no gradient this step"
         return grad
 
+    def holds_alone(self, name: str) -> bool:
+        """Whether parameter `name` has a flat of its own here (`alone`)."""
+        return name in self._alone
+
     def shard_numel(self, numel: int) -> int:
         """S: the elements of a flat of `numel` elements each rank of the group owns."""
         return math.ceil(numel / self.world)

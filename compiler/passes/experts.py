@@ -206,7 +206,7 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         return gm
     governed = {p: r for p, r in expert_modules(plan, model).items() if r.axis is not None}
     markers = {str(node.args[4]): node for node in gm.graph.nodes if node.target is MARKER}
-    ctx.diagnostics += _sizes(plan, model, governed, markers) + _compositions(plan)
+    ctx.diagnostics += _sizes(plan, model, governed, markers)
     modules = dict(model.named_modules())
     for path, rule in governed.items():
         assert rule.axis is not None
@@ -394,22 +394,6 @@ def _sizes(
                             hint=f"routing is the model's: write top_k={k}, or leave top_k out",
                         )
                     )
-    return out
-
-
-def _compositions(plan: Plan) -> list[Diagnostic]:
-    """What expert parallelism does not compose with yet: pipelines."""
-    out = []
-    axes = ", ".join(f"`{r.axis}`" for r in plan.rules_of("experts"))
-    p = plan.pipeline
-    if p is not None:
-        out.append(
-            Diagnostic(
-                p.span,
-                f"a pipeline with expert parallelism (experts over {axes}) is not lowered yet",
-                hint="remove the `pipeline` block or the `experts` rules",
-            )
-        )
     return out
 
 

@@ -82,17 +82,25 @@ def test_experts_over_ep_train_like_one_process(tmp_path: Path, one_process: lis
         assert all(sum(unit["tokens"]) == 8 * SEQ * 2 and unit["overload"] >= 1.0 for unit in load.values())
 
 
-def test_experts_over_the_only_data_axis_under_zero_1(tmp_path: Path, one_process: list[dict]) -> None:
-    """`mesh dp=2`, experts over dp: the dense state in halves, each rank's experts' state whole."""
+@pytest.mark.parametrize("zero", [1, 3])
+def test_experts_over_the_only_data_axis_under_zero(
+    tmp_path: Path, one_process: list[dict], zero: int
+) -> None:
+    """`mesh dp=2`, experts over dp: the dense state in halves, each rank's experts' state whole
+    (and under ZeRO-3 the dense parameters in halves too, each rank's experts whole)."""
     plan = (
         "mesh dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp\n}\n\n"
-        "data_parallel over dp {\n    zero = 1\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+        f"data_parallel over dp {{\n    zero = {zero}\n}}\n\ntrain {{\n    gradient_accumulation = 2\n}}\n"
     )
     got = run(tmp_path, "ep_dp", plan, batch=2)
     same_training(got, one_process)
     # half the dense params' state, and the whole state of half the experts
-    want = ADAM_BYTES * model_params() / 2
-    assert all(r["zero_memory"]["optimizer"] == pytest.approx(want, rel=0.01) for r in got)
+    n = model_params()
+    assert [r["zero_memory"]["optimizer"] for r in got] == pytest.approx(
+        [ADAM_BYTES * n / 2] * STEPS, rel=0.01
+    )
+    if zero == 3:
+        assert [r["zero_memory"]["params"] for r in got] == pytest.approx([4 * n / 2] * STEPS, rel=0.01)
 
 
 def model_params() -> int:

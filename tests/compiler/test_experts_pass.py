@@ -203,9 +203,14 @@ def test_top_k_is_the_models_own():
     )
 
 
-def test_a_pipeline_with_experts_is_refused():
+def test_a_pipeline_runs_each_layers_experts_in_its_stage():
+    """pp=2 x ep=2 on the 2-layer model: layer 0's unit in stage 0, layer 1's in stage 1 (each
+    stage program dispatches over `ep` itself; trained in tests/cli/test_verify.py)."""
+    from meshplan.compiler.meta import stage
+
     text = f"mesh pp=2, ep=2\n\n{EXPERTS}\npipeline over pp {{\n    schedule = gpipe\n}}\n"
-    assert "a pipeline with expert parallelism (experts over `ep`) is not lowered yet" in _errors(text)
+    units = [n for n in _compile(text).graph.graph.nodes if str(n.target).startswith("experts_ep_")]
+    assert [(str(n.target), stage(n)) for n in units] == [("experts_ep_0", 0), ("experts_ep_1", 1)]
 
 
 class ExpertList(nn.ModuleList):

@@ -325,7 +325,7 @@ def between_steps_hook(
     sets (an expert bias) stay identical everywhere, as on one device over the whole batch."""
     import torch
 
-    from meshplan.compiler.capture import load_function
+    from meshplan.compiler.capture import describe_error, load_function
     from meshplan.compiler.graph import mutated_buffers
 
     update = load_function(spec, "--between-steps")
@@ -347,7 +347,9 @@ def between_steps_hook(
         try:
             update(model)
         except Exception as e:
-            raise RunError(f"--between-steps {spec} raised {type(e).__name__}: {e}") from e
+            raise RunError(
+                f"--between-steps {spec} raised {describe_error(e, spec.rpartition(':')[0])}"
+            ) from e
         with torch.no_grad():
             for n in mirrored:
                 own[n].copy_(model.get_buffer(n))

@@ -472,6 +472,12 @@ def max_positions(model: nn.Module) -> tuple[str, int] | None:
     return None
 
 
+def describe_error(exc: BaseException, filename: str) -> str:
+    """`KeyError: 'x' (at update.py:3)`: an exception the user's code in `filename` raised,
+    located at its innermost line there, so no traceback is needed."""
+    return _describe(exc) + _location(exc, filename)
+
+
 def _describe(exc: BaseException) -> str:
     # A SyntaxError's str() repeats the location that `_location` adds.
     text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)

@@ -171,6 +171,13 @@ class DataParallel(nn.Module):
 
     def _on_grad(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]
+        if bucket.work is not None and id(param) not in self._late:
+            # its bucket is being reduced (in place): this gradient would change it mid-flight
+            raise RuntimeError(
+                f"DataParallel over {self.axis}: a gradient of a parameter of bucket {bucket.index + 1} "
+                "arrived after the bucket was launched this step (a second synchronized backward "
+                "reaching it): pass it as `late`, or run the earlier backwards under no_sync()"
+            )
         if bucket.buffer is not None:
             _into_view(param, self._view_of[id(param)])
         if not self._sync or id(param) in self._late:

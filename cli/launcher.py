@@ -56,10 +56,9 @@ def prepare(args: argparse.Namespace) -> int:
     source = _model_source(args)
     _check_data(args, plan, source.model)
     if args.between_steps and plan.pipeline is not None:
-        raise RunError(
-            "--between-steps with a pipeline is not supported yet: each stage holds other layers' buffers "
-            "(hint: run the plan without its `pipeline` block)"
-        )
+        from meshplan.session import PIPELINE_BETWEEN_STEPS
+
+        raise RunError(PIPELINE_BETWEEN_STEPS)
     if args.between_steps:  # a missing function is the user's mistake: before any worker starts
         from meshplan.compiler.capture import load_function
         from meshplan.compiler.errors import CompileError

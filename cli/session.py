@@ -222,7 +222,9 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
             _expert_metrics(list(stages.stages.values()) if stages else [program], axes) if experts else None,
         ),
         stages.sum_tied_grads if stages is not None and stages.tied else None,
-        between_steps_hook(args.between_steps, program, source.model, axes) if args.between_steps else None,
+        between_steps_hook(args.between_steps, program, source.model, axes, stages is not None)
+        if args.between_steps
+        else None,
     )
 
 
@@ -316,7 +318,7 @@ def _expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], 
 
 
 def between_steps_hook(
-    spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes
+    spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes, pipeline: bool = False
 ) -> Callable[[], None]:
     """`--between-steps FILE.py:update`: after each optimizer step, `update(model)` on the
     user's own model object, its buffers this rank's. The buffers the program writes while it
@@ -328,6 +330,8 @@ def between_steps_hook(
     from meshplan.compiler.capture import describe_error, load_function
     from meshplan.compiler.graph import mutated_buffers
 
+    if pipeline:
+        raise RunError(PIPELINE_BETWEEN_STEPS)
     update = load_function(spec, "--between-steps")
     written = mutated_buffers(program)  # a checkpointed layer may not write any (checkpoint pass)
     own = dict(program.named_buffers())
@@ -361,6 +365,12 @@ def between_steps_hook(
             )
 
     return between_steps
+
+
+PIPELINE_BETWEEN_STEPS = (
+    "--between-steps with a pipeline is not supported yet: each stage holds other layers' buffers "
+    "(hint: run the plan without its `pipeline` block)"
+)
 
 
 def pipeline_microbatches(plan: Plan, layout) -> int:

@@ -374,7 +374,12 @@ def verify(
     from meshplan.run import RunError
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.launch import spawn
-    from meshplan.session import between_steps_hook, check_supported, pipeline_microbatches
+    from meshplan.session import (
+        PIPELINE_BETWEEN_STEPS,
+        between_steps_hook,
+        check_supported,
+        pipeline_microbatches,
+    )
 
     plan = load_plan(plan_path, world_size=world_size)
     world = plan.mesh.world_size
@@ -383,7 +388,9 @@ def verify(
     check_supported(plan)
     torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
     source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
-    if between_steps:  # a missing function is said before any process starts
+    if between_steps:  # said before any process starts: a pipeline, a missing function
+        if plan.pipeline is not None:
+            raise RunError(PIPELINE_BETWEEN_STEPS)
         load_function(between_steps, "--between-steps")
     compiled = compile_plan(plan, source, world_size=world)  # every refusal, before processes start
     draws = random_draws(compiled.graph)

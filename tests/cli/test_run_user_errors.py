@@ -164,3 +164,15 @@ def test_a_between_steps_function_that_is_not_there_is_one_error(tmp_path: Path)
         "meshplan: error: --between-steps update.py:update: 'update.py' defines no function 'update'\n"
         "hint: did you mean 'update_bias'? functions defined there: update_bias"
     ) in err
+
+
+def test_between_steps_with_a_pipeline_is_refused_before_the_workers(tmp_path: Path) -> None:
+    write(tmp_path, "update.py", "def update_bias(model):\n    pass\n")
+    plan = write(tmp_path, "pp.plan", "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n")
+    done = meshplan(
+        "run", plan, "--steps", "2", "--batch", "2", "--seq", "16", "--out", "run",
+        "--between-steps", "update.py:update_bias", cwd=tmp_path,
+    )  # fmt: skip
+    assert "meshplan: error: --between-steps with a pipeline is not supported yet" in one_error(
+        done, tmp_path
+    )

@@ -166,18 +166,23 @@ def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, fact
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mesh", "extra"), [("ep=2", ""), ("dp=2, ep=2", "\ndata_parallel over dp {\n    zero = 3\n}\n")]
+    ("mesh", "args", "extra"),
+    [
+        ("ep=2", "top_k=2", ""),
+        ("ep=4", "top_k=2", ""),
+        ("ep=4", "top_k=2, capacity_factor=2.0", ""),
+        ("dp=2, ep=2", "top_k=2", "\ndata_parallel over dp {\n    zero = 3\n}\n"),
+    ],
 )
-def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path, mesh, extra):
-    """Mixtral's experts split over 2 ranks (tokens dispatched and combined by all-to-all), its
-    load-balancing loss in the loss: each data rank's over its own tokens, as one device computes
-    it for each micro-batch; experts in the eager loop, so the reference is float64. Under ZeRO-3
-    on dp=2 x ep=2, each layer's dense weights are gathered over all four ranks and its experts'
-    over the two holding them."""
+def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path, mesh, args, extra):
+    """Mixtral's experts split over 2 or 4 ranks (tokens dispatched and combined by all-to-all),
+    its load-balancing loss in the loss: each data rank's over its own tokens, as one device
+    computes it for each micro-batch; experts in the eager loop, so the reference is float64. A
+    capacity of 2.0 x N k / E = N pairs per expert drops nothing (an expert gets at most one pair
+    per token). Under ZeRO-3 on dp=2 x ep=2, each layer's dense weights are gathered over all four
+    ranks and its experts' over the two holding them."""
     pytest.importorskip("transformers")
-    text = (
-        f"mesh {mesh}\n\nmodules {{\n    model.layers.*.mlp.experts: experts over ep (top_k=2)\n}}\n{extra}"
-    )
+    text = f"mesh {mesh}\n\nmodules {{\n    model.layers.*.mlp.experts: experts over ep ({args})\n}}\n{extra}"
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_mixtral_aux", steps=2))
 
 

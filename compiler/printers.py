@@ -134,9 +134,9 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
             )
         )
     lines = [
-        f"line {dp.span.line}: data_parallel over {dp.axis} ({size} ranks): ZeRO-{dp.zero}"
+        f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)}): ZeRO-{dp.zero}"
         if dp.zero
-        else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} ranks)",
+        else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)})",
         f"    each rank keeps {keeps}",
     ]
     units = [
@@ -146,8 +146,8 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     ]
     if dp.zero == 3 and units:
         lines.append(f"    units, in forward order: {', '.join(compress_paths(units))}")
-    # under expert parallelism a bucket runs over `dp x ep` or `dp` (`ExpertDataFacts`)
-    rows = [r for r in compiled.ledger.rows if dp.axis in r.axis.split(" x ") and r.kind in _DP_KINDS]
+    # under expert parallelism over `dp x ep`, `dp`, or `ep` alone when dp has one rank
+    rows = [r for r in compiled.ledger.rows if r.kind in _DP_KINDS]
     if rows:
         counts: dict[tuple[str, str], int] = defaultdict(int)
         for r in rows:

@@ -65,10 +65,14 @@ class ZeroSpec:
 
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     dp = ctx.plan.data_parallel
-    if dp is None or dp.zero == 0 or ctx.layout.size(dp.axis) == 1:
+    if dp is None or dp.zero == 0:
+        return gm
+    # under expert parallelism the expert axes are data axes too: `dp=1, ep=2` shards over ep
+    groups = averaging_groups(ctx) if ctx.experts else None
+    if (not groups.dense) if groups is not None else ctx.layout.size(dp.axis) == 1:
         return gm
     spec = ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}")
-    return shard_parameters(gm, spec, groups=averaging_groups(ctx) if ctx.experts else None)
+    return shard_parameters(gm, spec, groups=groups)
 
 
 @dataclass(frozen=True)

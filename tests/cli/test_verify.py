@@ -187,14 +187,22 @@ def test_hf_mixtral_experts_over_ep_with_its_router_loss(tmp_path, mesh, args, e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 3), ("zero_bubble", 0)])
-def test_experts_in_a_pipeline(tmp_path, schedule, zero):
+@pytest.mark.parametrize(
+    ("mesh", "data", "schedule", "zero"),
+    [
+        ("pp=2, ep=2", "ep", "1f1b", 3),
+        ("pp=2, ep=2", "ep", "zero_bubble", 0),
+        ("pp=2, dp=1, ep=2", "dp", "1f1b", 3),
+    ],
+)
+def test_experts_in_a_pipeline(tmp_path, mesh, data, schedule, zero):
     """pp=2 x ep=2: each stage's MoE layer dispatches over `ep` inside the schedule (under
     zero_bubble the experts' weight gradients come in the split backward's second half); the
-    batch is data parallel over `ep`, under ZeRO-3 the dense weights gathered per stage unit."""
+    batch is data parallel over `ep`, under ZeRO-3 the dense weights gathered per stage unit,
+    also when the plan's data axis has one rank (`dp=1`: ZeRO still shards over `ep`)."""
     text = (
-        "mesh pp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n\n"
-        f"data_parallel over ep {{\n    zero = {zero}\n}}\n\n"
+        f"mesh {mesh}\n\nmodules {{\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}}\n\n"
+        f"data_parallel over {data} {{\n    zero = {zero}\n}}\n\n"
         f"pipeline over pp {{\n    schedule = {schedule}\n    microbatches = 2\n}}\n"
     )
     assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))

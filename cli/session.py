@@ -244,11 +244,9 @@ def _expert_data_parallel(
     `_shard_for_zero`)."""
     import torch
 
-    from meshplan.runtime.buckets import decays
     from meshplan.runtime.expert_data_parallel import expert_data_parallel
     from meshplan.runtime.expert_zero import expert_zero
     from meshplan.runtime.mesh import group_over
-    from meshplan.runtime.train import TrainConfig
 
     dp_spec = plan.data_parallel
     reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
@@ -259,10 +257,7 @@ def _expert_data_parallel(
             axes,
             groups,
             _zero_config(dp_spec, reduce_dtype),
-            lr=args.lr,
-            betas=TrainConfig.betas,
-            weight_decay=args.weight_decay,
-            decay=decays,
+            **_adamw(args),
             programs=[stages.stages[s] for s in sorted(stages.stages)] if stages is not None else [],
             alone=sorted(stages.tied) if stages is not None else [],
         )
@@ -337,6 +332,8 @@ def between_steps_hook(
     own = dict(program.named_buffers())
     theirs = dict(model.named_buffers())
     mirrored = [n for n, b in own.items() if n in theirs and theirs[n].shape == b.shape]
+    for n in mirrored:  # the model's buffers are the program's: an in-place update needs no copy
+        _set_buffer(model, n, own[n])
 
     def between_steps() -> None:
         with torch.no_grad():
@@ -345,9 +342,7 @@ def between_steps_hook(
                 total = axes.sum_over(torch.cat([s.flatten().double() for s in stats]), axes.data, spec)
                 for s, part in zip(stats, total.split([s.numel() for s in stats]), strict=True):
                     s.copy_(part.view_as(s))
-            for n in mirrored:
-                theirs[n].copy_(own[n])
-            before = {n: b.clone() for n, b in theirs.items() if n not in mirrored}
+            cut = {n: b.clone() for n, b in theirs.items() if n not in mirrored}  # usually none
         try:
             update(model)
         except Exception as e:
@@ -356,8 +351,10 @@ def between_steps_hook(
             ) from e
         with torch.no_grad():
             for n in mirrored:
-                own[n].copy_(model.get_buffer(n))
-            changed = [n for n, b in before.items() if not torch.equal(b, model.get_buffer(n))]
+                if (value := model.get_buffer(n)) is not own[n]:  # assigned anew, not updated in place
+                    own[n].copy_(value)
+                    _set_buffer(model, n, own[n])
+            changed = [n for n, b in cut.items() if not torch.equal(b, model.get_buffer(n))]
         if changed:
             raise RunError(
                 f"--between-steps {spec} changed `{changed[0]}`, a buffer this plan cuts over ranks: "
@@ -365,6 +362,12 @@ def between_steps_hook(
             )
 
     return between_steps
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make `value` the tensor of `model`'s buffer `name` (its persistence unchanged)."""
+    owner, _, leaf = name.rpartition(".")
+    model.get_submodule(owner)._buffers[leaf] = value
 
 
 PIPELINE_BETWEEN_STEPS = (
@@ -625,9 +628,7 @@ def _shard_for_zero(
     each weight `tied` across pipeline ranks gets a flat of its own, so that every rank holding
     a copy holds the same piece of its gradient (`_PipelineRank.sum_tied_grads` adds them).
     """
-    from meshplan.runtime.buckets import decays
     from meshplan.runtime.data_parallel import broadcast_parameters
-    from meshplan.runtime.train import TrainConfig
     from meshplan.runtime.zero import shard_for_zero
 
     # every rank built the same seeded model, but only each rank's own shard survives sharding
@@ -636,14 +637,19 @@ def _shard_for_zero(
         program,
         dp_group,
         _zero_config(dp_spec, reduce_dtype),
-        lr=args.lr,
-        betas=TrainConfig.betas,
-        weight_decay=args.weight_decay,
-        decay=decays,
+        **_adamw(args),
         axis=dp_spec.axis,
         programs=programs,
         alone=tied,
     )
+
+
+def _adamw(args: argparse.Namespace) -> dict[str, Any]:
+    """`train`'s AdamW settings, for the ZeRO engines that bring their own optimizer."""
+    from meshplan.runtime.buckets import decays
+    from meshplan.runtime.train import TrainConfig
+
+    return {"lr": args.lr, "betas": TrainConfig.betas, "weight_decay": args.weight_decay, "decay": decays}
 
 
 def _zero_config(dp_spec: DataParallelSpec, reduce_dtype: torch.dtype | None):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,18 +28,25 @@ from .data_parallel import DataParallel
 from .grad_sync import param_grad_squares, scale_param_grads_
 
 
-class ExpertDataParallel:
-    """Data parallelism when experts are split over an axis that is data parallel for the rest.
+class _Engine(Protocol):
+    def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
 
-    Every data axis splits the batch; a parameter's gradient is averaged over the data axes
-    that do not shard it: the dense ones over all of them (`dp` x `ep`), an expert's over the
-    others (`dp`; none when the experts borrow the only data axis). Each set of axes is one
-    `DataParallel` engine over its own parameters; this is the `GradSync` of all of them.
+    def finish(self) -> None: ...
 
-        mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
-    """
+    def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor: ...
 
-    def __init__(self, engines: Sequence[DataParallel | LocalParams]) -> None:
+    def scale_grads_(self, factor: Tensor | float) -> None: ...
+
+
+E = TypeVar("E", bound=_Engine)
+
+
+class PerGroup(Generic[E]):
+    """The `GradSync` of several engines, each over its own parameters and group: every call
+    goes to each. Each parameter is in one engine, whose `grad_squares` covers the ranks that
+    average it; the loop then sums a kind cut over an expert axis over that axis."""
+
+    def __init__(self, engines: Sequence[E]) -> None:
         self.engines = list(engines)
 
     @contextlib.contextmanager
@@ -58,6 +66,18 @@ class ExpertDataParallel:
     def scale_grads_(self, factor: Tensor | float) -> None:
         for engine in self.engines:
             engine.scale_grads_(factor)
+
+
+class ExpertDataParallel(PerGroup["DataParallel | LocalParams"]):
+    """Data parallelism when experts are split over an axis that is data parallel for the rest.
+
+    Every data axis splits the batch; a parameter's gradient is averaged over the data axes
+    that do not shard it: the dense ones over all of them (`dp` x `ep`), an expert's over the
+    others (`dp`; none when the experts borrow the only data axis). Each set of axes is one
+    `DataParallel` engine over its own parameters; this is the `GradSync` of all of them.
+
+        mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
+    """
 
     def ledger(self) -> list[tuple[str, int, int]]:
         """(axes, bytes, all-reduces per optimizer step) for each bucket of each engine."""

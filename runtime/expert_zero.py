@@ -32,15 +32,15 @@ from torch import Tensor, nn
 
 from .axes import Axes
 from .data_parallel import broadcast_parameters
-from .expert_data_parallel import averaged_over
+from .expert_data_parallel import PerGroup, averaged_over
 from .zero import Collective, Zero, ZeroConfig
 
 
-class ExpertZero:
+class ExpertZero(PerGroup[Zero]):
     """Several `Zero` engines over one module, each over the group that averages its params."""
 
     def __init__(self, engines: Sequence[Zero]) -> None:
-        self.engines = list(engines)
+        super().__init__(engines)
         self.optimizer = _Optimizers([e.optimizer for e in self.engines])
 
     def step(self) -> None:
@@ -50,26 +50,6 @@ class ExpertZero:
     def zero_grad(self) -> None:
         for e in self.engines:
             e.zero_grad()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for e in self.engines:
-                stack.enter_context(e.no_sync())
-            yield
-
-    def finish(self) -> None:
-        for e in self.engines:
-            e.finish()
-
-    def grad_squares(self, kinds: Sequence[Collection[str]] = ()) -> Tensor:
-        """Each parameter is in one engine, whose sum covers the ranks averaging it; the loop
-        then sums a kind cut over the expert axis over that axis, as without ZeRO."""
-        return torch.stack([e.grad_squares(kinds) for e in self.engines]).sum(0)
-
-    def scale_grads_(self, factor: Tensor | float) -> None:
-        for e in self.engines:
-            e.scale_grads_(factor)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

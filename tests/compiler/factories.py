@@ -340,18 +340,21 @@ class MatmulAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+        att = self.scaled(q @ k.transpose(-2, -1))  # (B, nh, T, T)
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H)
         return self.out_proj(y)
 
+    def scaled(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores * (1.0 / math.sqrt(self.head_dim))
 
-def gpt_matmul_attention():
+
+def gpt_matmul_attention(attention: type[MatmulAttention] = MatmulAttention):
     """The example GPT with attention written out in matmuls, as many plain PyTorch models have it."""
     torch.manual_seed(0)
     model = gpt.build(num_hidden_layers=2)
     for block in model.h:
-        block.attn = MatmulAttention(block.attn)
+        block.attn = attention(block.attn)
     return model
 
 
@@ -363,19 +366,9 @@ class LearnedTemperatureAttention(MatmulAttention):
         super().__init__(attention)
         self.temperature = nn.Parameter(torch.ones(()))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * self.temperature
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")).softmax(dim=-1)
-        return self.out_proj((att @ v).transpose(1, 2).reshape(B, T, -1))
+    def scaled(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores * self.temperature
 
 
 def gpt_learned_temperature_attention():
-    torch.manual_seed(0)
-    model = gpt.build(num_hidden_layers=2)
-    for block in model.h:
-        block.attn = LearnedTemperatureAttention(block.attn)
-    return model
+    return gpt_matmul_attention(LearnedTemperatureAttention)

@@ -74,6 +74,12 @@ BENCHES = (
         quick=("--layers", "2", "--seq", "128"),
         headline=r"^(off|checkpoint)",
     ),
+    Bench(
+        "save_memory",
+        "per-rank memory while saving and loading a checkpoint, ZeRO-3 vs FSDP2",
+        quick=("--world", "2", "--layers", "4"),
+        headline=r"worst rank|meshplan / ",
+    ),
     Bench("pp_idle", "pipeline idle per rank, measured vs simulated", quick=("--quick",), headline=r"goal"),
     Bench("pp_step_time", "pipeline step vs torch.distributed.pipelining", quick=("--quick",)),
     Bench("pp_cuts", "balanced cuts vs equal layer counts", quick=("--quick", "--microbatches", "4")),

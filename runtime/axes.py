@@ -9,6 +9,7 @@ and `mesh dp=2, cp=1, tp=2` train the same model.
                 sharding={"layers.0.mlp.up_proj.weight": (AxisCut("tp", Cut(0)),)})
     axes.sharded_over("layers.0.mlp.up_proj.weight")    # ("tp",)
     axes.unshard(name, local)                           # the whole tensor, on every rank
+    axes.placed(name)                                   # ((Cut(0), tp rank, 2),): where this rank's piece lies
     axes.sum_over(squares, ("tp",), "gradient norm")    # summed over every rank of those axes
 
 A pipeline axis (`stages`) is neither data nor sharding: each of its ranks holds the
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import watchdog
-from .shards import Sharding, full_shape, shard_of, unshard
+from .pieces import Placed
+from .shards import Sharding, unshard
 
 
 @dataclass(frozen=True)
@@ -84,20 +86,14 @@ class Axes:
                 local = unshard(local, cut, group)
         return local
 
-    def shard(self, name: str, full: Tensor) -> Tensor:
-        """This rank's piece of the whole parameter `name`."""
-        for axis, cut in self.sharding.get(name, ()):
-            group = self.groups.get(axis)
-            if group is not None:
-                full = shard_of(full, cut, dist.get_rank(group), dist.get_world_size(group))
-        return full
-
-    def full_shape(self, name: str, local: Tensor) -> tuple[int, ...]:
-        shape = tuple(local.shape)
-        for axis, cut in reversed(self.sharding.get(name, ())):
-            if axis in self.groups:
-                shape = full_shape(shape, cut, self.size(axis))
-        return shape
+    def placed(self, name: str) -> tuple[Placed, ...]:
+        """Parameter `name`'s cuts over axes of more than one rank, each with this rank's place on
+        the axis and the axis's size, in the order applied (`runtime/pieces.py`)."""
+        return tuple(
+            (cut, dist.get_rank(group), dist.get_world_size(group))
+            for axis, cut in self.sharding.get(name, ())
+            if (group := self.groups.get(axis)) is not None
+        )
 
     def sum_over(self, x: Tensor, axes: tuple[str, ...], what: str) -> Tensor:
         """`x` summed over every rank of `axes` (one all-reduce per axis of more than one rank)."""

@@ -22,18 +22,20 @@ data position are functions of it: see `runtime/data.py`), and each rank's RNG s
 The optimizer's param groups (learning rate, betas, ...) are configuration, not state:
 a resumed run takes them from its own command line.
 
-    replicated/model/layers.0.mlp.up_proj.weight            full tensor, fp32
+    replicated/model/layers.0.mlp.up_proj.weight            fp32, shape of the whole tensor
     replicated/optim/state/layers.0.mlp.up_proj.weight/exp_avg
     train/step, rng/rank0, rng/rank1, ...
 
-Every tensor is whole: shards are all-gathered over each axis that cuts them
-(`Axes.unshard`) and, under ZeRO, the data-parallel shards of the fp32 master weights
-and moments are gathered too (`Zero.full_state`). Every rank then holds the same value
-for a key and DCP writes it once; loading reads the whole tensor and keeps this rank's
-piece. So the checkpoint does not depend on the layout: a run saved with dp=2 x tp=2
-and ZeRO-3 resumes with dp=4 and ZeRO-1, or without ZeRO, or with tp=4 (the data stream
-depends on the global batch only). The cost is a full copy of the model's training
-state on each rank while saving or loading.
+Each rank writes only what it holds (`runtime/pieces.py`): its tensor-parallel shard of a
+parameter and, under ZeRO, its elements of the fp32 master and moments, each placed in the
+whole tensor as boxes (offsets and sizes), which DCP records in `.metadata`. Nothing is
+gathered: saving costs a rank its own shards' bytes, not the model's, so a model that needs
+ZeRO-3 to fit can be checkpointed. A box several ranks hold (a replica over data
+parallelism, a weight tied across pipeline stages) is written once. Loading reads each box
+this rank holds in the new run from the saved boxes it overlaps, so the checkpoint does not
+depend on the layout: a run saved with dp=2 x tp=2 and ZeRO-3 resumes with dp=4 and ZeRO-1,
+or without ZeRO, or with tp=4 (the data stream depends on the global batch only), and
+checkpoints written whole by earlier meshplan versions load the same way.
 
 Integrity: before the rename, rank 0 writes `checksums.json` (every file's size and
 SHA-256); loading verifies them first, so a damaged, truncated or incomplete checkpoint is
@@ -56,7 +58,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .axes import Axes
 from .expert_zero import ExpertZero
+from .pieces import LoadPlanner, Pieces, SavePlanner
 from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
@@ -149,8 +152,9 @@ def write_temporary(
     _barrier()
     with _single_process_quiet():
         dcp.save(
-            _state(model, optimizer, step, axes),
+            _state(model, optimizer, step, axes)[0],
             checkpoint_id=str(tmp),
+            planner=SavePlanner(),
             no_dist=not _distributed(),
         )
     return tmp
@@ -243,23 +247,21 @@ def load(
 ) -> Restored:
     """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
     _verified_once(Path(path))
-    state = _state(model, optimizer, 0, axes, for_load=True)
+    state, own = _state(model, optimizer, 0, axes)
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner(), no_dist=not _distributed())
     except dist.DistError:
         raise  # a peer lost while loading: not the checkpoint's fault
     except (Exception, CheckpointException) as e:  # DCP's report: every rank's error, with tracebacks
         raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_cause(e)}") from None
-    shard = state[_REPLICATED]
-    _keep_local(shard, axes)
-    if isinstance(optimizer, Zero | ExpertZero):
-        optimizer.load_full_state(shard["model"], shard["optim"]["state"])
-        model.load_state_dict(_buffers(model, shard["model"]), strict=False)
+    if isinstance(optimizer, Zero | ExpertZero):  # read in place into the engine's shards
+        optimizer.loaded({name: m["step"] for name, m in own["optim"]["state"].items()})
+        model.load_state_dict(_buffers(model, own["model"]), strict=False)
     else:
         groups = get_state_dict(model, optimizer)[1]["param_groups"]  # this run's configuration
-        optim = {"state": shard["optim"]["state"], "param_groups": groups}
-        set_state_dict(model, optimizer, model_state_dict=shard["model"], optim_state_dict=optim)
+        optim = {"state": own["optim"]["state"], "param_groups": groups}
+        set_state_dict(model, optimizer, model_state_dict=own["model"], optim_state_dict=optim)
     if _rng_key() in state["rng"]:  # a rank that did not exist when saving keeps its seeded state
         torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
@@ -302,38 +304,41 @@ def _state(
     optimizer: torch.optim.Optimizer | Zero | ExpertZero,
     step: int,
     axes: Axes | None = None,
-    *,
-    for_load: bool = False,
-) -> dict:
+) -> tuple[dict, dict]:
+    """What DCP writes or reads (every sharded tensor as this rank's `Pieces` of the whole), and
+    the same state with this rank's tensors themselves (what a load then hands to the optimizer)."""
+    axes = axes or Axes()
     if isinstance(optimizer, Zero | ExpertZero):
-        shard = _zero_state(model, optimizer, for_load=for_load)
+        own = _zero_state(model, optimizer, axes)
+        placed = own
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        shard = {"model": model_sd, "optim": {"state": optim_sd.get("state", {})}}
-    if axes is not None:
-        _make_full(shard, axes, for_load=for_load)
+        own = {"model": model_sd, "optim": {"state": optim_sd.get("state", {})}}
+        placed = _placed(own, axes)
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
-    return {
-        _REPLICATED: shard,
+    state = {
+        _REPLICATED: placed,
         "train": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": rng,
     }
+    return state, own
 
 
-def _zero_state(model: nn.Module, zero: Zero | ExpertZero, *, for_load: bool) -> dict:
+def _zero_state(model: nn.Module, zero: Zero | ExpertZero, axes: Axes) -> dict:
     """The same keys as without ZeRO: each param by every name it has (tied ones too), its
-    moments by its first name, and the buffers. For loading: empty tensors for DCP to fill."""
-    if for_load:
-        named = dict(model.named_parameters())
-        values = {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in named.items()}
-        moments = {
-            n: {"step": torch.zeros(()), "exp_avg": torch.empty_like(v), "exp_avg_sq": torch.empty_like(v)}
-            for n, v in values.items()
-        }
-    else:
-        values, moments = zero.full_state()
+    moments and step by its first name, and the buffers; each value this rank's elements of
+    it, views of the engine's fp32 masters and moments (`Zero.own_state`)."""
+    values: dict[str, Pieces] = {}
+    moments: dict[str, dict[str, Pieces | torch.Tensor]] = {}
+    for own in zero.own_state():
+        cuts = axes.placed(own.name)
+        pieces = {key: Pieces.of_range(t, own.start, own.shape, cuts) for key, t in own.tensors.items()}
+        values[own.name] = pieces.pop("master")
+        moments[own.name] = dict(pieces)
+    for name, step in zero.steps().items():
+        moments.setdefault(name, {})["step"] = step
     first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     params = {
         n: values[first[id(p)]]
@@ -352,36 +357,20 @@ def _buffers(model: nn.Module, state: dict) -> dict:
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _make_full(shard: dict, axes: Axes, *, for_load: bool) -> None:
-    """Replace each sharded parameter and its Adam moments by the full tensor: gathered over
-    the axes that cut it when saving, an empty full-size buffer for DCP to fill when loading."""
+def _placed(own: dict, axes: Axes) -> dict:
+    """`own` with each tensor-parallel shard (a parameter or one of its moments) as this rank's
+    `Pieces` of the whole tensor: new dicts, the optimizer's own state is left as it is."""
 
-    def full(name: str, local: torch.Tensor) -> torch.Tensor:
-        if for_load:
-            return local.new_empty(axes.full_shape(name, local))
-        return axes.unshard(name, local.detach())
+    def place(name: str, t: torch.Tensor) -> Pieces | torch.Tensor:
+        cuts = axes.placed(name)
+        return Pieces.of_local(t.detach(), cuts) if cuts else t
 
-    _each_sharded(shard, axes, full)
-
-
-def _keep_local(shard: dict, axes: Axes | None) -> None:
-    """After loading full tensors, keep this rank's piece of each sharded one."""
-    if axes is not None:
-        _each_sharded(shard, axes, lambda name, whole: axes.shard(name, whole).contiguous())
-
-
-def _each_sharded(shard: dict, axes: Axes, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-    """Replace every parameter cut over an axis, and its moments, by `fn(name, tensor)`."""
-    for name in [k for k in shard["model"] if axes.sharded_over(k)]:
-        shard["model"][name] = fn(name, shard["model"][name])
-    state = shard["optim"].get("state", {})
-    for name, moments in state.items():
-        if axes.sharded_over(name):
-            # a new dict: `get_state_dict` hands out the optimizer's own per-parameter state, which
-            # must keep this rank's shards (a save in mid-run once left the full moments in it)
-            state[name] = {
-                key: fn(name, value) if key in _MOMENTS else value for key, value in moments.items()
-            }
+    model = {name: place(name, t) for name, t in own["model"].items()}
+    state = {
+        name: {key: place(name, t) if key in _MOMENTS else t for key, t in moments.items()}
+        for name, moments in own["optim"]["state"].items()
+    }
+    return {"model": model, "optim": {"state": state}}
 
 
 def _rng_key() -> str:

@@ -34,6 +34,7 @@ from .axes import Axes
 from .data_parallel import broadcast_parameters
 from .expert_data_parallel import PerGroup, averaged_over
 from .zero import Collective, Zero, ZeroConfig
+from .zero_optim import OwnState
 
 
 class ExpertZero(PerGroup[Zero]):
@@ -79,20 +80,16 @@ class ExpertZero(PerGroup[Zero]):
         """`Zero.shard_numel` of the dense parameters' engine (the widest group): a tied weight's."""
         return max(self.engines, key=lambda e: e.world).shard_numel(numel)
 
-    def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-        """`Zero.full_state` of every engine, one dict: the engines own disjoint names."""
-        values: dict[str, Tensor] = {}
-        moments: dict[str, dict[str, Tensor]] = {}
-        for e in self.engines:
-            v, m = e.full_state()
-            values |= v
-            moments |= m
-        return values, moments
+    def own_state(self) -> list[OwnState]:
+        """`Zero.own_state` of every engine: the engines own disjoint names."""
+        return [state for e in self.engines for state in e.own_state()]
 
-    def load_full_state(self, values: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
-        """Every engine keeps its own elements (each reads only its params' names)."""
+    def steps(self) -> dict[str, Tensor]:
+        return {name: step for e in self.engines for name, step in e.steps().items()}
+
+    def loaded(self, steps: dict[str, Tensor]) -> None:
         for e in self.engines:
-            e.load_full_state(values, moments)
+            e.loaded(steps)
 
 
 class _Optimizers:

@@ -22,7 +22,8 @@ the data axis (`grad_squares`), and each sum is then summed over the axes that s
 group. A whole parameter is identical on every rank of those axes and counts once.
 
 Under ZeRO the optimizer is `zero.optimizer`, AdamW over this rank's fp32 shards, and each
-data rank holds only its shard of the averaged gradient; checkpoints hold `zero.full_state()`.
+data rank holds only its shard of the averaged gradient; each rank checkpoints its own
+elements (`zero.own_state()`).
 
 Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:

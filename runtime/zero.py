@@ -23,7 +23,7 @@ The pieces, one module each:
 
     zero_flats.py   parameters as flats (padded 1-D buffers, a shard per rank) and stage 3's units
     zero_grads.py   the gradient reductions per flat, and the averaged gradient shards they leave
-    zero_optim.py   AdamW over the fp32 shards (`zero.optimizer`), offload, whole-tensor state for checkpoints
+    zero_optim.py   AdamW over the fp32 shards (`zero.optimizer`), offload, each rank's state for checkpoints
     zero_nodes.py   the gather/release nodes of a compiled program, which this engine binds itself to
 
 Stage 3 gathers a unit's params before its forward, frees them after it, gathers them
@@ -79,7 +79,7 @@ from . import watchdog
 from .zero_flats import Flat, Unit, bucket_flats, build_units, units_from_nodes
 from .zero_grads import ShardedGrads
 from .zero_nodes import graph_units
-from .zero_optim import ShardedAdamW
+from .zero_optim import OwnState, ShardedAdamW
 
 
 @dataclass(frozen=True)
@@ -373,21 +373,22 @@ class Zero:
             optimizer += sum(_storage_bytes(t, seen) for t in self.optimizer.state[m].values())
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
-    def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-        """Every parameter's fp32 value and AdamW state, whole, keyed by name: what a plain
-        `torch.optim.AdamW` would hold (`{"step", "exp_avg", "exp_avg_sq"}` per param). All
-        ranks of the group call it (one all-gather per flat and tensor); it costs a full copy.
-
-        The checkpoint format that does not depend on the layout (`runtime/checkpoint.py`):
-        a ZeRO run saves it, and any stage, bucket size or dp size (or no ZeRO) resumes it.
-        """
+    def own_state(self) -> list[OwnState]:
+        """This rank's elements of every parameter's fp32 value and AdamW moments, by name, as
+        views (no copy, no collective): each rank checkpoints its own, placed in the whole
+        tensor (`runtime/checkpoint.py`), so any stage, bucket size or dp size (or no ZeRO)
+        resumes it. A checkpoint loads into the same views, then calls `loaded`."""
         self.wait_params()
-        return self._adam.full_state()
+        return self._adam.own_state()
 
-    def load_full_state(self, values: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
-        """The inverse of `full_state`: keep this rank's elements of each whole tensor."""
-        self.wait_params()
-        self._adam.load_full_state(values, moments)
+    def steps(self) -> dict[str, Tensor]:
+        """Every parameter's AdamW step count, by name (a plain AdamW's `state[p]["step"]`)."""
+        return self._adam.steps()
+
+    def loaded(self, steps: dict[str, Tensor]) -> None:
+        """A checkpoint was read into `own_state()`'s views: take the step counts, refresh the
+        shards the masters stand for and the gathered copies of the parameters."""
+        self._adam.loaded(steps)
         self._after_load()
 
     def _after_load(self) -> None:

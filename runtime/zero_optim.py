@@ -1,27 +1,37 @@
 """ZeRO's optimizer state: a real `torch.optim.AdamW` over this rank's fp32 shards of the flats,
-and that state as whole tensors by parameter name for checkpoints.
+and this rank's elements of it by parameter name for checkpoints.
 
 The master copy is the shard itself when the shard is fp32 and on the optimizer's device;
 otherwise (bf16/fp16 parameters, or the state offloaded to the CPU) an fp32 copy that each
 step writes back into the shard. LR schedulers work on `ShardedAdamW.optimizer` unchanged.
 
-Checkpoints do not see flats: `full_state()` gives each parameter's whole value and moments
-by name, what a plain AdamW would hold, so any stage, bucket size or dp size (or no ZeRO)
-resumes it (`runtime/checkpoint.py`).
+Checkpoints do not see flats: `own_state()` gives, per parameter name, where this rank's
+elements lie in the parameter and views of its value and moments there, so each rank writes
+only its own and any stage, bucket size or dp size (or no ZeRO) resumes it
+(`runtime/checkpoint.py` places them in the whole tensor).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .zero_flats import Flat, all_gather_single
+from .zero_flats import Flat
 
 _OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class OwnState(NamedTuple):
+    """This rank's elements of one parameter's training state."""
+
+    name: str
+    shape: torch.Size  # the parameter's (this rank's tensor-parallel piece, when it has one)
+    start: int  # where the elements start in the flattened parameter
+    tensors: dict[str, Tensor]  # "master", "exp_avg", "exp_avg_sq": 1-D views, no copies
 
 
 class ShardedAdamW:
@@ -42,7 +52,6 @@ class ShardedAdamW:
         eps: float,
     ) -> None:
         self.flats, self.group = flats, group
-        self.device = device  # the params' device, where `full_state`'s gathers run
         self.opt_device = torch.device("cpu") if offload else device
         self.masters = [self._master_for(f) for f in flats]
         param_groups: list[dict[str, Any]] = [
@@ -62,7 +71,7 @@ class ShardedAdamW:
             eps=eps,
             foreach=False,
         )
-        for m in self.masters:  # eager state: memory() and full_state() are right before step 1
+        for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
             self.optimizer.state[m] = {
                 "step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
@@ -90,42 +99,32 @@ class ShardedAdamW:
                 with torch.no_grad():
                     f.shard.copy_(master)  # fp32 master -> bf16 shard, or CPU -> device
 
-    def full_state(self) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-        """Every parameter's fp32 value and AdamW state, whole, keyed by name (`Zero.full_state`).
-        Every rank of the group calls it: one all-gather per flat and tensor."""
-        values: dict[str, Tensor] = {}
-        moments: dict[str, dict[str, Tensor]] = {}
+    def own_state(self) -> list[OwnState]:
+        """This rank's elements of every parameter's fp32 value and moments, as views of the
+        masters and the optimizer's state (`Zero.own_state`)."""
+        out = []
         for f, master in zip(self.flats, self.masters, strict=True):
             state = self.optimizer.state[master]
-            whole = {
-                key: self._gather_flat(f, t)
-                for key, t in zip(
-                    _OPTIMIZER_KEYS, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True
-                )
-            }
-            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels, strict=True):
-                values[name] = whole["master"][off : off + n].view(p.shape).clone()
-                moments[name] = {"step": state["step"].clone()} | {
-                    key: whole[key][off : off + n].view(p.shape).clone() for key in _OPTIMIZER_KEYS[1:]
-                }
-        return values, moments
+            shapes = dict(zip(f.names, (p.shape for p in f.params), strict=True))
+            for name, mine, theirs in f.own_slices():
+                tensors = (master, state["exp_avg"], state["exp_avg_sq"])
+                views = {key: t[mine] for key, t in zip(_OPTIMIZER_KEYS, tensors, strict=True)}
+                out.append(OwnState(name, shapes[name], theirs.start, views))
+        return out
 
-    def load_full_state(self, values: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
-        """The inverse of `full_state`: keep this rank's elements of each whole tensor, in the
-        masters and the shards (the caller refreshes gathered copies)."""
+    def steps(self) -> dict[str, Tensor]:
+        """Every parameter's AdamW step count: its flat's (one tensor per flat, shared)."""
+        return {
+            name: self.optimizer.state[m]["step"]
+            for f, m in zip(self.flats, self.masters, strict=True)
+            for name in f.names
+        }
+
+    def loaded(self, steps: dict[str, Tensor]) -> None:
+        """After a checkpoint was read into `own_state()`'s views: each flat's step, and the
+        masters copied into the shards they stand for (the caller refreshes gathered copies)."""
         with torch.no_grad():
             for f, master in zip(self.flats, self.masters, strict=True):
-                state = self.optimizer.state[master]
-                state["step"] = torch.as_tensor(moments[f.names[0]]["step"]).float().clone()
-                for name, mine, theirs in f.own_slices():
-                    master[mine].copy_(values[name].reshape(-1)[theirs])
-                    for key in _OPTIMIZER_KEYS[1:]:
-                        state[key][mine].copy_(moments[name][key].reshape(-1)[theirs])
+                self.optimizer.state[master]["step"] = torch.as_tensor(steps[f.names[0]]).float().clone()
                 if master is not f.shard:
                     f.shard.copy_(master)
-
-    def _gather_flat(self, f: Flat, shard: Tensor) -> Tensor:
-        """(padded,) every rank's (S,) piece of one flat-shaped fp32 tensor, on the optimizer's device."""
-        out = torch.empty(f.padded, dtype=shard.dtype, device=self.device)
-        all_gather_single(out, shard.detach().to(self.device), group=self.group)
-        return out.to(self.opt_device)

@@ -81,17 +81,22 @@ def test_a_range_is_at_most_2_dims_minus_1_boxes_and_views_its_data() -> None:
         assert box.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()  # no copy
 
 
+@pytest.mark.parametrize("saved", ["columns", "whole"])
 @pytest.mark.parametrize("layout", ["rows", "zero"])
-def test_a_checkpoint_saved_in_one_layout_loads_in_another(tmp_path, layout: str) -> None:
-    """Saved as two column shards with blocks (fused q/k/v over tp=2); loaded as row shards over
-    three ranks, or as ZeRO ranges of the flattened whole: DCP reads the overlaps."""
+def test_a_checkpoint_saved_in_one_layout_loads_in_another(tmp_path, saved: str, layout: str) -> None:
+    """Saved as two column shards with blocks (fused q/k/v over tp=2), or whole (as meshplan
+    wrote every tensor before checkpoints were sharded); loaded as row shards over three
+    ranks, or as ZeRO ranges of the flattened whole: DCP reads the overlaps."""
     full = torch.randn(6, 8)
     cut = Cut(1, (4, 4))
-    saved = [Pieces.of_local(shard_of(full, cut, r, 2), [(cut, r, 2)]) for r in range(2)]
-    both = Pieces(full.shape, full.dtype, [Box(o, d) for p in saved for o, d in p.boxes.items()])
+    pieces = [Pieces.of_local(shard_of(full, cut, r, 2), [(cut, r, 2)]) for r in range(2)]
+    both = Pieces(full.shape, full.dtype, [Box(o, d) for p in pieces for o, d in p.boxes.items()])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
-        dcp.save({"w": both}, checkpoint_id=str(tmp_path), planner=SavePlanner(), no_dist=True)
+        if saved == "columns":
+            dcp.save({"w": both}, checkpoint_id=str(tmp_path), planner=SavePlanner(), no_dist=True)
+        else:
+            dcp.save({"w": full.clone()}, checkpoint_id=str(tmp_path), no_dist=True)
         if layout == "rows":
             rows = Cut(0)
             out = [torch.zeros(2, 8) for _ in range(3)]

@@ -356,6 +356,7 @@ def _zero_unit_rows(
     parallelism a layer has one per group): each unit's flats gathered before its forward
     (and again before its backward unless it stays gathered), its gradients reduce-scattered."""
     decays = {id(p): decay(name, p) for name, p in params}
+    params_by_name = dict(params)
     left = dict(params)  # not yet in a unit
     released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}
     rows = []
@@ -366,9 +367,15 @@ def _zero_unit_rows(
         names = [aliases[p] for p in module.params if p in aliases]
         named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
         phases = ["forward", "backward"] if module.unit in released else ["forward"]
-        for group in group_by_kind(named, decays):
+        read_as = {  # gathered in the dtype the graph reads them in (bf16 compute)
+            id(params_by_name[aliases[p]]): d
+            for p, d in zip(module.params, module.dtypes, strict=True)
+            if d is not None and p in aliases
+        }
+        for group in group_by_kind(named, decays, read_as):
             numel = math.ceil(sum(p.numel() for _, p in group) / n) * n
-            dtype, reduced = group[0][1].dtype, reduce_dtype or group[0][1].dtype
+            reduced = reduce_dtype or group[0][1].dtype
+            dtype = read_as.get(id(group[0][1]), group[0][1].dtype)
             gathers = [("all_gather", phase, dtype, accumulation) for phase in phases]
             rows += [
                 LedgerRow(

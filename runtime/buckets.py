@@ -70,10 +70,16 @@ def bucket_params(
 
 
 def group_by_kind(
-    params: Sequence[tuple[str, Tensor]], decays: dict[int, bool]
+    params: Sequence[tuple[str, Tensor]],
+    decays: dict[int, bool],
+    gather_dtypes: dict[int, torch.dtype] | None = None,
 ) -> list[list[tuple[str, Tensor]]]:
-    """Stage 3: a unit's params split by dtype and decay class, each group one flat."""
-    by_kind: dict[tuple[torch.dtype, bool], list[tuple[str, Tensor]]] = {}
+    """Stage 3: a unit's params split by dtype, the dtype they are gathered in (`gather_dtypes`
+    by id: the compute dtype the graph reads them in; their own by default) and decay class,
+    each group one flat."""
+    gather_dtypes = gather_dtypes or {}
+    by_kind: dict[tuple[torch.dtype, torch.dtype, bool], list[tuple[str, Tensor]]] = {}
     for name, p in params:
-        by_kind.setdefault((p.dtype, decays[id(p)]), []).append((name, p))
+        kind = (p.dtype, gather_dtypes.get(id(p), p.dtype), decays[id(p)])
+        by_kind.setdefault(kind, []).append((name, p))
     return list(by_kind.values())

@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten
 from . import watchdog
 from .zero_flats import Flat, Unit, bucket_flats, build_units, units_from_nodes
 from .zero_grads import ShardedGrads
-from .zero_nodes import graph_units
+from .zero_nodes import Gathered, graph_units
 from .zero_optim import OwnState, ShardedAdamW
 
 
@@ -194,6 +194,15 @@ class Zero:
             _unique(flat_of[id(aliases[n])] for n in g.params if n in aliases and id(aliases[n]) in flat_of)
             for g, _ in self._nodes
         ]
+        # stage 3: the flat and name of each parameter a gather node hands out in another dtype
+        named_in = {id(p): (f, n) for f in self.flats for n, p in zip(f.names, f.params, strict=True)}
+        self._read_as = [
+            [
+                named_in.get(id(aliases[n])) if d is not None and n in aliases else None
+                for n, d in zip(g.params, g.dtypes, strict=True)
+            ]
+            for g, _ in self._nodes
+        ]
         waited = {id(f) for fs in self._waits for f in fs}
         self._unwaited = [f for f in self.flats if id(f) not in waited]  # params no node uses
         self._release_order = [i for i, (_, release) in enumerate(self._nodes) if release is not None]
@@ -281,7 +290,7 @@ class Zero:
         self.wait_params()
         if self.config.stage == 3:
             for u in self.units:
-                u.gather(lambda op, nbytes: None)
+                u.gather(lambda op, nbytes: None, whole=True)
         try:
             yield
         finally:
@@ -359,7 +368,9 @@ class Zero:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, by what the tensors are (live storages, each counted once)."""
         seen: set[int] = set()
-        params = sum(_storage_bytes(t, seen) for f in self.flats for t in (f.full, f.shard))
+        params = sum(
+            _storage_bytes(t, seen) for f in self.flats for t in (f.full, f.shard, f.low) if t is not None
+        )
         grads = sum(
             _storage_bytes(t, seen)
             for f in self.flats
@@ -481,16 +492,35 @@ class Zero:
 
         return hook
 
-    def on_gather(self, index: int) -> None:
-        """`ZeroGather` node `index` runs: its layer's params must be whole from here on."""
+    def on_gather(self, index: int, params: Sequence[Tensor]) -> tuple[Tensor | None, ...] | None:
+        """`ZeroGather` node `index` runs: its layer's params must be whole from here on. Under
+        mixed precision it returns the params the graph reads in another dtype (`ZeroGather`)."""
         if self.config.stage < 3:
             for f in self._waits[index]:
                 f.wait_gather()
-            return
+            return None
         self.units[index].gather(self._record)
         if not _in_backward() and self._same_program(index, index + 1):
             self.units[index + 1].prefetch(self._record)
         self._track_gathered()
+        dtypes = self._nodes[index][0].dtypes
+        if not any(dtypes):
+            return None
+        out: list[Tensor | None] = [None] * len(params)
+        views, mine = [], []
+        for i, (p, dtype, at) in enumerate(zip(params, dtypes, self._read_as[index], strict=True)):
+            if dtype is None:
+                continue
+            if at is not None and at[0].low is not None and at[0].low.dtype == dtype:
+                views.append(at[0].views[at[1]])
+                mine.append(i)
+            else:  # gathered in its own dtype (read in several): cast here, as the graph did
+                out[i] = p.to(dtype)
+        for i, value in zip(
+            mine, Gathered.apply(len(views), *views, *(params[i] for i in mine)), strict=True
+        ):
+            out[i] = value
+        return tuple(out)
 
     def _same_program(self, index: int, other: int) -> bool:
         """Whether unit `other` runs next to unit `index`, in the same program (the next stage

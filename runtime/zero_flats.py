@@ -55,6 +55,7 @@ class Flat:
         sharded_params: bool,
         shard_device: torch.device,
         axis: str = "dp",
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
         self.names, self.params, self.group, self.axis = names, params, group, axis
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -77,6 +78,23 @@ class Flat:
         self.ready = 0  # params whose grad has been accumulated in this backward
         self.pins = 0  # stage 3: backwards that gathered it and have not accumulated its grads yet
         self._gather_work: Any = None
+        # stage 3, params the graph reads in another dtype (bf16 compute over fp32 params): what a
+        # gather fills is this (padded,) buffer in that dtype, and `views` hand it out by name;
+        # `full` (fp32) is gathered only for `gathered()` (export, evaluation)
+        self.low: Tensor | None = None
+        self.views: dict[str, Tensor] = {}
+        if sharded_params and gather_dtype is not None and gather_dtype != self.dtype:
+            self.low = torch.empty(self.padded, dtype=gather_dtype, device=self.device)
+            # tensors on `low`'s storage, not autograd views of it: a gather refills `low` in
+            # place, which must not touch the version of what the layer saved for backward
+            storage = self.low.untyped_storage()
+            self.views = {
+                name: torch.empty(0, dtype=gather_dtype, device=self.device).set_(
+                    storage, off, p.shape, torch.empty(p.shape, device="meta").stride()
+                )
+                for name, p, off, n in zip(names, params, self.offsets, self.numels, strict=True)
+            }
+            storage.resize_(0)
         if sharded_params:
             self.free_full()
 
@@ -86,20 +104,26 @@ class Flat:
         return max(0, min(self.shard_numel, self.numel - self.rank * self.shard_numel))
 
     def full_nbytes(self) -> int:
-        return self.padded * self.full.element_size()
+        """Bytes of what a gather fills: the compute-dtype buffer if the params are read in one."""
+        return self.padded * self._target().element_size()
+
+    def _target(self, whole: bool = False) -> Tensor:
+        return self.low if self.low is not None and not whole else self.full
 
     # ------------------------------------------------------------ stage 3: gather and free
 
-    def is_gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+    def is_gathered(self, whole: bool = False) -> bool:
+        return self._target(whole).untyped_storage().nbytes() > 0
 
-    def start_gather(self) -> Any:
-        """Allocate `full` and all-gather every rank's shard into it; returns the async work."""
-        self.full.untyped_storage().resize_(self.full_nbytes())
-        src = self.shard.to(self.device)  # from the CPU with params offload; else no copy
-        # The params are views of `full`; keep autograd from seeing the refill as an in-place edit.
-        with torch.autograd._unsafe_preserve_version_counter(self.full):
-            self._gather_work = all_gather_single(self.full, src, group=self.group, async_op=True)
+    def start_gather(self, whole: bool = False) -> Any:
+        """Allocate the buffer and all-gather every rank's shard into it; returns the async work.
+        `whole`: into the fp32 `full` the params view, also when they are read in another dtype."""
+        target = self._target(whole)
+        target.untyped_storage().resize_(self.padded * target.element_size())
+        src = self.shard.to(self.device, target.dtype)  # from the CPU with params offload; else no copy
+        # The params (or views) are of this buffer; keep autograd from seeing the refill as an in-place edit.
+        with torch.autograd._unsafe_preserve_version_counter(target):
+            self._gather_work = all_gather_single(target, src, group=self.group, async_op=True)
         return self._gather_work
 
     def wait_gather(self) -> None:
@@ -111,6 +135,8 @@ class Flat:
     def free_full(self) -> None:
         self.wait_gather()
         self.full.untyped_storage().resize_(0)
+        if self.low is not None:
+            self.low.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------ stages 1/2: share the update
 
@@ -171,8 +197,17 @@ class Unit:
                 record("all_gather", f.full_nbytes())
                 f.start_gather()
 
-    def gather(self, record: Callable[[str, int], None]) -> None:
-        """Make sure every flat is gathered: wait for a prefetch, or gather now."""
+    def gather(self, record: Callable[[str, int], None], *, whole: bool = False) -> None:
+        """Make sure every flat is gathered: wait for a prefetch, or gather now. `whole`: the
+        fp32 params themselves, also those the graph reads in another dtype."""
+        for f in self.flats:
+            f.wait_gather()  # a prefetch of the compute-dtype buffer
+        if whole:
+            for f in self.flats:
+                if not f.is_gathered(whole=True):
+                    f.start_gather(whole=True)
+                    f.wait_gather()
+            return
         self.prefetch(record)
         for f in self.flats:
             f.wait_gather()
@@ -277,12 +312,18 @@ def units_from_nodes(
     A param several nodes name (a weight tied across pipeline stages of one rank) gets a flat
     of its own, in each of their units: each gathers it before its reads."""
     named_by: dict[int, int] = {}
+    read_as: dict[int, set[torch.dtype | None]] = {}  # the dtypes the graph reads each param in
     for gather, _ in nodes:
         for i in {id(aliases[n]) for n in gather.params if n in aliases}:
             named_by[i] = named_by.get(i, 0) + 1
+        for n, dtype in zip(gather.params, gather.dtypes, strict=True):
+            if n in aliases:
+                read_as.setdefault(id(aliases[n]), set()).add(dtype)
+    # gathered in the one dtype every read wants; a param read in several stays in its own
+    gather_dtypes = {i: d for i, ds in read_as.items() if len(ds) == 1 and (d := next(iter(ds))) is not None}
     left = {id(p): (n, p) for n, p in params}  # not yet in a unit
     shared = {
-        i: sharded_flats([left.pop(i)], group, shard_device, decays, axis)[0]
+        i: sharded_flats([left.pop(i)], group, shard_device, decays, axis, gather_dtypes=gather_dtypes)[0]
         for i, count in named_by.items()
         if count > 1 and i in left
     }
@@ -295,7 +336,7 @@ def units_from_nodes(
                 gather.unit,
                 None,
                 [
-                    *sharded_flats(named, group, shard_device, decays, axis, alone),
+                    *sharded_flats(named, group, shard_device, decays, axis, alone, gather_dtypes),
                     *(shared[i] for i in ids if i in shared),
                 ],
                 refetch=release is not None,
@@ -314,12 +355,15 @@ def sharded_flats(
     decays: dict[int, bool],
     axis: str,
     alone: Collection[str] = (),
+    gather_dtypes: dict[int, torch.dtype] | None = None,
 ) -> list[Flat]:
-    """A unit's params as sharded flats: one per dtype and decay class, and one of its own for
-    each param named in `alone`."""
+    """A unit's params as sharded flats: one per dtype, gather dtype (`gather_dtypes`, by id:
+    the dtype the graph reads a param in) and decay class, and one of its own for each param
+    named in `alone`."""
+    gather_dtypes = gather_dtypes or {}
     rest = [(n, p) for n, p in params if n not in alone]
     groups: list[list[tuple[str, Tensor]]] = [[(n, p)] for n, p in params if n in alone]
-    groups += group_by_kind(rest, decays)
+    groups += group_by_kind(rest, decays, gather_dtypes)
     return [
         Flat(
             [n for n, _ in ps],
@@ -328,6 +372,7 @@ def sharded_flats(
             sharded_params=True,
             shard_device=shard_device,
             axis=axis,
+            gather_dtype=gather_dtypes.get(id(ps[0][1])),
         )
         for ps in groups
     ]

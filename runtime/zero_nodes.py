@@ -22,7 +22,7 @@ from torch import Tensor, fx, nn
 class Engine(Protocol):
     """What a bound node calls: ZeRO's engine, by index of the unit in program order."""
 
-    def on_gather(self, index: int) -> None: ...
+    def on_gather(self, index: int, params: Sequence[Tensor]) -> tuple[Tensor | None, ...] | None: ...
 
     def on_release(self, index: int) -> None: ...
 
@@ -35,25 +35,60 @@ class ZeroGather(nn.Module):
     Stage 3: gather the layer's params (or wait for their prefetch) and prefetch the next
     layer's; stages 1/2: wait for the all-gather of the layer's updated params. Unbound
     (no ZeRO engine, e.g. under `meshplan verify`) it does nothing: the params are whole.
+
+    `dtypes` (stage 3 under mixed precision): the dtype the graph reads each parameter in, or
+    None. Then the node returns one value per parameter, that parameter in its dtype, and the
+    graph reads those instead of casting the parameters itself: a bound engine gathers them
+    in that dtype (half the bytes of fp32 for bf16) into a buffer the release frees, so no
+    compute-dtype copy outlives the layer; unbound, they are the casts the graph had.
     """
 
     _is_impure = True  # no output: keep fx's dead-code elimination away from it
 
-    def __init__(self, axis: str, unit: str, params: Sequence[str]) -> None:
+    def __init__(
+        self, axis: str, unit: str, params: Sequence[str], dtypes: Sequence[torch.dtype | None] = ()
+    ) -> None:
         super().__init__()
         self.axis, self.unit, self.params = axis, unit, tuple(params)
+        self.dtypes = tuple(dtypes) or (None,) * len(self.params)
         self._engine: Engine | None = None
         self._index = -1
 
     def bind(self, engine: Engine | None, index: int) -> None:
         self._engine, self._index = engine, index
 
-    def forward(self, *params: Tensor) -> None:
+    def forward(self, *params: Tensor) -> tuple[Tensor | None, ...] | None:
         if self._engine is not None:
-            self._engine.on_gather(self._index)
+            cast = self._engine.on_gather(self._index, params)
+            if cast is not None:
+                return cast
+        if not any(self.dtypes):
+            return None
+        return tuple(p.to(d) if d is not None else None for p, d in zip(params, self.dtypes, strict=True))
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, unit={self.unit!r}, params={len(self.params)}"
+        cast = sorted({str(d).removeprefix("torch.") for d in self.dtypes if d is not None})
+        return f"axis={self.axis!r}, unit={self.unit!r}, params={len(self.params)}" + (
+            f", read_as={'/'.join(cast)}" if cast else ""
+        )
+
+
+class Gathered(torch.autograd.Function):
+    """Parameters read in another dtype, as views of a flat's gathered buffer in that dtype
+    (`Flat.low`): forward hands out the views (what the layer's ops save for backward, freed
+    and gathered again with the buffer); backward returns each gradient in its parameter's
+    dtype, which autograd accumulates into the fp32 parameter as a cast's backward would."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *args: Tensor) -> tuple[Tensor, ...]:
+        views, params = args[:count], args[count:]
+        ctx.count, ctx.dtypes = count, [p.dtype for p in params]
+        return tuple(v.view_as(v) for v in views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        cast = [g.to(d) if g is not None else None for g, d in zip(grads, ctx.dtypes, strict=True)]
+        return (None, *([None] * ctx.count), *cast)
 
 
 class ZeroRelease(nn.Module):

@@ -16,6 +16,16 @@ the rest (embeddings, final norm, LM head). Each unit gets
   values) gathers them again before the unit's backward. The unit released last (the
   root, whose LM head ends forward) keeps its parameters: backward starts with it.
 
+Under mixed precision (ZeRO-3, no pipeline) a parameter the graph only reads cast to the
+compute dtype (the precision pass's `_to_copy(w, dtype=bfloat16)`) is gathered in that
+dtype: the gather node returns it, its casts are gone, and the engine fills a bf16 buffer
+from the fp32 shards (half the bytes on the wire) that the release frees with the layer, so
+the weights a layer's matmuls save for backward are not bf16 copies kept alive until then:
+
+    zero_gather_layers_0 = self.zero_gather_layers_0(layers_0_input_layernorm_weight, ...)
+    getitem = zero_gather_layers_0[0]      # layers.0.input_layernorm.weight, as bf16
+    ...
+
 Under a pipeline (the pipeline pass gave each activation its stage) a unit never spans two
 stages, so each stage program holds the nodes of its own units and a pipeline rank's engine
 binds the ones its stages run: the root is a unit per stage (`root@stage0` for the
@@ -46,6 +56,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
@@ -154,9 +165,12 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
         params = units[unit]
         first, last = spans[unit]
         name, axis = _target("zero_gather", unit), group[params[0]]
-        gm.add_submodule(name, ZeroGather(axis, unit, [str(p.target) for p in params]))
+        # ZeRO-3 gathers a parameter the graph only reads cast (bf16 compute) in that dtype
+        dtypes = [_read_as(p) if spec.stage == 3 and not pipeline else None for p in params]
+        gm.add_submodule(name, ZeroGather(axis, unit, [str(p.target) for p in params], dtypes))
         with graph.inserting_before(first):
             gather = graph.call_module(name, tuple(params))
+        _read_from(graph, gather, params, dtypes)
         gather.meta[COLLECTIVE] = {"kind": "zero_gather", "axis": axis, "unit": unit, "where": spec.where}
         gather.meta[MODULE] = unit_of(str(params[0].target))  # `root@stage0` is the root's
         if unit_stage[unit] is not None:
@@ -169,6 +183,40 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _read_as(param: fx.Node) -> torch.dtype | None:
+    """The dtype every read of `param` casts it to (the precision pass's casts), if there is one."""
+    users = list(param.users)
+    if not users or not all(_is_cast(u) for u in users):
+        return None
+    dtypes = {u.kwargs["dtype"] for u in users}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _is_cast(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is torch.ops.aten._to_copy.default
+        and len(node.args) == 1
+        and set(node.kwargs) == {"dtype"}
+    )
+
+
+def _read_from(graph: fx.Graph, gather: fx.Node, params: list[fx.Node], dtypes: list) -> None:
+    """The casts of the parameters read in another dtype replaced by the gather's outputs."""
+    anchor = gather
+    for i, (param, dtype) in enumerate(zip(params, dtypes, strict=True)):
+        if dtype is None:
+            continue
+        casts = [u for u in param.users if u is not gather]
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (gather, i))
+        anchor.meta = dict(casts[0].meta)
+        for cast in casts:
+            cast.replace_all_uses_with(anchor)
+            graph.erase_node(cast)
 
 
 def _per_stage(units: dict[str, list[fx.Node]]) -> tuple[dict[str, list[fx.Node]], dict[str, int | None]]:

@@ -8,6 +8,8 @@ own worker setup (`session.open_session`) on gloo processes, against the unparti
   optimizer step and each layer's node waits for its own flats; the ledger again.
 - ZeRO-3 on the example GPT, whose embedding and LM head are one tied parameter read under
   two names: it is gathered once, in the root unit.
+- ZeRO-3 under bf16 compute (one layer checkpointed, the final norm in fp32): the fp32 weights
+  are gathered as bf16 and no bf16 copy of a weight is kept for backward.
 - ZeRO-3 under expert parallelism (dp=2 x ep=2, one layer checkpointed): a layer's dense
   parameters gathered over all four ranks and its experts over the two holding them, each
   by its own engine; the ledger again, summed over both.
@@ -47,6 +49,12 @@ PLANS = {  # name: (plan, world size, model)
     ),
     "zero2": ("mesh dp=2\ndata_parallel over dp {\n    zero = 2\n    bucket = 64KB\n}\n", 2, LLAMA),
     "zero3_tied": ("mesh dp=2\ndata_parallel over dp {\n    zero = 3\n}\n", 2, GPT),
+    "zero3_bf16": (
+        "mesh dp=2\n\nprecision {\n    compute = bf16\n}\n\nmodules {\n    layers.1: checkpoint\n"
+        "    norm: precision fp32\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n",
+        2,
+        LLAMA,
+    ),
     "experts_zero3": (
         "mesh dp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n"
         "    layers.1: checkpoint\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n",
@@ -86,6 +94,7 @@ def worker(facts: str, rank: int, world_size: int, job):
     for c in zero.issued():
         issued[c.op, c.bytes] += c.count
     units = [u for e in engines for u in e.units]
+    copies = compute_copies_kept(opened[0].program, [f for e in engines for f in e.flats])
     with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:
         pickle.dump(
             {
@@ -97,10 +106,38 @@ def worker(facts: str, rank: int, world_size: int, job):
                     (sum(f.full_nbytes() for f in u.flats) for u in units if u.name), default=0
                 ),
                 "root_bytes": sum(sum(f.full_nbytes() for f in u.flats) for u in units if not u.name),
+                "layer_numel": max((sum(f.padded for f in u.flats) for u in units if u.name), default=0),
+                "gathered_in": {
+                    str((f.low if f.low is not None else f.full).dtype) for e in engines for f in e.flats
+                },
+                "copies_kept": copies,
             },
             f,
         )
     return result
+
+
+def compute_copies_kept(program, flats) -> int:
+    """Bytes autograd keeps for backward, after one forward, in copies of parameters made in
+    another dtype (a bf16 cast of an fp32 weight that a matmul saves); what is read from a
+    ZeRO gather's buffer in the compute dtype is freed with the layer and does not count."""
+    import torch
+
+    params = {(tuple(p.shape), p.dtype) for p in program.parameters()}
+    buffers = {f.low.untyped_storage()._cdata for f in flats if f.low is not None}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        shape_of_param = any(tuple(t.shape) == shape and t.dtype != dtype for shape, dtype in params)
+        if shape_of_param and t.dtype != torch.float32 and storage._cdata not in buffers:
+            kept[storage._cdata] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 256, (1, 24))  # 24 tokens: no activation has a parameter's shape
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        program(ids, ids)
+    return sum(kept.values())
 
 
 @pytest.fixture(scope="module", params=sorted(PLANS))
@@ -161,6 +198,19 @@ def test_zero3_gathers_layer_by_layer(run) -> None:
         # the root (embedding + head) stays whole; at most two layers at once (one prefetched)
         assert r["peak_gathered"] <= r["root_bytes"] + 2 * r["layer_bytes"]
         assert r["peak_gathered"] < 0.75 * r["full_bytes"]
+
+
+def test_zero3_under_bf16_gathers_in_bf16_and_keeps_no_bf16_copy(run) -> None:
+    """Under `compute = bf16` each layer's fp32 weights are gathered as bf16 (half the bytes: the
+    ledger says so, and equals what was issued) into a buffer its release frees: no bf16 copy
+    of a weight stays alive from forward to backward (they were 2 bytes per parameter)."""
+    name, _, _, results = run
+    if name != "zero3_bf16":
+        pytest.skip("bf16 compute only")
+    for r in results:
+        assert r["gathered_in"] == {"torch.bfloat16", "torch.float32"}  # the fp32 norm: fp32
+        assert r["copies_kept"] == 0
+        assert r["layer_bytes"] == 2 * r["layer_numel"]  # every weight of a layer, 2 bytes each
 
 
 def test_experts_and_dense_parameters_are_units_of_their_own_groups(run) -> None:

@@ -75,6 +75,12 @@ BENCHES = (
         headline=r"^(off|checkpoint)",
     ),
     Bench(
+        "mixed_memory",
+        "ZeRO-3 under bf16 compute: step memory and gather bytes vs FSDP2 mixed precision",
+        quick=("--layers", "2", "--hidden", "256", "--steps", "1"),
+        headline=r" / |all-gather bytes",
+    ),
+    Bench(
         "save_memory",
         "per-rank memory while saving and loading a checkpoint, ZeRO-3 vs FSDP2",
         quick=("--world", "2", "--layers", "4"),

@@ -394,3 +394,34 @@ class LiveStorages(TorchDispatchMode):
 
     def live_bytes(self) -> int:
         return sum(n for ref, n in self.storages.values() if not ref.expired())
+
+
+_LIBC = None
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def resident_rise(fn: Callable[[], object]) -> int:
+    """How far this process's resident memory rose above its level before `fn()` ran (its peak
+    during the call, VmHWM reset through /proc/self/clear_refs, minus VmRSS before). Freed heap
+    memory is first returned to the OS (`malloc_trim`), so memory the call reuses counts.
+    Every rank calls it: it synchronizes before and after."""
+    global _LIBC
+    import ctypes
+    import gc
+
+    _LIBC = _LIBC or ctypes.CDLL("libc.so.6")
+    gc.collect()
+    _LIBC.malloc_trim(0)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to VmRSS
+    before = _status("VmRSS")
+    fn()
+    dist.barrier()
+    return max(0, _status("VmHWM") - before)

@@ -22,15 +22,13 @@ memory reused by the call counts). `peak / state` = (state + save) / state: the 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import result
+from common import resident_rise, result
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -47,27 +45,6 @@ from meshplan.runtime.zero import ZeroConfig, shard_for_zero
 LAYOUTS = ("meshplan", "fsdp2", "fsdp2-full")
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 BATCH, SEQ = 2, 32
-_LIBC = ctypes.CDLL("libc.so.6")
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS: resident now, VmHWM: its peak)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _rise(fn) -> int:
-    """How far resident memory rose above its level before `fn()` ran (peak - before)."""
-    gc.collect()
-    _LIBC.malloc_trim(0)  # freed memory back to the OS: reusing it must show as a rise
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to VmRSS
-    before = _status("VmRSS")
-    fn()
-    dist.barrier()
-    return max(0, _status("VmHWM") - before)
 
 
 def _meshplan(model: torch.nn.Module, world: int, folder: str) -> dict[str, int]:
@@ -83,8 +60,8 @@ def _meshplan(model: torch.nn.Module, world: int, folder: str) -> dict[str, int]
     zero.step()
     zero.zero_grad()
     state = sum(t.nbytes for own in zero.own_state() for t in own.tensors.values())
-    save = _rise(lambda: checkpoint.save(folder, 1, program, zero))
-    load = _rise(lambda: checkpoint.load(checkpoint.latest(folder), program, zero))
+    save = resident_rise(lambda: checkpoint.save(folder, 1, program, zero))
+    load = resident_rise(lambda: checkpoint.load(checkpoint.latest(folder), program, zero))
     return {"state": state, "save": save, "load": load}
 
 
@@ -118,8 +95,8 @@ def _fsdp2(model: torch.nn.Module, world: int, folder: str, *, full: bool) -> di
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     if full:  # loading a consolidated file back into shards is not measured
-        return {"state": state, "save": _rise(save), "load": -1}  # -1: not measured
-    return {"state": state, "save": _rise(save), "load": _rise(load)}
+        return {"state": state, "save": resident_rise(save), "load": -1}  # -1: not measured
+    return {"state": state, "save": resident_rise(save), "load": resident_rise(load)}
 
 
 def worker(rank: int, world: int, layout: str, args: argparse.Namespace, folder: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ the rest (embeddings, final norm, LM head). Each unit gets
   values) gathers them again before the unit's backward. The unit released last (the
   root, whose LM head ends forward) keeps its parameters: backward starts with it.
 
-Under mixed precision (ZeRO-3, no pipeline) a parameter the graph only reads cast to the
+Under mixed precision (ZeRO-3) a parameter the graph only reads cast to the
 compute dtype (the precision pass's `_to_copy(w, dtype=bfloat16)`) is gathered in that
 dtype: the gather node returns it, its casts are gone, and the engine fills a bf16 buffer
 from the fp32 shards (half the bytes on the wire) that the release frees with the layer, so
@@ -165,12 +165,13 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
         params = units[unit]
         first, last = spans[unit]
         name, axis = _target("zero_gather", unit), group[params[0]]
-        # ZeRO-3 gathers a parameter the graph only reads cast (bf16 compute) in that dtype
-        dtypes = [_read_as(p) if spec.stage == 3 and not pipeline else None for p in params]
+        # ZeRO-3 gathers a parameter the unit only reads cast (bf16 compute) in that dtype
+        in_stage = unit_stage[unit]
+        dtypes = [_read_as(_reads(p, in_stage)) if spec.stage == 3 else None for p in params]
         gm.add_submodule(name, ZeroGather(axis, unit, [str(p.target) for p in params], dtypes))
         with graph.inserting_before(first):
             gather = graph.call_module(name, tuple(params))
-        _read_from(graph, gather, params, dtypes)
+        _read_from(graph, gather, params, dtypes, in_stage)
         gather.meta[COLLECTIVE] = {"kind": "zero_gather", "axis": axis, "unit": unit, "where": spec.where}
         gather.meta[MODULE] = unit_of(str(params[0].target))  # `root@stage0` is the root's
         if unit_stage[unit] is not None:
@@ -185,12 +186,25 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
     return gm
 
 
-def _read_as(param: fx.Node) -> torch.dtype | None:
-    """The dtype every read of `param` casts it to (the precision pass's casts), if there is one."""
-    users = list(param.users)
-    if not users or not all(_is_cast(u) for u in users):
+def _reads(param: fx.Node, in_stage: int | None) -> list[fx.Node]:
+    """The nodes reading `param` in a unit: under a pipeline, those of the unit's stage (a
+    weight several stages read has a cast per stage, and a unit in each)."""
+    return [
+        u
+        for u in param.users
+        if not _is_zero_gather(u) and (in_stage is None or stages_reading(u) == {in_stage})
+    ]
+
+
+def _is_zero_gather(node: fx.Node) -> bool:
+    return node.op == "call_module" and str(node.target).startswith("zero_gather")
+
+
+def _read_as(reads: list[fx.Node]) -> torch.dtype | None:
+    """The dtype `reads` (of one parameter) all cast it to (the precision pass's casts), if one."""
+    if not reads or not all(_is_cast(u) for u in reads):
         return None
-    dtypes = {u.kwargs["dtype"] for u in users}
+    dtypes = {u.kwargs["dtype"] for u in reads}
     dtype = dtypes.pop() if len(dtypes) == 1 else None
     return dtype if isinstance(dtype, torch.dtype) else None
 
@@ -204,16 +218,20 @@ def _is_cast(node: fx.Node) -> bool:
     )
 
 
-def _read_from(graph: fx.Graph, gather: fx.Node, params: list[fx.Node], dtypes: list) -> None:
-    """The casts of the parameters read in another dtype replaced by the gather's outputs."""
+def _read_from(
+    graph: fx.Graph, gather: fx.Node, params: list[fx.Node], dtypes: list, in_stage: int | None
+) -> None:
+    """The unit's casts of the parameters read in another dtype replaced by the gather's outputs."""
     anchor = gather
     for i, (param, dtype) in enumerate(zip(params, dtypes, strict=True)):
         if dtype is None:
             continue
-        casts = [u for u in param.users if u is not gather]
+        casts = _reads(param, in_stage)
         with graph.inserting_after(anchor):
             anchor = graph.call_function(operator.getitem, (gather, i))
         anchor.meta = dict(casts[0].meta)
+        if in_stage is not None:
+            anchor.meta[STAGE] = in_stage  # runs in its unit's stage program, after the gather
         for cast in casts:
             cast.replace_all_uses_with(anchor)
             graph.erase_node(cast)

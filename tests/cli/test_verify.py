@@ -90,6 +90,19 @@ def test_zero3_with_offload_fp16_loss_scaling_and_accumulation():
 
 
 @pytest.mark.slow
+def test_zero3_gathering_in_bf16_in_a_pipeline(tmp_path):
+    """dp=2 x pp=2, 1F1B, ZeRO-3 under bf16 compute: each stage's layers are gathered in bf16
+    (the gather nodes hand out the weights; a checkpointed layer recomputes from them after its
+    release's backward gathered them again), the final norm in fp32 gathered as fp32."""
+    text = (
+        "mesh dp=2, pp=2\n\nmodules {\n    layers.1: checkpoint\n    norm: precision fp32\n}\n\n"
+        "pipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n\n"
+        "data_parallel over dp {\n    zero = 3\n}\n\nprecision {\n    compute = bf16\n}\n"
+    )
+    assert_ok(verify(write(tmp_path, text), LLAMA, steps=2))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", ["hf_gpt2", "hf_gpt2_full_vocab"])
 def test_hf_gpt2_sequence_parallel_zero3_without_checkpointing(tmp_path, factory):
     """dp2 x tp2: the sequence-parallel bias add that the tensor-parallel pass makes after the

@@ -77,13 +77,13 @@ BENCHES = (
     Bench(
         "mixed_memory",
         "ZeRO-3 under bf16 compute: step memory and gather bytes vs FSDP2 mixed precision",
-        quick=("--layers", "2", "--hidden", "256", "--steps", "1"),
+        quick=("--layers", "2", "--hidden", "128", "--steps", "1"),
         headline=r" / |all-gather bytes",
     ),
     Bench(
         "save_memory",
         "per-rank memory while saving and loading a checkpoint, ZeRO-3 vs FSDP2",
-        quick=("--world", "2", "--layers", "4"),
+        quick=("--world", "2", "--layers", "2", "--hidden", "256"),
         headline=r"worst rank|meshplan / ",
     ),
     Bench("pp_idle", "pipeline idle per rank, measured vs simulated", quick=("--quick",), headline=r"goal"),

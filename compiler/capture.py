@@ -302,7 +302,25 @@ def _run_file(target: str) -> ModuleType:
             f"running {target!r} raised {_describe(exc)}{_location(exc, str(resolved))}",
             hint=f"run `python {target}` to see the full traceback",
         ) from exc
+    _importable_by_its_name(module, resolved)
     return module
+
+
+def _importable_by_its_name(module: ModuleType, path: Path) -> None:
+    """Let `import NAME` of the model file (`moe.py`: `import moe`) from the user's other files
+    (a `--between-steps` or `--data` file beside it) return this module, not a second copy of
+    it whose classes fail every `isinstance` check on the model. Only where that import would
+    find this very file (its folder is first on sys.path while it loads) and nothing holds the
+    name yet."""
+    stem = path.stem
+    if not stem.isidentifier() or stem in sys.modules:
+        return
+    try:
+        found = importlib.util.find_spec(stem)
+    except (ImportError, ValueError):
+        return
+    if found is not None and found.origin is not None and Path(found.origin).resolve() == path:
+        sys.modules[stem] = module
 
 
 def _file_module_name(path: Path) -> str:

@@ -238,6 +238,30 @@ def test_aux_loss_free_balancing_under_zero_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "rules",
+    [
+        "    layers.*.self_attn: context ring over cp\n",
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
+        "    layers.*.{input,post_attention}_layernorm: sequence over tp\n",
+    ],
+    ids=["context", "sequence"],
+)
+def test_aux_loss_free_balancing_beside_sequence_shards(tmp_path, rules):
+    """The token counts stay the whole job's when attention sees sequence shards (ring over
+    `cp`, or norms sequence-parallel over `tp`): the bias the update computes is one device's."""
+    axis = "cp" if "cp" in rules else "tp"
+    text = (
+        f"mesh dp=2, {axis}=2\n\nmodules {{\n{rules}    layers.*.mlp.experts: experts over dp (top_k=2)\n}}\n"
+    )
+    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
+    report = verify(
+        write(tmp_path, text), f"{factory}:build", steps=3, between_steps=f"{factory}:update_bias"
+    )
+    assert_ok(report)
+
+
+@pytest.mark.slow
 def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
     """dp=2 x ep=2 with `capacity_factor=1.0`: each expert takes at most ceil(64 x 2 / 4) = 32
     pairs of a rank's 64 tokens, the rest are dropped. The float64 reference drops the same

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.compiler.capture import load_model
+from meshplan.compiler.capture import load_function, load_model
 from meshplan.compiler.errors import ModelLoadError
 
 # Module names unique to this test: a module imported from a folder stays in sys.modules.
@@ -81,3 +81,20 @@ def test_a_missing_sibling_still_names_the_file_and_line(tmp_path: Path) -> None
     ):
         load_model(f"{tmp_path}/train.py:build")
     assert str(tmp_path) not in sys.path
+
+
+def test_another_file_that_imports_the_model_file_gets_the_same_module(tmp_path: Path) -> None:
+    """A `--between-steps` function in its own file that imports the model file by name sees the
+    model's own classes: a second copy of the module would fail every `isinstance` silently."""
+    name = "meshplan_test_model_by_name"
+    factory = "\n\ndef build():\n    return TinyLM()\n\n\ndef example_inputs():\n    return (torch.zeros(2, 4, dtype=torch.long),)\n"
+    (tmp_path / f"{name}.py").write_text(SIBLING + factory)
+    (tmp_path / "update.py").write_text(
+        f"import {name}\n\n\ndef is_mine(model):\n    return isinstance(model, {name}.TinyLM)\n"
+    )
+    try:
+        source = load_model(f"{tmp_path / name}.py:build")
+        is_mine = load_function(f"{tmp_path / 'update.py'}:is_mine", "--between-steps")
+        assert is_mine(source.model)
+    finally:
+        sys.modules.pop(name, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 from meshplan.dsl.fmt import action_text
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.schedules import Schedule, Timeline
+from meshplan.runtime.zero_nodes import ZeroGather
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
@@ -146,6 +147,19 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     ]
     if dp.zero == 3 and units:
         lines.append(f"    units, in forward order: {', '.join(compress_paths(units))}")
+        read_as = Counter(
+            _DTYPE_NAMES.get(d, str(d))
+            for module in compiled.graph.modules()
+            if isinstance(module, ZeroGather)
+            for d in module.dtypes
+        )
+        cast = {d: n for d, n in read_as.items() if d != "None"}
+        if cast:
+            total = sum(read_as.values())
+            each = ", ".join(f"{n} of {total} as {d}" for d, n in sorted(cast.items()))
+            lines.append(
+                f"    weights gathered in the dtype the layers read them in: {each} (freed with their layer)"
+            )
     # under expert parallelism over `dp x ep`, `dp`, or `ep` alone when dp has one rank
     rows = [r for r in compiled.ledger.rows if r.kind in _DP_KINDS]
     if rows:
@@ -162,6 +176,7 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
 
 
 _DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the plan's words
 
 
 def _expert_lines(compiled: Compiled) -> list[str]:

@@ -4,6 +4,8 @@ with them, against one process, is tests/cli/test_run_pipeline_zero.py."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -51,8 +53,8 @@ def test_each_stage_gathers_and_releases_its_own_units() -> None:
     """GPT on pp=2 with ZeRO-3 and bf16: the root is a unit per stage (its embeddings in the
     first, its final norm and the LM head in the last), the tied weight in both; every unit is
     released (microbatches interleave: none stays gathered from its forward to its backward);
-    in each stage program every read of a parameter, the bf16 cast of the tied weight
-    included, runs after the gather that lists it."""
+    in each stage program every read of a parameter runs after the gather that lists it, and
+    each stage reads the tied weight in bf16 from its own gather."""
     compiled = compiled_for(GPT, extra="\nprecision {\n    compute = bf16\n}\n")
     stages = cut_stages(compiled.graph, compiled_cuts(compiled.graph))
     programs = stages.programs(compiled.graph)
@@ -74,10 +76,13 @@ def test_each_stage_gathers_and_releases_its_own_units() -> None:
                 assert all(order[u] > gathered[str(n.target)] for u in readers), n
         tied = [n for n in program.graph.nodes if n.op == "get_attr" and n.target == "lm_head.weight"]
         assert len(tied) == 1 and "lm_head.weight" in gathered
-        # each stage casts the tied weight itself, after its own gather
-        assert [u.target for u in tied[0].users if u.op == "call_function"] == [
-            torch.ops.aten._to_copy.default
-        ]
+        # each stage reads the tied weight from its own gather, in bf16 (the gather replaced the
+        # stage's cast of it: ZeRO-3 gathers it in the dtype the layers read it in)
+        (gather,) = tied[0].users
+        assert "zero_gather" in str(gather.target)
+        index = list(gather.args).index(tied[0])
+        (value,) = [u for u in gather.users if u.target is operator.getitem and u.args[1] == index]
+        assert value.meta["val"].dtype == torch.bfloat16 and value.users
 
 
 def test_a_layer_cut_in_two_is_a_unit_per_stage() -> None:

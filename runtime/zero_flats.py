@@ -150,11 +150,16 @@ class Flat:
     # ------------------------------------------------------------ gradients
 
     def flat_grads(self, dtype: torch.dtype) -> Tensor:
-        """The params' grads in one new (padded,) buffer of `dtype`; missing grads count as zero."""
-        out = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        """The params' grads in one new (padded,) buffer of `dtype`; missing grads count as zero.
+        Only the padding and the missing grads are zero-filled (not the whole buffer first: a
+        memset of every gradient byte was 3% of a ZeRO-3 step)."""
+        out = torch.empty(self.padded, dtype=dtype, device=self.device)
         for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
             if p.grad is not None:
                 out[off : off + n].copy_(p.grad.reshape(-1))
+            else:
+                out[off : off + n].zero_()
+        out[self.numel :].zero_()
         return out
 
     def own_ranges(self) -> list[tuple[str, int, int]]:

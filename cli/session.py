@@ -705,17 +705,21 @@ def export_weights(args: argparse.Namespace, prepared: Session, rank: int) -> No
 
 def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
-    shards gathered over their axes, ZeRO's gathered, and each tied weight under every name it has."""
-    import contextlib
-
+    shards gathered over their axes, ZeRO's gathered unit by unit, and each tied weight under
+    every name it has."""
     from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.export import consolidate
     from meshplan.runtime.zero import Zero
 
-    dp = prepared.dp
-    gathered = dp.gathered() if isinstance(dp, Zero | ExpertZero) else contextlib.nullcontext()
-    with gathered:
-        state = consolidate(prepared.program, prepared.axes, set(prepared.export_names))
+    dp, program, wanted = prepared.dp, prepared.program, set(prepared.export_names)
+    state: dict[str, torch.Tensor] = {}
+    if isinstance(dp, Zero | ExpertZero):  # ZeRO-3: one unit gathered at a time, not the model
+        ids = {name: id(p) for name, p in program.named_parameters(remove_duplicate=False)}
+        for names in dp.gathered_by_unit():
+            mine = {ids[n] for n in names if n in ids}
+            state |= consolidate(program, prepared.axes, {n for n, i in ids.items() if i in mine} & wanted)
+    # the rest: buffers, and parameters no ZeRO engine holds (all of them without ZeRO)
+    state |= consolidate(program, prepared.axes, wanted - state.keys())
     if prepared.pipeline_group is not None:  # each pipeline rank holds other stages: put them together
         import torch.distributed as dist
 

@@ -80,6 +80,11 @@ class ExpertZero(PerGroup[Zero]):
         """`Zero.shard_numel` of the dense parameters' engine (the widest group): a tied weight's."""
         return max(self.engines, key=lambda e: e.world).shard_numel(numel)
 
+    def gathered_by_unit(self) -> Iterator[set[str]]:
+        """`Zero.gathered_by_unit` of every engine in turn."""
+        for e in self.engines:
+            yield from e.gathered_by_unit()
+
     def own_state(self) -> list[OwnState]:
         """`Zero.own_state` of every engine: the engines own disjoint names."""
         return [state for e in self.engines for state in e.own_state()]

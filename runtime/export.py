@@ -4,7 +4,7 @@
 
 Every rank takes part: shards are all-gathered over each axis that cuts them (fused
 projections block by block), ZeRO-3 parameters are gathered by the caller
-(`Zero.gathered()`), and rank 0 writes the file. `.safetensors` needs the safetensors
+(`Zero.gathered_by_unit()`: one layer at a time), and rank 0 writes the file. `.safetensors` needs the safetensors
 package; any other suffix is written with `torch.save` (load it with
 `torch.load(path, weights_only=True)`).
 """

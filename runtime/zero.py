@@ -298,6 +298,22 @@ class Zero:
                 for u in self.units:
                     u.free()
 
+    def gathered_by_unit(self) -> Iterator[set[str]]:
+        """Each unit's parameters materialized in turn (fp32, as `gathered()` makes them), their
+        names yielded, then freed: an export holds one layer on the device at a time, not the
+        model. Stages 1/2 keep every parameter whole: all names at once. Every rank of the
+        group iterates it to the end, in the same order (the gathers are collectives)."""
+        self.wait_params()
+        if self.config.stage < 3:
+            yield {n for f in self.flats for n in f.names}
+            return
+        for u in self.units:
+            u.gather(lambda op, nbytes: None, whole=True)
+            try:
+                yield {n for f in u.flats for n in f.names}
+            finally:
+                u.free()
+
     def own_grad_of(self, name: str) -> Tensor:
         """This rank's piece of the averaged gradient of parameter `name`, given a flat of its
         own (`alone`): elements [r*S, (r+1)*S) of it, flattened and padded, S =

@@ -122,7 +122,17 @@ def _train_zero(rank: int, case: Case) -> dict:
         losses.append(total.item() / WORLD)
     with zero.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    by_unit: dict[str, torch.Tensor] = {}  # what an export sees, one unit gathered at a time
+    most_gathered = 0
+    for names in zero.gathered_by_unit():
+        most_gathered = max(most_gathered, sum(f.is_gathered(whole=True) for f in zero.flats))
+        by_unit |= {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
     return {
+        "by_unit_equal": by_unit.keys() == params.keys()
+        and all(torch.equal(by_unit[n], params[n]) for n in params),
+        "most_gathered": most_gathered,
+        "largest_unit": max((len(u.flats) for u in zero.units), default=len(zero.flats)),
+        "flats": len(zero.flats),
         "losses": losses,
         "norms": norms,
         "params": params,
@@ -380,6 +390,23 @@ def elements_written(path: Path, rank: int, zero: Zero) -> int:
             if where.startswith(f"__{rank}_"):
                 total += math.prod(chunk.sizes)
     return total
+
+
+def test_an_export_gathers_one_unit_at_a_time(results: list[dict]) -> None:
+    """`gathered_by_unit` (what `--export` consolidates from) hands out every parameter with the
+    value `gathered()` gives, and under ZeRO-3 holds at most one unit's flats gathered at once."""
+    checked = 0
+    for by_case in results:
+        for case, r in by_case.items():
+            if not isinstance(r, dict) or "by_unit_equal" not in r:
+                continue
+            assert r["by_unit_equal"], case
+            if r["units"]:  # stage 3: the unit being handed out, nothing else
+                assert 1 <= r["most_gathered"] <= r["largest_unit"], case
+                if len(r["units"]) > 1:
+                    assert r["most_gathered"] < r["flats"], case
+                    checked += 1
+    assert checked
 
 
 def test_distributed_checkpoint_resume(results: list[dict]) -> None:

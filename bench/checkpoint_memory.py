@@ -23,12 +23,12 @@ import statistics
 import time
 
 import torch
-from common import LiveStorages
+from common import LiveStorages, sized_llama
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl import check_text
-from meshplan.examples.models.llama import build, example_inputs
+from meshplan.examples.models.llama import example_inputs
 
 RULES = (None, "checkpoint", "checkpoint every 2", "checkpoint selective")
 
@@ -72,14 +72,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     a = parser.parse_args()
     torch.manual_seed(0)
-    model = build(
-        num_hidden_layers=a.layers,
-        hidden_size=a.hidden,
-        intermediate_size=(8 * a.hidden // 3 + 63) // 64 * 64,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=a.seq,
-    )
+    model = sized_llama(a.layers, a.hidden, max_position_embeddings=a.seq)
     args = example_inputs(a.batch, a.seq)
     source = ModelSource("llama", model, args, {})
     params = sum(p.numel() for p in model.parameters())

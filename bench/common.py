@@ -64,6 +64,19 @@ def llama_source(*, batch: int = 2, seq: int = 16, **overrides: object) -> Model
     return ModelSource(spec=f"llama{overrides}", model=model, args=(input_ids, labels))
 
 
+def sized_llama(layers: int, hidden: int, *, heads: int = 8, kv_heads: int = 4, **overrides: object) -> Llama:
+    """The example Llama at a benchmark's size: the MLP 8/3 of the hidden size rounded up to 64
+    (Llama's ratio), GQA with `heads` query and `kv_heads` key/value heads."""
+    return build(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **overrides,
+    )
+
+
 # ---------------------------------------------------------------------------- PyTorch's own TP
 
 

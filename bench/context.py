@@ -43,12 +43,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from common import LiveStorages, result
+from common import LiveStorages, result, sized_llama
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl.check import check_text
-from meshplan.examples.models.llama import build, example_inputs
+from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import collectives as meshplan_collectives
 from meshplan.runtime.mesh import init_mesh
 
@@ -136,13 +136,8 @@ class SentBytes:
 
 
 def _program(text: str, args: argparse.Namespace, world: int):
-    model = build(
-        num_hidden_layers=args.layers,
-        hidden_size=args.hidden,
-        intermediate_size=(8 * args.hidden // 3 + 63) // 64 * 64,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq,
+    model = sized_llama(
+        args.layers, args.hidden, heads=args.heads, kv_heads=args.kv_heads, max_position_embeddings=args.seq
     )
     source = ModelSource("llama", model, example_inputs(1, args.seq), {})
     compiled = compile_plan(check_text(text, "bench.plan", world_size=world), source, world_size=world)

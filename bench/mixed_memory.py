@@ -24,14 +24,14 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from common import resident_rise, result
+from common import resident_rise, result, sized_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl.check import check_text
-from meshplan.examples.models.llama import build, example_inputs
+from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
 from meshplan.runtime.zero import ZeroConfig, shard_for_zero
@@ -61,13 +61,7 @@ def kept_copies(forward, params: list[torch.Tensor], buffers: set[int]) -> int:
 
 def worker(rank: int, world: int, layout: str, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
-    model = build(
-        num_hidden_layers=args.layers,
-        hidden_size=args.hidden,
-        intermediate_size=(8 * args.hidden // 3 + 63) // 64 * 64,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    model = sized_llama(args.layers, args.hidden)
     ids, labels = example_inputs(BATCH, SEQ, seed=rank)
     out: dict[str, float] = {}
     if layout == "meshplan":

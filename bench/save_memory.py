@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import resident_rise, result
+from common import resident_rise, result, sized_llama
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from meshplan.compiler.capture import ModelSource, bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl.check import check_text
-from meshplan.examples.models.llama import build, example_inputs
+from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import checkpoint
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
@@ -101,13 +101,7 @@ def _fsdp2(model: torch.nn.Module, world: int, folder: str, *, full: bool) -> di
 
 def worker(rank: int, world: int, layout: str, args: argparse.Namespace, folder: str) -> dict[str, int]:
     torch.manual_seed(0)
-    model = build(
-        num_hidden_layers=args.layers,
-        hidden_size=args.hidden,
-        intermediate_size=(8 * args.hidden // 3 + 63) // 64 * 64,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    model = sized_llama(args.layers, args.hidden)
     if layout == "meshplan":
         return _meshplan(model, world, folder)
     return _fsdp2(model, world, folder, full=layout == "fsdp2-full")

@@ -175,7 +175,7 @@ def _run_passes(
     a size that follows from the token shape by its example value."""
     gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
     lint(gm, layout, after="capture")
-    resolution, diagnostics = resolve(plan, captured.modules)
+    resolution, diagnostics = resolve(plan, captured.modules, experts.expert_parameters(plan, source.model))
     ctx = Context(plan, layout, source, resolution, diagnostics)
     with no_new_guards(gm):
         for step in PASSES:

@@ -39,22 +39,28 @@ class Resolution:
         return self.placements.get(path, {}).get(kind)
 
 
-def resolve(plan: Plan, module_paths: Iterable[str]) -> tuple[Resolution, list[Diagnostic]]:
-    """Match every rule of `plan` against `module_paths` (as `named_modules()` spells them).
+def resolve(
+    plan: Plan, module_paths: Iterable[str], parameter_paths: Iterable[str] = ()
+) -> tuple[Resolution, list[Diagnostic]]:
+    """Match every rule of `plan` against `module_paths` (as `named_modules()` spells them);
+    tensor rules also against `parameter_paths` (an experts module's stacked matrices, which
+    `column`/`row` split as its linear layers: `expert_tensor_rules`).
 
     Returns the resolution and the diagnostics (unmatched rules, conflicts); the caller
     decides whether to raise, so one compile reports model problems and plan problems together.
     """
     paths = [p for p in module_paths if p]  # the root module has no name to match
+    with_parameters = paths + list(parameter_paths)
     diagnostics: list[Diagnostic] = []
     matched: dict[int, tuple[str, ...]] = {}
     candidates: dict[tuple[str, RuleKind], list[PlanRule]] = defaultdict(list)
 
     for rule in plan.rules:
-        hits = tuple(p for p in paths if rule.glob.matches(p))
+        among = with_parameters if rule.kind == "tensor" else paths
+        hits = tuple(p for p in among if rule.glob.matches(p))
         matched[rule.order] = hits
         if not hits:
-            diagnostics.append(_unmatched(rule.glob, rule.pattern_span, paths, what="rule"))
+            diagnostics.append(_unmatched(rule.glob, rule.pattern_span, among, what="rule"))
         for path in hits:
             candidates[(path, rule.kind)].append(rule)
 

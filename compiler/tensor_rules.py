@@ -22,6 +22,7 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.mesh import MeshLayout
 
+from .expert_tensor_rules import expert_split
 from .match import Resolution
 from .passes.tensor_parallel import ParamPlacement, TensorParallelSpec
 from .placement import REPLICATE, Placement, Shard
@@ -126,8 +127,14 @@ def _axis_spec(
     modules = dict(model.named_modules())
     params: dict[str, ParamPlacement] = {}
     replicated: dict[str, ParamPlacement] = {}  # kept whole by an explicit `replicate` rule
+    in_experts: dict[str, dict[str, PlanRule]] = {}  # experts module -> its parameter -> rule
     for path, kinds in resolution.placements.items():
         rule = kinds.get("tensor")
+        if path not in modules:  # a parameter of an experts module (`expert_tensor_rules`)
+            owner = _owner(path, modules)
+            if rule is not None:
+                in_experts.setdefault(owner, {})[path.removeprefix(f"{owner}.")] = rule
+            continue
         if rule is not None and isinstance(rule.action, ast.Replicate):
             for pname, _ in modules[path].named_parameters(recurse=False):
                 replicated[f"{path}.{pname}"] = ParamPlacement(REPLICATE, rule)
@@ -138,6 +145,13 @@ def _axis_spec(
         placement = _module_placements(style, module, path, rule, n, diagnostics)
         for pname, p in placement.items():
             params[f"{path}.{pname}"] = ParamPlacement(p, rule)
+    for owner, named in in_experts.items():
+        if not any(r.axis == axis for r in named.values() if isinstance(r.action, ast.TensorParallel)):
+            continue
+        placed, found = expert_split(owner, modules[owner], named, axis, n)
+        diagnostics += [_once_per_rule(d, owner, in_experts) for d in found]
+        params.update({f"{owner}.{name}": ParamPlacement(p, named[name]) for name, p in placed.items()})
+    diagnostics = list(dict.fromkeys(diagnostics))  # an experts problem, once per rule
     diagnostics = _collapse_repeats(diagnostics)
     heads = _check_heads(plan, model, axis, n, tensor_rules)
     diagnostics = _behind_root_cause(heads, diagnostics, model) + heads
@@ -160,6 +174,27 @@ def _axis_spec(
         kv_replicas=kv_replicas,
     )
     return spec, diagnostics
+
+
+def _once_per_rule(
+    diagnostic: Diagnostic, owner: str, in_experts: Mapping[str, Mapping[str, PlanRule]]
+) -> Diagnostic:
+    """An experts module's problem, said for every module its rules match alike: the first one
+    named, "and N more like it" (equal diagnostics then fold into one)."""
+    rules = set(map(id, in_experts[owner].values()))
+    alike = [o for o, named in in_experts.items() if set(map(id, named.values())) == rules]
+    if len(alike) < 2:
+        return diagnostic
+    message = diagnostic.message.replace(f"`{owner}`", f"`{alike[0]}` and {len(alike) - 1} more like it")
+    return dataclasses.replace(diagnostic, message=message)
+
+
+def _owner(parameter: str, modules: Mapping[str, nn.Module]) -> str:
+    """The module holding a parameter, by path."""
+    owner = parameter.rpartition(".")[0]
+    while owner not in modules:
+        owner = owner.rpartition(".")[0]
+    return owner
 
 
 def _module_placements(

@@ -115,6 +115,18 @@ def expert_modules(plan: Plan, model: nn.Module) -> dict[str, PlanRule]:
     }
 
 
+def expert_parameters(plan: Plan, model: nn.Module) -> list[str]:
+    """The parameters of every experts module an `experts` rule splits, by path: what a `column`
+    or `row` rule may name (each expert's matrix split over a tensor axis: `expert_tensor_rules`)."""
+    modules = dict(model.named_modules())
+    return [
+        f"{path}.{name}"
+        for path, rule in expert_modules(plan, model).items()
+        if rule.axis is not None and not_a_unit(modules[path], model) is None
+        for name, _ in modules[path].named_parameters()
+    ]
+
+
 @contextlib.contextmanager
 def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
     """While capturing: every experts module an `experts` rule names calls the `meshplan.experts`

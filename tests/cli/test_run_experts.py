@@ -140,3 +140,23 @@ def test_aux_loss_free_balancing_counts_the_whole_job(tmp_path: Path) -> None:
         bias = f"layers.{layer}.mlp.expert_bias"
         assert want[bias].abs().min() > 0  # the update ran, and moved every expert's bias
         torch.testing.assert_close(have[bias], want[bias], rtol=1e-5, atol=1e-7)
+
+
+def test_experts_split_over_tp_train_like_one_process_and_resume_whole(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """`mesh ep=2, tp=2`: each expert's matrices split over `tp` inside the expert split over
+    `ep` (the batch over ep only: 2 sequences per rank and micro-step), saved at step 2 as
+    those pieces and resumed by dp=2 x ep=2 under ZeRO-2, where they are whole over tp."""
+    tp = (
+        "mesh ep=2, tp=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n"
+        "    layers.*.mlp.experts.gate_up_proj: column over tp\n    layers.*.mlp.experts.down_proj: row over tp\n"
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
+        "    layers.1: checkpoint\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+    )
+    zero2 = EXPERT_PARALLEL.replace("bucket = 64KB", "bucket = 64KB\n    zero = 2")
+    first = run(tmp_path, "run", tp, 2, "--steps", "2", "--save-every", "2")
+    run(tmp_path, "run", zero2, 1, "--resume")
+    resumed = metrics(tmp_path / "run")[0]
+    assert [r["step"] for r in first] == [1, 2]
+    same_training(resumed, one_process)

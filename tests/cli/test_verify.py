@@ -221,6 +221,46 @@ def test_experts_in_a_pipeline(tmp_path, mesh, data, schedule, zero):
     assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))
 
 
+EXPERT_TP = """
+modules {
+    PREFIXlayers.*.self_attn.{q,k,v}_proj: column over tp
+    PREFIXlayers.*.self_attn.o_proj: row over tp
+    PREFIXlayers.*.mlp.experts: experts over AXIS (top_k=2)
+    PREFIXlayers.*.mlp.experts.COLUMN: column over tp
+    PREFIXlayers.*.mlp.experts.ROW: row over tp
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("factory", "mesh", "axis", "column", "row", "extra"),
+    [
+        ("hf_factories.py:hf_mixtral_aux", "ep=2, tp=2", "ep", "gate_up_proj", "down_proj", "}\n"),
+        (
+            "expert_layouts.py:grouped",
+            "dp=2, tp=2",
+            "dp",
+            "{w1,w3}",
+            "w2",
+            "    layers.*.*_layernorm: sequence over tp\n    layers.1: checkpoint\n}\n\n"
+            "data_parallel over dp {\n    zero = 3\n}\n",
+        ),
+    ],
+    ids=["mixtral", "grouped-sp-zero3"],
+)
+def test_tensor_parallelism_inside_experts(tmp_path, factory, mesh, axis, column, row, extra):
+    """Each expert's matrices split over `tp` (column, then row), the experts over `ep` or
+    borrowing `dp`: Hugging Face Mixtral (gate and up fused: two blocks, (E, out, in)), and a
+    grouped-matmul layout (E, in, out) with sequence-parallel norms, a checkpointed layer and
+    ZeRO-3 gathering each layer's experts over dp (their tp slices)."""
+    if factory.startswith("hf_"):
+        pytest.importorskip("transformers")
+    prefix = "model." if factory.startswith("hf_") else ""
+    text = f"mesh {mesh}\n" + EXPERT_TP.replace("PREFIX", prefix).replace("AXIS", axis)
+    text = text.replace("COLUMN", column).replace("ROW", row) + extra
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/{factory}", steps=2))
+
+
 @pytest.mark.slow
 def test_aux_loss_free_balancing_under_zero_2(tmp_path):
     """`--between-steps`: the model's expert-bias update runs after every step of all three

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import expert_layouts
 import pytest
 import torch
 import torch.nn.functional as F
@@ -305,3 +306,80 @@ def test_a_checkpointed_layer_that_writes_a_buffer_is_refused():
         "        ^~~~~~~~~~~~~~~~~~~~\n"
         "hint: checkpoint modules that only read their buffers (e.g. the layer's attention)"
     )
+
+
+# ---------------------------------------------------------------- tensor parallelism inside experts
+
+EXPERT_TP = """mesh ep=2, tp=2
+
+modules {
+    layers.*.mlp.experts: experts over ep (top_k=2)
+    layers.*.mlp.experts.COLUMN: column over tp
+    layers.*.mlp.experts.ROW: row over tp
+}
+"""
+
+
+def _expert_tp(column: str = "gate_up_proj", row: str = "down_proj") -> str:
+    return EXPERT_TP.replace("COLUMN", column).replace("ROW", row)
+
+
+def test_tensor_rules_split_each_experts_matrices():
+    """Mixtral's layout (E, out, in), gate and up fused: each rank of `tp` keeps its half of the
+    gate's and of the up projection's features (two blocks), and of the down projection's
+    inputs; the unit's output is reduced once over `tp` after the combine (N rows of H, not
+    N k), attributed to the row rule, and its tokens and routing weights go in through f."""
+    compiled = _compile(_expert_tp())
+    placed = compiled.param_placements
+    assert placed["layers.0.mlp.experts.gate_up_proj"] == {"tp": Shard(1, (64, 64)), "ep": Shard(0)}
+    assert placed["layers.0.mlp.experts.down_proj"] == {"tp": Shard(2), "ep": Shard(0)}
+    unit = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
+    reduce = [r for r in compiled.ledger.rows if (r.axis, r.phase, r.op) == ("tp", "forward", "all_reduce")]
+    assert [(r.shape, r.count, r.rule) for r in reduce] == [((32, 64), 1, "p.plan:6")] * 2  # one per layer
+    (user,) = unit.users
+    assert user.meta[COLLECTIVE]["kind"] == "all_reduce" and user.meta[COLLECTIVE]["axis"] == "tp"
+    tokens, _, weights = (unit.args[i] for i in range(3))
+    assert all(a.meta[COLLECTIVE]["kind"] == "copy_to" for a in (tokens, weights))
+
+
+def test_experts_stored_in_out_split_on_the_other_dims():
+    """A grouped-matmul layout: w1, w3 (E, H, I) and w2 (E, I, H) applied as `x @ w`, so the
+    features to split are dim 2 of the column matrices and dim 1 of the row matrix."""
+    compiled = _compile(_expert_tp("{w1,w3}", "w2"), expert_layouts.grouped())
+    placed = compiled.param_placements
+    split = {w: placed[f"layers.1.mlp.experts.{w}"]["tp"] for w in ("w1", "w3", "w2")}
+    assert split == {"w1": Shard(2), "w3": Shard(2), "w2": Shard(1)}
+
+
+def test_experts_split_that_would_not_add_up_are_located_errors():
+    """The split is tried on the experts' own code: gate and up interleaved feature by feature
+    cannot be cut in two halves; a bias after the row matrix would be added by every rank; a
+    column split alone leaves no partial sums to reduce."""
+    assert _errors(_expert_tp(), expert_layouts.interleaved()) == (
+        "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it cannot be split over "
+        "`tp` as the rules say: the sum of the 2 ranks' slices differs from the whole expert by 1.3 "
+        "(relative), tried on random values\n"
+        "        layers.*.mlp.experts.gate_up_proj: column over tp\n"
+        "        ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~\n"
+        "hint: each expert's first matrices `column`, its last `row`, as for an MLP's linear layers; "
+        "gate and up projections fused in two halves split as two blocks"
+    )
+    assert _errors(_expert_tp("gate_up_proj*"), expert_layouts.biased()).splitlines()[0] == (
+        "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it have matrices split "
+        "over `tp` and `down_proj_bias` whole: every rank of `tp` would add the whole of what it computes"
+    )
+    columns_only = _expert_tp("{w1,w3}", "w2").replace("row", "column")
+    assert _errors(columns_only, expert_layouts.grouped()).splitlines()[0] == (
+        "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it are split by column "
+        "only: their outputs must come out as partial sums, from a column split followed by a row split"
+    )
+    assert _errors(_expert_tp("gate_proj")).splitlines()[3] == (
+        "hint: did you mean `gate_up_proj`? modules under `layers.0.mlp.experts` are: gate_up_proj, down_proj"
+    )
+
+
+def test_the_example_plan_splits_experts_over_ep_and_inside_over_tp():
+    text = (HERE.parents[1] / "examples/moe_ep_tp.plan").read_text()
+    compiled = _compile(text, world_size=4)  # dp=1 x ep=2 x tp=2
+    assert compiled.param_placements["layers.1.mlp.experts.down_proj"] == {"tp": Shard(2), "ep": Shard(0)}
+    assert compiled.param_placements["layers.1.mlp.experts.gate_up_proj"]["tp"] == Shard(1, (64, 64))

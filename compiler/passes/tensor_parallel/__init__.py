@@ -41,7 +41,7 @@ from torch import fx
 from meshplan.dsl.errors import Diagnostic
 
 from .. import Context, Pass
-from . import attention, linear, pointwise, shapes  # noqa: F401  (each registers its op rules)
+from . import attention, experts, linear, pointwise, shapes  # noqa: F401  (each registers its op rules)
 from .matmul_attention import attention_as_sdpa
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
 from .walk import Walk

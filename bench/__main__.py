@@ -102,6 +102,12 @@ BENCHES = (
         headline=r"^(sent|kept|time) / ",
     ),
     Bench(
+        "grad_sums",
+        "weight gradients partial over cp / tp: one bucket vs an all-reduce per weight",
+        quick=("--steps", "4", "--warmup", "1", "--seq", "256"),
+        headline=r"^step time, bucketed",
+    ),
+    Bench(
         "cp_balance",
         "causal ring work per rank, balanced vs contiguous",
         quick=("--seq", "1024", "--reps", "2"),

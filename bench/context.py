@@ -20,7 +20,8 @@ head_dim, and the element size:
 and the ledger's prediction of the same. Backward is shown beside (ring: the blocks and
 their gradients travel again; all_gather: the key/value gradients are reduce-scattered;
 Ulysses: the four all-to-alls reversed). All-reduces (the gradients of weights used on
-sequence shards, the loss's token count) are listed apart.
+sequence shards, summed over cp in one bucket by the gradient sync as `meshplan run` does,
+and the loss's token count) are listed apart.
 
 Memory: bytes of every storage made during forward that is still alive before backward
 (activations kept for backward; parameters and inputs not counted), per rank, and its
@@ -51,6 +52,7 @@ from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import collectives as meshplan_collectives
 from meshplan.runtime.mesh import init_mesh
+from meshplan.session import partial_grad_sync
 
 MODES = ("all_gather", "ring", "ulysses")
 WIRE = ("all_to_all", "send", "all_gather", "reduce_scatter")  # the attention's traffic
@@ -143,12 +145,15 @@ def _program(text: str, args: argparse.Namespace, world: int):
     compiled = compile_plan(check_text(text, "bench.plan", world_size=world), source, world_size=world)
     mesh = init_mesh(compiled.layout) if world > 1 else None
     program = build_rank_program(compiled, model, dist.get_rank() if world > 1 else 0, mesh)
+    # what `meshplan run` adds after backward: every weight's gradient is partial over cp (each
+    # rank's sequence shard), summed over it in one bucket
+    finish = partial_grad_sync(compiled, program, mesh).finish if mesh is not None else lambda: None
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         (loss,) = program(*bind_inputs(model, compiled.graph, (ids, labels), {}))
         return loss
 
-    return step, compiled.ledger, program
+    return step, compiled.ledger, program, finish
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -159,24 +164,27 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         runs[mode] = _program(text, args, world)
     ids, labels = example_inputs(1, args.seq, seed=1)
     out: dict = {"sent": {}, "kept": {}, "ledger": {}, "times": {name: [] for name in runs}}
-    for name, (step, ledger, program) in runs.items():  # one counted step each (after a warm-up)
+    for name, (step, ledger, program, finish) in runs.items():  # one counted step each (after a warm-up)
         step(ids, labels).backward()
+        finish()
         sent, live = SentBytes(), LiveStorages(program)
         with sent.phase("forward"), live:
             loss = step(ids, labels)
         kept = live.live_bytes()
         with sent.phase("backward"):
             loss.backward()
+            finish()
         out["sent"][name], out["kept"][name] = dict(sent.bytes), kept
         out["ledger"][name] = {
             phase: sum(r.traffic for r in ledger.rows if r.phase == phase and r.op != "all_reduce")
             for phase in ("forward", "backward")
         }
     for _ in range(args.warmup + args.steps):
-        for name, (step, _, _) in runs.items():
+        for name, (step, _, _, finish) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             step(ids, labels).backward()
+            finish()
             out["times"][name].append(time.perf_counter() - start)
     return out
 

@@ -35,8 +35,10 @@ The minimum, with L blocks, N = B*S tokens, H hidden, fp32. TP:
 TP+SP: every g becomes a reduce-scatter and every f an all-gather (forward), each with its
 conjugate in backward (all-gather resp. reduce-scatter), so 2L+1 of each per direction,
 of N*H; the loss keeps its 3 all-reduces of N; and each of the 2L+1 norm weights now sees
-only its sequence shard, so its gradient is a partial sum: 2L+1 all-reduces of H in
-backward (Megatron coalesces them into one call; the bytes are the same).
+only its sequence shard, so its gradient is a partial sum: one all-reduce of (2L+1)*H in
+backward, the norms coalesced into one call as Megatron does (meshplan: in the gradient
+sync's bucket, `Compiled.grad_sums`; one all-reduce per norm would move the same bytes in
+2L+1 calls).
 Saving the gathered activations rather than re-gathering in backward is assumed (no
 activation recomputation), as Megatron does without `--recompute-*`.
 
@@ -81,6 +83,7 @@ from meshplan.compiler.ledger import Ledger
 from meshplan.dsl import load_plan
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
+from meshplan.session import partial_grad_sync
 
 WORLD = 2
 BATCH, SEQ = 2, 16
@@ -102,8 +105,7 @@ def minimum(num_layers: int, tokens: int, hidden: int, *, sequence_parallel: boo
         for op in ("all_gather", "reduce_scatter"):
             for _ in range(pairs):
                 t.add(op, phase, act)
-    for _ in range(2 * num_layers + 1):  # one per norm weight
-        t.add("all_reduce", "backward", hidden * 4)
+    t.add("all_reduce", "backward", (2 * num_layers + 1) * hidden * 4)  # every norm weight's, in one
     return t
 
 
@@ -171,7 +173,13 @@ def worker(rank: int, world_size: int) -> dict[str, tuple]:
         mesh = mesh or init_mesh(compiled.layout)
         program = build_rank_program(compiled, source.model, rank, mesh)
         inputs = bind_inputs(source.model, compiled.graph, source.args, source.kwargs)
-        measured = count_step(program, lambda program=program, inputs=inputs: program(*inputs)[0], backward)
+        sync = partial_grad_sync(compiled, program, mesh)  # what `meshplan run` adds: the norms' sums
+
+        def synced(loss: torch.Tensor, sync=sync) -> None:
+            loss.backward()
+            sync.finish()
+
+        measured = count_step(program, lambda program=program, inputs=inputs: program(*inputs)[0], synced)
         out[case] = (*measured, ledger_tally(compiled.ledger))
 
     for case, sp in (("pytorch TP", False), ("pytorch TP+SP", True)):

@@ -51,6 +51,7 @@ from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl import load_plan
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
+from meshplan.session import partial_grad_sync
 
 WORLD = 2
 BATCH, SEQ = 4, 128
@@ -66,9 +67,14 @@ MODEL = dict(
 
 
 def make_step(
-    model: torch.nn.Module, forward: Callable[[], torch.Tensor], *, parallel_loss: bool = False
+    model: torch.nn.Module,
+    forward: Callable[[], torch.Tensor],
+    *,
+    parallel_loss: bool = False,
+    finish: Callable[[], None] = lambda: None,
 ) -> Callable[[], float]:
-    """One training step as a callable returning the loss."""
+    """One training step as a callable returning the loss; `finish` after backward (meshplan's
+    gradient sync of the weights partial over tp: the sequence-parallel norms)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> float:
@@ -80,6 +86,7 @@ def make_step(
         else:
             loss = forward()
             loss.backward()
+        finish()
         optimizer.step()
         loss = loss.detach()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
@@ -96,7 +103,9 @@ def build_variants(rank: int, world_size: int) -> dict[str, Callable[[], float]]
         mesh = mesh or init_mesh(compiled.layout)
         program = build_rank_program(compiled, source.model, rank, mesh)
         inputs = bind_inputs(source.model, compiled.graph, source.args, source.kwargs)
-        variants[name] = make_step(program, lambda program=program, inputs=inputs: program(*inputs)[0])
+        sync = partial_grad_sync(compiled, program, mesh)
+        forward = lambda program=program, inputs=inputs: program(*inputs)[0]  # noqa: E731
+        variants[name] = make_step(program, forward, finish=sync.finish)
 
     source = llama_source(batch=BATCH, seq=SEQ, **MODEL)
     args = source.args

@@ -80,15 +80,12 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
 
     from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
     from meshplan.compiler.compile import build_rank_program, compile_plan
-    from meshplan.compiler.placement import Shard
     from meshplan.dsl import load_plan
     from meshplan.dsl.check import check_text
     from meshplan.examples import CORPUS
-    from meshplan.runtime.axes import Axes
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.mesh import init_mesh
-    from meshplan.runtime.shards import AxisCut, Cut
 
     program_file = getattr(args, "program", None)
     if program_file is None and Path(args.plan).is_dir():  # a compile folder, under the user's torchrun
@@ -121,7 +118,9 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_group = mesh.get_group(dp_axis) if dp_axis else None
     dp: DataParallel | ExpertDataParallel | Zero | ExpertZero | None = None
     experts = tuple(a for a in layout.names if a in {r.axis for r in plan.rules_of("experts")})
-    if dp_group is not None and dp_spec is not None and not experts:
+    # weight gradients partial over a tensor or context axis, summed by the gradient sync
+    grad_sums = getattr(compiled, "grad_sums", {})
+    if dp_group is not None and dp_spec is not None and not experts and not grad_sums:
         reduce_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
         if dp_spec.zero > 0:
             # a pipeline rank's parameters run in its stage programs, whose ZeRO nodes drive the engine
@@ -139,21 +138,11 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
                 axis=dp_spec.axis,
                 late=[program.get_parameter(n) for n in stages.shared_here] if stages is not None else (),
             )
-    axes = Axes(
-        groups={name: mesh.get_group(name) for name in layout.names if layout.size(name) > 1},
-        data=(dp_spec.axis,) if dp_spec is not None else (),
-        sharding={
-            name: tuple(
-                AxisCut(axis, Cut(p.dim, p.blocks, p.padded))
-                for axis, p in placement.items()
-                if isinstance(p, Shard)
-            )
-            for name, placement in compiled.param_placements.items()
-            if any(isinstance(p, Shard) for p in placement.values())
-        },
-    )
+    axes = rank_axes(compiled, mesh, data=(dp_spec.axis,) if dp_spec is not None else ())
     dp_rank = coords[dp_axis] if dp_axis else 0
-    if experts:  # the expert axes split the batch too: data parallel for all but the experts
+    if experts or grad_sums:
+        # the expert axes split the batch too: data parallel for all but the experts; a weight
+        # gradient partial over an axis is summed over it with the data axes' average
         axes = dataclasses.replace(axes, data=tuple(a for a in layout.names if a in {*axes.data, *experts}))
         from meshplan.runtime.expert_zero import ExpertZero
 
@@ -225,6 +214,45 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         between_steps_hook(args.between_steps, program, source.model, axes, stages is not None)
         if args.between_steps
         else None,
+    )
+
+
+def rank_axes(compiled: Compiled | Executable, mesh, data: tuple[str, ...] = ()) -> Axes:
+    """The mesh as a rank of `compiled` trains on it: every axis's group, the data axes, each
+    parameter's cuts and the axes its gradient is partial over."""
+    from meshplan.compiler.placement import Shard
+    from meshplan.runtime.axes import Axes
+    from meshplan.runtime.shards import AxisCut, Cut
+
+    layout = compiled.layout
+    return Axes(
+        groups={name: mesh.get_group(name) for name in layout.names if layout.size(name) > 1},
+        data=data,
+        sharding={
+            name: tuple(
+                AxisCut(axis, Cut(p.dim, p.blocks, p.padded))
+                for axis, p in placement.items()
+                if isinstance(p, Shard)
+            )
+            for name, placement in compiled.param_placements.items()
+            if any(isinstance(p, Shard) for p in placement.values())
+        },
+        # (a program compiled before gradient sums existed has an all-reduce per weight instead)
+        summed=getattr(compiled, "grad_sums", {}),
+    )
+
+
+def partial_grad_sync(compiled: Compiled | Executable, program: nn.Module, mesh) -> ExpertDataParallel:
+    """For code that runs a rank program itself (benchmarks, parity tests) rather than through
+    `meshplan run`: the gradient sync of the weights whose gradients are partial over an axis
+    (`Compiled.grad_sums`), summed over it in buckets, nothing averaged. Call `finish()` after
+    backward; the other parameters' gradients are left as they are."""
+    from meshplan.runtime.expert_data_parallel import expert_data_parallel
+    from meshplan.runtime.mesh import group_over
+
+    layout = compiled.layout
+    return expert_data_parallel(
+        program, rank_axes(compiled, mesh), lambda over: group_over(layout, over, mesh)
     )
 
 

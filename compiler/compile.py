@@ -81,6 +81,8 @@ class Compiled:
     kv_replicas: dict[str, int] = field(default_factory=dict)  # GQA: kv weight -> ranks per head
     source: ModelSource | None = None  # the model (fp32, unpartitioned) and the inputs compiled for
     shapes: TokenShapes | None = None  # the (batch, seq) it serves; None: only the example's
+    # parameter -> the axes its gradient is summed over by the gradient sync (`grad_sums.py`)
+    grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # The passes, in order (see the module docstring for why this order). Each is one module under
@@ -142,7 +144,8 @@ def compile_plan(
     for name, split in ctx.experts.items():  # the experts of each rank: Shard(0) over their axis
         placements.setdefault(name, {})[split.axis] = Shard(0)
         rules.setdefault(name, split.rule)
-    experts_data = _expert_data_facts(plan, gm, source.model, placements, layout)
+    grad_sums = _every_name(ctx.grad_sums, source.model)
+    experts_data = _expert_data_facts(plan, gm, source.model, placements, layout, grad_sums)
     ledger = build_ledger(
         gm,
         layout,
@@ -164,7 +167,17 @@ def compile_plan(
         kv,
         source,
         _token_shapes(captured, ctx),
+        grad_sums,
     )
+
+
+def _every_name(by_name: dict[str, tuple[str, ...]], model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """`by_name` under every name its parameter has (a tied weight is read by one of them)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {alias: axes for name, axes in by_name.items() for alias in names[id(params[name])]}
 
 
 def _run_passes(
@@ -283,16 +296,19 @@ def _expert_data_facts(
     model: nn.Module,
     placements: dict[str, dict[str, Placement]],
     layout: MeshLayout,
+    grad_sums: dict[str, tuple[str, ...]],
 ) -> ExpertDataFacts | None:
     """Under expert parallelism the batch is split over the data axis and every expert axis;
-    each parameter is averaged over those that do not shard it (`runtime.experts`), grouped
-    as `expert_data_parallel` groups them. None without an expert axis of more than one rank."""
+    each parameter is averaged over those that do not shard it (`runtime.experts`), and summed
+    over the axes its gradient is partial over (`grad_sums`), grouped as
+    `expert_data_parallel` groups them. None without an expert axis of more than one rank or
+    a gradient sum: then one data axis averages every parameter (`_data_parallel_facts`)."""
     experts = {r.axis for r in plan.rules_of("experts")}
     dp = plan.data_parallel
     data = [
         a for a in layout.names if (a in experts or (dp is not None and a == dp.axis)) and layout.size(a) > 1
     ]
-    if not any(a in experts for a in data):
+    if not any(a in experts for a in data) and not grad_sums:
         return None
     from meshplan.runtime.buckets import decays
 
@@ -300,9 +316,14 @@ def _expert_data_facts(
     groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, p in params.items():
         sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
-        groups.setdefault(tuple(a for a in data if a not in sharded), []).append((name, p))
+        summed = grad_sums.get(name, ())
+        over = tuple(a for a in layout.names if (a in data and a not in sharded) or a in summed)
+        groups.setdefault(over, []).append((name, p))
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
-    span = dp.span if dp is not None else plan.rules_of("experts")[0].span
+    # the block or rule that asks for these reductions: data parallelism, the experts' axis,
+    # or the context or sequence rule whose shards make weight gradients partial
+    rules = [*plan.rules_of("experts"), *plan.rules_of("context"), *plan.rules_of("sequence")]
+    span = dp.span if dp is not None else rules[0].span if rules else plan.mesh.span
     zero = dp.zero if dp is not None else 0
     return ExpertDataFacts(
         tuple(

@@ -66,6 +66,8 @@ class Executable:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     # the (batch, seq) it serves when captured with symbolic token dims; None: `token_shape` only
     shapes: TokenShapes | None = None
+    # parameter -> the axes its gradient is summed over by the gradient sync (`Compiled.grad_sums`)
+    grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def shape_problems(self, batch: int, seq: int) -> list[str]:
         """Why this program cannot run micro-batches of (batch, seq); [] if it can."""
@@ -99,6 +101,7 @@ def to_executable(compiled: Compiled) -> Executable:
         token_shape=_token_shape(compiled.source),
         shapes=compiled.shapes,
         stage_cuts=compiled.graph.meta.get(STAGES, ()),
+        grad_sums=compiled.grad_sums,
     )
 
 

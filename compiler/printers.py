@@ -98,6 +98,7 @@ def explain(compiled: Compiled) -> str:
         lines.append("")
     lines += _data_parallel_lines(compiled)
     lines += _expert_lines(compiled)
+    lines += _grad_sum_lines(compiled)
     lines += _pipeline_lines(compiled)
     replicated = _replicated_linears(compiled) if compiled.tensor_axes else []
     if replicated:
@@ -134,6 +135,8 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
                 else "its experts' whole (no other rank holds them)"
             )
         )
+    elif dp.zero and compiled.grad_sums:  # weights partial over an axis are sharded over it too
+        keeps = _state_over_sum_groups(compiled, dp.zero)
     lines = [
         f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)}): ZeRO-{dp.zero}"
         if dp.zero
@@ -172,6 +175,58 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         )
         nbytes = sum(r.bytes * r.count for r in rows)
         lines.append(f"    collectives per step: {summary} ({nbytes / 1e6:.3f} MB)")
+    return [*lines, ""]
+
+
+def _reduce_groups(compiled: Compiled) -> Counter[tuple[str, ...]]:
+    """Trainable parameters by the axes their gradient is reduced over (`Axes.reduced_over`):
+    the data axis unless it cuts them, and the axes they are partial over."""
+    layout, dp = compiled.layout, compiled.plan.data_parallel
+    data = {dp.axis} if dp is not None else set()
+    groups: Counter[tuple[str, ...]] = Counter()
+    assert compiled.source is not None
+    for name, p in compiled.source.model.named_parameters():
+        if not p.requires_grad:
+            continue
+        cut = {a for a, pl in compiled.param_placements.get(name, {}).items() if isinstance(pl, Shard)}
+        summed = compiled.grad_sums.get(name, ())
+        groups[
+            tuple(
+                a for a in layout.names if layout.size(a) > 1 and a not in cut and (a in data or a in summed)
+            )
+        ] += 1
+    return groups
+
+
+def _state_over_sum_groups(compiled: Compiled, zero: int) -> str:
+    """What a ZeRO rank keeps when some weights are sharded over the axes they are summed over
+    too: "1/4 of parameters, ... (over dp x cp)", each group after the first "and ..." ."""
+    what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
+        zero, "parameters, gradients and optimizer state"
+    )
+    layout = compiled.layout
+    parts = []
+    for i, (over, count) in enumerate(_reduce_groups(compiled).most_common()):
+        ranks = math.prod(layout.size(a) for a in over)
+        share = f"1/{ranks}" if ranks > 1 else "all"
+        whose = f"the {what} of {count} weights" if i == 0 else f"{count} more weights'"
+        parts.append(f"{share} of {whose} (over {' x '.join(over) or 'this rank alone'})")
+    return ", ".join(parts)
+
+
+def _grad_sum_lines(compiled: Compiled) -> list[str]:
+    """Weights whose gradients are partial over an axis, summed in the gradient sync's buckets."""
+    if not compiled.grad_sums:
+        return []
+    by_axes = Counter(compiled.grad_sums.values())
+    assert compiled.source is not None
+    total = len([p for p in compiled.source.model.parameters() if p.requires_grad])
+    lines = ["weight gradients partial over an axis (each rank computes with its shard of the activations):"]
+    for axes, count in sorted(by_axes.items()):
+        lines.append(
+            f"    {count} of {total} summed over {' x '.join(axes)} by the gradient sync, in its buckets "
+            "once per step (not an all-reduce per weight in backward)"
+        )
     return [*lines, ""]
 
 
@@ -421,21 +476,27 @@ def annotated_code(compiled: Compiled) -> str:
         f"# plan: {Path(compiled.plan.path).name}",
         "# parameters are each rank's shards; collectives are marked on the right",
     ]
-    sections = [_annotated(compiled.graph, compiled.ledger)]
+    sums = getattr(compiled, "grad_sums", {})
+    sections = [_annotated(compiled.graph, compiled.ledger, sums)]
     for call, region in region_modules(compiled.graph):
         info = call.meta[CHECKPOINT]
         sections.append(
             f"# checkpointed region {info['path']} ({info['mode']}): {info['target']}, run again in backward\n"
-            + _annotated(region, compiled.ledger)
+            + _annotated(region, compiled.ledger, sums)
         )
     return "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n"
 
 
-def _annotated(gm, ledger) -> str:
+def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
     notes = {}
     for node in gm.graph.nodes:
         info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
-        if info and info["kind"] in ("zero_gather", "zero_release"):
+        if node.op == "get_attr" and str(node.target) in sums:
+            axes = " x ".join(sums[str(node.target)])
+            notes[node.name] = (
+                f"  # its gradient is partial over {axes}: summed by the gradient sync, in a bucket"
+            )
+        elif info and info["kind"] in ("zero_gather", "zero_release"):
             notes[node.name] = _zero_note(node, info, ledger)
         elif info and info["kind"] == "experts":
             sent = sum(r.bytes * r.count for r in ledger.rows if r.node == node.name and r.phase == "forward")

@@ -42,6 +42,9 @@ class Axes:
     stages: tuple[str, ...] = ()  # pipeline axes: each rank holds other parameters (its stages)
     # parameters this rank holds a copy of that another pipeline rank counts (a tied weight)
     copies: frozenset[str] = frozenset()
+    # parameter -> axes its gradient is partial over (each rank's shard of the activations'
+    # share), summed there by the gradient sync: `compiler/passes/tensor_parallel/grad_sums.py`
+    summed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self.groups.get(axis)
@@ -72,6 +75,15 @@ class Axes:
         if len(groups) > 1:
             raise NotImplementedError("gradient synchronization over more than one data axis")
         return groups[0] if groups else None
+
+    def reduced_over(self, name: str) -> tuple[str, ...]:
+        """The axes (of more than one rank) parameter `name`'s gradient is reduced over, in mesh
+        order: averaged over the data axes that do not cut it, summed over those it is partial
+        over (`summed`)."""
+        summed, cut = self.summed.get(name, ()), self.sharded_over(name)
+        return tuple(
+            a for a in self.groups if (a in self.data and a not in cut) or (a in summed and a not in cut)
+        )
 
     def sharded_over(self, name: str) -> tuple[str, ...]:
         """The axes (of more than one rank) over which parameter `name` is cut; () if it is whole."""

@@ -93,8 +93,12 @@ class DataParallel(nn.Module):
         axis: str = "dp",
         params: Sequence[nn.Parameter] | None = None,
         late: Collection[nn.Parameter] = (),
+        divisor: int | None = None,
     ) -> None:
-        """`params`: the trainable parameters this engine averages (default: all of `module`'s);
+        """`divisor`: what the summed gradient is divided by (default: the group's size; the
+        data ranks alone where the group also spans an axis the gradient is partial over, whose
+        sum is the gradient: `runtime/expert_data_parallel.averaged_over`).
+        `params`: the trainable parameters this engine averages (default: all of `module`'s);
         expert parallelism averages its experts over fewer ranks than the rest. `late`: those
         whose gradient is whole only when `finish()` runs (a weight several stages of a pipeline
         rank read: each stage's last backward is synchronized, neither is the weight's last);
@@ -106,6 +110,7 @@ class DataParallel(nn.Module):
         self.group = group
         self.axis = axis  # the mesh axis of `group`, for the watchdog's report
         self.world = dist.get_world_size(group)
+        self.divisor = divisor or self.world
         self.reduce_dtype = reduce_dtype
         self.launches: list[Launch] = []
         self._sync = True
@@ -155,7 +160,7 @@ class DataParallel(nn.Module):
             where = f"bucket {bucket.index + 1} of {len(self.buckets)}, {watchdog.size_text(bucket.nbytes)}"
             watchdog.note("all_reduce", self.axis, where, self.group)
             bucket.work.wait()
-            bucket.flat.div_(self.world)
+            bucket.flat.div_(self.divisor)
             if bucket.buffer is None:
                 _unflatten_into_grads(bucket.flat, bucket.params)
             bucket.work, bucket.flat, bucket.ready = None, None, 0

@@ -16,6 +16,7 @@ the ranks of its axis, and the experts unit divided it by their number
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -111,16 +112,23 @@ class LocalParams:
 
 
 def averaged_over(module: nn.Module, axes: Axes) -> dict[tuple[str, ...], list[nn.Parameter]]:
-    """The trainable parameters (tied ones once) by the data axes their gradient is averaged
-    over: `axes.data` minus the axes that shard them, sorted (the same order on every rank)."""
+    """The trainable parameters (tied ones once) by the axes their gradient is reduced over
+    (`Axes.reduced_over`: `axes.data` minus the axes that shard them, and the axes it is partial
+    over), sorted (the same order on every rank). Each set's engine divides the sum by its data
+    ranks only (`data_ranks`): over a partial axis the sum is the gradient."""
     by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
     seen: set[int] = set()
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            over = tuple(a for a in axes.data if a not in axes.sharded_over(name) and axes.size(a) > 1)
-            by_axes.setdefault(over, []).append(p)
+            by_axes.setdefault(axes.reduced_over(name), []).append(p)
     return dict(sorted(by_axes.items()))
+
+
+def data_ranks(axes: Axes, over: tuple[str, ...]) -> int:
+    """How many of the ranks of `over` split the batch: what a gradient summed over them is
+    divided by."""
+    return math.prod(axes.size(a) for a in over if a in axes.data)
 
 
 def expert_data_parallel(
@@ -148,6 +156,7 @@ def expert_data_parallel(
                 reduce_dtype=reduce_dtype,
                 axis=" x ".join(over),
                 params=params,
+                divisor=data_ranks(axes, over),
                 late=[p for p in late if any(p is q for q in params)],
             )
         )

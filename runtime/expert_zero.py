@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .axes import Axes
 from .data_parallel import broadcast_parameters
-from .expert_data_parallel import PerGroup, averaged_over
+from .expert_data_parallel import PerGroup, averaged_over, data_ranks
 from .zero import Collective, Zero, ZeroConfig
 from .zero_optim import OwnState
 
@@ -148,6 +148,7 @@ def expert_zero(
                 axis=label or "(this rank)",
                 only=mine,
                 node_axis=label,  # the compiler's ZeRO pass names each node's group alike
+                divisor=data_ranks(axes, over),
                 programs=programs,
                 alone=[n for n in alone if n in mine],
             )

@@ -136,6 +136,7 @@ class Zero:
         alone: Collection[str] = (),
         only: Collection[str] | None = None,
         node_axis: str | None = None,
+        divisor: int | None = None,
     ) -> None:
         self.module, self.group, self.config, self.axis = module, group, config, axis
         self.world = dist.get_world_size(group)
@@ -231,6 +232,7 @@ class Zero:
             reduce_dtype=config.reduce_dtype,
             record=self._record,
             axis=axis,
+            divisor=divisor,
         )
         self._issued: Counter[tuple[str, int]] = Counter()
         # stage 3: the most parameter bytes gathered at once during the last step (`peak_gathered`)

@@ -55,10 +55,12 @@ class ShardedGrads:
         reduce_dtype: torch.dtype | None,
         record: Callable[[str, int], None],
         axis: str,
+        divisor: int | None = None,
     ) -> None:
         self.flats, self.group, self.stage, self.axis = flats, group, stage, axis
         self.reduce_dtype = reduce_dtype  # None: the params' dtype
         self.world = dist.get_world_size(group)
+        self.divisor = divisor or self.world  # `DataParallel`'s
         self._record = record
         self._gloo = dist.get_backend(group) == "gloo"
         self.pending: list[_Pending] = []  # gradient reductions in flight
@@ -113,12 +115,12 @@ class ShardedGrads:
         self.drain(keep=0)
 
     def _finish_all_reduce(self, f: Flat, flat: Tensor) -> None:
-        f.full_grad = flat.div_(self.world).to(f.dtype)  # (padded,) averaged
+        f.full_grad = flat.div_(self.divisor).to(f.dtype)  # (padded,) averaged
         for p, off, n in zip(f.params, f.offsets, f.numels, strict=True):
             p.grad = f.full_grad[off : off + n].view_as(p)
 
     def _finish_reduce_scatter(self, f: Flat, shard: Tensor) -> None:
-        shard.div_(self.world)  # (S,) averaged, in the reduce dtype
+        shard.div_(self.divisor)  # (S,) averaged, in the reduce dtype
         f.grad_shard = shard if f.grad_shard is None else f.grad_shard + shard
 
     # ------------------------------------------------------------ the averaged gradient

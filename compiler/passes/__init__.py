@@ -38,6 +38,8 @@ class Context:
     diagnostics: list[Diagnostic] = field(default_factory=list)
     tensor: list[TensorParallelSpec] = field(default_factory=list)  # per tensor axis, in mesh order
     experts: dict[str, ExpertParams] = field(default_factory=dict)  # parameter -> its expert axis
+    # parameter -> the axes its gradient is partial over, summed by the gradient sync (`grad_sums.py`)
+    grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:

@@ -53,6 +53,7 @@ After (`zero = 3`, a Llama layer):
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,8 +79,9 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     dp = ctx.plan.data_parallel
     if dp is None or dp.zero == 0:
         return gm
-    # under expert parallelism the expert axes are data axes too: `dp=1, ep=2` shards over ep
-    groups = averaging_groups(ctx) if ctx.experts else None
+    # under expert parallelism the expert axes are data axes too: `dp=1, ep=2` shards over ep;
+    # a weight whose gradient the sync sums over a context or tensor axis is sharded over it too
+    groups = averaging_groups(ctx) if ctx.experts or ctx.grad_sums else None
     if (not groups.dense) if groups is not None else ctx.layout.size(dp.axis) == 1:
         return gm
     spec = ZeroSpec(dp.axis, dp.zero, f"{dp.span.path}:{dp.span.line}")
@@ -88,15 +90,18 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 @dataclass(frozen=True)
 class Groups:
-    """Under expert parallelism, each parameter's ZeRO group, named by the data axes that
-    average it as the runtime names its engines (`runtime/expert_zero.py`): the dense ones
-    `dp x ep`, an expert's `dp`, or "" where no other rank holds it (`experts over dp`)."""
+    """Each parameter's ZeRO group, named by the axes its gradient is reduced over as the
+    runtime names its engines (`runtime/expert_zero.py`, `Axes.reduced_over`): under expert
+    parallelism the dense ones `dp x ep`, an expert's `dp`, or "" where no other rank holds it
+    (`experts over dp`); a weight whose gradient is partial over `cp` (or a sequence-parallel
+    norm's over `tp`) adds that axis. `dense` is the group of most parameters, whose units
+    keep the layer's name (`layers.0`); the others' add theirs (`layers.0+dp+tp`)."""
 
     dense: str
-    experts: dict[str, str]  # an expert parameter -> its group
+    others: dict[str, str]  # a parameter outside the dense group -> its group
 
     def of(self, name: str) -> str:
-        return self.experts.get(name, self.dense)
+        return self.others.get(name, self.dense)
 
 
 def averaging_groups(ctx: Context) -> Groups:
@@ -106,8 +111,19 @@ def averaging_groups(ctx: Context) -> Groups:
     data = [
         a for a in layout.names if (a in split or (dp is not None and a == dp.axis)) and layout.size(a) > 1
     ]
-    experts = {name: " x ".join(a for a in data if a != e.axis) for name, e in ctx.experts.items()}
-    return Groups(" x ".join(data), experts)
+    sized = [a for a in layout.names if layout.size(a) > 1]
+
+    def group(name: str) -> str:
+        expert = ctx.experts.get(name)
+        summed = ctx.grad_sums.get(name, ())
+        over = [a for a in sized if (a in data and (expert is None or a != expert.axis)) or a in summed]
+        return " x ".join(over)
+
+    names = [n for n, p in ctx.source.model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    counts = Counter(group(n) for n in names)
+    plain = " x ".join(data)
+    dense = plain if counts[plain] or not counts else counts.most_common(1)[0][0]
+    return Groups(dense, {n: g for n in names if (g := group(n)) != dense})
 
 
 PASS = Pass(

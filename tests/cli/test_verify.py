@@ -55,7 +55,9 @@ def test_sequence_parallel_llama_passes_and_prints_its_evidence(capsys):
 def test_a_dropped_gradient_reduction_fails(tmp_path):
     """The forward is right (step 1's loss matches), the input gradients of the column-parallel
     layers are partial sums: verify must see it in the gradients and the trained weights."""
-    report = verify(str(ROOT / "examples/llama_tp.plan"), LLAMA, steps=2, worker=_rank_without_copy_backward)
+    report = verify(
+        str(ROOT / "examples/llama_tp.plan"), LLAMA, steps=2, worker=_rank_without_gather_backward
+    )
     assert not report.ok
     failed = {m.what.split(":")[0] for m in report.measures if not m.ok}
     assert {"gradient norms", "weights (whole model)"} <= failed, render(report)
@@ -63,17 +65,18 @@ def test_a_dropped_gradient_reduction_fails(tmp_path):
     assert "FAILED" in render(report)
 
 
-def _rank_without_copy_backward(rank, world_size, job):
-    """`verify`'s worker with tensor parallelism's `copy_to` reduced to the identity: its
-    backward no longer all-reduces the input gradient."""
-    from meshplan.runtime.collectives import CopyToAxis
+def _rank_without_gather_backward(rank, world_size, job):
+    """`verify`'s worker with sequence parallelism's all-gather before each column split
+    (reduce-scatter backward) made the gather of a replicated tensor (its backward keeps this
+    rank's chunk): the columns' input gradients are no longer summed over the axis."""
+    from meshplan.runtime.collectives import AllGather, GatherReplicated
 
-    forward = CopyToAxis.forward
-    CopyToAxis.forward = lambda self, x: x
+    forward = AllGather.forward
+    AllGather.forward = GatherReplicated.forward  # type: ignore[method-assign]
     try:
         return _rank(rank, world_size, job)
     finally:
-        CopyToAxis.forward = forward  # the process runs the next case's rank too
+        AllGather.forward = forward  # type: ignore[method-assign]  # the process runs the next case's rank too
 
 
 @pytest.mark.slow

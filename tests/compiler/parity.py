@@ -25,12 +25,15 @@ def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dty
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import check_text
     from meshplan.runtime.mesh import init_mesh
+    from meshplan.session import partial_grad_sync
 
     source = load_model(model_spec)
     cast_floating(source.model, getattr(torch, dtype))
     plan = check_text(plan_text, str(Path(tempfile.gettempdir()) / "parity.plan"), world_size=world_size)
     compiled = compile_plan(plan, source, world_size=world_size, dynamic=False)
-    program = build_rank_program(compiled, source.model, rank, init_mesh(compiled.layout))
+    mesh = init_mesh(compiled.layout)
+    program = build_rank_program(compiled, source.model, rank, mesh)
+    sync = partial_grad_sync(compiled, program, mesh)  # weight gradients partial over an axis, summed
 
     reference = source.model
     out = reference(*source.args, **source.kwargs)
@@ -39,6 +42,7 @@ def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dty
     outputs = program(*bind_inputs(reference, compiled.graph, source.args, source.kwargs))
     loss = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
     loss.backward()
+    sync.finish()
 
     coords = compiled.layout.coords(rank)
     full = dict(reference.named_parameters(remove_duplicate=False))

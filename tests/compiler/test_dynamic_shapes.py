@@ -55,6 +55,7 @@ def parity_at_shapes(rank: int, world_size: int, plan_text: str, model_spec: str
     from meshplan.compiler.graph import find_loss
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.runtime.mesh import init_mesh
+    from meshplan.session import partial_grad_sync
 
     source = with_token_shape(load_model(model_spec), batch=2, seq=16)
     cast_floating(source.model, torch.float64)
@@ -71,9 +72,11 @@ def parity_at_shapes(rank: int, world_size: int, plan_text: str, model_spec: str
         ref_loss = find_loss(reference(*run.args, **run.kwargs))
         ref_loss.backward()
         program = build_rank_program(compiled, reference, rank, mesh)
+        sync = partial_grad_sync(compiled, program, mesh)
         outputs = program(*bind_inputs(reference, compiled.graph, run.args, run.kwargs))
         loss = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         loss.backward()
+        sync.finish()  # the weight gradients partial over tp (sequence-parallel norms), summed
         full = dict(reference.named_parameters(remove_duplicate=False))
         floor = 1e-6 * float(
             torch.cat([p.grad.flatten() for p in full.values() if p.grad is not None]).norm()

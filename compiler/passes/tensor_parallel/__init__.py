@@ -42,6 +42,7 @@ from meshplan.dsl.errors import Diagnostic
 
 from .. import Context, Pass
 from . import attention, experts, linear, pointwise, shapes  # noqa: F401  (each registers its op rules)
+from .grad_sums import defer_weight_sums
 from .matmul_attention import attention_as_sdpa
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
 from .walk import Walk
@@ -76,6 +77,8 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         for spec in ctx.tensor:
             gm, found = tensor_parallel(gm, spec)
             ctx.diagnostics += found
+            for name in defer_weight_sums(gm, spec.axis):  # summed by the gradient sync, in buckets
+                ctx.grad_sums[name] = (*ctx.grad_sums.get(name, ()), spec.axis)
     except TensorParallelError as e:
         ctx.diagnostics.append(e.diagnostic)
     return gm

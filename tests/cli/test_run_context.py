@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 from plans import llama_rules, plan
+from runs import metrics
 from test_run_pipeline import run, same_steps
+
+from meshplan.examples.models.llama import build as llama_build
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +59,25 @@ def test_context_parallel_trains_like_one_process(
         same_steps(run(path, tmp_path / "run", "--model", MQA), request.getfixturevalue("one_process_mqa"))
     else:
         same_steps(run(path, tmp_path / "run"), request.getfixturevalue("one_process"))
+
+
+def test_weights_sharded_over_dp_and_cp_train_like_one_process_and_resume_without_cp(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """`mesh dp=2, cp=2` under ZeRO-3: every weight's gradient is partial over cp (each rank's
+    slice of the sequence), summed there while it is averaged over dp, in one reduce-scatter
+    over dp x cp per flat, so each rank keeps a quarter of every weight's state. Saved at
+    step 2, resumed by `mesh dp=2` under ZeRO-1 (no cp): the quarters load as halves."""
+    zero3 = tmp_path / "zero3.plan"
+    zero3.write_text(
+        "mesh dp=2, cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n\n"
+        "data_parallel over dp {\n    zero = 3\n}\n"
+    )
+    zero1 = tmp_path / "zero1.plan"
+    zero1.write_text("mesh dp=2\n\ndata_parallel over dp {\n    zero = 1\n}\n")
+    first = run(zero3, tmp_path / "run", "--steps", "2", "--save-every", "2", batch=1)
+    assert [r["step"] for r in first] == [1, 2]
+    params = sum(p.numel() for p in llama_build().parameters())
+    assert first[-1]["zero_memory"]["optimizer"] == pytest.approx(8 * params / 4, rel=0.01)
+    run(zero1, tmp_path / "run", "--resume", batch=1)
+    same_steps(metrics(tmp_path / "run")[0], one_process)

@@ -49,13 +49,14 @@ def tensor_specs(
     named = {r.axis for r in tensor_rules if r.axis}
     context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1}
     specs, diagnostics = [], []
+    experts = {path: rule for path, kinds in resolution.placements.items() if (rule := kinds.get("experts"))}
     for axis in [a for a in layout.names if a in named or a in context]:
         if axis in context:
-            specs.append(_context_spec(plan, resolution, layout, axis))
+            specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
             diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
             continue
         spec, found = _axis_spec(plan, resolution, model, layout, axis)
-        specs.append(spec)
+        specs.append(dataclasses.replace(spec, experts=experts))
         diagnostics += found
     return specs, diagnostics
 

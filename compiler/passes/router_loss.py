@@ -75,8 +75,12 @@ def router_logits(top_k_index: fx.Node) -> fx.Node | str:
     if node.target not in _SOFTMAX:
         return f"its top-k is taken over `{node.name}`, not over a softmax of the router's logits"
     logits = _uncast(arg_node(node, 0))
-    if any(isinstance(p, Shard) for p in logits.meta.get(PLACEMENT, {}).values()):
-        return f"its router's logits `{logits.name}` are split by a tensor rule"
+    cut = [axis for axis, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard)]
+    if cut:  # sequence or context parallelism: each rank's router sees its shard of the tokens
+        return (
+            f"its router's logits `{logits.name}` are cut over `{cut[0]}`, and a z-loss over each "
+            "rank's shard of the tokens is not lowered yet"
+        )
     if not router_path(logits):
         return f"its router's logits `{logits.name}` are computed outside any module"
     return logits

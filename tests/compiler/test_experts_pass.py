@@ -383,3 +383,32 @@ def test_the_example_plan_splits_experts_over_ep_and_inside_over_tp():
     compiled = _compile(text, world_size=4)  # dp=1 x ep=2 x tp=2
     assert compiled.param_placements["layers.1.mlp.experts.down_proj"] == {"tp": Shard(2), "ep": Shard(0)}
     assert compiled.param_placements["layers.1.mlp.experts.gate_up_proj"]["tp"] == Shard(1, (64, 64))
+
+
+SEQUENCE_AND_EXPERTS = """mesh tp=2, ep=2
+
+modules {
+    layers.*.self_attn.{q,k,v}_proj: column over tp
+    layers.*.self_attn.o_proj: row over tp
+    layers.*.*_layernorm: sequence over tp
+    layers.*.mlp.experts: experts over ep (ARGS)
+}
+"""
+
+
+def test_experts_route_their_own_rows_of_sequence_parallel_tokens():
+    """Under sequence parallelism each rank of `tp` holds a shard of the tokens: its experts unit
+    routes those (half the all-to-all rows of whole tokens), nothing gathered, and the experts'
+    weights, which see a shard of the tokens, have their gradients summed over tp by the
+    gradient sync. A capacity counts every token of the call: that unit still gathers them."""
+    compiled = _compile(SEQUENCE_AND_EXPERTS.replace("ARGS", "top_k=2"))
+    unit = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
+    assert not any(a.op == "call_module" and "all_gather" in str(a.target) for a in unit.all_input_nodes)
+    dispatch = [r.shape for r in compiled.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
+    assert dispatch == [(4,), (32, 64)]  # 16 of the 32 tokens, top-2
+    assert compiled.grad_sums["layers.0.mlp.experts.gate_up_proj"] == ("tp",)
+    assert not [w for w in compiled.warnings if "runs on whole tensors" in w.message]
+    capacity = _compile(SEQUENCE_AND_EXPERTS.replace("ARGS", "top_k=2, capacity_factor=2.0"))
+    dispatch = [r.shape for r in capacity.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
+    assert dispatch == [(128, 64)]  # every token: E C = 4 x 32 rows (C = 32 x 2 x 2.0 / 4)
+    assert "layers.0.mlp.experts.gate_up_proj" not in capacity.grad_sums

@@ -24,13 +24,41 @@ from ..experts import MARKER
 from .walk import Walk, register
 
 
+def _on_local_rows(
+    w: Walk, node: fx.Node, tokens: fx.Node, index: fx.Node, weights: fx.Node, params: list[fx.Node]
+) -> None:
+    """Experts whole over this axis. Tokens cut by rows over it (sequence parallelism, a context
+    axis: `Shard(0, blocks)` of the flattened tokens) stay cut: each rank's unit routes and
+    computes its own rows, as every rank of a data axis does, and its output is cut alike.
+    The experts' weights then see a shard of the tokens: read through f, their gradients are
+    partial over this axis (summed by the gradient sync: `grad_sums.py`). A capacity counts
+    the tokens of one call, so a unit with one gets every token (gathered), as one device."""
+    rows = w.placement(tokens)
+    rule = w.spec.experts.get(str(node.args[4]))
+    capacity = rule is not None and any(
+        a.name.text == "capacity_factor" for a in getattr(rule.action, "args", ())
+    )
+    if not (isinstance(rows, Shard) and rows.dim == 0) or capacity:
+        w.default(node)  # the unit's inputs gathered if they are not whole
+        return
+    for routing in (index, weights):
+        have = w.placement(routing)
+        if have != rows:
+            if not isinstance(have, Replicate):
+                w.use(node, routing, (routing := w.convert(routing, REPLICATE, because=rule)))
+            w.use(node, routing, w.convert(routing, rows, because=rule))
+    for p in params:
+        w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
+    w.set(node, rows, rule)
+
+
 @register(MARKER)
 def _experts(w: Walk, node: fx.Node) -> None:
     tokens, index, weights = (arg_node(node, i) for i in range(3))
     params = [p for p in node.args[3] if isinstance(p, fx.Node)]  # type: ignore[union-attr]
     split = [p for p in params if isinstance(w.placement(p), Shard)]
     if not split:
-        w.default(node)  # whole over this axis: the unit's inputs gathered if they are not
+        _on_local_rows(w, node, tokens, index, weights, params)
         return
     rules = [r for p in split if (r := p.meta.get(RULE)) is not None]
     # the reduction is the row split's: the ledger names its rule

@@ -46,6 +46,9 @@ class TensorParallelSpec:
     # holding chunks r and 2n-1-r, in every collective of the axis. The context rules allow it
     # (ring and all_gather, no Ulysses); the walk keeps it only if some attention is causal.
     balanced: bool = False
+    # experts modules (module path -> their `experts` rule): a unit whose tokens come in cut by
+    # rows over this axis runs on them as they are, unless its capacity needs every token
+    experts: dict[str, PlanRule] = field(default_factory=dict)
 
     @property
     def fallback_rule(self) -> PlanRule | None:

@@ -143,7 +143,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     if experts or grad_sums:
         # the expert axes split the batch too: data parallel for all but the experts; a weight
         # gradient partial over an axis is summed over it with the data axes' average
-        axes = dataclasses.replace(axes, data=tuple(a for a in layout.names if a in {*axes.data, *experts}))
+        axes = dataclasses.replace(axes, data=plan.batch_axes)
         from meshplan.runtime.expert_zero import ExpertZero
 
         dp = _expert_data_parallel(args, program, axes, layout, mesh, plan, stages)
@@ -323,7 +323,9 @@ def _expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], 
         if not units:
             return {}
         local = torch.cat([torch.cat([u.take_tokens(), u.take_dropped()]) for u in units])
-        counts = axes.sum_over(local, axes.data, "expert load")
+        # every rank's routed rows: the data ranks', and those of experts borrowing a tensor axis
+        over = (*axes.data, *sorted({u.axis for u in units} - set(axes.data)))
+        counts = axes.sum_over(local, over, "expert load")
         load = {}
         for unit, both in zip(units, counts.split([2 * u.num_experts for u in units]), strict=True):
             tokens, dropped = both.chunk(2)

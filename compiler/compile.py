@@ -305,9 +305,7 @@ def _expert_data_facts(
     a gradient sum: then one data axis averages every parameter (`_data_parallel_facts`)."""
     experts = {r.axis for r in plan.rules_of("experts")}
     dp = plan.data_parallel
-    data = [
-        a for a in layout.names if (a in experts or (dp is not None and a == dp.axis)) and layout.size(a) > 1
-    ]
+    data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
     if not any(a in experts for a in data) and not grad_sums:
         return None
     from meshplan.runtime.buckets import decays

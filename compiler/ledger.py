@@ -255,8 +255,10 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     axis, rule = info["axis"], info.get("rule")
     where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
     tokens, index = arg_node(node, 0), arg_node(node, 1)
-    held = _held(tokens, shape(tokens), axis, layout)  # (N, H)
-    k = _held(index, shape(index), axis, layout)[-1]
+    # this rank's tokens: cut by every axis that cuts them, the unit's own included (experts
+    # borrowing a tensor axis route their rank's rows of the tokens)
+    held = _held(tokens, shape(tokens), "", layout)  # (N, H)
+    k = _held(index, shape(index), "", layout)[-1]
     factor, experts = info.get("capacity_factor"), int(info["experts"])
     if factor is None:
         pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row

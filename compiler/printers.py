@@ -119,10 +119,11 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         2: f"1/{size} of the optimizer state and gradients (reduce-scatter in buckets)",
         3: f"1/{size} of parameters, gradients and optimizer state; each layer gathered before use, freed after",
     }[dp.zero]
-    layout = compiled.layout
-    experts = {r.axis for r in compiled.plan.rules_of("experts") if layout.size(r.axis) > 1}
+    layout, plan = compiled.layout, compiled.plan
+    # expert axes that split the batch (not those borrowing a tensor axis)
+    experts = {r.axis for r in plan.rules_of("experts") if layout.size(r.axis) > 1} & set(plan.batch_axes)
     if dp.zero and experts:  # each parameter's state over the ranks that average it
-        data = [a for a in layout.names if (a == dp.axis or a in experts) and layout.size(a) > 1]
+        data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
         others = [a for a in data if a not in experts]
         what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
             dp.zero, "parameters, gradients and optimizer state"
@@ -242,10 +243,8 @@ def _expert_lines(compiled: Compiled) -> list[str]:
     axes = [a for a in compiled.layout.names if any(n.meta[COLLECTIVE]["axis"] == a for n in units)]
     if not units:
         return []
-    layout, dp = compiled.layout, compiled.plan.data_parallel
-    data = [
-        a for a in layout.names if (a in axes or (dp is not None and a == dp.axis)) and layout.size(a) > 1
-    ]
+    layout = compiled.layout
+    data = [a for a in layout.names if a in compiled.plan.batch_axes and layout.size(a) > 1]
     lines = []
     for axis in axes:
         mine = [n for n in units if n.meta[COLLECTIVE]["axis"] == axis]

@@ -141,6 +141,17 @@ class Plan:
     def rules_of(self, kind: RuleKind) -> tuple[PlanRule, ...]:
         return tuple(r for r in self.rules if r.kind == kind)
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over, in mesh order: the data-parallel axis and every
+        expert axis that no tensor or sequence rule uses. An expert axis splits the batch too
+        (torchtitan's layout: data parallel for all but the experts); experts borrowing a tensor
+        axis see the tokens its ranks share, and each rank routes its own rows of them."""
+        tensor = {r.axis for r in self.rules if r.kind in ("tensor", "sequence")}
+        experts = {r.axis for r in self.rules_of("experts")} - tensor
+        data = {self.data_parallel.axis} if self.data_parallel is not None else set()
+        return tuple(a for a in self.mesh.names if a in experts | data)
+
 
 # ---------------------------------------------------------------------------- entry points
 
@@ -206,7 +217,16 @@ _ROLE_WORDS = {
     "pipeline": "pipeline stages",
     "data": "data parallelism",
 }
-_COMPATIBLE_ROLES = ({"tensor", "sequence"}, {"data", "experts"})
+# experts may borrow a data axis (its ranks hold other experts, the batch split as before) or a
+# tensor axis (its ranks hold other experts; each routes its own rows of the tokens)
+_COMPATIBLE_ROLES = ({"tensor", "sequence", "experts"}, {"data", "experts"})
+
+
+def _compatible(roles: set[str]) -> bool:
+    """Whether one axis may serve all of `roles`."""
+    return len(roles) == 1 or any(roles <= group for group in _COMPATIBLE_ROLES)
+
+
 _EXPERT_ARGS = {"top_k": "int", "capacity_factor": "float", "z_loss": "float"}
 
 
@@ -344,18 +364,26 @@ class _Checker:
         return name.text
 
     def check_roles(self) -> None:
+        """An axis serves several purposes only within one compatible group, all its uses at once
+        (experts borrow a data axis or a tensor axis, never one that is both)."""
         for axis, uses in self.roles.items():
-            first_role, first_span = uses[0]
-            for role, span in uses[1:]:
-                if role != first_role and not any({role, first_role} <= g for g in _COMPATIBLE_ROLES):
-                    self.error(
-                        span,
-                        f"axis `{axis}` is used for {_ROLE_WORDS[role]} here but for "
-                        f"{_ROLE_WORDS[first_role]} elsewhere",
-                        hint="give each kind of parallelism its own mesh axis",
-                        related=[(first_span, f"`{axis}` used for {_ROLE_WORDS[first_role]} here")],
-                    )
-                    break
+            seen: dict[str, Span] = {}
+            for role, span in uses:
+                if _compatible({*seen, role}):
+                    seen.setdefault(role, span)
+                    continue
+                # the use it clashes with: one it shares no group with (else the first: tensor
+                # and data are each fine with experts, not with each other through them)
+                clash = [(r, s) for r, s in seen.items() if not _compatible({r, role})]
+                other, other_span = (clash or list(seen.items()))[0]
+                self.error(
+                    span,
+                    f"axis `{axis}` is used for {_ROLE_WORDS[role]} here but for "
+                    f"{_ROLE_WORDS[other]} elsewhere",
+                    hint="give each kind of parallelism its own mesh axis",
+                    related=[(other_span, f"`{axis}` used for {_ROLE_WORDS[other]} here")],
+                )
+                break
 
     def check_unused_axes(self, mesh: MeshSpec) -> None:
         if self.unknown_axis_used:

@@ -168,10 +168,15 @@ class ExpertParallel(AxisCollective):
         num_experts: int = 0,
         param_names: tuple[str, ...] = (),
         capacity_factor: float | None = None,
+        splits_batch: bool = True,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
         self.capacity_factor = capacity_factor
+        # whether the axis splits the batch (an expert axis of its own, or borrowing the data
+        # axis), so that an expert's gradient, summed over its ranks' tokens, is their mean's;
+        # experts borrowing a tensor axis see rows of the same batch: the sum is the gradient
+        self.splits_batch = splits_batch
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -181,7 +186,8 @@ class ExpertParallel(AxisCollective):
 
     def extra_repr(self) -> str:
         capacity = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""
-        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}"
+        batch = "" if getattr(self, "splits_batch", True) else ", splits_batch=False"
+        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}{batch}"
 
     def bind(self, group: dist.ProcessGroup | None, model: nn.Module) -> ExpertParallel:
         """This rank's instance: its process group, and the model's experts module as the
@@ -195,6 +201,7 @@ class ExpertParallel(AxisCollective):
             param_names=self.param_names,
             # a program saved before capacities existed has none: dropless
             capacity_factor=getattr(self, "capacity_factor", None),
+            splits_batch=getattr(self, "splits_batch", True),
         )
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound
@@ -278,6 +285,8 @@ class ExpertParallel(AxisCollective):
         """The model's experts module on rows `tokens` (M, H), row i through local expert
         `local_index[i]` with weight 1; each expert weight's gradient scaled by 1/n (the mean
         over the axis's data ranks, see the module docstring)."""
+        if not getattr(self, "splits_batch", True):
+            n = 1  # rows of one batch: the sum over the axis's ranks is the gradient
         scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
         return torch.func.functional_call(
             self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens, local_index[:, None], ones)

@@ -275,7 +275,13 @@ def _lower(
     relative = tuple(name.removeprefix(f"{path}.") for name in names)
     factor = capacity_factor(rule)
     unit = ExpertParallel(
-        None, rule.axis, path=str(path), num_experts=count, param_names=relative, capacity_factor=factor
+        None,
+        rule.axis,
+        path=str(path),
+        num_experts=count,
+        param_names=relative,
+        capacity_factor=factor,
+        splits_batch=rule.axis in ctx.plan.batch_axes,
     )
     gm.add_submodule(target, unit)
     with gm.graph.inserting_before(node):
@@ -374,7 +380,18 @@ def _sizes(
                 )
         for arg in rule.action.args:
             if arg.name.text == "capacity_factor":
-                if plan.rules_of("context"):
+                if rule.axis not in plan.batch_axes:
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            f"expert capacity (`capacity_factor`) with experts borrowing the tensor axis "
+                            f"`{rule.axis}` is not lowered yet: each of its ranks routes a share of the "
+                            "tokens, so its drops would not be one device's",
+                            hint="remove `capacity_factor` to train dropless, or put the experts on "
+                            "an axis of their own",
+                        )
+                    )
+                elif plan.rules_of("context"):
                     out.append(
                         Diagnostic(
                             arg.span,

@@ -105,12 +105,8 @@ class Groups:
 
 
 def averaging_groups(ctx: Context) -> Groups:
-    dp = ctx.plan.data_parallel
-    split = {e.axis for e in ctx.experts.values()}
     layout = ctx.layout
-    data = [
-        a for a in layout.names if (a in split or (dp is not None and a == dp.axis)) and layout.size(a) > 1
-    ]
+    data = [a for a in layout.names if a in ctx.plan.batch_axes and layout.size(a) > 1]
     sized = [a for a in layout.names if layout.size(a) > 1]
 
     def group(name: str) -> str:

@@ -160,3 +160,22 @@ def test_experts_split_over_tp_train_like_one_process_and_resume_whole(
     resumed = metrics(tmp_path / "run")[0]
     assert [r["step"] for r in first] == [1, 2]
     same_training(resumed, one_process)
+
+
+def test_experts_borrowing_the_tensor_axis_train_like_one_process(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """`mesh dp=2, tp=2`, `experts over tp`: attention split over tp with sequence-parallel norms,
+    each tp rank holding half the experts and routing its sequence shard of the tokens. tp
+    does not split the batch (2 sequences per rank and micro-step, 8 per step), and the load
+    counts every rank's routed pairs once."""
+    plan = (
+        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.mlp.experts: experts over tp (top_k=2)\n"
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
+        "    layers.*.*_layernorm: sequence over tp\n    layers.1: checkpoint\n}\n\n"
+        "data_parallel over dp {\n    zero = 1\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+    )
+    got = run(tmp_path, "ep_tp", plan, batch=2)
+    same_training(got, one_process)
+    for record in got:
+        assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())

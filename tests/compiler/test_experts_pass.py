@@ -412,3 +412,30 @@ def test_experts_route_their_own_rows_of_sequence_parallel_tokens():
     dispatch = [r.shape for r in capacity.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
     assert dispatch == [(128, 64)]  # every token: E C = 4 x 32 rows (C = 32 x 2 x 2.0 / 4)
     assert "layers.0.mlp.experts.gate_up_proj" not in capacity.grad_sums
+
+
+def test_experts_may_borrow_the_tensor_axis():
+    """`experts over tp` where tensor rules split attention over tp: each tp rank holds half the
+    experts and routes its own rows of the tokens (its sequence shard under sequence
+    parallelism; without it, its split of the whole tokens, gathered back after). tp does not
+    split the batch: the unit does not scale its experts' gradients, and only dp averages."""
+    text = SEQUENCE_AND_EXPERTS.replace("tp=2, ep=2", "dp=2, tp=2").replace(
+        "over ep (ARGS)", "over tp (top_k=2)"
+    )
+    text += "\ndata_parallel over dp {\n}\n"
+    for sequence in (True, False):
+        compiled = _compile(
+            text if sequence else text.replace("    layers.*.*_layernorm: sequence over tp\n", "")
+        )
+        unit = compiled.graph.experts_tp_0
+        assert not unit.splits_batch and compiled.plan.batch_axes == ("dp",)
+        assert compiled.param_placements["layers.0.mlp.experts.down_proj"] == {"tp": Shard(0)}
+        dispatch = [
+            r.shape for r in compiled.ledger.rows if r.node == "experts_tp_0" and r.phase == "forward"
+        ]
+        assert dispatch == [(4,), (32, 64)]  # 16 of the 32 tokens per rank, top-2
+        (user,) = next(n for n in compiled.graph.graph.nodes if n.target == "experts_tp_0").users
+        assert (user.meta.get(COLLECTIVE, {}).get("kind") == "gather_replicated") == (not sequence)
+        assert "layers.0.mlp.experts.gate_up_proj" not in compiled.grad_sums  # whole: the all-to-all sums it
+    capacity = text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)")
+    assert "is not lowered yet: each of its ranks routes a share of the tokens" in _errors(capacity)

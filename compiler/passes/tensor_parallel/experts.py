@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from torch import fx
 
+from meshplan.dsl.check import PlanRule
+
 from ...graph import RULE, arg_node
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts import MARKER
@@ -35,21 +37,55 @@ def _on_local_rows(
     the tokens of one call, so a unit with one gets every token (gathered), as one device."""
     rows = w.placement(tokens)
     rule = w.spec.experts.get(str(node.args[4]))
+    if rule is not None and rule.axis == w.axis:  # the experts borrow this axis
+        _split_over_experts(w, node, tokens, index, weights, rule)
+        return
     capacity = rule is not None and any(
         a.name.text == "capacity_factor" for a in getattr(rule.action, "args", ())
     )
     if not (isinstance(rows, Shard) and rows.dim == 0) or capacity:
         w.default(node)  # the unit's inputs gathered if they are not whole
         return
-    for routing in (index, weights):
-        have = w.placement(routing)
-        if have != rows:
-            if not isinstance(have, Replicate):
-                w.use(node, routing, (routing := w.convert(routing, REPLICATE, because=rule)))
-            w.use(node, routing, w.convert(routing, rows, because=rule))
+    _routing_cut_like(w, node, (index, weights), rows, rule)
     for p in params:
         w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
     w.set(node, rows, rule)
+
+
+def _split_over_experts(
+    w: Walk, node: fx.Node, tokens: fx.Node, index: fx.Node, weights: fx.Node, rule: PlanRule
+) -> None:
+    """`experts over tp` on an axis tensor rules use: its ranks hold other experts and share the
+    tokens, so each routes its own rows of them (its sequence shard, or its split of whole
+    tokens) to the ranks of their experts, and the output comes back cut alike. The experts'
+    weights are whole over the axis here (the experts pass cuts them by expert); their
+    gradients are complete, every rank's rows summed by the all-to-all's backward."""
+    have = w.placement(tokens)
+    whole = not (isinstance(have, Shard) and have.dim == 0)
+    rows = have if isinstance(have, Shard) and not whole else Shard(0)
+    if whole:  # each rank takes its split of the tokens, and the output is gathered back
+        if not isinstance(have, Replicate):
+            tokens = w.use(node, tokens, w.convert(tokens, REPLICATE, because=rule))
+        w.use(node, tokens, w.convert(tokens, rows, because=rule))
+    _routing_cut_like(w, node, (index, weights), rows, rule)
+    w.set(node, rows, rule)
+    if whole:
+        gathered = w.convert(node, REPLICATE, because=rule)
+        for user in list(node.users):
+            if user is not gathered:
+                user.replace_input_with(node, gathered)
+
+
+def _routing_cut_like(
+    w: Walk, node: fx.Node, routing: tuple[fx.Node, ...], rows: Shard, rule: PlanRule | None
+) -> None:
+    """The unit's top_k_index and top_k_weights cut by rows as its tokens are."""
+    for arg in routing:
+        have = w.placement(arg)
+        if have != rows:
+            if not isinstance(have, Replicate):
+                arg = w.use(node, arg, w.convert(arg, REPLICATE, because=rule))
+            w.use(node, arg, w.convert(arg, rows, because=rule))
 
 
 @register(MARKER)

@@ -248,11 +248,11 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         call = _lower(gm, node, governed[path], modules[path], model, ctx)
         coefficient = z_loss_of(governed[path])
         if coefficient is not None:
-            z_losses.append((arg_node(call, 1), coefficient))
+            z_losses.append((arg_node(call, 1), coefficient, governed[path]))
             logits = router_logits(arg_node(call, 1))
             assert isinstance(logits, fx.Node)
             call.meta[COLLECTIVE].update(z_loss=coefficient, router=router_path(logits), path=path)
-    add_z_loss(gm, z_losses) if z_losses else None
+    add_z_loss(gm, z_losses, ctx.layout) if z_losses else None
     gm.graph.lint()
     gm.recompile()
     return gm

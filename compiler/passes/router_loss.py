@@ -12,6 +12,9 @@ the experts unit's routing: its `top_k_index` is `topk(softmax(logits))` (any ca
 the softmax skipped), which is Hugging Face's MoE routers and `examples/models/moe.py`. Each
 rank computes its layers' L_z over its own tokens, as one device computes it over each
 micro-batch, and data parallelism averages the ranks' losses, as it averages everything else.
+Where an axis that does not split the batch cuts the router's tokens (sequence or context
+parallelism, experts borrowing a tensor axis), each rank's mean over its equal share is
+all-reduced over that axis and divided by its size: the micro-batch's mean on every rank.
 
 Before (`layers.0.mlp.gate` the router):
 
@@ -45,8 +48,10 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.collectives import COLLECTIVES
+from meshplan.runtime.mesh import MeshLayout
 
-from ..graph import PLACEMENT, arg_node, is_loss, is_tensor_node, value
+from ..graph import COLLECTIVE, PLACEMENT, arg_node, is_loss, is_tensor_node, value
 from ..placement import Shard
 
 aten = torch.ops.aten
@@ -75,15 +80,26 @@ def router_logits(top_k_index: fx.Node) -> fx.Node | str:
     if node.target not in _SOFTMAX:
         return f"its top-k is taken over `{node.name}`, not over a softmax of the router's logits"
     logits = _uncast(arg_node(node, 0))
-    cut = [axis for axis, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard)]
-    if cut:  # sequence or context parallelism: each rank's router sees its shard of the tokens
-        return (
-            f"its router's logits `{logits.name}` are cut over `{cut[0]}`, and a z-loss over each "
-            "rank's shard of the tokens is not lowered yet"
-        )
+    uneven = [
+        a for a, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard) and not _even(p, logits)
+    ]
+    if uneven:
+        return f"its router's logits `{logits.name}` are cut unevenly over `{uneven[0]}`"
     if not router_path(logits):
         return f"its router's logits `{logits.name}` are computed outside any module"
     return logits
+
+
+def _even(p: Shard, logits: fx.Node) -> bool:
+    """Whether every rank holds as many of the logits' rows: a plain cut of the tokens (by
+    sequence, or flattened sequence blocks), not the expert dim, no padding or sharing."""
+    return p.dim < len(value(logits).shape) - 1 and not p.padded and p.replicas == 1
+
+
+def _cut_over(logits: fx.Node) -> list[str]:
+    """The axes the router's tokens are cut over (sequence or context parallelism, experts
+    borrowing a tensor axis): each rank's logits are its share of the tokens."""
+    return [a for a, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard)]
 
 
 def _uncast(node: fx.Node) -> fx.Node:
@@ -104,8 +120,9 @@ def z_loss_problem(rule: PlanRule, modules: str, why: str) -> Diagnostic:
     )
 
 
-def add_z_loss(gm: fx.GraphModule, units: list[tuple[fx.Node, float]]) -> None:
-    """Add each unit's router z-loss (coefficient given) to the graph's loss output."""
+def add_z_loss(gm: fx.GraphModule, units: list[tuple[fx.Node, float, PlanRule]], layout: MeshLayout) -> None:
+    """Add each unit's router z-loss (its `top_k_index`, coefficient and rule given) to the
+    graph's loss output."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = output.args[0]
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
@@ -113,12 +130,12 @@ def add_z_loss(gm: fx.GraphModule, units: list[tuple[fx.Node, float]]) -> None:
     assert len(losses) == 1, "the experts pass needs the graph's one loss output (keep_loss_output)"
     loss = losses[0]
     terms = []
-    for top_k_index, coefficient in units:
+    for top_k_index, coefficient, rule in units:
         logits = router_logits(top_k_index)
         assert isinstance(logits, fx.Node)
         assert logits.next is not None
         with gm.graph.inserting_before(logits.next):  # in the router's place, in order
-            terms.append(_z_term(gm.graph, logits, coefficient))
+            terms.append(_z_term(gm, logits, coefficient, rule, layout))
     total = loss
     with gm.graph.inserting_before(output):
         for term in terms:
@@ -132,9 +149,15 @@ def add_z_loss(gm: fx.GraphModule, units: list[tuple[fx.Node, float]]) -> None:
     )
 
 
-def _z_term(graph: fx.Graph, logits: fx.Node, coefficient: float) -> fx.Node:
+def _z_term(
+    gm: fx.GraphModule, logits: fx.Node, coefficient: float, rule: PlanRule, layout: MeshLayout
+) -> fx.Node:
     """c * mean(logsumexp(logits, -1) ** 2), in fp32 at least (bf16 or fp16 logits are cast),
-    its nodes in the router's module (so a checkpointed layer recomputes them with it)."""
+    its nodes in the router's module (so a checkpointed layer recomputes them with it). Logits
+    cut by tokens over an axis (n ranks, equal shares) give each rank the mean of its share:
+    the tokens' mean is their sum over the axis / n, an all-reduce whose backward passes each
+    rank's gradient through (its share's, c / N per token)."""
+    graph = gm.graph
     stack = {k: v for k, v in logits.meta.items() if k in ("nn_module_stack", "stack_trace")}
     wide = logits
     if value(logits).dtype.itemsize < 4:
@@ -142,7 +165,16 @@ def _z_term(graph: fx.Graph, logits: fx.Node, coefficient: float) -> fx.Node:
     lse = _node(graph, aten.logsumexp.default, (wide, [-1]), {}, "z_lse", stack)
     square = _node(graph, aten.mul.Tensor, (lse, lse), {}, "z_square", stack)
     mean = _node(graph, aten.mean.default, (square,), {}, "z_mean", stack)
-    return _node(graph, aten.mul.Tensor, (mean, coefficient), {}, "z_loss", stack)
+    ranks = 1
+    for axis in _cut_over(logits):
+        name = f"all_reduce_{axis}"
+        if not hasattr(gm, name):
+            gm.add_submodule(name, COLLECTIVES["all_reduce"](None, axis))
+        summed = graph.call_module(name, (mean,))
+        summed.meta.update({"val": value(mean), **stack})
+        summed.meta[COLLECTIVE] = {"kind": "all_reduce", "axis": axis, "dim": None, "rule": rule}
+        mean, ranks = summed, ranks * layout.size(axis)
+    return _node(graph, aten.mul.Tensor, (mean, coefficient / ranks), {}, "z_loss", stack)
 
 
 def _node(graph: fx.Graph, target, args: tuple, kwargs: dict, name: str, meta: dict | None = None) -> fx.Node:

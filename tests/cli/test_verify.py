@@ -268,11 +268,12 @@ def test_tensor_parallelism_inside_experts(tmp_path, factory, mesh, axis, column
 def test_experts_over_ep_on_sequence_parallel_token_shards(tmp_path):
     """`mesh tp=2, ep=2` with sequence-parallel norms: each tp rank's experts unit dispatches
     its own shard of the tokens over ep (nothing gathered over tp), and the experts' weight
-    gradients, partial over tp, are summed by the gradient sync."""
+    gradients, partial over tp, are summed by the gradient sync. The router z-loss (0.1: it
+    shows) is each rank's mean over its token shard, summed over tp and divided by 2."""
     text = (
         "mesh tp=2, ep=2\n\nmodules {\n"
         "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
-        "    layers.*.*_layernorm: sequence over tp\n    layers.*.mlp.experts: experts over ep (top_k=2)\n"
+        "    layers.*.*_layernorm: sequence over tp\n    layers.*.mlp.experts: experts over ep (top_k=2, z_loss=1e-1)\n"
         "    layers.1: checkpoint\n}\n"
     )
     assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))

@@ -255,6 +255,10 @@ def _expert_lines(compiled: Compiled) -> list[str]:
             f"experts over {axis} ({n} ranks): each rank holds {total // n} of the {total} experts of "
             + ", ".join(paths)
         )
+        if axis not in compiled.plan.batch_axes:
+            lines.append(
+                f"    `{axis}` splits no batch (its ranks share the tokens): each rank routes its own rows of them"
+            )
     others = [a for a in data if a not in axes]
     lines.append(
         f"    the batch is split over {' x '.join(data) or 'no axis'} ({math.prod(layout.size(a) for a in data)} "

@@ -373,6 +373,10 @@ def test_experts_split_that_would_not_add_up_are_located_errors():
         "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it are split by column "
         "only: their outputs must come out as partial sums, from a column split followed by a row split"
     )
+    assert (
+        "error: the experts of `layers.0.mlp.experts` and 1 more like it have 64 intermediate features, "
+        "not divisible by 3 ranks over `tp`" in _errors(_expert_tp().replace("tp=2", "tp=3"))
+    )
     assert _errors(_expert_tp("gate_proj")).splitlines()[3] == (
         "hint: did you mean `gate_up_proj`? modules under `layers.0.mlp.experts` are: gate_up_proj, down_proj"
     )

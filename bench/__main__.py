@@ -108,6 +108,12 @@ BENCHES = (
         headline=r"^step time, bucketed",
     ),
     Bench(
+        "moe_token_shards",
+        "MoE under sequence parallelism: each rank's token shard vs gathered tokens",
+        quick=("--steps", "4", "--warmup", "1", "--seq", "128"),
+        headline=r"^step time, token shards",
+    ),
+    Bench(
         "cp_balance",
         "causal ring work per rank, balanced vs contiguous",
         quick=("--seq", "1024", "--reps", "2"),

@@ -1,17 +1,24 @@
-"""The op rule for an experts unit (`meshplan.experts`, captured by the experts pass) whose
-experts' matrices a tensor axis splits (`expert_tensor_rules`).
+"""The op rule for an experts unit (`meshplan.experts`, captured by the experts pass) on one
+walk's axis. Three cases, then the default (its inputs gathered, the unit run whole):
 
-Each rank of the axis computes, for every token, its slice of each of the token's experts:
-the tokens and their routing weights come in whole (Megatron's f: in backward each rank's
-gradient is its slice's share, summed over the axis), and the unit's output is a partial
-sum, reduced at once (all-reduce, or reduce-scatter onto token shards under sequence
-parallelism), as a row split's is. Reducing the unit's (N, H) output, after the combine has
-summed each token's k experts, moves k times fewer rows than reducing the experts' outputs.
+1. The axis splits the experts' matrices (`layers.*.mlp.experts.gate_up_proj: column over tp`,
+   `expert_tensor_rules`). Each rank computes, for every token, its slice of each of the
+   token's experts: the tokens and their routing weights come in whole (Megatron's f: in
+   backward each rank's gradient is its slice's share, summed over the axis), and the unit's
+   output is a partial sum, reduced at once (all-reduce, or reduce-scatter onto token shards
+   under sequence parallelism), as a row split's is. Reducing the unit's (N, H) output, after
+   the combine has summed each token's k experts, moves k times fewer rows than reducing the
+   experts' outputs:
 
-    tokens = self.copy_to_tp(reshape_1)                                 # f
-    weights = self.copy_to_tp(div)                                      # f
-    experts = torch.ops.meshplan.experts.default(tokens, getitem_5, weights, [gate_up_proj, down_proj], ...)
-    experts_1 = self.all_reduce_tp(experts)                             # (N, H), once
+       tokens = self.copy_to_tp(reshape_1)                                 # f
+       weights = self.copy_to_tp(div)                                      # f
+       experts = torch.ops.meshplan.experts.default(tokens, getitem_5, weights, [gate_up_proj, down_proj], ...)
+       experts_1 = self.all_reduce_tp(experts)                             # (N, H), once
+
+2. The experts borrow the axis (`experts over tp`): each rank routes its own rows of the
+   tokens the axis's ranks share (`_split_over_experts`).
+3. The experts are whole over the axis and the tokens come in cut by rows (sequence or context
+   parallelism): each rank's unit routes its own rows (`_whole_over_the_axis`).
 """
 
 from __future__ import annotations
@@ -26,12 +33,13 @@ from ..experts import MARKER
 from .walk import Walk, register
 
 
-def _on_local_rows(
+def _whole_over_the_axis(
     w: Walk, node: fx.Node, tokens: fx.Node, index: fx.Node, weights: fx.Node, params: list[fx.Node]
 ) -> None:
-    """Experts whole over this axis. Tokens cut by rows over it (sequence parallelism, a context
-    axis: `Shard(0, blocks)` of the flattened tokens) stay cut: each rank's unit routes and
-    computes its own rows, as every rank of a data axis does, and its output is cut alike.
+    """Experts whole over this axis (cases 2 and 3). Tokens cut by rows over it (sequence
+    parallelism, a context axis: `Shard(0, blocks)` of the flattened tokens) stay cut: each
+    rank's unit routes and computes its own rows, as every rank of a data axis does, and its
+    output is cut alike.
     The experts' weights then see a shard of the tokens: read through f, their gradients are
     partial over this axis (summed by the gradient sync: `grad_sums.py`). A capacity counts
     the tokens of one call, so a unit with one gets every token (gathered), as one device."""
@@ -94,7 +102,7 @@ def _experts(w: Walk, node: fx.Node) -> None:
     params = [p for p in node.args[3] if isinstance(p, fx.Node)]  # type: ignore[union-attr]
     split = [p for p in params if isinstance(w.placement(p), Shard)]
     if not split:
-        _on_local_rows(w, node, tokens, index, weights, params)
+        _whole_over_the_axis(w, node, tokens, index, weights, params)
         return
     rules = [r for p in split if (r := p.meta.get(RULE)) is not None]
     # the reduction is the row split's: the ledger names its rule

@@ -61,6 +61,7 @@ from .match import Resolution, resolve
 from .passes import Context, Pass, checkpoint, experts, pipeline, precision, tensor_parallel, zero
 from .passes.checkpoint import bind_regions
 from .passes.precision import DTYPES, cast_floating
+from .passes.zero import reduce_axes
 from .placement import Placement, Shard
 
 
@@ -314,8 +315,7 @@ def _expert_data_facts(
     groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
     for name, p in params.items():
         sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
-        summed = grad_sums.get(name, ())
-        over = tuple(a for a in layout.names if (a in data and a not in sharded) or a in summed)
+        over = reduce_axes(layout, data, sharded, grad_sums.get(name, ()))
         groups.setdefault(over, []).append((name, p))
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
     # the block or rule that asks for these reductions: data parallelism, the experts' axis,

@@ -25,6 +25,7 @@ from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
 from .ledger import _held
 from .meta import CHECKPOINT, RULE
 from .passes.checkpoint import collective_nodes, region_modules
+from .passes.zero import reduce_axes
 from .placement import Shard
 
 
@@ -180,22 +181,14 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
 
 
 def _reduce_groups(compiled: Compiled) -> Counter[tuple[str, ...]]:
-    """Trainable parameters by the axes their gradient is reduced over (`Axes.reduced_over`):
-    the data axis unless it cuts them, and the axes they are partial over."""
-    layout, dp = compiled.layout, compiled.plan.data_parallel
-    data = {dp.axis} if dp is not None else set()
+    """Trainable parameters by the axes their gradient is reduced over (`reduce_axes`)."""
     groups: Counter[tuple[str, ...]] = Counter()
     assert compiled.source is not None
     for name, p in compiled.source.model.named_parameters():
-        if not p.requires_grad:
-            continue
-        cut = {a for a, pl in compiled.param_placements.get(name, {}).items() if isinstance(pl, Shard)}
-        summed = compiled.grad_sums.get(name, ())
-        groups[
-            tuple(
-                a for a in layout.names if layout.size(a) > 1 and a not in cut and (a in data or a in summed)
-            )
-        ] += 1
+        if p.requires_grad:
+            cut = {a for a, pl in compiled.param_placements.get(name, {}).items() if isinstance(pl, Shard)}
+            summed = compiled.grad_sums.get(name, ())
+            groups[reduce_axes(compiled.layout, compiled.plan.batch_axes, cut, summed)] += 1
     return groups
 
 

@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node, module_path
@@ -104,16 +105,25 @@ class Groups:
         return self.others.get(name, self.dense)
 
 
+def reduce_axes(
+    layout: MeshLayout, batch_axes: Collection[str], cut: Collection[str], summed: Collection[str]
+) -> tuple[str, ...]:
+    """The axes (of more than one rank, in mesh order) a parameter's gradient is reduced over,
+    as the runtime's `Axes.reduced_over` reduces it: averaged over the axes that split the batch
+    and do not cut the parameter, summed over those its gradient is partial over (`summed`)."""
+    return tuple(
+        a for a in layout.names if layout.size(a) > 1 and a not in cut and (a in batch_axes or a in summed)
+    )
+
+
 def averaging_groups(ctx: Context) -> Groups:
     layout = ctx.layout
     data = [a for a in layout.names if a in ctx.plan.batch_axes and layout.size(a) > 1]
-    sized = [a for a in layout.names if layout.size(a) > 1]
 
     def group(name: str) -> str:
-        expert = ctx.experts.get(name)
-        summed = ctx.grad_sums.get(name, ())
-        over = [a for a in sized if (a in data and (expert is None or a != expert.axis)) or a in summed]
-        return " x ".join(over)
+        expert = ctx.experts.get(name)  # the data axes cutting a parameter: its expert axis
+        cut = {expert.axis} if expert is not None else set()
+        return " x ".join(reduce_axes(layout, data, cut, ctx.grad_sums.get(name, ())))
 
     names = [n for n, p in ctx.source.model.named_parameters(remove_duplicate=False) if p.requires_grad]
     counts = Counter(group(n) for n in names)

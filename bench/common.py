@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,9 +37,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.capture import ModelSource, bind_inputs
+from meshplan.compiler.compile import build_rank_program
 from meshplan.examples.models.llama import Llama, build, example_inputs
 from meshplan.runtime import collectives as meshplan_collectives
+from meshplan.runtime.mesh import init_mesh
+from meshplan.session import partial_grad_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_TP = str(ROOT / "bench/plans/llama_tp_nosp.plan")  # column/row + vocab, no sequence parallel
@@ -438,3 +442,40 @@ def resident_rise(fn: Callable[[], object]) -> int:
     fn()
     dist.barrier()
     return max(0, _status("VmHWM") - before)
+
+
+def compiled_step(compiled, model: torch.nn.Module, rank: int, inputs: tuple) -> Callable[[], float]:
+    """One training step of a compiled plan's rank program as `meshplan run` takes it: forward,
+    backward, the gradient sums the program leaves to the sync (`session.partial_grad_sync`),
+    AdamW. Returns the step, which returns the loss."""
+    mesh = init_mesh(compiled.layout)
+    program = build_rank_program(compiled, model, rank, mesh)
+    sync = partial_grad_sync(compiled, program, mesh)
+    optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+    bound = bind_inputs(model, compiled.graph, inputs, {})
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        (loss,) = program(*bound)
+        loss.backward()
+        sync.finish()
+        optimizer.step()
+        return float(loss.detach())
+
+    return step
+
+
+def take_turns(
+    variants: dict[str, Callable[[], float]], warmup: int, steps: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Each variant's (seconds, loss) per measured step: every round runs one step of each, a
+    barrier before each, so that the machine's load hits them alike."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for i in range(warmup + steps):
+        for name, step in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step()
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start, loss))
+    return times

@@ -25,23 +25,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from collections.abc import Callable
 from unittest import mock
 
-import torch
-import torch.distributed as dist
-from common import PLAN_TP_SP, median, result, sized_llama
+from common import PLAN_TP_SP, compiled_step, median, result, sized_llama, take_turns
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.passes import tensor_parallel
 from meshplan.dsl import load_plan
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.mesh import init_mesh
-from meshplan.session import partial_grad_sync
 
 WORLD = 2
 CONTEXT = "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n"
@@ -63,21 +58,7 @@ def _step(text: str, batch: int, seq: int, rank: int, *, bucketed: bool) -> tupl
     with contextlib.nullcontext() if bucketed else off:
         compiled = compile_plan(plan, source, world_size=WORLD, dynamic=False)
     assert bool(compiled.grad_sums) == bucketed
-    mesh = init_mesh(compiled.layout)
-    program = build_rank_program(compiled, model, rank, mesh)
-    sync = partial_grad_sync(compiled, program, mesh)
-    optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-    inputs = bind_inputs(model, compiled.graph, (ids, labels), {})
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        (loss,) = program(*inputs)
-        loss.backward()
-        sync.finish()
-        optimizer.step()
-        return float(loss.detach())
-
-    return step, sum(r.count for r in compiled.ledger.rows)
+    return compiled_step(compiled, model, rank, (ids, labels)), sum(r.count for r in compiled.ledger.rows)
 
 
 def worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict:
@@ -87,14 +68,7 @@ def worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict:
             how: _step(text, batch, length, rank, bucketed=how == "bucketed")
             for how in ("per weight", "bucketed")
         }
-        times: dict[str, list[tuple[float, float]]] = {how: [] for how in variants}
-        for i in range(warmup + steps):
-            for how, (step, _) in variants.items():
-                dist.barrier()
-                start = time.perf_counter()
-                loss = step()
-                if i >= warmup:
-                    times[how].append((time.perf_counter() - start, loss))
+        times = take_turns({how: step for how, (step, _) in variants.items()}, warmup, steps)
         out[layout] = {how: (times[how], variants[how][1]) for how in variants}
     return out
 

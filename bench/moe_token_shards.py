@@ -20,22 +20,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from collections.abc import Callable
 from unittest import mock
 
-import torch
-import torch.distributed as dist
-from common import median, result
+from common import compiled_step, median, result, take_turns
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.capture import ModelSource
+from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.passes.tensor_parallel import experts as experts_rule
 from meshplan.dsl.check import check_text
 from meshplan.examples.models import moe
 from meshplan.runtime.launch import spawn
-from meshplan.runtime.mesh import init_mesh
-from meshplan.session import partial_grad_sync
 
 WORLD = 2
 PLAN = """mesh tp=2, ep=1
@@ -60,34 +55,12 @@ def _step(seq: int, rank: int, *, shards: bool) -> Callable[[], float]:
     off = mock.patch.object(experts_rule, "_whole_over_the_axis", lambda w, node, *_: w.default(node))
     with contextlib.nullcontext() if shards else off:
         compiled = compile_plan(check_text(PLAN, "bench.plan", world_size=WORLD), source, world_size=WORLD)
-    mesh = init_mesh(compiled.layout)
-    program = build_rank_program(compiled, model, rank, mesh)
-    sync = partial_grad_sync(compiled, program, mesh)
-    optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-    inputs = bind_inputs(model, compiled.graph, (ids, labels), {})
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        (loss,) = program(*inputs)
-        loss.backward()
-        sync.finish()
-        optimizer.step()
-        return float(loss.detach())
-
-    return step
+    return compiled_step(compiled, model, rank, (ids, labels))
 
 
 def worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[str, list[tuple[float, float]]]:
     variants = {"token shards": _step(seq, rank, shards=True), "gathered": _step(seq, rank, shards=False)}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for i in range(warmup + steps):
-        for name, step in variants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            loss = step()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - start, loss))
-    return times
+    return take_turns(variants, warmup, steps)
 
 
 def main() -> int:

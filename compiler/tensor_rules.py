@@ -147,7 +147,20 @@ def _axis_spec(
         for pname, p in placement.items():
             params[f"{path}.{pname}"] = ParamPlacement(p, rule)
     for owner, named in in_experts.items():
-        if not any(r.axis == axis for r in named.values() if isinstance(r.action, ast.TensorParallel)):
+        split = [r for r in named.values() if isinstance(r.action, ast.TensorParallel) and r.axis == axis]
+        if not split:
+            continue
+        experts = resolution.rule_for(owner, "experts")
+        if experts is not None and experts.axis == axis:  # one axis cannot cut both ways
+            first = min(split, key=lambda r: r.order)
+            clash = Diagnostic(
+                first.pattern_span,
+                f"the experts of `{owner}` are split over `{axis}` and so are their matrices: "
+                "one axis holds other experts or slices of the same ones, not both",
+                hint="split the matrices over another tensor axis, or the experts over another axis",
+                related=((experts.span, f"the experts are split over `{axis}` here"),),
+            )
+            diagnostics.append(_once_per_rule(clash, owner, in_experts))
             continue
         placed, found = expert_split(owner, modules[owner], named, axis, n)
         diagnostics += [_once_per_rule(d, owner, in_experts) for d in found]

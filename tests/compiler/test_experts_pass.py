@@ -441,5 +441,10 @@ def test_experts_may_borrow_the_tensor_axis():
         (user,) = next(n for n in compiled.graph.graph.nodes if n.target == "experts_tp_0").users
         assert (user.meta.get(COLLECTIVE, {}).get("kind") == "gather_replicated") == (not sequence)
         assert "layers.0.mlp.experts.gate_up_proj" not in compiled.grad_sums  # whole: the all-to-all sums it
+    clash = _expert_tp().replace("over ep (top_k=2)", "over tp (top_k=2)").replace("ep=2, tp=2", "tp=2")
+    assert _errors(clash).splitlines()[0] == (
+        "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it are split over `tp` "
+        "and so are their matrices: one axis holds other experts or slices of the same ones, not both"
+    )
     capacity = text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)")
     assert "is not lowered yet: each of its ranks routes a share of the tokens" in _errors(capacity)

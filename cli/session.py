@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,8 @@ class Session:
     step_metrics: Callable[[], dict[str, Any]] | None = None  # facts the pipeline adds to each step
     after_backward: Callable[[], None] | None = None  # a pipeline's tied weights: sum their gradients
     between_steps: Callable[[], None] | None = None  # --between-steps: the model's update of its buffers
+    # lists of experts held stacked (`runtime.expert_list`): path -> the expert's parameter names
+    expert_lists: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Session:
@@ -85,6 +87,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     from meshplan.examples import CORPUS
     from meshplan.runtime.data import make_batches
     from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.mesh import init_mesh
 
     program_file = getattr(args, "program", None)
@@ -214,6 +217,7 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
         between_steps_hook(args.between_steps, program, source.model, axes, stages is not None)
         if args.between_steps
         else None,
+        stacked_lists(source.model),
     )
 
 
@@ -737,6 +741,7 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
     shards gathered over their axes, ZeRO's gathered unit by unit, and each tied weight under
     every name it has."""
+    from meshplan.runtime.expert_list import as_list_state
     from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.export import consolidate
     from meshplan.runtime.zero import Zero
@@ -760,7 +765,7 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
         held = next((state[name] for name in group if name in state), None)
         if held is not None:
             state.update({name: held for name in group if name not in state})
-    return state
+    return as_list_state(state, prepared.expert_lists)  # a list of experts under the list's names
 
 
 def train_config(args: argparse.Namespace, prepared: Session):

@@ -32,6 +32,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import io
 import math
 import re
 import sys
@@ -590,15 +591,16 @@ def _export_dynamic(
     for t in tokens:
         shapes[t] = {0: batch, 1: seq}
     try:
-        program = torch.export.export(
-            model,
-            args,
-            kwargs=kwargs,
-            strict=False,
-            dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
-        )
+        with _export_printing() as printed:
+            program = torch.export.export(
+                model,
+                args,
+                kwargs=kwargs,
+                strict=False,
+                dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
+            )
     except Exception as exc:  # a constraint violated (the model fixes a size), or anything else
-        return None, None, _describe(exc)
+        return None, None, _describe(exc) + _stopped_at(printed)
     symbols = _token_symbols(program, example)
     if symbols is None:
         return None, None, "export kept the token shapes concrete"
@@ -627,17 +629,45 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if torch.__version__ < "2.6":  # pragma: no cover - the CI runs a newer torch
         export = torch.export.export_for_training  # type: ignore[attr-defined]
     try:
-        return export(model, args, kwargs=kwargs, strict=False)
+        with _export_printing() as printed:
+            return export(model, args, kwargs=kwargs, strict=False)
     except Exception as exc:
         raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {_describe(exc)}",
+            f"torch.export could not capture {type(model).__name__}: {_describe(exc)}{_stopped_at(printed)}",
             hint=_capture_hint(exc),
         ) from exc
+
+
+@contextlib.contextmanager
+def _export_printing() -> Iterator[io.StringIO]:
+    """What export prints, held: on a data-dependent decision it prints the graph traced so far
+    (hundreds of lines), of which the error keeps the line of the user's code it stopped at
+    (`_stopped_at`); whatever it prints when it succeeds is passed on."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        yield printed
+    sys.stderr.write(printed.getvalue())
+
+
+def _stopped_at(printed: io.StringIO) -> str:
+    """' at model.py:16 (`if rows.numel() == 0:`)': the last line of the model's code in the
+    graph export printed before it stopped, or ''."""
+    found = re.findall(r"# File: (.+?):(\d+) in \w+, code: (.*)", printed.getvalue())
+    if not found:
+        return ""
+    file, line, code = found[-1]
+    return f" at {_display(file)}:{line} (`{code.strip()}`)"
 
 
 def _capture_hint(exc: Exception) -> str:
     if "Cache" in str(exc):
         return "the model returns a KV cache; call it with use_cache=False (a training graph has none)"
+    if "data-dependent" in str(exc):
+        return (
+            "the model decides there on a value that depends on the data, which one graph cannot "
+            "hold; write it without the decision (a loop over experts that skips those with no "
+            "tokens, `if rows.numel() == 0: continue`, computes the same without the `if`)"
+        )
     return (
         "meshplan captures with torch.export.export(model, args, kwargs, strict=False); "
         "run that by hand to see the full error"

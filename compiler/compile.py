@@ -58,7 +58,17 @@ from .graph import ShapeGuardError, for_rank, keep_loss_output, no_new_guards, n
 from .ledger import DataParallelFacts, ExpertDataFacts, Ledger, build_ledger
 from .lint import lint
 from .match import Resolution, resolve
-from .passes import Context, Pass, checkpoint, experts, pipeline, precision, tensor_parallel, zero
+from .passes import (
+    Context,
+    Pass,
+    checkpoint,
+    expert_rows,
+    experts,
+    pipeline,
+    precision,
+    tensor_parallel,
+    zero,
+)
 from .passes.checkpoint import bind_regions
 from .passes.precision import DTYPES, cast_floating
 from .passes.zero import reduce_axes
@@ -84,11 +94,14 @@ class Compiled:
     shapes: TokenShapes | None = None  # the (batch, seq) it serves; None: only the example's
     # parameter -> the axes its gradient is summed over by the gradient sync (`grad_sums.py`)
     grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # lists of experts the program holds stacked (`runtime.expert_list.ExpertList`), by path
+    expert_lists: tuple[str, ...] = ()
 
 
 # The passes, in order (see the module docstring for why this order). Each is one module under
 # `passes/` (and `unsupported.py`, a check) with the same signature: (graph, Context) -> graph.
 PASSES: tuple[Pass, ...] = (
+    expert_rows.PASS,
     precision.PASS,
     tensor_parallel.PASS,
     experts.PASS,
@@ -112,6 +125,8 @@ def compile_plan(
     """
     layout = _layout(plan, world_size)
     compute = DTYPES[plan.precision.compute]
+    # lists of experts an experts rule splits are held stacked from here on (`ExpertList`)
+    expert_lists = experts.stack_expert_lists(plan, source.model)
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
@@ -169,6 +184,7 @@ def compile_plan(
         source,
         _token_shapes(captured, ctx),
         grad_sums,
+        expert_lists,
     )
 
 

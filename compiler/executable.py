@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import fx, nn
 
+from meshplan.runtime.expert_list import ExpertList, stack_lists
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import ModelSource, TokenShapes
@@ -68,6 +69,8 @@ class Executable:
     shapes: TokenShapes | None = None
     # parameter -> the axes its gradient is summed over by the gradient sync (`Compiled.grad_sums`)
     grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # lists of experts it holds stacked (`Compiled.expert_lists`): a rank's model is stacked alike
+    expert_lists: tuple[str, ...] = ()
 
     def shape_problems(self, batch: int, seq: int) -> list[str]:
         """Why this program cannot run micro-batches of (batch, seq); [] if it can."""
@@ -102,6 +105,7 @@ def to_executable(compiled: Compiled) -> Executable:
         shapes=compiled.shapes,
         stage_cuts=compiled.graph.meta.get(STAGES, ()),
         grad_sums=compiled.grad_sums,
+        expert_lists=compiled.expert_lists,
     )
 
 
@@ -122,7 +126,8 @@ def save_executable(executable: Executable, path: Path) -> None:
 
 
 def load_executable(path: Path, model: nn.Module | None = None) -> Executable:
-    """Read `path`; with `model`, refuse a program compiled for another model structure."""
+    """Read `path`; with `model`, refuse a program compiled for another model structure (its
+    lists of experts stacked first, as the program holds them)."""
     from .artifact import model_fingerprint
 
     if not path.is_file():
@@ -136,12 +141,21 @@ def load_executable(path: Path, model: nn.Module | None = None) -> Executable:
         ) from e
     if version != FORMAT or not isinstance(executable, Executable):
         raise ExecutableError(f"{path} was written by another meshplan version; compile the plan again")
+    if model is not None:
+        stack_lists(model, [p for p in getattr(executable, "expert_lists", ()) if _is_list(model, p)])
     if model is not None and model_fingerprint(model) != executable.model_sha256:
         raise ExecutableError(
             f"{path} was compiled for another model (its structure differs from this one's); "
             "compile the plan again for this model"
         )
     return executable
+
+
+def _is_list(model: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(path), nn.ModuleList | ExpertList)
+    except AttributeError:  # another model: the fingerprint says so
+        return False
 
 
 # ---------------------------------------------------------------------------- pickling

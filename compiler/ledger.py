@@ -260,6 +260,9 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     held = _held(tokens, shape(tokens), "", layout)  # (N, H)
     k = _held(index, shape(index), "", layout)[-1]
     factor, experts = info.get("capacity_factor"), int(info["experts"])
+    routed = info.get("routed_pairs")
+    if routed is not None:  # a list's rows, one per pair: as many as its routing makes
+        held, k = _held(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
     if factor is None:
         pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
     else:

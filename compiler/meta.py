@@ -39,13 +39,17 @@ COLLECTIVE = "meshplan.collective"
 CHECKPOINT = "meshplan.checkpoint"
 STAGE = "meshplan.stage"
 STAGES = "meshplan.stages"  # on GraphModule.meta
+# on an experts unit joined from a list's calls (`passes/expert_rows.py`): the (token, slot)
+# pairs its routing makes in the example, which the graph's data-dependent sizes cannot say
+ROUTED_PAIRS = "meshplan.routed_pairs"
 
 
 class Collective(TypedDict, total=False):
     """`meta[COLLECTIVE]`: a node that communicates. `kind` names the runtime module
     (`all_reduce`, `reduce_scatter`, `zero_gather`, ...), `axis` the mesh axis; tensor
     collectives add the `dim` they gather or scatter and the `rule` that demanded them, ZeRO
-    nodes their `unit` and `where`, an experts unit (`kind == "experts"`) its number of `experts`."""
+    nodes their `unit` and `where`, an experts unit (`kind == "experts"`) its number of `experts`
+    (and, joined from a list of experts, its example's `routed_pairs`)."""
 
     kind: str
     axis: str
@@ -54,6 +58,7 @@ class Collective(TypedDict, total=False):
     unit: str
     where: str
     experts: int
+    routed_pairs: int | None
 
 
 class CheckpointRegion(TypedDict):

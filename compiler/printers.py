@@ -80,7 +80,7 @@ def explain(compiled: Compiled) -> str:
             lines.append("    matches nothing")
         for path in compress_paths(governs):
             lines.append(f"    {path}")
-        shapes = _param_shapes(compiled, rule, params)
+        shapes = _param_shapes(compiled, rule, params, governs)
         for text in shapes:
             lines.append(f"      {text}")
         for path, winner in res.overridden.get(rule.order, ()):
@@ -390,8 +390,9 @@ def _pipeline_lines(compiled: Compiled) -> list[str]:
     return lines
 
 
-def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
-    """`weight (128, 64) -> (64, 64) per rank, Shard(0) over tp`, once per distinct shape."""
+def _param_shapes(compiled: Compiled, rule, params, modules: list[str]) -> list[str]:
+    """`weight (128, 64) -> (64, 64) per rank, Shard(0) over tp`, once per distinct shape; each
+    parameter named from the module the rule governs (`gate_proj.weight` in a list of experts)."""
     seen: dict[str, None] = {}
     for pname, rule_of in compiled.param_rules.items():
         if rule_of is not rule or pname not in params:
@@ -402,7 +403,8 @@ def _param_shapes(compiled: Compiled, rule, params) -> list[str]:
             n = compiled.layout.size(axis)
             if isinstance(p, Shard):
                 local[p.dim] = p.chunk(full[p.dim], n)
-            leaf = pname.rsplit(".", 1)[1]
+            owner = max((m for m in modules if pname.startswith(f"{m}.")), key=len, default="")
+            leaf = pname.removeprefix(f"{owner}.") if owner else pname.rsplit(".", 1)[1]
             if pname in compiled.kv_replicas:
                 seen.setdefault(
                     f"{leaf} {full} whole on every rank, {p} over {axis}: fewer key/value heads than "

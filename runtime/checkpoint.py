@@ -254,7 +254,9 @@ def load(
     except dist.DistError:
         raise  # a peer lost while loading: not the checkpoint's fault
     except (Exception, CheckpointException) as e:  # DCP's report: every rank's error, with tracebacks
-        raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_cause(e)}") from None
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run: {_first_cause(e, Path(path))}"
+        ) from None
     if isinstance(optimizer, Zero | ExpertZero):  # read in place into the engine's shards
         optimizer.loaded({name: m["step"] for name, m in own["optim"]["state"].items()})
         model.load_state_dict(_buffers(model, own["model"]), strict=False)
@@ -269,13 +271,14 @@ def load(
     return Restored(int(state["train"]["step"]), Path(path))
 
 
-def _first_cause(error: BaseException) -> str:
+def _first_cause(error: BaseException, path: Path) -> str:
     """What does not fit, from DCP's report (every rank's error with its traceback): a key the
     checkpoint lacks or a tensor saved with another shape."""
     text = str(error)
     missing = re.search(r"Missing key in checkpoint state_dict: ([\w.]+?)\.?$", text, re.M)
     if missing:
-        return f"it holds no `{_key(missing.group(1))}` (saved from another model?)"
+        key = _key(missing.group(1))
+        return _stacked_experts(key, path) or f"it holds no `{key}` (saved from another model?)"
     size = re.search(
         r"Size mismatch between saved (torch\.Size\(\[[^]]*\]\)) and current: "
         r"(torch\.Size\(\[[^]]*\]\)) for ([\w.]+)",
@@ -286,6 +289,29 @@ def _first_cause(error: BaseException) -> str:
         return f"`{_key(key)}` was saved as {saved[11:-1]}, this run's is {current[11:-1]}"
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(" ")]
     return lines[-1] if lines else type(error).__name__
+
+
+def _stacked_experts(key: str, path: Path) -> str | None:
+    """Why `key` is missing when the checkpoint holds a list of experts stacked and this run
+    holds it as a list (`runtime.expert_list`), or the other way round; None otherwise."""
+    try:
+        saved = {_key(k) for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    except Exception:  # unreadable metadata: DCP's own message stands
+        return None
+    listed = re.fullmatch(r"(.+)\.\d+\.(.+)", key)
+    if listed and f"{listed[1]}.{listed[2]}" in saved:
+        return (
+            f"it holds the experts of `{listed[1]}` stacked (saved by a plan that splits them over an "
+            "expert axis), this run holds them as a list; resume with an `experts` rule for them"
+        )
+    for k in saved:
+        parts = re.fullmatch(r"(.+)\.\d+\.(.+)", k)
+        if parts and key == f"{parts[1]}.{parts[2]}":
+            return (
+                f"it holds the experts of `{parts[1]}` as a list (saved by a plan that does not split "
+                "them), this run holds them stacked; resume with a plan without an `experts` rule for them"
+            )
+    return None
 
 
 def _key(fqn: str) -> str:

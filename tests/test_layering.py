@@ -1,7 +1,7 @@
 """The layering rules (STYLE.md, docs/ARCHITECTURE.md): `dsl` imports neither torch nor
 `compiler` nor `runtime`; `runtime` imports neither `dsl` nor `compiler`, nor `examples` nor
 the command line; `compiler` imports from `runtime` only the library compiled programs are
-made of (collectives, the experts unit, ZeRO nodes, the mesh, how tensors are cut and parameters grouped,
+made of (collectives, the experts unit and stacked expert lists, ZeRO nodes, the mesh, how tensors are cut and parameters grouped,
 pipeline schedules),
 never the training loop, the engines, checkpoints or export; only `cli` composes them all.
 
@@ -27,6 +27,7 @@ CLI = tuple(f"meshplan.{p.stem}" for p in sorted((REPO / "cli").glob("*.py")) if
 PROGRAM_LIBRARY = {
     "collectives",
     "experts",
+    "expert_list",
     "ring_attention",
     "zero_nodes",
     "mesh",

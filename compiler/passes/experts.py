@@ -63,9 +63,11 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.expert_list import ExpertList, problem, stack_lists
 from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
 
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
+from ..meta import ROUTED_PAIRS
 from ..placement import Shard
 from . import Context, Pass
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
@@ -90,6 +92,21 @@ def _(tokens, top_k_index, top_k_weights, params, path):
 
 
 MARKER = torch.ops.meshplan.experts.default
+
+
+@torch.library.custom_op("meshplan::expert_rows", mutates_args=())
+def _expert_rows(rows: torch.Tensor, params: list[torch.Tensor], path: str, expert: int) -> torch.Tensor:
+    raise AssertionError("meshplan::expert_rows marks one expert of a list in a captured graph")
+
+
+@_expert_rows.register_fake
+def _(rows, params, path, expert):
+    return torch.empty_like(rows)  # (R, H): an expert maps each row to a row of its width
+
+
+# one expert of a list of experts (`ExpertList`) called on its rows by the parent's loop:
+# expert_rows(rows, [stacked params], path, e); `expert_rows.py` joins a list's calls into one MARKER
+ROWS_MARKER = torch.ops.meshplan.expert_rows.default
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,21 @@ def expert_parameters(plan: Plan, model: nn.Module) -> list[str]:
     ]
 
 
+def stack_expert_lists(plan: Plan, model: nn.Module) -> tuple[str, ...]:
+    """Every list of experts an `experts` rule splits, replaced in `model` by its `ExpertList`
+    (the experts' parameters stacked on dim 0, under the names `experts.gate_proj.weight`); a
+    list that cannot be stacked stays, and the pass says why. The paths, in model order: a
+    program records them, and a rank stacks its model alike before it binds it."""
+    lists = tuple(
+        path
+        for path, rule in expert_modules(plan, model).items()
+        if rule.axis is not None
+        and (isinstance(module := model.get_submodule(path), ExpertList) or problem(module) is None)
+    )
+    stack_lists(model, lists)
+    return lists
+
+
 @contextlib.contextmanager
 def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
     """While capturing: every experts module an `experts` rule names calls the `meshplan.experts`
@@ -139,13 +171,18 @@ def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
         module = modules[path]
         if rule.axis is None or not_a_unit(module, model) is not None:
             continue
-        module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
+        if isinstance(module, ExpertList):  # the parent's loop calls each expert on its rows
+            module.__dict__["call_expert"] = _rows_call(module, path)
+        else:
+            module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
         patched.append(module)
     try:
         yield
     finally:
         for module in patched:
-            del module.forward
+            module.__dict__.pop("call_expert", None) if isinstance(module, ExpertList) else delattr(
+                module, "forward"
+            )
 
 
 def _unit_forward(module: nn.Module, path: str):
@@ -159,6 +196,15 @@ def _unit_forward(module: nn.Module, path: str):
         return MARKER(tokens, top_k_index, top_k_weights, [module.get_parameter(n) for n in names], path)
 
     return forward
+
+
+def _rows_call(module: ExpertList, path: str):
+    def call(e: int, rows: torch.Tensor, *rest, **kwargs):
+        if rest or kwargs:
+            raise TypeError(f"meshplan calls each expert of `{path}` with its rows only")
+        return ROWS_MARKER(rows, [module.stacked(n) for n in module.names], path, e)
+
+    return call
 
 
 def num_experts(module: nn.Module, model: nn.Module) -> int | None:
@@ -178,9 +224,7 @@ def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     """Why `module` cannot run split over experts, or None: it must take (tokens, top_k_index,
     top_k_weights) and hold its experts stacked on dim 0 of every parameter."""
     if isinstance(module, nn.ModuleList):
-        return (
-            "its experts are a list of modules; expert parallelism splits experts stacked in 3-D parameters"
-        )
+        return f"its experts are a list of modules that cannot be stacked: {problem(module)}"
     count = num_experts(module, model)
     if count is None:
         return "it says nowhere how many experts it has (`num_experts`, or the model config's)"
@@ -220,10 +264,11 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     markers = {str(node.args[4]): node for node in gm.graph.nodes if node.target is MARKER}
     ctx.diagnostics += _sizes(plan, model, governed, markers)
     modules = dict(model.named_modules())
+    unjoined = {str(node.args[2]) for node in gm.graph.nodes if node.target is ROWS_MARKER}  # said why
     for path, rule in governed.items():
         assert rule.axis is not None
         why = _call_problem(markers[path]) if path in markers else None
-        if path in markers and why is None:
+        if (path in markers and why is None) or path in unjoined:
             continue
         why = why or not_a_unit(modules[path], model) or "the model never calls it"
         ctx.diagnostics.append(
@@ -295,6 +340,8 @@ def _lower(
         "experts": count,
         "capacity_factor": factor,
     }
+    if isinstance(module, ExpertList):
+        call.meta[COLLECTIVE]["routed_pairs"] = node.meta.get(ROUTED_PAIRS)
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
     for get_attr in gm.graph.nodes:

@@ -223,7 +223,8 @@ class ExpertList(nn.ModuleList):
 
 
 class ListMoE(nn.Module):
-    """Experts kept as a list of linears (one module each): not split yet."""
+    """Experts kept as a list of linears with a forward of its own: not stacked (the parent must
+    call the experts, see tests/compiler/test_expert_lists.py)."""
 
     def __init__(self, hidden: int = 64, num_experts: int = 4) -> None:
         super().__init__()
@@ -239,11 +240,12 @@ class ListMoE(nn.Module):
         return F.cross_entropy(self.head(x), labels.flatten())
 
 
-def test_experts_held_as_a_list_of_modules_are_refused():
+def test_a_list_of_experts_with_a_forward_of_its_own_is_refused():
     text = "mesh ep=2\n\nmodules {\n    experts: experts over ep\n}\n"
     assert _errors(text, ListMoE()).splitlines()[0] == (
-        "p.plan:4:5: error: `experts` cannot be split over `ep`: its experts are a list of modules; "
-        "expert parallelism splits experts stacked in 3-D parameters"
+        "p.plan:4:5: error: `experts` cannot be split over `ep`: its experts are a list of modules that "
+        "cannot be stacked: it is a `ExpertList`, a list with code of its own; meshplan stacks an "
+        "`nn.ModuleList` whose experts the parent block calls"
     )
 
 

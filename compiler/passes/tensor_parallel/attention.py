@@ -337,10 +337,16 @@ for _t_ in (
     aten.scalar_tensor.default,
     aten.tril.default,
     aten.triu.default,
-    aten.ones_like.default,
-    aten.zeros_like.default,
 ):
     _RULES[_t_] = _factory
+
+
+@register(aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default)
+def _factory_like(w: Walk, node: fx.Node) -> None:
+    """A constant of its input's shape: of each rank's shard if the input is sharded (the
+    shards of the whole constant), else whole."""
+    p = w.placement(arg_node(node, 0))
+    w.set(node, p if isinstance(p, Shard) else REPLICATE)
 
 
 @register(aten.repeat_interleave.self_int)

@@ -1,0 +1,198 @@
+"""A list of experts called one by one becomes one experts unit: the calls of each `ExpertList`
+joined into the `meshplan.experts` operator, which the passes after it treat as any experts
+module's.
+
+Captured under `experts_as_units`, the parent's loop over a list of experts is unrolled: E
+calls `expert_rows(rows_e, params, path, e)`, each on the rows the model routed to expert e,
+each output weighted and added into the block's output by the model's own code. This pass
+puts every expert's rows in one tensor, calls the experts unit once on them (each row with
+its expert's index and weight 1: the model weighs them after), and splits its output back
+into each expert's rows, so the model's combine reads what it read before:
+
+    rows_0 = index(tokens, [token_0]); y_0 = expert_rows(rows_0, [...], 'layers.0.mlp.experts', 0)
+    ... (E calls, each followed by the model's weighting and index_add)
+
+becomes
+
+    rows = cat([rows_0, ..., rows_3]);  index = cat([full((R_0, 1), 0), ..., full((R_3, 1), 3)])
+    y = meshplan.experts(rows, index, ones, [...], 'layers.0.mlp.experts')
+    y_0, ..., y_3 = split_with_sizes(y, [R_0, ..., R_3])
+
+For that, every expert's rows must exist before any expert's output is used: the nodes that
+do not depend on the list's outputs move before the joined call (the model's routing of all
+experts first, then its combine), which is a valid order of the same computation. A list
+whose experts are not each called exactly once on 2-D rows, or whose rows depend on another
+expert's output, is a located error.
+
+How many rows the experts get follows the routing, so the graph cannot say; the routing's
+`topk` (or `argmax`) can: the ledger's all-to-all bytes use its (token, slot) pairs, recorded
+here (`ROUTED_PAIRS`: the example's count).
+
+Requires: a graph captured under `experts_as_units`. Ensures: no `meshplan.expert_rows` node
+is left; each list's calls are one `meshplan.experts` node.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from meshplan.dsl.check import PlanRule
+from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.expert_list import ExpertList
+
+from ..graph import arg_node, hint, shape
+from ..meta import MODULE, REQUIRES_GRAD, ROUTED_PAIRS
+from . import Context, Pass
+from .experts import MARKER, ROWS_MARKER, expert_modules
+
+aten = torch.ops.aten
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    calls: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.target is ROWS_MARKER:
+            calls.setdefault(str(node.args[2]), []).append(node)
+    if not calls:
+        return gm
+    rules = expert_modules(ctx.plan, ctx.source.model)
+    for path, nodes in calls.items():
+        why = _problem(nodes, ctx.source.model.get_submodule(path))
+        if why is not None:
+            ctx.diagnostics.append(_error(rules[path], path, why))
+            continue
+        _join(gm.graph, sorted(nodes, key=lambda n: int(n.args[3])))  # type: ignore[arg-type]
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _problem(nodes: list[fx.Node], module: torch.nn.Module) -> str | None:
+    assert isinstance(module, ExpertList)
+    called = sorted(int(n.args[3]) for n in nodes)  # type: ignore[arg-type]
+    if called != list(range(module.num_experts)):
+        return (
+            f"the model calls its experts {_listing(called)} in one forward, not each of the "
+            f"{module.num_experts} once"
+        )
+    widths = {shape(arg_node(n, 0))[-1] for n in nodes}
+    if any(len(shape(arg_node(n, 0))) != 2 for n in nodes) or len(widths) != 1:
+        return "its experts are called on tensors other than rows of one width (R, H)"
+    outputs = _descendants(nodes)
+    for n in nodes:
+        if arg_node(n, 0) in outputs:
+            return f"the rows of expert {n.args[3]} depend on another expert's output"
+    return None
+
+
+def _listing(called: list[int]) -> str:
+    return ", ".join(str(e) for e in called) if called else "never"
+
+
+def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Every node that reads, directly or not, one of `nodes`; `nodes` included."""
+    seen, todo = set(nodes), list(nodes)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _join(graph: fx.Graph, calls: list[fx.Node]) -> None:
+    """Replace the list's E calls (in expert order) by one experts unit on all their rows."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(calls, key=position.__getitem__)
+    after = _descendants(calls)
+    # what does not read an expert's output moves before the first call, in its order
+    for node in [n for n in _from(first) if n not in after]:
+        first.prepend(node)
+    rows = [arg_node(n, 0) for n in calls]
+    params, path = calls[0].args[1], str(calls[0].args[2])
+    fake = rows[0].meta["val"]
+
+    # the joined nodes are the experts module's: traced inside it, as a module's own call is
+    stack = {**first.meta.get("nn_module_stack", {}), path.replace(".", "_"): (path, ExpertList)}
+
+    def add(target, args, val):
+        node = graph.call_function(target, args)
+        node.meta.update(val=val, nn_module_stack=stack, stack_trace=first.meta.get("stack_trace"))
+        node.meta[MODULE] = path
+        node.meta[REQUIRES_GRAD] = isinstance(val, torch.Tensor) and val.requires_grad
+        return node
+
+    with graph.inserting_before(first), fake.fake_mode:
+        sizes = [add(aten.sym_size.int, (r, 0), r.meta["val"].shape[0]) for r in rows]
+        tokens = add(aten.cat.default, (rows,), torch.cat([r.meta["val"] for r in rows]))
+        fulls = [
+            add(aten.full.default, ([s, 1], e), torch.full((s.meta["val"], 1), e))
+            for e, s in enumerate(sizes)
+        ]
+        index = add(
+            aten.cat.default, (fulls,), torch.cat([f.meta["val"] for f in fulls])
+        )  # (R, 1) each row's expert
+        count = add(aten.sym_size.int, (tokens, 0), tokens.meta["val"].shape[0])
+        ones = add(
+            aten.new_ones.default, (tokens, [count, 1]), tokens.meta["val"].new_ones((count.meta["val"], 1))
+        )
+        out = add(MARKER, (tokens, index, ones, params, path), torch.empty_like(tokens.meta["val"]))
+        split = add(
+            aten.split_with_sizes.default,
+            (out, sizes),
+            torch.split(out.meta["val"], [s.meta["val"] for s in sizes]),
+        )
+        for e, call in enumerate(calls):
+            piece = add(operator.getitem, (split, e), split.meta["val"][e])
+            call.replace_all_uses_with(piece)
+    out.meta[ROUTED_PAIRS] = _routed_pairs(rows)
+    for call in calls:
+        graph.erase_node(call)
+
+
+def _from(node: fx.Node) -> list[fx.Node]:
+    """`node` and the nodes after it, the output left out."""
+    out, at = [], node
+    while at.op != "output":
+        out.append(at)
+        at = at.next
+    return out
+
+
+def _routed_pairs(rows: list[fx.Node]) -> int | None:
+    """The (token, slot) pairs the routing makes (the example's count), from the `topk` (or
+    `argmax`, one slot) that the rows' indices come from; None if there is none."""
+    seen, todo = set(rows), list(rows)
+    while todo:
+        node = todo.pop(0)
+        if node.target in (aten.topk.default, aten.argmax.default):
+            val = node.meta["val"]
+            picked = val[1] if isinstance(val, tuple) else val  # topk: (values, indices)
+            sizes = [hint(s) for s in picked.shape]
+            return math.prod(sizes) if None not in sizes else None  # type: ignore[arg-type]
+        for arg in node.all_input_nodes:
+            if arg not in seen and arg.op == "call_function":
+                seen.add(arg)
+                todo.append(arg)
+    return None
+
+
+def _error(rule: PlanRule, path: str, why: str) -> Diagnostic:
+    return Diagnostic(
+        rule.pattern_span,
+        f"`{path}` cannot be split over `{rule.axis}`: {why}",
+        hint="a list of experts is split when the model's loop calls each expert once, on the rows routed to it",
+    )
+
+
+PASS = Pass(
+    "expert-rows",
+    run,
+    requires="a graph captured under `experts_as_units`",
+    ensures="each list of experts is one experts unit on all its rows, split back to each expert's",
+    checks_after_errors=True,
+)

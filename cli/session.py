@@ -727,11 +727,12 @@ INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve 
 
 
 def export_weights(args: argparse.Namespace, prepared: Session, rank: int) -> None:
-    """Consolidate this rank's shards into full tensors; rank 0 writes them."""
-
+    """Consolidate this rank's shards into full tensors; rank 0 writes them, as the
+    unpartitioned model's `state_dict()` (a list of experts under the list's names)."""
+    from meshplan.runtime.expert_list import as_list_state
     from meshplan.runtime.export import write_state_dict
 
-    state = consolidated_state(prepared)
+    state = as_list_state(consolidated_state(prepared), prepared.expert_lists)
     if rank == 0:
         write_state_dict(state, Path(args.export))
         print(f"exported {len(state)} tensors to {args.export}")
@@ -741,7 +742,6 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
     shards gathered over their axes, ZeRO's gathered unit by unit, and each tied weight under
     every name it has."""
-    from meshplan.runtime.expert_list import as_list_state
     from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.export import consolidate
     from meshplan.runtime.zero import Zero
@@ -765,7 +765,7 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
         held = next((state[name] for name in group if name in state), None)
         if held is not None:
             state.update({name: held for name in group if name not in state})
-    return as_list_state(state, prepared.expert_lists)  # a list of experts under the list's names
+    return state
 
 
 def train_config(args: argparse.Namespace, prepared: Session):

@@ -249,13 +249,25 @@ def _one_device_program(plan, source):
     from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.passes.experts import expert_modules
+    from meshplan.compiler.passes.router_loss import z_loss_of
     from meshplan.dsl.check import MeshSpec
+    from meshplan.runtime.expert_list import stacked_lists
     from meshplan.session import call_inputs
 
     mesh = MeshSpec(tuple(replace(a, size=1) for a in plan.mesh.axes), plan.mesh.span)
     # experts rules stay: over one rank their unit runs the model's experts module whole, which
-    # export may not capture itself (Mixtral's eager loop)
-    rules = plan.rules_of("dtype") + plan.rules_of("experts")
+    # export may not capture itself (Mixtral's eager loop); not for a list of experts, whose
+    # parent's loop export captured: without the rule the yardstick is that loop, not the unit
+    # (unless the rule adds a z-loss, which the yardstick must add too)
+    lists = set(stacked_lists(source.model))
+    governed = expert_modules(plan, source.model)
+    experts = tuple(
+        r
+        for r in plan.rules_of("experts")
+        if z_loss_of(r) is not None or not {p for p, w in governed.items() if w is r} <= lists
+    )
+    rules = plan.rules_of("dtype") + experts
     alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
     compiled = compile_plan(alone, source, world_size=1, dynamic=False)  # it runs the job's one shape
     program = build_rank_program(compiled, source.model, 0)

@@ -39,9 +39,9 @@ COLLECTIVE = "meshplan.collective"
 CHECKPOINT = "meshplan.checkpoint"
 STAGE = "meshplan.stage"
 STAGES = "meshplan.stages"  # on GraphModule.meta
-# on an experts unit joined from a list's calls (`passes/expert_rows.py`): the (token, slot)
-# pairs its routing makes in the example, which the graph's data-dependent sizes cannot say
-ROUTED_PAIRS = "meshplan.routed_pairs"
+# on an experts unit joined from a list's calls (`passes/expert_rows.py`): its routing's `Routing`
+# (the example's (token, slot) pairs and k), which the graph's data-dependent sizes cannot say
+ROUTING = "meshplan.routing"
 
 
 class Collective(TypedDict, total=False):
@@ -59,6 +59,16 @@ class Collective(TypedDict, total=False):
     where: str
     experts: int
     routed_pairs: int | None
+
+
+class Routing(TypedDict):
+    """`meta[ROUTING]`: the pairs a list's routing makes in the example, its `k` (slots per
+    token), and the node of its top-k's indices (None for an argmax), where a z-loss finds the
+    router's logits."""
+
+    pairs: int
+    k: int
+    index: fx.Node | None
 
 
 class CheckpointRegion(TypedDict):

@@ -26,7 +26,7 @@ expert's output, is a located error.
 
 How many rows the experts get follows the routing, so the graph cannot say; the routing's
 `topk` (or `argmax`) can: the ledger's all-to-all bytes use its (token, slot) pairs, recorded
-here (`ROUTED_PAIRS`: the example's count).
+here (`ROUTING`: the example's count, and k for `check`'s `top_k`).
 
 Requires: a graph captured under `experts_as_units`. Ensures: no `meshplan.expert_rows` node
 is left; each list's calls are one `meshplan.experts` node.
@@ -45,7 +45,7 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 
 from ..graph import arg_node, hint, shape
-from ..meta import MODULE, REQUIRES_GRAD, ROUTED_PAIRS
+from ..meta import MODULE, REQUIRES_GRAD, ROUTING, Routing
 from . import Context, Pass
 from .experts import MARKER, ROWS_MARKER, expert_modules
 
@@ -149,7 +149,9 @@ def _join(graph: fx.Graph, calls: list[fx.Node]) -> None:
         for e, call in enumerate(calls):
             piece = add(operator.getitem, (split, e), split.meta["val"][e])
             call.replace_all_uses_with(piece)
-    out.meta[ROUTED_PAIRS] = _routed_pairs(rows)
+    routing = _routing(rows)
+    if routing is not None:
+        out.meta[ROUTING] = routing
     for call in calls:
         graph.erase_node(call)
 
@@ -163,17 +165,22 @@ def _from(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _routed_pairs(rows: list[fx.Node]) -> int | None:
-    """The (token, slot) pairs the routing makes (the example's count), from the `topk` (or
-    `argmax`, one slot) that the rows' indices come from; None if there is none."""
+def _routing(rows: list[fx.Node]) -> Routing | None:
+    """The (token, slot) pairs the routing makes (the example's count) and its k, from the
+    `topk` (or `argmax`, one slot) that the rows' indices come from; None if there is none."""
     seen, todo = set(rows), list(rows)
     while todo:
         node = todo.pop(0)
         if node.target in (aten.topk.default, aten.argmax.default):
             val = node.meta["val"]
-            picked = val[1] if isinstance(val, tuple) else val  # topk: (values, indices)
-            sizes = [hint(s) for s in picked.shape]
-            return math.prod(sizes) if None not in sizes else None  # type: ignore[arg-type]
+            picked = val[1] if isinstance(val, tuple) else val.unsqueeze(-1)  # topk: (values, indices)
+            sizes = [size for s in picked.shape if (size := hint(s)) is not None]
+            if len(sizes) != picked.dim():
+                return None
+            index = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 1), None)
+            return Routing(
+                pairs=math.prod(sizes), k=sizes[-1], index=index if isinstance(val, tuple) else None
+            )
         for arg in node.all_input_nodes:
             if arg not in seen and arg.op == "call_function":
                 seen.add(arg)

@@ -67,7 +67,7 @@ from meshplan.runtime.expert_list import ExpertList, problem, stack_lists
 from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
 
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
-from ..meta import ROUTED_PAIRS
+from ..meta import ROUTING
 from ..placement import Shard
 from . import Context, Pass
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
@@ -282,10 +282,14 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     no_logits: dict[int, tuple[PlanRule, list[str], str]] = {}  # per rule: its paths, the first why
     for path, node in markers.items():
         rule = governed.get(path)
-        found = router_logits(arg_node(node, 1)) if rule and z_loss_of(rule) is not None else None
+        index = _routing_index(node, modules[path])
+        if rule is None or z_loss_of(rule) is None:
+            continue
+        found = router_logits(index) if isinstance(index, fx.Node) else index
         if rule is not None and isinstance(found, str):
             no_logits.setdefault(id(rule), (rule, [], found))[1].append(path)
     ctx.diagnostics += [z_loss_problem(r, _modules_phrase(p), why) for r, p, why in no_logits.values()]
+    ctx.diagnostics += _list_capacities(governed, modules)
     if ctx.failed:
         return gm
     z_losses = []
@@ -293,8 +297,10 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         call = _lower(gm, node, governed[path], modules[path], model, ctx)
         coefficient = z_loss_of(governed[path])
         if coefficient is not None:
-            z_losses.append((arg_node(call, 1), coefficient, governed[path]))
-            logits = router_logits(arg_node(call, 1))
+            index = _routing_index(call, modules[path])
+            assert isinstance(index, fx.Node)
+            z_losses.append((index, coefficient, governed[path]))
+            logits = router_logits(index)
             assert isinstance(logits, fx.Node)
             call.meta[COLLECTIVE].update(z_loss=coefficient, router=router_path(logits), path=path)
     add_z_loss(gm, z_losses, ctx.layout) if z_losses else None
@@ -340,8 +346,8 @@ def _lower(
         "experts": count,
         "capacity_factor": factor,
     }
-    if isinstance(module, ExpertList):
-        call.meta[COLLECTIVE]["routed_pairs"] = node.meta.get(ROUTED_PAIRS)
+    if isinstance(module, ExpertList):  # its rows are pairs: as many as its routing makes
+        call.meta[COLLECTIVE]["routed_pairs"] = node.meta[ROUTING]["pairs"] if ROUTING in node.meta else None
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
     for get_attr in gm.graph.nodes:
@@ -410,7 +416,7 @@ def _sizes(
             count = num_experts(modules[path], model)
             if winner is not rule or count is None:
                 continue  # a more specific experts rule governs it, or no count to check
-            k = shape(arg_node(markers[path], 1))[-1] if path in markers else None  # top_k_index: (N, k)
+            k = _routed_k(markers[path], modules[path]) if path in markers else None
             groups.setdefault((count, k if isinstance(k, int) else None), []).append(path)
         by_count: dict[int, list[str]] = {}
         for (count, _), paths in groups.items():
@@ -471,6 +477,49 @@ def _sizes(
                         )
                     )
     return out
+
+
+def _list_capacities(governed: dict[str, PlanRule], modules: dict[str, nn.Module]) -> list[Diagnostic]:
+    """A `capacity_factor` on lists of experts: refused (their parent's loop hands each expert
+    its rows; which pairs to drop, and the one-device reference dropping the same, are not
+    lowered for it yet)."""
+    lists: dict[int, tuple[PlanRule, list[str]]] = {}
+    for path, rule in governed.items():
+        if isinstance(modules[path], ExpertList) and capacity_factor(rule) is not None:
+            lists.setdefault(id(rule), (rule, []))[1].append(path)
+    out = []
+    for rule, paths in lists.values():
+        assert isinstance(rule.action, ast.ExpertParallel)
+        arg = next(a for a in rule.action.args if a.name.text == "capacity_factor")
+        out.append(
+            Diagnostic(
+                arg.span,
+                f"expert capacity (`capacity_factor`) for a list of experts ({_modules_phrase(paths)}) is "
+                "not lowered yet: its parent's loop hands each expert its rows, dropless",
+                hint="remove `capacity_factor` to train dropless, or keep the experts stacked in 3-D "
+                "parameters (Hugging Face's layout), where capacities work",
+            )
+        )
+    return out
+
+
+def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
+    """The node of the top-k indices the model routed with: the unit's top_k_index, or for a
+    list's joined calls the top-k `expert_rows` found (or why there is none)."""
+    if not isinstance(module, ExpertList):
+        return arg_node(marker, 1)
+    routing = marker.meta.get(ROUTING)
+    if routing is None or routing["index"] is None:
+        return "its parent routes its tokens with no top-k the graph shows"
+    return routing["index"]
+
+
+def _routed_k(marker: fx.Node, module: nn.Module) -> int | torch.SymInt | None:
+    """How many experts the model routes each token to: top_k_index's (N, k), or for a list's
+    joined calls (rows one per pair) its routing's k, if `expert_rows` found it."""
+    if isinstance(module, ExpertList):
+        return marker.meta[ROUTING]["k"] if ROUTING in marker.meta else None
+    return shape(arg_node(marker, 1))[-1]
 
 
 def _modules_phrase(paths: list[str]) -> str:

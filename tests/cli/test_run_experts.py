@@ -179,3 +179,23 @@ def test_experts_borrowing_the_tensor_axis_train_like_one_process(
     same_training(got, one_process)
     for record in got:
         assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())
+
+
+def test_experts_kept_as_a_list_train_like_one_process_and_export_as_a_list(tmp_path: Path) -> None:
+    """A model whose experts are an `nn.ModuleList` its block loops over (tests/compiler/
+    expert_layouts.py:listed), under the same dp=2 x ep=2 plan with ZeRO-2: it trains as one
+    process does, counts every routed pair once, and its export loads into the user's model
+    as it is written (the list's names, `experts.{e}.gate_proj.weight`)."""
+    listed = runpy.run_path(f"{ROOT}/tests/compiler/expert_layouts.py")["listed"]
+    more = ["--model", f"{ROOT}/tests/compiler/expert_layouts.py:listed"]
+    one = run(tmp_path, "one", "mesh dp=1\n", 8, *more)
+    zero2 = EXPERT_PARALLEL.replace("bucket = 64KB", "bucket = 64KB\n    zero = 2")
+    got = run(tmp_path, "ep", zero2, 1, *more, "--export", str(tmp_path / "ep.pt"))
+    same_training(got, one)
+    for record in got:
+        assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())
+    model = listed()
+    exported = torch.load(tmp_path / "ep.pt", weights_only=True)
+    model.load_state_dict(exported, strict=True)
+    name = "layers.0.mlp.experts.3.up_proj.weight"
+    assert not torch.equal(exported[name], listed().state_dict()[name])  # this run's, trained

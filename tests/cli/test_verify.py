@@ -224,6 +224,27 @@ def test_experts_in_a_pipeline(tmp_path, mesh, data, schedule, zero):
     assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mesh ep=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    layers.*.*_layernorm: sequence over tp\n"
+        "    layers.*.mlp.experts: experts over ep (top_k=2, z_loss=1e-1)\n}\n",
+        "mesh pp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep\n}\n\n"
+        "data_parallel over ep {\n    zero = 3\n}\n\nprecision {\n    compute = bf16\n}\n\n"
+        "pipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n",
+    ],
+    ids=["tp-sp", "pipeline-zero3-bf16"],
+)
+def test_experts_kept_as_a_list_of_modules(tmp_path, text):
+    """Experts in an `nn.ModuleList` that the block loops over (`expert_layouts.py:listed`),
+    stacked and split over `ep`: beside attention split over tp with sequence-parallel norms
+    (the routing runs on the gathered tokens) and a router z-loss from the block's top-k, and
+    in a pipeline under ZeRO-3 in bf16."""
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/expert_layouts.py:listed", steps=2))
+
+
 EXPERT_TP = """
 modules {
     PREFIXlayers.*.self_attn.{q,k,v}_proj: column over tp

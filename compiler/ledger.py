@@ -210,6 +210,14 @@ def _held(
 
 def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
     rows = []
+    # a list of experts' rows, one per routed pair (`passes/expert_rows.py`): their data-dependent
+    # count is the example's routed pairs wherever it appears (a row split inside the experts
+    # reduces them over tp)
+    routed = {
+        str(shape(arg_node(node, 0))[0]): info["routed_pairs"]
+        for node, _ in collective_nodes(gm)
+        if (info := node.meta[COLLECTIVE]).get("routed_pairs") is not None
+    }
     for node, recomputed in collective_nodes(gm):
         info = node.meta[COLLECTIVE]
         if info["kind"] in ("zero_gather", "zero_release"):
@@ -219,7 +227,7 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             continue
         kind, axis = info["kind"], info["axis"]
         val = value(node)
-        full = _held(node, shape(node), axis, layout)
+        full = _held(node, tuple(routed.get(str(d), d) for d in shape(node)), axis, layout)
         nbytes = math.prod(full) * val.element_size()
         if kind == "all_to_all":  # a rank sends (n-1)/n of what it holds: its shard, not the whole
             nbytes //= layout.size(axis)

@@ -20,6 +20,7 @@ from torch import nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.expert_list import ExpertList
 from meshplan.runtime.mesh import MeshLayout
 
 from .expert_tensor_rules import expert_split
@@ -132,9 +133,15 @@ def _axis_spec(
     for path, kinds in resolution.placements.items():
         rule = kinds.get("tensor")
         if path not in modules:  # a parameter of an experts module (`expert_tensor_rules`)
-            owner = _owner(path, modules)
+            owner = _owner(path, modules, resolution)
             if rule is not None:
                 in_experts.setdefault(owner, {})[path.removeprefix(f"{owner}.")] = rule
+            continue
+        holder = _list_of_experts(path, modules)
+        if holder is not None:  # `experts.gate_proj` of a stacked list: its experts' gate_proj
+            if rule is not None:
+                for pname, _ in modules[path].named_parameters():
+                    in_experts.setdefault(holder, {})[f"{path}.{pname}".removeprefix(f"{holder}.")] = rule
             continue
         if rule is not None and isinstance(rule.action, ast.Replicate):
             for pname, _ in modules[path].named_parameters(recurse=False):
@@ -203,11 +210,29 @@ def _once_per_rule(
     return dataclasses.replace(diagnostic, message=message)
 
 
-def _owner(parameter: str, modules: Mapping[str, nn.Module]) -> str:
-    """The module holding a parameter, by path."""
+def _list_of_experts(path: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """The stacked list of experts (`ExpertList`) a module inside it belongs to, by path: its
+    submodules hold each expert's parameters stacked (`experts.gate_proj` holds `weight`
+    (E, out, in)), so a rule naming one names that module of every expert."""
+    ancestor = path.rpartition(".")[0]
+    while ancestor:
+        if isinstance(modules.get(ancestor), ExpertList):
+            return ancestor
+        ancestor = ancestor.rpartition(".")[0]
+    return None
+
+
+def _owner(parameter: str, modules: Mapping[str, nn.Module], resolution: Resolution) -> str:
+    """The experts module holding a parameter, by path (a stacked list of experts holds
+    `gate_proj.weight` in a submodule of its own), else the module holding it."""
     owner = parameter.rpartition(".")[0]
     while owner not in modules:
         owner = owner.rpartition(".")[0]
+    ancestor = owner
+    while ancestor:
+        if resolution.rule_for(ancestor, "experts") is not None:
+            return ancestor
+        ancestor = ancestor.rpartition(".")[0]
     return owner
 
 

@@ -27,7 +27,7 @@ from torch import fx
 
 from meshplan.dsl.check import PlanRule
 
-from ...graph import RULE, arg_node
+from ...graph import REQUIRES_GRAD, RULE, arg_node
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts import MARKER
 from .walk import Walk, register
@@ -108,7 +108,8 @@ def _experts(w: Walk, node: fx.Node) -> None:
     # the reduction is the row split's: the ledger names its rule
     rule = next((r for r in rules if getattr(r.action, "style", None) == "row"), rules[0] if rules else None)
     w.use(node, tokens, w.convert(tokens, REPLICATE, into_sharded=True, because=rule))
-    w.use(node, weights, w.convert(weights, REPLICATE, into_sharded=True, because=rule))
+    if weights.meta.get(REQUIRES_GRAD) is not False:  # a list's rows are weighed after, by the model
+        w.use(node, weights, w.convert(weights, REPLICATE, into_sharded=True, because=rule))
     if not isinstance(w.placement(index), Replicate):
         w.use(node, index, w.convert(index, REPLICATE, because=rule))
     w.set(node, PARTIAL, rule)

@@ -52,6 +52,20 @@ from ...strategies import ask
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
 
 aten = torch.ops.aten
+# ops whose output is a new constant, whatever their input (read for its shape or dtype only):
+# no gradient flows through them
+_FRESH = frozenset(
+    {
+        aten.new_ones.default,
+        aten.new_zeros.default,
+        aten.new_full.default,
+        aten.new_empty.default,
+        aten.ones_like.default,
+        aten.zeros_like.default,
+        aten.full_like.default,
+        aten.empty_like.default,
+    }
+)
 
 # collectives that move data over their own axis only: every other axis's layout passes through
 _LAYOUT_KEEPING = (
@@ -253,7 +267,13 @@ class Walk:
             attr = _get_attr(self.gm, str(node.target))
             node.meta[REQUIRES_GRAD] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
         elif node.op == "call_function":
-            node.meta[REQUIRES_GRAD] = any(self.requires_grad(a) for a in node.all_input_nodes)
+            val = node.meta.get("val")
+            constant = node.target in _FRESH or (
+                isinstance(val, torch.Tensor) and not val.is_floating_point()
+            )
+            node.meta[REQUIRES_GRAD] = not constant and any(
+                self.requires_grad(a) for a in node.all_input_nodes
+            )
 
     def reads_padding(self, node: fx.Node) -> bool:
         """Whether `node` reads a padded shard (a vocabulary not divisible by the axis) in a way

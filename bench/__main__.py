@@ -125,6 +125,12 @@ BENCHES = (
         quick=("--steps", "2", "--warmup", "1"),
     ),
     Bench(
+        "expert_lists",
+        "experts kept as a list of modules vs stacked, same weights, under ep",
+        quick=("--steps", "3", "--warmup", "1", "--seq", "64"),
+        headline=r"^step time, list",
+    ),
+    Bench(
         "verify_matrix", "composition cells trained against float64", headline=r"pass|fail", in_quick=False
     ),
 )

@@ -444,13 +444,15 @@ def resident_rise(fn: Callable[[], object]) -> int:
     return max(0, _status("VmHWM") - before)
 
 
-def compiled_step(compiled, model: torch.nn.Module, rank: int, inputs: tuple) -> Callable[[], float]:
+def compiled_step(
+    compiled, model: torch.nn.Module, rank: int, inputs: tuple, data: tuple[str, ...] = ()
+) -> Callable[[], float]:
     """One training step of a compiled plan's rank program as `meshplan run` takes it: forward,
-    backward, the gradient sums the program leaves to the sync (`session.partial_grad_sync`),
-    AdamW. Returns the step, which returns the loss."""
+    backward, the gradient sums the program leaves to the sync and the averaging over the
+    `data` axes (`session.partial_grad_sync`), AdamW. Returns the step, which returns the loss."""
     mesh = init_mesh(compiled.layout)
     program = build_rank_program(compiled, model, rank, mesh)
-    sync = partial_grad_sync(compiled, program, mesh)
+    sync = partial_grad_sync(compiled, program, mesh, data)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     bound = bind_inputs(model, compiled.graph, inputs, {})
 

@@ -246,17 +246,20 @@ def rank_axes(compiled: Compiled | Executable, mesh, data: tuple[str, ...] = ())
     )
 
 
-def partial_grad_sync(compiled: Compiled | Executable, program: nn.Module, mesh) -> ExpertDataParallel:
+def partial_grad_sync(
+    compiled: Compiled | Executable, program: nn.Module, mesh, data: tuple[str, ...] = ()
+) -> ExpertDataParallel:
     """For code that runs a rank program itself (benchmarks, parity tests) rather than through
     `meshplan run`: the gradient sync of the weights whose gradients are partial over an axis
-    (`Compiled.grad_sums`), summed over it in buckets, nothing averaged. Call `finish()` after
-    backward; the other parameters' gradients are left as they are."""
+    (`Compiled.grad_sums`), summed over it in buckets; with `data`, every gradient also
+    averaged over those axes (an expert's over those that do not hold other experts), as `run`
+    does. Call `finish()` after backward."""
     from meshplan.runtime.expert_data_parallel import expert_data_parallel
     from meshplan.runtime.mesh import group_over
 
     layout = compiled.layout
     return expert_data_parallel(
-        program, rank_axes(compiled, mesh), lambda over: group_over(layout, over, mesh)
+        program, rank_axes(compiled, mesh, data), lambda over: group_over(layout, over, mesh)
     )
 
 

@@ -12,6 +12,10 @@ same for this model and for `MixtralForCausalLM`.
     model = build(num_local_experts=8, num_experts_per_tok=2)
     input_ids, labels = example_inputs(batch=2, seq=16)
     loss = model(input_ids, labels)
+
+`build_listed` is the same model (same weights, same outputs) with each layer's experts kept
+as plain PyTorch code often keeps them: `mlp.experts` an `nn.ModuleList` of SwiGLU modules
+(`gate_proj`, `up_proj`, `down_proj`), the block looping over them; the same plans split it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import nn
 
 from meshplan.examples.models.llama import Attention, LlamaConfig, RMSNorm, example_inputs, rope_tables
 
-__all__ = ["MoEConfig", "build", "example_inputs"]
+__all__ = ["MoEConfig", "build", "build_listed", "example_inputs"]
 
 
 @dataclass
@@ -82,6 +86,44 @@ class SparseMoE(nn.Module):
         return self.experts(tokens, index, weights).view(B, T, H)
 
 
+class SwiGLU(nn.Module):
+    """One expert as three linears."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ListedMoE(nn.Module):
+    """`SparseMoE` with its experts in a list, the block looping over them as Mistral's reference
+    code does: each expert on the tokens routed to it, weighted and added into the output."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(
+            SwiGLU(config.hidden_size, config.intermediate_size) for _ in range(config.num_local_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(-1, H)  # (N, H)
+        probs = self.gate(tokens).softmax(dim=-1)  # (N, E)
+        weights, index = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(index == e)  # the (token, slot) pairs routed to expert e
+            out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return out.view(B, T, H)
+
+
 class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -132,3 +174,23 @@ def build(seed: int = 0, **overrides: object) -> MoEModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MoEModel(config)
+
+
+def build_listed(seed: int = 0, **overrides: object) -> MoEModel:
+    """`build`'s model with each layer's experts as a list of SwiGLU modules holding the same
+    weights (expert e's gate, up and down are its slices of `gate_up_proj` and `down_proj`)."""
+    model = build(seed, **overrides)
+    for layer in model.layers:
+        stacked = layer.mlp
+        with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten
+            listed = ListedMoE(model.config)
+        listed.gate = stacked.gate
+        inner = model.config.intermediate_size
+        with torch.no_grad():
+            for e, expert in enumerate(listed.experts):
+                gate_up, down = stacked.experts.gate_up_proj[e], stacked.experts.down_proj[e]
+                expert.gate_proj.weight.copy_(gate_up[:inner])
+                expert.up_proj.weight.copy_(gate_up[inner:])
+                expert.down_proj.weight.copy_(down)
+        layer.mlp = listed
+    return model

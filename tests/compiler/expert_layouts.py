@@ -8,6 +8,9 @@ codebases lay them out, for tensor parallelism inside experts (`compiler/expert_
 - `biased`: Mixtral's layout with a bias after each matrix (the down bias is added after the row
   matrix, which is not lowered yet): refused.
 
+- `listed`: the experts as a list of SwiGLU modules the block loops over (`moe.build_listed`),
+  stacked by `experts over` rules (`runtime/expert_list.py`).
+
 Each factory is the example model (same routing, attention, seed) with its experts replaced.
 """
 
@@ -115,48 +118,6 @@ def biased() -> moe.MoEModel:
     return _with(BiasedExperts)
 
 
-class SwiGLU(nn.Module):
-    """One expert as plain PyTorch writes it: three linears."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ListedMoE(nn.Module):
-    """A sparse MoE block with its experts in a list, looping over them as Mistral's reference
-    code does: each expert on the tokens routed to it, weighted and added into the output."""
-
-    def __init__(self, config: moe.MoEConfig) -> None:
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
-        self.experts = nn.ModuleList(
-            SwiGLU(config.hidden_size, config.intermediate_size) for _ in range(config.num_local_experts)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, H = x.shape
-        tokens = x.reshape(-1, H)  # (N, H)
-        probs = self.gate(tokens).softmax(dim=-1)  # (N, E)
-        weights, index = probs.topk(self.top_k, dim=-1)  # (N, k)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(index == e)  # the (token, slot) pairs routed to expert e
-            out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
-        return out.view(B, T, H)
-
-
 def listed() -> moe.MoEModel:
-    model = moe.build(intermediate_size=32)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for layer in model.layers:
-            layer.mlp = ListedMoE(model.config)
-    return model
+    """The example model with its experts kept as a list of SwiGLU modules (`moe.build_listed`)."""
+    return moe.build_listed(intermediate_size=32)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from expert_layouts import ListedMoE, SwiGLU, listed
+from expert_layouts import listed
 from torch import nn
 
 from meshplan.compiler.capture import load_model
@@ -21,6 +21,7 @@ from meshplan.compiler.passes.experts import ROWS_MARKER
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import moe
+from meshplan.examples.models.moe import ListedMoE, SwiGLU
 from meshplan.runtime.expert_list import ExpertList, as_list_state, problem, stacked_lists
 
 HERE = Path(__file__).resolve().parent

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshplan.dsl.check import axes_of
 from meshplan.run import RunError, injected_fault, run_dir
 
 if TYPE_CHECKING:  # torch stays unimported until a session opens
@@ -120,7 +122,9 @@ def open_session(args: argparse.Namespace, rank: int, world_size: int) -> Sessio
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
     dp_group = mesh.get_group(dp_axis) if dp_axis else None
     dp: DataParallel | ExpertDataParallel | Zero | ExpertZero | None = None
-    experts = tuple(a for a in layout.names if a in {r.axis for r in plan.rules_of("experts")})
+    experts = tuple(
+        a for a in layout.names if a in {x for r in plan.rules_of("experts") for x in axes_of(r.axis)}
+    )
     # weight gradients partial over a tensor or context axis, summed by the gradient sync
     grad_sums = getattr(compiled, "grad_sums", {})
     if dp_group is not None and dp_spec is not None and not experts and not grad_sums:
@@ -331,12 +335,12 @@ def _expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], 
             return {}
         local = torch.cat([torch.cat([u.take_tokens(), u.take_dropped()]) for u in units])
         # every rank's routed rows: the data ranks', and those of experts borrowing a tensor axis
-        over = (*axes.data, *sorted({u.axis for u in units} - set(axes.data)))
+        over = (*axes.data, *sorted({a for u in units for a in axes_of(u.axis)} - set(axes.data)))
         counts = axes.sum_over(local, over, "expert load")
         load = {}
         for unit, both in zip(units, counts.split([2 * u.num_experts for u in units]), strict=True):
             tokens, dropped = both.chunk(2)
-            per_rank = tokens.view(axes.size(unit.axis), -1).sum(1)
+            per_rank = tokens.view(math.prod(axes.size(a) for a in axes_of(unit.axis)), -1).sum(1)
             share = float(tokens.sum()) / len(per_rank)
             load[unit.path] = {
                 "tokens": tokens.tolist(),

@@ -48,7 +48,7 @@ from torch import fx, nn
 
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
-from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.shards import Cut, shard_of
 
 from . import unsupported
@@ -158,7 +158,8 @@ def compile_plan(
                 rules.setdefault(name, pp.rule)
         kv.update(spec.kv_replicas)
     for name, split in ctx.experts.items():  # the experts of each rank: Shard(0) over their axis
-        placements.setdefault(name, {})[split.axis] = Shard(0)
+        for axis in axes_of(split.axis):  # a group's axes in mesh order: rank (d, t) holds chunk d T + t
+            placements.setdefault(name, {})[axis] = Shard(0)
         rules.setdefault(name, split.rule)
     grad_sums = _every_name(ctx.grad_sums, source.model)
     experts_data = _expert_data_facts(plan, gm, source.model, placements, layout, grad_sums)
@@ -320,7 +321,7 @@ def _expert_data_facts(
     over the axes its gradient is partial over (`grad_sums`), grouped as
     `expert_data_parallel` groups them. None without an expert axis of more than one rank or
     a gradient sum: then one data axis averages every parameter (`_data_parallel_facts`)."""
-    experts = {r.axis for r in plan.rules_of("experts")}
+    experts = {a for r in plan.rules_of("experts") if r.axis for a in axes_of(r.axis)}
     dp = plan.data_parallel
     data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
     if not any(a in experts for a in data) and not grad_sums:

@@ -349,10 +349,11 @@ def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> 
     whose code it runs), or a fresh ZeRO node for the engine to bind."""
     from meshplan.runtime.collectives import AxisCollective  # runtime imports torch.distributed
     from meshplan.runtime.experts import ExpertParallel
+    from meshplan.runtime.mesh import axis_group
 
-    if isinstance(template, ExpertParallel):
+    if isinstance(template, ExpertParallel):  # over an axis or a group of axes (`dp x tp`)
         assert model is not None, "an experts unit runs the model's experts module"
-        return template.bind(mesh.get_group(template.axis) if mesh is not None else None, model)
+        return template.bind(axis_group(mesh, template.axis) if mesh is not None else None, model)
     if isinstance(template, AxisCollective):
         group = mesh.get_group(template.axis) if mesh is not None else None
         return type(template)(group, template.axis, balanced=template.balanced)

@@ -295,10 +295,13 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
 def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: int) -> list[LedgerRow]:
     """Each group's buckets, all-reduced; under ZeRO its flats (stages 1/2: reduced and gathered
     back over the group's ranks; 3: its units' nodes), and its engine's gradient-norm sums. A
-    group no other rank shares (`experts over dp`) is ZeRO-2 at most, over this rank alone."""
+    group no other rank shares (`experts over dp`) is ZeRO-2 at most, over this rank alone:
+    it sends nothing, and has no rows."""
     rows = []
     decay = facts.decay or (lambda name, p: True)
     for axes, n, params in facts.groups:
+        if n <= 1:
+            continue
         axis = " x ".join(axes)
         if not facts.zero:
             sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from meshplan.dsl.fmt import action_text
-from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.schedules import Schedule, Timeline
 from meshplan.runtime.zero_nodes import ZeroGather
 
@@ -122,7 +122,9 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     }[dp.zero]
     layout, plan = compiled.layout, compiled.plan
     # expert axes that split the batch (not those borrowing a tensor axis)
-    experts = {r.axis for r in plan.rules_of("experts") if layout.size(r.axis) > 1} & set(plan.batch_axes)
+    experts = {
+        a for r in plan.rules_of("experts") if r.axis for a in axes_of(r.axis) if layout.size(a) > 1
+    } & set(plan.batch_axes)
     if dp.zero and experts:  # each parameter's state over the ranks that average it
         data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
         others = [a for a in data if a not in experts]
@@ -233,7 +235,7 @@ def _expert_lines(compiled: Compiled) -> list[str]:
     split, and each unit's all-to-all bytes per step."""
     # checkpointed layers' units are in their regions
     units = [n for n, _ in collective_nodes(compiled.graph) if n.meta[COLLECTIVE]["kind"] == "experts"]
-    axes = [a for a in compiled.layout.names if any(n.meta[COLLECTIVE]["axis"] == a for n in units)]
+    axes = list(dict.fromkeys(n.meta[COLLECTIVE]["axis"] for n in units))  # an axis or a group (`dp x tp`)
     if not units:
         return []
     layout = compiled.layout
@@ -248,11 +250,13 @@ def _expert_lines(compiled: Compiled) -> list[str]:
             f"experts over {axis} ({n} ranks): each rank holds {total // n} of the {total} experts of "
             + ", ".join(paths)
         )
-        if axis not in compiled.plan.batch_axes:
+        shared = [a for a in axes_of(axis) if a not in compiled.plan.batch_axes and layout.size(a) > 1]
+        if shared:
             lines.append(
-                f"    `{axis}` splits no batch (its ranks share the tokens): each rank routes its own rows of them"
+                f"    `{' x '.join(shared)}` splits no batch (its ranks share the tokens): each rank routes "
+                "its own rows of them"
             )
-    others = [a for a in data if a not in axes]
+    others = [a for a in data if not any(a in axes_of(x) for x in axes)]
     lines.append(
         f"    the batch is split over {' x '.join(data) or 'no axis'} ({math.prod(layout.size(a) for a in data)} "
         f"data ranks); gradients are averaged over them, an expert's over "
@@ -398,7 +402,10 @@ def _param_shapes(compiled: Compiled, rule, params, modules: list[str]) -> list[
         if rule_of is not rule or pname not in params:
             continue
         full = tuple(params[pname].shape)
-        for axis, p in compiled.param_placements[pname].items():
+        placed = dict(compiled.param_placements[pname])
+        if rule.kind == "experts" and rule.axis and len(group := axes_of(rule.axis)) > 1:  # one line
+            placed = {rule.axis: Shard(0), **{a: p for a, p in placed.items() if a not in group}}
+        for axis, p in placed.items():
             local = list(full)
             n = compiled.layout.size(axis)
             if isinstance(p, Shard):

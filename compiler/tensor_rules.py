@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from meshplan.dsl import ast
-from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.check import Plan, PlanRule, axes_of
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 from meshplan.runtime.mesh import MeshLayout
@@ -158,7 +158,9 @@ def _axis_spec(
         if not split:
             continue
         experts = resolution.rule_for(owner, "experts")
-        if experts is not None and experts.axis == axis:  # one axis cannot cut both ways
+        if (
+            experts is not None and experts.axis is not None and axis in axes_of(experts.axis)
+        ):  # not both ways
             first = min(split, key=lambda r: r.order)
             clash = Diagnostic(
                 first.pattern_span,

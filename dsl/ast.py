@@ -98,11 +98,17 @@ class ExpertArg:
 
 @dataclass(frozen=True, slots=True)
 class ExpertParallel:
-    """Place an MoE expert container's experts over an axis."""
+    """Place an MoE expert container's experts over an axis, or over several as one group
+    (`experts over dp x tp`: `axis` the first, `more` the rest)."""
 
     axis: Name
     args: tuple[ExpertArg, ...]
     span: Span = _span()
+    more: tuple[Name, ...] = ()
+
+    @property
+    def axes(self) -> tuple[Name, ...]:
+        return (self.axis, *self.more)
 
 
 @dataclass(frozen=True, slots=True)

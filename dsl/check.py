@@ -57,7 +57,9 @@ class MeshSpec:
         return tuple(a.name for a in self.axes)
 
     def size(self, name: str) -> int | None:
-        return next(a.size for a in self.axes if a.name == name)
+        """An axis's size; of a group of axes (`dp x tp`, as an experts rule names it) their product."""
+        sizes = [next(a.size for a in self.axes if a.name == part) for part in axes_of(name)]
+        return None if None in sizes else math.prod(sizes)  # type: ignore[arg-type]
 
     def axis(self, name: str) -> Axis:
         return next(a for a in self.axes if a.name == name)
@@ -66,6 +68,16 @@ class MeshSpec:
     def world_size(self) -> int | None:
         sizes = [a.size for a in self.axes]
         return None if None in sizes else math.prod(s for s in sizes if s is not None)
+
+
+# how an experts rule names a group of axes (`experts over dp x tp`): the rule's `axis` is that
+# text, which `runtime.mesh.MeshLayout` reads alike (the two layers share no code)
+GROUP = " x "
+
+
+def axes_of(axis: str) -> tuple[str, ...]:
+    """The mesh axes an axis name stands for: itself, or a group's (`dp x tp` -> dp, tp)."""
+    return tuple(axis.split(GROUP))
 
 
 @dataclass(frozen=True)
@@ -148,7 +160,7 @@ class Plan:
         (torchtitan's layout: data parallel for all but the experts); experts borrowing a tensor
         axis see the tokens its ranks share, and each rank routes its own rows of them."""
         tensor = {r.axis for r in self.rules if r.kind in ("tensor", "sequence")}
-        experts = {r.axis for r in self.rules_of("experts")} - tensor
+        experts = {a for r in self.rules_of("experts") if r.axis for a in axes_of(r.axis)} - tensor
         data = {self.data_parallel.axis} if self.data_parallel is not None else set()
         return tuple(a for a in self.mesh.names if a in experts | data)
 
@@ -405,11 +417,10 @@ class _Checker:
             action = rule.action
             kind = _KIND_OF[type(action)]
             axis = None
-            if isinstance(
-                action, (ast.TensorParallel, ast.SequenceParallel, ast.ContextParallel, ast.ExpertParallel)
-            ):
+            if isinstance(action, (ast.TensorParallel, ast.SequenceParallel, ast.ContextParallel)):
                 axis = self.axis_ref(action.axis, mesh, kind)
             if isinstance(action, ast.ExpertParallel):
+                axis = self.expert_axes(action, mesh)
                 self.expert_args(action)
             if isinstance(action, ast.Checkpoint) and action.every is not None and action.every < 1:
                 self.error(
@@ -462,6 +473,30 @@ class _Checker:
             col = s.col + e.offset
             self.error(Span(s.path, s.line, col, s.line, col + e.length), str(e), hint=e.hint)
             return None
+
+    def expert_axes(self, action: ast.ExpertParallel, mesh: MeshSpec) -> str | None:
+        """The rule's expert group: one axis, or several named `dp x tp` (its ranks in mesh order)."""
+        names = [self.axis_ref(name, mesh, "experts") for name in action.axes]
+        for i, name in enumerate(action.axes):
+            if name.text in (a.text for a in action.axes[:i]):
+                once = GROUP.join(dict.fromkeys(a.text for a in action.axes))
+                self.error(
+                    name.span,
+                    f"axis `{name.text}` is named twice in one expert group",
+                    hint=f"name each axis once: `experts over {once}`",
+                )
+                return None
+        if None in names:
+            return None
+        ordered = [a for a in mesh.names if a in names]
+        if ordered != names:
+            self.error(
+                action.axes[0].span,
+                f"the axes of an expert group are written in mesh order: `{GROUP.join(ordered)}`",
+                hint="a group's ranks are numbered as the mesh numbers them",
+            )
+            return None
+        return GROUP.join(names)  # type: ignore[arg-type]
 
     def expert_args(self, action: ast.ExpertParallel) -> None:
         seen: set[str] = set()

@@ -47,9 +47,10 @@ def action_text(action: ast.Action) -> str:
             return f"sequence over {axis.text}"
         case ast.ContextParallel(mode=mode, axis=axis, layout=layout):
             return f"context {mode} over {axis.text}" + (f" (layout={layout})" if layout else "")
-        case ast.ExpertParallel(axis=axis, args=args):
+        case ast.ExpertParallel(args=args) as experts:
             inner = ", ".join(f"{a.name.text}={a.text}" for a in args)
-            return f"experts over {axis.text}" + (f" ({inner})" if args else "")
+            axes = " x ".join(a.text for a in experts.axes)
+            return f"experts over {axes}" + (f" ({inner})" if args else "")
         case ast.Checkpoint(mode=mode, every=every):
             every_text = [f"every {every}"] if every is not None else []  # keep `every 0` for the checker
             return " ".join(["checkpoint"] + ([mode] if mode else []) + every_text)

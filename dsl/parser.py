@@ -413,8 +413,10 @@ class _ToAst(Transformer):
     def layout_name(self, meta, tok):
         return str(tok)
 
-    def experts(self, meta, axis, *args):
-        return ast.ExpertParallel(self._name(axis), tuple(args), self._span(meta))
+    def experts(self, meta, axis, *rest):
+        more = tuple(self._name(t) for t in rest if isinstance(t, Token))
+        args = tuple(a for a in rest if not isinstance(a, Token))
+        return ast.ExpertParallel(self._name(axis), args, self._span(meta), more)
 
     def expert_arg(self, meta, name, number):
         value = self._number(number, f"`{name}`")

@@ -169,6 +169,7 @@ class ExpertParallel(AxisCollective):
         param_names: tuple[str, ...] = (),
         capacity_factor: float | None = None,
         splits_batch: bool = True,
+        batch_ranks: int | None = None,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -177,6 +178,9 @@ class ExpertParallel(AxisCollective):
         # axis), so that an expert's gradient, summed over its ranks' tokens, is their mean's;
         # experts borrowing a tensor axis see rows of the same batch: the sum is the gradient
         self.splits_batch = splits_batch
+        # of a group of axes (`dp x tp`), how many hold different batches (dp's): the divisor
+        # of an expert's gradient; None: the group's size if `splits_batch`, else 1
+        self.batch_ranks = batch_ranks
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -187,6 +191,8 @@ class ExpertParallel(AxisCollective):
     def extra_repr(self) -> str:
         capacity = f", capacity_factor={self.capacity_factor}" if self.capacity_factor is not None else ""
         batch = "" if getattr(self, "splits_batch", True) else ", splits_batch=False"
+        if getattr(self, "batch_ranks", None) is not None:
+            batch = f", batch_ranks={self.batch_ranks}"
         return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}{batch}"
 
     def bind(self, group: dist.ProcessGroup | None, model: nn.Module) -> ExpertParallel:
@@ -202,6 +208,7 @@ class ExpertParallel(AxisCollective):
             # a program saved before capacities existed has none: dropless
             capacity_factor=getattr(self, "capacity_factor", None),
             splits_batch=getattr(self, "splits_batch", True),
+            batch_ranks=getattr(self, "batch_ranks", None),  # (programs saved before groups of axes)
         )
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound
@@ -285,7 +292,10 @@ class ExpertParallel(AxisCollective):
         """The model's experts module on rows `tokens` (M, H), row i through local expert
         `local_index[i]` with weight 1; each expert weight's gradient scaled by 1/n (the mean
         over the axis's data ranks, see the module docstring)."""
-        if not getattr(self, "splits_batch", True):
+        batch_ranks = getattr(self, "batch_ranks", None)
+        if batch_ranks is not None:
+            n = batch_ranks  # a group of axes: the mean over those that split the batch
+        elif not getattr(self, "splits_batch", True):
             n = 1  # rows of one batch: the sum over the axis's ranks is the gradient
         scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
         return torch.func.functional_call(

@@ -22,6 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# a group of axes acting as one, as an experts rule names it (`experts over dp x tp`): its ranks
+# are those sharing every other coordinate, numbered in mesh order (dsl/check.py writes it alike)
+GROUP = " x "
+
+
+def axes_of(axis: str) -> tuple[str, ...]:
+    """The mesh axes an axis name stands for: itself, or a group's (`dp x tp` -> dp, tp)."""
+    return tuple(axis.split(GROUP))
+
 
 @dataclass(frozen=True)
 class MeshLayout:
@@ -35,7 +44,8 @@ class MeshLayout:
         return math.prod(self.sizes)
 
     def size(self, axis: str) -> int:
-        return self.sizes[self.names.index(axis)]
+        """An axis's size; a group's (`dp x tp`) is their product."""
+        return math.prod(self.sizes[self.names.index(a)] for a in axes_of(axis))
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> coordinate on each axis. `coords(5)` of the mesh above: dp=1, pp=0, tp=1."""
@@ -90,6 +100,19 @@ def group_over(layout: MeshLayout, axes: Sequence[str], mesh: DeviceMesh) -> dis
         partition.setdefault(tuple(c for a, c in coords.items() if a not in axes), []).append(rank)
     group, _ = dist.new_subgroups_by_enumeration(list(partition.values()), timeout=_world_timeout(mesh))
     return group
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup | None:
+    """The process group of an axis or of a group of axes (`dp x tp`). A group's is made once per
+    mesh (`group_over`, a collective of the whole world): every rank asks for it at the same
+    point, as every rank binds the same program."""
+    if GROUP not in axis:
+        return mesh.get_group(axis)
+    made = mesh.__dict__.setdefault("_meshplan_groups", {})
+    if axis not in made:
+        layout = MeshLayout(tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
+        made[axis] = group_over(layout, axes_of(axis), mesh)
+    return made[axis]
 
 
 def _world_timeout(mesh: DeviceMesh):

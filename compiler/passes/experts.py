@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList, problem, stack_lists
 from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
+from meshplan.runtime.mesh import axes_of
 
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
 from ..meta import ROUTING
@@ -320,11 +322,13 @@ def _lower(
     count = num_experts(module, model)
     assert count is not None
     index = 0
-    while hasattr(gm, f"experts_{rule.axis}_{index}"):
+    label = "_".join(axes_of(rule.axis))  # `experts_dp_tp_0` for a group of axes
+    while hasattr(gm, f"experts_{label}_{index}"):
         index += 1
-    target = f"experts_{rule.axis}_{index}"
+    target = f"experts_{label}_{index}"
     relative = tuple(name.removeprefix(f"{path}.") for name in names)
     factor = capacity_factor(rule)
+    group = axes_of(rule.axis)
     unit = ExpertParallel(
         None,
         rule.axis,
@@ -333,6 +337,10 @@ def _lower(
         param_names=relative,
         capacity_factor=factor,
         splits_batch=rule.axis in ctx.plan.batch_axes,
+        # a group of axes: the mean over those of its axes that split the batch
+        batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
+        if len(group) > 1
+        else None,
     )
     gm.add_submodule(target, unit)
     with gm.graph.inserting_before(node):
@@ -352,7 +360,8 @@ def _lower(
     gm.graph.erase_node(node)
     for get_attr in gm.graph.nodes:
         if get_attr.op == "get_attr" and get_attr.target in names:
-            get_attr.meta.setdefault(PLACEMENT, {})[rule.axis] = Shard(0)
+            for axis in group:
+                get_attr.meta.setdefault(PLACEMENT, {})[axis] = Shard(0)
     for name in names:
         ctx.experts[name] = ExpertParams(rule.axis, rule)
     return call
@@ -433,7 +442,7 @@ def _sizes(
                 )
         for arg in rule.action.args:
             if arg.name.text == "capacity_factor":
-                if rule.axis not in plan.batch_axes:
+                if not set(axes_of(rule.axis)) <= set(plan.batch_axes):
                     out.append(
                         Diagnostic(
                             arg.span,

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node, module_path
@@ -122,7 +122,7 @@ def averaging_groups(ctx: Context) -> Groups:
 
     def group(name: str) -> str:
         expert = ctx.experts.get(name)  # the data axes cutting a parameter: its expert axis
-        cut = {expert.axis} if expert is not None else set()
+        cut = set(axes_of(expert.axis)) if expert is not None else set()
         return " x ".join(reduce_axes(layout, data, cut, ctx.grad_sums.get(name, ())))
 
     names = [n for n, p in ctx.source.model.named_parameters(remove_duplicate=False) if p.requires_grad]

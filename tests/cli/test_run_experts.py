@@ -199,3 +199,25 @@ def test_experts_kept_as_a_list_train_like_one_process_and_export_as_a_list(tmp_
     model.load_state_dict(exported, strict=True)
     name = "layers.0.mlp.experts.3.up_proj.weight"
     assert not torch.equal(exported[name], listed().state_dict()[name])  # this run's, trained
+
+
+def test_experts_over_a_group_of_axes_train_like_one_process_and_resume_elsewhere(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """`experts over dp x tp`: the 4 experts over all 4 ranks as one group (one expert each),
+    attention split over tp with sequence-parallel norms, the batch over dp only (2 sequences
+    per rank and micro-step). Trains as one process does, counts every routed pair once, and
+    its checkpoint (each expert cut over dp, then tp) resumes under `mesh dp=2, ep=2`."""
+    group = (
+        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp x tp (top_k=2)\n"
+        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n"
+        "    layers.*.*_layernorm: sequence over tp\n    layers.1: checkpoint\n}\n\n"
+        "data_parallel over dp {\n    zero = 2\n}\n\ntrain {\n    gradient_accumulation = 2\n}\n"
+    )
+    first = run(tmp_path, "run", group, 2, "--steps", "2", "--save-every", "2")
+    for record in first:
+        assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())
+    zero2 = EXPERT_PARALLEL.replace("bucket = 64KB", "bucket = 64KB\n    zero = 2")
+    run(tmp_path, "run", zero2, 1, "--resume")
+    resumed = metrics(tmp_path / "run")[0]
+    same_training(resumed, one_process)

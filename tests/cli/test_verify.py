@@ -248,6 +248,20 @@ def test_experts_kept_as_a_list_of_modules(tmp_path, text):
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/expert_layouts.py:listed", steps=2))
 
 
+@pytest.mark.slow
+def test_experts_over_a_group_of_axes(tmp_path):
+    """`experts over dp x tp`: the experts over all four ranks of dp and tp as one group, with
+    attention split over tp, sequence-parallel norms, a checkpointed layer, ZeRO-3 over dp, bf16
+    compute and a router z-loss."""
+    text = (
+        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    layers.*.*_layernorm: sequence over tp\n"
+        "    layers.*.mlp.experts: experts over dp x tp (top_k=2, z_loss=1e-2)\n    layers.1: checkpoint\n}\n\n"
+        "data_parallel over dp {\n    zero = 3\n}\n\nprecision {\n    compute = bf16\n}\n"
+    )
+    assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))
+
+
 EXPERT_TP = """
 modules {
     PREFIXlayers.*.self_attn.{q,k,v}_proj: column over tp

@@ -450,3 +450,34 @@ def test_experts_may_borrow_the_tensor_axis():
     )
     capacity = text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)")
     assert "is not lowered yet: each of its ranks routes a share of the tokens" in _errors(capacity)
+
+
+def test_experts_over_a_group_of_axes():
+    """`experts over dp x tp`: the 4 experts over the 4 ranks of both axes as one group (rank
+    (d, t) holds expert 2 d + t: Shard(0) over dp, then over tp), the batch split over dp only
+    (an expert's gradient is the mean over dp's 2 batches), tp's ranks routing their rows of
+    the tokens; the ledger's all-to-alls are the group's, and `explain` says all of it."""
+    text = (
+        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    layers.*.mlp.experts: experts over dp x tp (top_k=2)\n}\n\n"
+        "data_parallel over dp {\n    zero = 1\n}\n"
+    )
+    compiled = _compile(text)
+    assert compiled.param_placements["layers.0.mlp.experts.down_proj"] == {"dp": Shard(0), "tp": Shard(0)}
+    units = {str(n.target): compiled.graph.get_submodule(str(n.target)) for n in compiled.graph.graph.nodes
+             if n.op == "call_module" and str(n.target).startswith("experts_")}  # fmt: skip
+    assert list(units) == ["experts_dp_tp_0", "experts_dp_tp_1"]
+    assert {(u.axis, u.batch_ranks) for u in units.values()} == {("dp x tp", 2)}
+    assert {r.axis for r in compiled.ledger.rows if r.kind == "experts"} == {"dp x tp"}
+    assert {r.group_size for r in compiled.ledger.rows if r.kind == "experts"} == {4}
+    text = explain(compiled)
+    assert "down_proj (4, 64, 64) -> (1, 64, 64) per rank, Shard(0) over dp x tp" in text
+    assert (
+        "experts over dp x tp (4 ranks): each rank holds 1 of the 4 experts of layers.{0..1}.mlp.experts"
+        in text
+    )
+    assert "`tp` splits no batch (its ranks share the tokens): each rank routes its own rows of them" in text
+    assert (
+        "the batch is split over dp (2 data ranks); gradients are averaged over them, an expert's over none"
+        in text
+    )

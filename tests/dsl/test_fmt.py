@@ -213,6 +213,7 @@ def test_formatting_is_idempotent_on_every_action() -> None:
         "replicate",
         "context ulysses over tp",
         "experts over tp (top_k=1)",
+        "experts over dp x ep x tp (top_k=2)",
         "checkpoint",
         "checkpoint full every 1",
         "checkpoint every 0",  # invalid, but the formatter must not drop it

@@ -62,6 +62,8 @@ def test_mesh_axes_in_order_with_auto_size() -> None:
             A.ContextParallel("ring", A.Name("cp"), layout="contiguous"),
         ),
         ("experts over dp", A.ExpertParallel(A.Name("dp"), ())),
+        ("experts over dp x tp", A.ExpertParallel(A.Name("dp"), (), more=(A.Name("tp"),))),
+        ("experts over x x y", A.ExpertParallel(A.Name("x"), (), more=(A.Name("y"),))),  # axes named x
         (
             "experts over dp (top_k=2, capacity_factor=1.25)",
             A.ExpertParallel(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from meshplan.dsl.check import PlanRule
+from meshplan.dsl.check import PlanRule, axes_of
 
 from ...graph import REQUIRES_GRAD, RULE, arg_node
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
@@ -45,7 +45,7 @@ def _whole_over_the_axis(
     the tokens of one call, so a unit with one gets every token (gathered), as one device."""
     rows = w.placement(tokens)
     rule = w.spec.experts.get(str(node.args[4]))
-    if rule is not None and rule.axis == w.axis:  # the experts borrow this axis
+    if rule is not None and rule.axis is not None and w.axis in axes_of(rule.axis):  # they borrow this axis
         _split_over_experts(w, node, tokens, index, weights, rule)
         return
     capacity = rule is not None and any(

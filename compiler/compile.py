@@ -206,7 +206,12 @@ def _run_passes(
     a size that follows from the token shape by its example value."""
     gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
     lint(gm, layout, after="capture")
-    resolution, diagnostics = resolve(plan, captured.modules, experts.expert_parameters(plan, source.model))
+    # a stacked list's experts may be named as the model's code names them (`experts.*.gate_proj`)
+    members = experts.list_members(source.model)
+    paths = [*captured.modules, *members]
+    resolution, diagnostics = resolve(plan, paths, experts.expert_parameters(plan, source.model))
+    resolution, folded = experts.fold_list_members(resolution, members, dict(source.model.named_modules()))
+    diagnostics += folded
     ctx = Context(plan, layout, source, resolution, diagnostics)
     with no_new_guards(gm):
         for step in PASSES:

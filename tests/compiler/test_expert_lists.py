@@ -184,3 +184,55 @@ def test_a_capacity_for_a_list_of_experts_is_refused():
             "like it) is not lowered yet: its parent's loop hands each expert its rows, dropless",
         )
     ]
+
+
+TP_INSIDE = """mesh ep=2, tp=2
+
+modules {
+    layers.*.self_attn.o_proj: row over tp
+    layers.*.mlp.experts: experts over ep
+    layers.*.mlp.experts.EXPERTS{gate_proj,up_proj}: column over tp
+    layers.*.mlp.experts.EXPERTSdown_proj: row over tp
+}
+"""
+
+
+def test_tensor_rules_name_a_lists_modules_with_or_without_the_experts_index():
+    """`experts.*.gate_proj` (as the model's code names each expert's module) and
+    `experts.gate_proj` (the module holding them stacked) are one rule for every expert: the
+    same program. Each expert's gate_proj (I, H) is cut by rows, so the stack (E, I, H) on dim 1."""
+
+    def placements(experts: str) -> dict:
+        text = TP_INSIDE.replace("EXPERTS", experts)
+        compiled = compile_plan(
+            check_text(text, "p.plan", world_size=4), load_model(f"{HERE}/expert_layouts.py:listed")
+        )
+        return {n: p for n, p in compiled.param_placements.items() if ".experts." in n}
+
+    by_index = placements("*.")
+    assert by_index == placements("")
+    assert by_index["layers.0.mlp.experts.gate_proj.weight"] == {"tp": Shard(1), "ep": Shard(0)}
+    assert by_index["layers.1.mlp.experts.down_proj.weight"] == {"tp": Shard(2), "ep": Shard(0)}
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (
+            "layers.*.mlp.experts.0.gate_proj: column over tp",
+            "`layers.*.mlp.experts.0.gate_proj` names 1 of the 4 experts held stacked in "
+            "`layers.0.mlp.experts`: a tensor rule splits every expert's module alike",
+        ),
+        (
+            "layers.*.mlp.experts.*: checkpoint",
+            "`layers.0.mlp.experts.0` is one of the experts of a list held stacked (`layers.0.mlp.experts`): "
+            "a `checkpoint` rule cannot name one expert or cut the experts apart",
+        ),
+    ],
+    ids=["one-expert", "checkpoint"],
+)
+def test_rules_that_would_cut_a_stacked_lists_experts_apart_are_located_errors(rule, message):
+    text = f"mesh ep=2, tp=2\n\nmodules {{\n    layers.*.self_attn.o_proj: row over tp\n    layers.*.mlp.experts: experts over ep\n    {rule}\n}}\n"
+    with pytest.raises(PlanError) as caught:
+        compile_plan(check_text(text, "p.plan", world_size=4), load_model(f"{HERE}/expert_layouts.py:listed"))
+    assert [(d.span.line, d.message) for d in caught.value.errors] == [(6, message)]

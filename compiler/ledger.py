@@ -274,7 +274,8 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     if factor is None:
         pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
     else:
-        pairs = (experts * expert_capacity(held[0], k, experts, factor), *held[1:])  # (E C, H)
+        routed = held[0] * (layout.size(axis) if info.get("shared") else 1)  # the tokens it queues
+        pairs = (experts * expert_capacity(routed, k, experts, factor), *held[1:])  # (E C, H)
     nbytes = math.prod(pairs) * value(tokens).element_size()
     n = layout.size(axis)
 
@@ -286,6 +287,12 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     forward = [row("forward", pairs, nbytes, 2)]
     if factor is None:  # dropless: the sizes follow the counts
         forward.insert(0, row("forward", (experts,), 8 * experts, 1))
+    elif info.get("shared"):  # the routing of the tokens its ranks share, N k int64 from each
+        sent = int(held[0]) * int(k) * 8  # (a capacity needs the example's sizes: they are concrete)
+        gathered = LedgerRow(
+            node.name, "experts", "all_gather", "forward", axis, (n, held[0], k), sent, 1, n, where
+        )
+        forward.insert(0, gathered)
     rows = [*forward, row("backward", pairs, nbytes, 2)]
     if recomputed:  # checkpointing runs the forward again in backward
         rows += [dataclasses.replace(r, phase="backward", recompute=True) for r in forward]

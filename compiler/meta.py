@@ -42,6 +42,10 @@ STAGES = "meshplan.stages"  # on GraphModule.meta
 # on an experts unit joined from a list's calls (`passes/expert_rows.py`): its routing's `Routing`
 # (the example's (token, slot) pairs and k), which the graph's data-dependent sizes cannot say
 ROUTING = "meshplan.routing"
+# on an experts unit borrowing a tensor axis (`experts over tp`): how many chunks of the tokens
+# its ranks share each rank's rows are (1 for a contiguous split; under sequence parallelism one
+# per sequence), for a capacity counted over all of them (`runtime.experts`)
+TOKEN_CHUNKS = "meshplan.token_chunks"
 
 
 class Collective(TypedDict, total=False):

@@ -272,18 +272,25 @@ def _expert_lines(compiled: Compiled) -> list[str]:
         )
     rows = [r for r in compiled.ledger.rows if r.kind == "experts"]
     if rows:
-        first = [r for r in rows if r.node == rows[0].node]
+        first = [r for r in rows if r.node == rows[0].node and r.op == "all_to_all"]
         text = ", ".join(f"{r.count} x {r.bytes:,} B {r.phase}" for r in first if not r.recompute)
         info = next(u for u in units if u.name == rows[0].node).meta[COLLECTIVE]
         if info.get("capacity_factor") is None:
             lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
         else:  # fixed buffers: E C rows each way, whatever the routing
             capacity = first[0].shape[0] // info["experts"]
+            whose = "the tokens its ranks share" if info.get("shared") else "a rank's tokens"
             lines.append(
                 f"    all_to_all per unit and step: {text} (dispatch and combine of {info['experts']} x "
                 f"{capacity} rows: capacity_factor={info['capacity_factor']:g} lets each expert take "
-                f"{capacity} (token, slot) pairs of a rank's tokens here; the rest are dropped)"
+                f"{capacity} (token, slot) pairs of {whose} here; the rest are dropped)"
             )
+            gathers = [r for r in rows if r.node == rows[0].node and r.op == "all_gather" and not r.recompute]
+            if gathers:
+                lines.append(
+                    f"    all_gather per unit and step: {gathers[0].bytes:,} B forward (the routing of every "
+                    f"rank of `{info['axis']}`: their pairs queue as one device's)"
+                )
     return [*lines, ""]
 
 

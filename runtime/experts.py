@@ -27,7 +27,10 @@ a rank whose experts got no token.
 With a capacity (`experts over ep (top_k=2, capacity_factor=1.25)`), each expert takes at
 most `C = ceil(N k f / E)` pairs of this rank's `N` tokens (GShard's and Switch's capacity,
 per routing group: the tokens this call routes, i.e. this rank's share of the micro-batch;
-`expert_capacity`). Which pairs it keeps is fixed by the routing alone (`expert_positions`):
+`expert_capacity`). Experts borrowing a tensor axis (`experts over tp`) route rows of tokens
+the axis's ranks share: their routing group is all of those tokens, so each rank gathers the
+others' top_k_index (N k ints) and queues the pairs in the tokens' order (`_shared_positions`),
+as one device routing them would. Which pairs it keeps is fixed by the routing alone (`expert_positions`):
 pairs rank by slot, then by token, so every token's first choice comes before any token's
 second (GShard's and DeepSpeed's top-2 order), and an expert keeps its first `C`. A dropped
 pair adds nothing to its token's output (its expert output counts as zero), so its routing
@@ -170,6 +173,7 @@ class ExpertParallel(AxisCollective):
         capacity_factor: float | None = None,
         splits_batch: bool = True,
         batch_ranks: int | None = None,
+        token_chunks: int = 1,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -181,6 +185,9 @@ class ExpertParallel(AxisCollective):
         # of a group of axes (`dp x tp`), how many hold different batches (dp's): the divisor
         # of an expert's gradient; None: the group's size if `splits_batch`, else 1
         self.batch_ranks = batch_ranks
+        # borrowing a tensor axis: this rank's rows of the tokens its ranks share are this many
+        # chunks of them, in order (a capacity counts all of them, `_shared_positions`)
+        self.token_chunks = token_chunks
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -209,6 +216,7 @@ class ExpertParallel(AxisCollective):
             capacity_factor=getattr(self, "capacity_factor", None),
             splits_batch=getattr(self, "splits_batch", True),
             batch_ranks=getattr(self, "batch_ranks", None),  # (programs saved before groups of axes)
+            token_chunks=getattr(self, "token_chunks", 1),
         )
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound
@@ -266,8 +274,12 @@ class ExpertParallel(AxisCollective):
         n = dist.get_world_size(self.group) if self.group is not None else 1
         experts, local = self.num_experts, self.num_experts // n
         num_tokens, k = top_k_index.shape
-        capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
-        place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
+        if getattr(self, "splits_batch", True) or self.group is None:  # this rank's tokens are its own
+            capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
+            place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
+        else:  # the axis's ranks share the tokens: queues over all of them, as one device routes them
+            capacity = expert_capacity(num_tokens * n, k, experts, self.capacity_factor)
+            place = self._shared_positions(top_k_index)
         kept = place < capacity  # (N, k)
         if _counting():
             self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=experts).cpu()
@@ -287,6 +299,23 @@ class ExpertParallel(AxisCollective):
         padded = torch.cat([back, back.new_zeros((1, back.shape[1]))])  # row E C: a dropped pair's zero
         pairs = padded[torch.where(kept, slot, experts * capacity)]  # (N, k, H)
         return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
+
+    def _shared_positions(self, top_k_index: Tensor) -> Tensor:
+        """(N, k) each of this rank's pairs' place in its expert's queue over the tokens the
+        axis's ranks share (experts borrowing a tensor axis): every rank's routing gathered
+        (N k ints each) and put in the tokens' order, where each rank's rows are `token_chunks`
+        chunks (chunk c of rank r is the shared tokens' chunk c n + r), then queued as one
+        device queues them (`expert_positions`)."""
+        n = dist.get_world_size(self.group)
+        num_tokens, k = top_k_index.shape
+        gathered = top_k_index.new_empty((n * num_tokens, k))  # rank r's at rows [r N, (r+1) N)
+        self.note("all_gather", "routing")
+        self.sent_bytes += top_k_index.numel() * top_k_index.element_size()
+        dist.all_gather_into_tensor(gathered, top_k_index.contiguous(), group=self.group)
+        chunks = getattr(self, "token_chunks", 1)
+        ordered = gathered.view(n, chunks, num_tokens // chunks, k).transpose(0, 1).reshape(-1, k)
+        place = expert_positions(ordered, self.num_experts).view(chunks, n, num_tokens // chunks, k)
+        return place[:, dist.get_rank(self.group)].reshape(num_tokens, k)
 
     def _experts(self, tokens: Tensor, local_index: Tensor, ones: Tensor, params, n: int) -> Tensor:
         """The model's experts module on rows `tokens` (M, H), row i through local expert

@@ -24,8 +24,10 @@ dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{
 A `capacity_factor` goes to the unit (`ExpertParallel(..., capacity_factor=1.25)`): each
 expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and the rest are
 dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
-unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Not under a
-context axis: its ranks route slices of sequences, so their drops would not be one device's.
+unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Experts borrowing
+a tensor axis queue the tokens its ranks share (the unit gathers their routing: `token_chunks`
+says how each rank's rows lie among them). Not under a context axis, nor for a group of axes
+borrowing one: their ranks route slices of sequences counted over part of the group.
 A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
 
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
@@ -71,7 +73,7 @@ from meshplan.runtime.mesh import axes_of
 
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
 from ..match import Resolution
-from ..meta import ROUTING
+from ..meta import ROUTING, TOKEN_CHUNKS
 from ..placement import Shard
 from . import Context, Pass
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
@@ -421,6 +423,7 @@ def _lower(
         param_names=relative,
         capacity_factor=factor,
         splits_batch=rule.axis in ctx.plan.batch_axes,
+        token_chunks=node.meta.get(TOKEN_CHUNKS, 1),
         # a group of axes: the mean over those of its axes that split the batch
         batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
         if len(group) > 1
@@ -437,6 +440,8 @@ def _lower(
         "rule": rule,
         "experts": count,
         "capacity_factor": factor,
+        # its ranks share the tokens (borrowing a tensor axis): a capacity gathers their routing
+        "shared": rule.axis not in ctx.plan.batch_axes,
     }
     if isinstance(module, ExpertList):  # its rows are pairs: as many as its routing makes
         call.meta[COLLECTIVE]["routed_pairs"] = node.meta[ROUTING]["pairs"] if ROUTING in node.meta else None
@@ -526,15 +531,16 @@ def _sizes(
                 )
         for arg in rule.action.args:
             if arg.name.text == "capacity_factor":
-                if not set(axes_of(rule.axis)) <= set(plan.batch_axes):
+                shared = [a for a in axes_of(rule.axis) if a not in plan.batch_axes]
+                if shared and len(axes_of(rule.axis)) > 1:
                     out.append(
                         Diagnostic(
                             arg.span,
-                            f"expert capacity (`capacity_factor`) with experts borrowing the tensor axis "
-                            f"`{rule.axis}` is not lowered yet: each of its ranks routes a share of the "
-                            "tokens, so its drops would not be one device's",
-                            hint="remove `capacity_factor` to train dropless, or put the experts on "
-                            "an axis of their own",
+                            f"expert capacity (`capacity_factor`) with a group of axes that borrows the "
+                            f"tensor axis `{shared[0]}` is not lowered yet: its ranks route shares of the "
+                            "tokens, counted over only part of the group",
+                            hint="remove `capacity_factor` to train dropless, or split the experts over "
+                            f"`{shared[0]}` alone",
                         )
                     )
                 elif plan.rules_of("context"):

@@ -389,6 +389,29 @@ def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
             assert sum(dropped) > 0 and all(d <= t for d, t in zip(dropped, routed, strict=True))
 
 
+@pytest.mark.slow
+def test_expert_capacity_over_tokens_a_tensor_axis_shares(tmp_path):
+    """`experts over tp (capacity_factor=1.0)` with sequence-parallel norms: each tp rank routes
+    its sequence shard, but an expert's queue is the data rank's whole micro-batch, as one
+    device's: every rank gathers its tp peers' routing and queues the pairs in the tokens'
+    order (each rank's rows one chunk per sequence). Drops happen, and match the float64
+    reference's; a checkpointed layer drops the same pairs again in backward."""
+    text = (
+        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    layers.*.*_layernorm: sequence over tp\n"
+        "    layers.*.mlp.experts: experts over tp (top_k=2, capacity_factor=1.0)\n    layers.1: checkpoint\n}\n\n"
+        "data_parallel over dp {\n    zero = 1\n}\n"
+    )
+    report = verify(
+        write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2, worker=_rank_with_load
+    )
+    assert_ok(report)
+    records = [json.loads(line) for line in (tmp_path / "expert_load.jsonl").read_text().splitlines()]
+    for record in records:  # 2 data ranks x 64 tokens x 2 pairs per layer, some dropped
+        for load in record["expert_load"].values():
+            assert sum(load["tokens"]) == 2 * 64 * 2 and sum(load["dropped"]) > 0
+
+
 def _rank_with_load(rank, world_size, job):
     """`verify`'s worker; rank 0 also keeps its metrics beside the plan (verify's folder goes)."""
     result = _rank(rank, world_size, job)

@@ -448,8 +448,19 @@ def test_experts_may_borrow_the_tensor_axis():
         "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it are split over `tp` "
         "and so are their matrices: one axis holds other experts or slices of the same ones, not both"
     )
-    capacity = text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)")
-    assert "is not lowered yet: each of its ranks routes a share of the tokens" in _errors(capacity)
+    # a capacity queues the tokens tp's ranks share: each gathers their routing (16 tokens x 2
+    # int64 from each rank), and every expert takes ceil(32 x 2 x 1.25 / 4) = 20 pairs of them
+    capacity = _compile(text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)"))
+    assert capacity.graph.experts_tp_0.token_chunks == 2  # sequence parallel: a chunk per sequence (B=2)
+    assert [
+        (r.op, r.shape, r.bytes)
+        for r in capacity.ledger.rows
+        if r.node == "experts_tp_0" and r.phase == "forward"
+    ] == [("all_gather", (2, 16, 2), 256), ("all_to_all", (80, 64), 20480)]
+    group = text.replace("mesh dp=2, tp=2", "mesh dp=2, tp=2").replace(
+        "over tp (top_k=2)", "over dp x tp (top_k=2, capacity_factor=1.25)"
+    )
+    assert "with a group of axes that borrows the tensor axis `tp` is not lowered yet" in _errors(group)
 
 
 def test_experts_over_a_group_of_axes():

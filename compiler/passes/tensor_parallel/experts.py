@@ -28,6 +28,7 @@ from torch import fx
 from meshplan.dsl.check import PlanRule, axes_of
 
 from ...graph import REQUIRES_GRAD, RULE, arg_node
+from ...meta import TOKEN_CHUNKS
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts import MARKER
 from .walk import Walk, register
@@ -77,6 +78,9 @@ def _split_over_experts(
         w.use(node, tokens, w.convert(tokens, rows, because=rule))
     _routing_cut_like(w, node, (index, weights), rows, rule)
     w.set(node, rows, rule)
+    # a capacity counts the tokens its ranks share: each rank's rows are chunks of them, in
+    # order (one chunk of whole tokens, or under sequence parallelism one per sequence)
+    node.meta[TOKEN_CHUNKS] = len(rows.blocks) or 1
     if whole:
         gathered = w.convert(node, REPLICATE, because=rule)
         for user in list(node.users):

@@ -26,8 +26,9 @@ expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and th
 dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
 unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Experts borrowing
 a tensor axis queue the tokens its ranks share (the unit gathers their routing: `token_chunks`
-says how each rank's rows lie among them). Not under a context axis, nor for a group of axes
-borrowing one: their ranks route slices of sequences counted over part of the group.
+says how each rank's rows lie among them); under sequence or context parallelism a unit with
+a capacity gets every token of its call, gathered (`tensor_parallel/experts.py`). Not for a
+group of axes borrowing a tensor axis: its ranks route shares counted over part of the group.
 A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
 
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
@@ -541,16 +542,6 @@ def _sizes(
                             "tokens, counted over only part of the group",
                             hint="remove `capacity_factor` to train dropless, or split the experts over "
                             f"`{shared[0]}` alone",
-                        )
-                    )
-                elif plan.rules_of("context"):
-                    out.append(
-                        Diagnostic(
-                            arg.span,
-                            "expert capacity (`capacity_factor`) with context parallelism is not lowered "
-                            "yet: a rank routes a slice of each sequence, so its drops would not be "
-                            "one device's",
-                            hint="remove `capacity_factor` to train dropless (every token reaches its experts)",
                         )
                     )
                 continue

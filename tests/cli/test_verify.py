@@ -412,6 +412,23 @@ def test_expert_capacity_over_tokens_a_tensor_axis_shares(tmp_path):
             assert sum(load["tokens"]) == 2 * 64 * 2 and sum(load["dropped"]) > 0
 
 
+@pytest.mark.slow
+def test_expert_capacity_under_context_parallelism(tmp_path):
+    """`mesh dp=2, cp=2`, ring attention over cp, experts over dp with `capacity_factor=1.0`: the
+    experts unit gets every token of its data rank's micro-batch (gathered over cp), so its
+    queues and drops are one device's; the float64 reference drops the same pairs."""
+    text = (
+        "mesh dp=2, cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n"
+        "    layers.*.mlp.experts: experts over dp (top_k=2, capacity_factor=1.0)\n}\n\ndata_parallel over dp {\n}\n"
+    )
+    report = verify(
+        write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2, worker=_rank_with_load
+    )
+    assert_ok(report)
+    records = [json.loads(line) for line in (tmp_path / "expert_load.jsonl").read_text().splitlines()]
+    assert all(sum(load["dropped"]) > 0 for record in records for load in record["expert_load"].values())
+
+
 def _rank_with_load(rank, world_size, job):
     """`verify`'s worker; rank 0 also keeps its metrics beside the plan (verify's folder goes)."""
     result = _rank(rank, world_size, job)

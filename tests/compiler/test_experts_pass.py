@@ -119,16 +119,23 @@ def test_a_capacity_fixes_the_all_to_all_buffers():
     )
 
 
-def test_a_capacity_under_context_parallelism_is_refused():
-    """A context rank routes a slice of each sequence: its capacity would not be one device's."""
+def test_a_capacity_under_context_parallelism_queues_the_whole_micro_batch():
+    """A context rank holds a slice of each sequence: a unit with a capacity gets its call's
+    every token, gathered over cp, so its queues are one device's (C = ceil(32 x 2 x 1.25 / 4)
+    = 20 pairs per expert of the 32 tokens of a 2 x 16 micro-batch)."""
     text = (
         "mesh cp=2, ep=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n"
         "    layers.*.mlp.experts: experts over ep (top_k=2, capacity_factor=1.25)\n}\n"
     )
-    assert _errors(text).splitlines()[0] == (
-        "p.plan:5:53: error: expert capacity (`capacity_factor`) with context parallelism is not "
-        "lowered yet: a rank routes a slice of each sequence, so its drops would not be one device's"
+    compiled = _compile(text)
+    unit = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
+    tokens = unit.args[0]
+    assert tokens.meta[COLLECTIVE]["axis"] == "cp" and tokens.meta[COLLECTIVE]["kind"] in (
+        "all_gather",
+        "gather_replicated",
     )
+    dispatch = [r.shape for r in compiled.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
+    assert dispatch == [(80, 64)]  # 4 experts x 20 rows
 
 
 def test_a_router_z_loss_is_added_to_the_loss():

@@ -181,24 +181,27 @@ def test_experts_borrowing_the_tensor_axis_train_like_one_process(
         assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())
 
 
-def test_experts_kept_as_a_list_train_like_one_process_and_export_as_a_list(tmp_path: Path) -> None:
-    """A model whose experts are an `nn.ModuleList` its block loops over (tests/compiler/
-    expert_layouts.py:listed), under the same dp=2 x ep=2 plan with ZeRO-2: it trains as one
-    process does, counts every routed pair once, and its export loads into the user's model
-    as it is written (the list's names, `experts.{e}.gate_proj.weight`)."""
-    listed = runpy.run_path(f"{ROOT}/tests/compiler/expert_layouts.py")["listed"]
-    more = ["--model", f"{ROOT}/tests/compiler/expert_layouts.py:listed"]
-    one = run(tmp_path, "one", "mesh dp=1\n", 8, *more)
+def test_experts_kept_as_a_list_train_like_one_process_and_export_as_a_list(
+    tmp_path: Path, one_process: list[dict]
+) -> None:
+    """The example model with its experts as an `nn.ModuleList` its block loops over
+    (`moe.build_listed`: the same weights as `moe.build`, so the same training as the one
+    process of `moe.build`), under the dp=2 x ep=2 plan with ZeRO-2: it trains as one process
+    does, counts every routed pair once, and its export loads into the user's model as it is
+    written (the list's names, `experts.{e}.gate_proj.weight`)."""
+    from meshplan.examples.models.moe import build_listed
+
     zero2 = EXPERT_PARALLEL.replace("bucket = 64KB", "bucket = 64KB\n    zero = 2")
-    got = run(tmp_path, "ep", zero2, 1, *more, "--export", str(tmp_path / "ep.pt"))
-    same_training(got, one)
+    more = ["--model", f"{MODEL.removesuffix(':build')}:build_listed", "--export", str(tmp_path / "ep.pt")]
+    got = run(tmp_path, "ep", zero2, 1, *more)
+    same_training(got, one_process)
     for record in got:
         assert all(sum(unit["tokens"]) == 8 * SEQ * 2 for unit in record["expert_load"].values())
-    model = listed()
+    model = build_listed()
     exported = torch.load(tmp_path / "ep.pt", weights_only=True)
     model.load_state_dict(exported, strict=True)
     name = "layers.0.mlp.experts.3.up_proj.weight"
-    assert not torch.equal(exported[name], listed().state_dict()[name])  # this run's, trained
+    assert not torch.equal(exported[name], build_listed().state_dict()[name])  # this run's, trained
 
 
 def test_experts_over_a_group_of_axes_train_like_one_process_and_resume_elsewhere(

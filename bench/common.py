@@ -481,3 +481,21 @@ def take_turns(
             if i >= warmup:
                 times[name].append((time.perf_counter() - start, loss))
     return times
+
+
+def same_work_medians(results: list[dict[str, list[tuple[float, float]]]], steps: int) -> dict[str, float]:
+    """`take_turns`' results from every rank, for variants computing the same thing: each one's
+    median step (a step's time is its slowest rank's), printed with its fastest step and last
+    loss, which must agree between the variants. Returns the medians, in seconds."""
+    medians = {}
+    width = max(len(name) for name in results[0]) + 2
+    for name in results[0]:
+        per_step = [max(r[name][i][0] for r in results) for i in range(steps)]
+        medians[name] = median(per_step)
+        loss = results[0][name][-1][1]
+        print(
+            f"{name:<{width}}{medians[name] * 1e3:>9.1f} ms (median){min(per_step) * 1e3:>9.1f} ms (fastest)   {loss:.6f}"
+        )
+    losses = [results[0][name][-1][1] for name in medians]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), f"the losses differ: {losses}"
+    return medians

@@ -21,7 +21,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from common import compiled_step, median, result, take_turns
+from common import compiled_step, result, same_work_medians, take_turns
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
@@ -61,16 +61,7 @@ def main() -> int:
     results = spawn(worker, WORLD, (opts.warmup, opts.steps, opts.seq), timeout_s=900)
     print(f"MoE 2 layers, H=256, 8 experts (I=512), top-2, B={BATCH} T={opts.seq} per rank, fp32, ep=2, gloo")
     print(f"fwd+bwd+sync+AdamW, {opts.steps} steps after {opts.warmup}\n")
-    medians = {}
-    for name in results[0]:
-        per_step = [max(r[name][i][0] for r in results) for i in range(opts.steps)]
-        medians[name] = median(per_step)
-        loss = results[0][name][-1][1]
-        print(
-            f"{name:<9}{medians[name] * 1e3:>9.1f} ms (median){min(per_step) * 1e3:>9.1f} ms (fastest)   {loss:.6f}"
-        )
-    losses = [results[0][name][-1][1] for name in medians]
-    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), f"the losses differ: {losses}"
+    medians = same_work_medians(results, opts.steps)
     print(f"\nstep time, list / stacked (medians): {medians['list'] / medians['stacked']:.3f}")
     result(
         "Experts as a list vs stacked, step time", "ms", {k: round(v * 1e3, 1) for k, v in medians.items()}

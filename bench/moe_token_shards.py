@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from unittest import mock
 
-from common import compiled_step, median, result, take_turns
+from common import compiled_step, result, same_work_medians, take_turns
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
@@ -74,16 +74,7 @@ def main() -> int:
         f"MoE 2 layers, H=256, 8 experts (I=512), top-2, B=2 T={opts.seq}, fp32, tp=2 with SP, 2 gloo ranks"
     )
     print(f"fwd+bwd+sync+AdamW, {opts.steps} steps after {opts.warmup}\n")
-    medians = {}
-    for name in results[0]:
-        per_step = [max(r[name][i][0] for r in results) for i in range(opts.steps)]
-        medians[name] = median(per_step)
-        loss = results[0][name][-1][1]
-        print(
-            f"{name:<14}{medians[name] * 1e3:>9.1f} ms (median){min(per_step) * 1e3:>9.1f} ms (fastest)   {loss:.6f}"
-        )
-    losses = [results[0][name][-1][1] for name in medians]
-    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), f"the losses differ: {losses}"
+    medians = same_work_medians(results, opts.steps)
     ratio = medians["token shards"] / medians["gathered"]
     print(f"\nstep time, token shards / gathered (medians): {ratio:.3f}")
     result(

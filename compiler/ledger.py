@@ -228,6 +228,8 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
         kind, axis = info["kind"], info["axis"]
         val = value(node)
         full = _held(node, tuple(routed.get(str(d), d) for d in shape(node)), axis, layout)
+        if not all(isinstance(d, int) for d in full):
+            continue  # rows whose count follows the data and no routing says (warned at compile)
         nbytes = math.prod(full) * val.element_size()
         if kind == "all_to_all":  # a rank sends (n-1)/n of what it holds: its shard, not the whole
             nbytes //= layout.size(axis)
@@ -278,6 +280,12 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
         pairs = (experts * expert_capacity(routed, k, experts, factor), *held[1:])  # (E C, H)
     nbytes = math.prod(pairs) * value(tokens).element_size()
     n = layout.size(axis)
+    if not isinstance(nbytes, int):  # a list's rows, with no routing to count them (warned at compile)
+        return [
+            LedgerRow(
+                node.name, "experts", "all_to_all", "forward", axis, (experts,), 8 * experts, 1, n, where
+            )
+        ]
 
     def row(op_phase: str, shape_: tuple, size: int, count: int, again: bool = False) -> LedgerRow:
         return LedgerRow(

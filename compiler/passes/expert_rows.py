@@ -65,7 +65,16 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         if why is not None:
             ctx.diagnostics.append(_error(rules[path], path, why))
             continue
-        _join(gm.graph, sorted(nodes, key=lambda n: int(n.args[3])))  # type: ignore[arg-type]
+        if not _join(gm.graph, sorted(nodes, key=lambda n: int(n.args[3]))):  # type: ignore[arg-type]
+            ctx.diagnostics.append(
+                Diagnostic(
+                    rules[path].pattern_span,
+                    f"the all-to-all bytes of `{path}` are not predicted: the block routes its rows with no "
+                    "top-k the graph shows, so their count follows the data alone",
+                    hint="the program is right; the ledger and `explain` leave its dispatch and combine out",
+                    severity="warning",
+                )
+            )
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -104,8 +113,9 @@ def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _join(graph: fx.Graph, calls: list[fx.Node]) -> None:
-    """Replace the list's E calls (in expert order) by one experts unit on all their rows."""
+def _join(graph: fx.Graph, calls: list[fx.Node]) -> bool:
+    """Replace the list's E calls (in expert order) by one experts unit on all their rows.
+    Returns whether the routing that makes the rows was found (`ROUTING`)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     first = min(calls, key=position.__getitem__)
     after = _descendants(calls)
@@ -154,6 +164,7 @@ def _join(graph: fx.Graph, calls: list[fx.Node]) -> None:
         out.meta[ROUTING] = routing
     for call in calls:
         graph.erase_node(call)
+    return routing is not None
 
 
 def _from(node: fx.Node) -> list[fx.Node]:

@@ -566,6 +566,16 @@ def _sizes(
                             hint=f"routing is the model's: write top_k={k}, or leave top_k out",
                         )
                     )
+                elif k is None and any(p in markers for p in paths):  # a list whose routing has no topk
+                    out.append(
+                        Diagnostic(
+                            arg.span,
+                            f"top_k={arg.text} is not checked: the block calling {_modules_phrase(paths)} "
+                            "routes its tokens with no top-k the graph shows",
+                            hint="leave top_k out, or route with torch.topk",
+                            severity="warning",
+                        )
+                    )
     return out
 
 

@@ -77,12 +77,16 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = Experts(config)
 
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, H) -> each token's top-k experts and their weights, renormalized: (N, k) each."""
+        probs = self.gate(tokens).softmax(dim=-1)  # (N, E)
+        weights, index = probs.topk(self.top_k, dim=-1)  # (N, k)
+        return index, weights / weights.sum(dim=-1, keepdim=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         tokens = x.reshape(-1, H)  # (N, H)
-        probs = self.gate(tokens).softmax(dim=-1)  # (N, E)
-        weights, index = probs.topk(self.top_k, dim=-1)  # (N, k)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        index, weights = self.route(tokens)
         return self.experts(tokens, index, weights).view(B, T, H)
 
 
@@ -99,24 +103,20 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ListedMoE(nn.Module):
+class ListedMoE(SparseMoE):
     """`SparseMoE` with its experts in a list, the block looping over them as Mistral's reference
     code does: each expert on the tokens routed to it, weighted and added into the output."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
-        self.experts = nn.ModuleList(
+        super().__init__(config)
+        self.experts = nn.ModuleList(  # type: ignore[assignment]
             SwiGLU(config.hidden_size, config.intermediate_size) for _ in range(config.num_local_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         tokens = x.reshape(-1, H)  # (N, H)
-        probs = self.gate(tokens).softmax(dim=-1)  # (N, E)
-        weights, index = probs.topk(self.top_k, dim=-1)  # (N, k)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        index, weights = self.route(tokens)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(index == e)  # the (token, slot) pairs routed to expert e

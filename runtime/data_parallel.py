@@ -22,7 +22,10 @@ How it works (the design of PyTorch's DDP, written out so the collectives are vi
   process group requires.
 - `finish()` launches whatever backward did not (a parameter that got no gradient on
   this step contributes zeros), waits, divides by the group size and writes the average
-  back into `.grad`.
+  back into `.grad`. A parameter that got no gradient at all keeps `.grad` None, as on one
+  device (AdamW then leaves it alone: no weight decay). Every rank runs the same program,
+  so a gradient no backward of this rank reached is one no rank's reached (a parameter used
+  only through `argmax`, say); an expert that got no tokens still gets a (zero) gradient.
 - Gradients live in the buckets (DDP's `gradient_as_bucket_view`): each bucket is one
   buffer, and a parameter's `.grad` becomes a view of its slice once backward has made it
   (later micro-steps accumulate into it in place). The all-reduce runs on the buffer and
@@ -71,6 +74,7 @@ class Bucket:
     # the gradients themselves, each param's `.grad` a view of its slice (None: another reduce dtype)
     buffer: Tensor | None = None
     views: list[Tensor] = field(default_factory=list)
+    missing: list[Tensor] = field(default_factory=list)  # params no backward gave a gradient this step
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,9 @@ class DataParallel(nn.Module):
             bucket.flat.div_(self.divisor)
             if bucket.buffer is None:
                 _unflatten_into_grads(bucket.flat, bucket.params)
-            bucket.work, bucket.flat, bucket.ready = None, None, 0
+            for p in bucket.missing:  # the zeros it contributed are no gradient: as on one device
+                p.grad = None
+            bucket.work, bucket.flat, bucket.ready, bucket.missing = None, None, 0, []
         self._next = 0
 
     def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
@@ -196,6 +202,7 @@ class DataParallel(nn.Module):
             self._launch(head)
 
     def _launch(self, bucket: Bucket) -> None:
+        bucket.missing = [p for p in bucket.params if p.grad is None]
         if bucket.buffer is not None:
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 if p.grad is None:  # no gradient this step: it contributes zeros

@@ -75,6 +75,8 @@ class Flat:
         self.full_grad: Tensor | None = None  # stage 1: (padded,) averaged grads, p.grad are views
         self.grad_shard: Tensor | None = None  # stages 2/3: (S,) averaged grads
         self.reduced = False  # grads reduced for this step
+        # params that got no gradient at all this step (`flat_grads`): the optimizer skips them
+        self.missing: frozenset[str] = frozenset()
         self.ready = 0  # params whose grad has been accumulated in this backward
         self.pins = 0  # stage 3: backwards that gathered it and have not accumulated its grads yet
         self._gather_work: Any = None
@@ -154,6 +156,7 @@ class Flat:
         Only the padding and the missing grads are zero-filled (not the whole buffer first: a
         memset of every gradient byte was 3% of a ZeRO-3 step)."""
         out = torch.empty(self.padded, dtype=dtype, device=self.device)
+        self.missing = frozenset(n for n, p in zip(self.names, self.params, strict=True) if p.grad is None)
         for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
             if p.grad is not None:
                 out[off : off + n].copy_(p.grad.reshape(-1))

@@ -86,18 +86,37 @@ class ShardedAdamW:
 
     def step(self) -> None:
         """One AdamW step on each master from its flat's reduced gradient shard (zero if none),
-        written back into the shard when the master is a copy."""
+        written back into the shard when the master is a copy. A parameter that got no gradient
+        at all this step (`Flat.missing`) is left as it was, value and moments, as AdamW on one
+        device leaves a parameter whose `.grad` is None (no weight decay, no moment decay)."""
         for f, master in zip(self.flats, self.masters, strict=True):
             grad = f.own_grad()
             master.grad = (
                 torch.zeros_like(master) if grad is None else grad.to(self.opt_device, torch.float32)
             )
+        untouched = self._untouched()
         self.optimizer.step()
+        with torch.no_grad():
+            for t, kept in untouched:
+                t.copy_(kept)
         for f, master in zip(self.flats, self.masters, strict=True):
             master.grad = None
             if master is not f.shard:
                 with torch.no_grad():
                     f.shard.copy_(master)  # fp32 master -> bf16 shard, or CPU -> device
+
+    def _untouched(self) -> list[tuple[Tensor, Tensor]]:
+        """(view, copy of it) of this rank's elements of each parameter without a gradient, in
+        the master and both moments: what `step` puts back after AdamW."""
+        missing = frozenset[str]().union(*(f.missing for f in self.flats))
+        if not missing:
+            return []
+        return [
+            (view, view.clone())
+            for own in self.own_state()
+            if own.name in missing
+            for view in own.tensors.values()
+        ]
 
     def own_state(self) -> list[OwnState]:
         """This rank's elements of every parameter's fp32 value and moments, as views of the

@@ -92,6 +92,16 @@ def test_zero3_with_offload_fp16_loss_scaling_and_accumulation():
     assert_ok(verify(str(ROOT / "examples/gpt_zero3.plan"), GPT, world_size=2, steps=2))
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_weight_no_backward_reaches_is_left_alone_as_on_one_device(tmp_path, zero):
+    """`router.weight` gets no gradient on any rank: AdamW must not decay it (it did: the engines
+    reduced zeros for it, and verify failed on it by lr x weight decay, 2.1e-04)."""
+    text = f"mesh dp=2\n\ndata_parallel over dp {{\n    zero = {zero}\n}}\n"
+    factory = f"{COMPILER_TESTS}/factories.py:argmax_routed"
+    report = verify(write(tmp_path, text), factory, steps=2)
+    assert_ok(report)
+
+
 @pytest.mark.slow
 def test_zero3_gathering_in_bf16_in_a_pipeline(tmp_path):
     """dp=2 x pp=2, 1F1B, ZeRO-3 under bf16 compute: each stage's layers are gathered in bf16

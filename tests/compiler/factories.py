@@ -60,6 +60,29 @@ def example_inputs(batch: int = 2, seq: int = 16):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+class ArgmaxRouted(nn.Module):
+    """A router whose weight reaches the loss only through `argmax`: it never gets a gradient,
+    so AdamW on one device leaves it alone (`.grad` None), weight decay included."""
+
+    def __init__(self, hidden: int = 32, vocab: int = 256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = nn.Linear(hidden, 2, bias=False)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.head = nn.Linear(2 * hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        choice = self.router(x).argmax(-1, keepdim=True).to(x.dtype)  # (B, T, 1), no gradient
+        h = torch.relu(self.up(x)) * (1 + choice)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def argmax_routed():
+    torch.manual_seed(0)
+    return ArgmaxRouted()
+
+
 class NanoGPT(gpt.GPT):
     """The example GPT with nanoGPT's loss: `(logits, loss)`, flattened with `view(-1, V)`,
     `ignore_index=-1` (whose class-weight argument is None in the captured graph)."""

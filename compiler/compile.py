@@ -32,6 +32,9 @@ reason, each linted after it runs (`lint.py`):
              parameter uses; last, because a checkpointed layer must be one call node
              (its recomputation then runs between the release's backward gather and the
              layer's backward, never re-gathering or freeing).
+10. overlap  the linears reading an entry collective (f, SP's all-gather) grouped into one
+             node whose backward issues the entry's reduction before the weight gradients;
+             last, on the final graph and its regions (it only regroups nodes).
 
 A plan with errors still goes through the passes marked `checks_after_errors` (precision,
 the tensor rules, experts, unsupported), so one compile reports every problem; the others are skipped.
@@ -64,6 +67,7 @@ from .passes import (
     checkpoint,
     expert_rows,
     experts,
+    overlap,
     pipeline,
     precision,
     tensor_parallel,
@@ -109,6 +113,7 @@ PASSES: tuple[Pass, ...] = (
     unsupported.PASS,
     pipeline.PASS,
     zero.PASS,
+    overlap.PASS,
 )
 
 

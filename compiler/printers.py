@@ -23,7 +23,8 @@ from meshplan.runtime.zero_nodes import ZeroGather
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
 from .ledger import _held
-from .meta import CHECKPOINT, RULE
+from .meta import CHECKPOINT, RULE, collective
+from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
 from .passes.zero import reduce_axes
 from .placement import Shard
@@ -517,6 +518,15 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
             )
         elif info:
             notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
+            if any(u.op == "call_module" and u.target == overlap.TARGET for u in node.users):
+                notes[node.name] += f"; backward waits for the {_BACKWARD_OP[info['kind']]} issued below"
+        elif node.op == "call_module" and node.target == overlap.TARGET:
+            entry = node.args[0]
+            op = _BACKWARD_OP[collective(entry)["kind"]]  # type: ignore[index,union-attr]
+            notes[node.name] = (
+                f"  # {len(node.meta['val'])} linears on {entry}: backward issues its {op} "
+                "of the input gradient, then computes the weight gradients"
+            )
         elif region:
             notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
     body = []
@@ -524,6 +534,9 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         m = re.match(r"\s+(\w+) = ", line)
         body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
     return "\n".join(body)
+
+
+_BACKWARD_OP = {"copy_to": "all_reduce", "all_gather": "reduce_scatter"}  # the entries `overlap` groups
 
 
 def _where(info: dict) -> str:

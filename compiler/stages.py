@@ -274,6 +274,10 @@ def flops(node: fx.Node) -> float:
         assert isinstance(inner, fx.GraphModule)
         return sum(flops(n) for n in inner.graph.nodes if n.op in OPS)
     val = node.meta.get("val")
+    if node.op == "call_module" and isinstance(val, tuple):  # linears grouped on one input (`overlap`)
+        x = node.args[0]
+        depth = _int(shape(x)[-1]) if isinstance(x, fx.Node) else 1
+        return sum(2.0 * _numel(v.shape) * depth for v in val if isinstance(v, torch.Tensor))
     if not isinstance(val, torch.Tensor):
         return 0.0
     out = _numel(shape(node))

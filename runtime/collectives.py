@@ -36,6 +36,9 @@ that times out can say which collective; `label_collectives` names the nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -114,6 +117,52 @@ def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = 
     return x.chunk(world, dim)[rank].contiguous()
 
 
+# ---------------------------------------------------------------- issued early, waited late
+#
+# The backward collective of an entry into sharded compute (f's all-reduce, the sequence-parallel
+# gather's reduce-scatter) may be issued by the node that reads the entry's output, as soon as
+# that node has the input gradient: `runtime/linears.py` computes it before its weight gradients
+# and issues the reduction here, on the entry's autograd node (its `ctx`); the entry's own
+# backward, the gradient's first use, waits for it. An entry nobody issued for reduces as usual.
+
+
+class _Issued(NamedTuple):
+    work: dist.Work
+    result: Callable[[], Tensor]  # the reduced gradient, once `work` is done
+    op: str
+
+
+def issue_backward(entry: Any, grad: Tensor) -> bool:
+    """Start the backward collective of `entry` (an entry collective's autograd node: the
+    `grad_fn` of its output) on `grad`, the whole gradient of that output, without waiting.
+    False, and nothing started, for any other node (a view of the output, another op)."""
+    if isinstance(entry, _Copy._backward_cls):  # type: ignore[attr-defined]
+        reduced = grad.contiguous()  # reduced in place: the entry's backward returns it
+        work = dist.all_reduce(reduced, group=entry.site.group, async_op=True)
+        entry.issued = _Issued(work, lambda: reduced, "all_reduce")
+        return True
+    if isinstance(entry, _Gather._backward_cls) and entry.grad_is_partial and not entry.site.balanced:  # type: ignore[attr-defined]
+        dim, group = entry.dim, entry.site.group
+        moved = grad.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // dist.get_world_size(group), *moved.shape[1:]))
+        work = _reduce_scatter(out, moved, group=group, async_op=True)
+        entry.issued = _Issued(work, lambda: out.movedim(0, dim), "reduce_scatter")
+        return True
+    return False
+
+
+def _wait_issued(ctx) -> Tensor | None:
+    """The gradient a consumer issued the reduction of (`issue_backward`), waited for; None if
+    nobody did."""
+    issued = getattr(ctx, "issued", None)
+    if issued is None:
+        return None
+    ctx.issued = None
+    ctx.site.note(issued.op, "backward (issued early)")
+    issued.work.wait()
+    return issued.result()
+
+
 class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, site):
@@ -122,6 +171,9 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        reduced = _wait_issued(ctx)
+        if reduced is not None:
+            return reduced, None
         ctx.site.note("all_reduce", "backward")
         return all_reduce(grad, ctx.site.group), None
 
@@ -147,6 +199,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         site = ctx.site
+        reduced = _wait_issued(ctx)
+        if reduced is not None:
+            return reduced, None, None, None
         if ctx.grad_is_partial:
             site.note("reduce_scatter", "backward")
             return reduce_scatter(grad, ctx.dim, site.group, site.balanced), None, None, None

@@ -28,6 +28,7 @@ PROGRAM_LIBRARY = {
     "collectives",
     "experts",
     "expert_list",
+    "linears",
     "ring_attention",
     "zero_nodes",
     "mesh",

@@ -73,4 +73,7 @@ def test_dp_x_tp_matches_one_device(tmp_path: Path) -> None:
         assert r["sharded"] > 0
         for loss, ref in zip(r["losses"], r["ref_losses"], strict=True):
             assert abs(loss - ref) / ref < 1e-5, (r["losses"], r["ref_losses"])
-        assert r["worst_param"] < 1e-5
+        # fp32 rounding of two orders of the same sums after 3 AdamW steps: `meshplan verify` on
+        # this plan puts each run 2e-6 to 4e-6 from float64 on the worst tensor; a wrong
+        # reduction is off by 1e-2 and more
+        assert r["worst_param"] < 2e-5

@@ -1,0 +1,154 @@
+"""Overlap: the linears that read an entry collective's output become one `Linears` node, whose
+backward issues the entry's reduction before computing the weight gradients.
+
+An entry collective starts sharded compute: f (`copy_to`: identity forward, all-reduce of the
+input gradient backward) or, under sequence parallelism, the all-gather whose backward
+reduce-scatters it. Its users are typically the column-split linears of one block (q, k and v;
+gate and up; the LM head). Left as separate autograd nodes, each linear computes its input and
+weight gradient together and the entry reduces only after all of them: the reduction overlaps
+nothing. Grouped, the backward is (`runtime/linears.py`):
+
+    grad_x = sum_i grad_i @ w_i                 input gradient of the group
+    issue the entry's reduction of grad_x       async: f's all-reduce, SP's reduce-scatter
+    grad_w_i = grad_i^T x                       the weight gradients, while it runs
+    the entry's backward waits                  where the reduced gradient is first used
+
+    copy_to_tp = self.copy_to_tp(mul_1)                             # waits for the issued all-reduce
+    linears = self.linears(copy_to_tp, q_weight, None, k_weight, None, v_weight, None)
+    linear, linear_1, linear_2 = linears[0], linears[1], linears[2]
+
+An entry is grouped when every user is an `aten.linear` reading it as the input (a user of
+any other kind would need the whole reduced gradient first). The node goes where the first
+linear was; a later linear's weight that is computed after that point (a cast to the compute
+dtype at its use) is moved before it when it depends on no linear of the group and has no
+side effects; otherwise the entry is left as it was. The ledger is unchanged: the entry's
+backward collective is the same collective, issued earlier. Runs last, on the graph and on
+each checkpointed region (a recomputed region issues in its own backward likewise).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from meshplan.runtime.linears import Linears
+
+from ..meta import MODULE, REQUIRES_GRAD, STAGE, collective
+from . import Context, Pass
+from .checkpoint import region_modules
+
+TARGET = "linears"  # the submodule every grouped node calls (stateless: one per graph)
+ENTRIES = ("copy_to", "all_gather")  # kinds whose backward reduces the input gradient
+# Zero-bubble schedules split each backward at the nodes where weights join the input path
+# (`runtime/split_backward.py`): a group would be such a node, computing every gradient twice.
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+
+
+def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    pipeline = ctx.plan.pipeline
+    if pipeline is not None and pipeline.schedule in SPLIT_BACKWARD:
+        return gm
+    for graph_module in (gm, *(region for _, region in region_modules(gm))):
+        graph_module.add_submodule(TARGET, Linears())
+        grouped = [group_linears(graph_module, entry) for entry in list(graph_module.graph.nodes)]
+        if not any(grouped):
+            graph_module.delete_submodule(TARGET)
+        graph_module.recompile()
+    return gm
+
+
+def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
+    """Replace the linears reading `entry` by one `Linears` node, if `entry` is an entry
+    collective read only by linears; whether it did."""
+    info = collective(entry)
+    if info is None or info["kind"] not in ENTRIES or _in_blocks(entry):
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    users = sorted(entry.users, key=order.__getitem__)
+    if not users or not all(_reads_as_input(u, entry) for u in users):
+        return False
+    if len({u.meta.get(STAGE) for u in users}) > 1:
+        return False
+    first = users[0]
+    params = [a for u in users for a in (u.args[1], _bias(u))]
+    if not _hoist([a for a in params if isinstance(a, fx.Node)], first, set(users), order):
+        return False
+    graph = gm.graph
+    with graph.inserting_before(first):
+        node = graph.call_module(TARGET, (entry, *params))
+    node.meta["val"] = tuple(u.meta.get("val") for u in users)
+    node.meta[MODULE] = _common_path([u.meta.get(MODULE, "") for u in users])
+    node.meta[REQUIRES_GRAD] = True
+    if STAGE in first.meta:
+        node.meta[STAGE] = first.meta[STAGE]
+    at = node
+    for i, u in enumerate(users):
+        with graph.inserting_after(at):
+            item = graph.call_function(operator.getitem, (node, i))
+        item.meta.update(u.meta)
+        u.replace_all_uses_with(item)
+        name = u.name
+        graph.erase_node(u)
+        item._rename(name)  # the printed program keeps the linear's name
+        at = item
+    return True
+
+
+def _reads_as_input(user: fx.Node, entry: fx.Node) -> bool:
+    """`aten.linear(entry, weight[, bias])` with `entry` only as the input."""
+    if user.op != "call_function" or user.target != torch.ops.aten.linear.default or user.kwargs:
+        return False
+    return user.args[0] is entry and all(a is not entry for a in user.args[1:])
+
+
+def _bias(linear: fx.Node) -> fx.Node | None:
+    return linear.args[2] if len(linear.args) > 2 else None  # type: ignore[return-value]
+
+
+def _in_blocks(entry: fx.Node) -> bool:
+    """An all-gather of blocks (a sequence shard flattened with the batch): its output is a view,
+    not the gather's, so nothing could issue for it."""
+    blocks = entry.args[2] if len(entry.args) > 2 else entry.kwargs.get("blocks", 1)
+    return bool(blocks != 1)
+
+
+def _hoist(needed: list[fx.Node], before: fx.Node, group: set[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """Move the nodes computing `needed` that come after `before` (and what they read after it)
+    to just before it. False, and nothing moved, when one of them reads the group's output or
+    has side effects."""
+    start = order[before]
+    moving: set[fx.Node] = set()
+    stack = [n for n in needed if order[n] >= start]  # `before` is the group's first linear
+    while stack:
+        n = stack.pop()
+        if n in moving:
+            continue
+        if n in group or n.op not in ("call_function", "get_attr") or n.is_impure() or collective(n):
+            return False
+        moving.add(n)
+        stack += [a for a in n.all_input_nodes if order[a] >= start]
+    for n in sorted(moving, key=order.__getitem__):
+        before.prepend(n)
+    return True
+
+
+def _common_path(paths: list[str]) -> str:
+    """The module path the group's linears share (`layers.0.self_attn` for q, k and v)."""
+    parts = [p.split(".") for p in paths]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+PASS = Pass(
+    "overlap",
+    run,
+    requires="the final graph: collectives inserted, regions outlined, ZeRO nodes placed",
+    ensures="the linears reading an entry collective (f, SP's all-gather) are one `Linears` node whose "
+    "backward issues the entry's reduction before the weight gradients; the entry waits for it",
+)

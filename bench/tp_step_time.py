@@ -10,6 +10,8 @@ backward and AdamW (lr 1e-3), same batch every step.
     pytorch TP        parallelize_module with Colwise/RowwiseParallel on the same modules,
                       vocab-parallel embedding and LM head, loss under loss_parallel(), 2 ranks
     megatron TP       the same layout written by hand (bench/common.py `MegatronLlama`), 2 ranks
+    meshplan TP, no overlap   meshplan TP compiled without the `overlap` pass (each input
+                      gradient reduced after the weight gradients, as Megatron's code above does)
     meshplan TP+SP    examples/llama_tp.plan (norms on sequence shards), 2 ranks
     pytorch TP+SP     the same with SequenceParallel norms (torchtitan's layout), 2 ranks
     single            the unpartitioned model, one process, with 1 and with 2 intra-op threads
@@ -27,11 +29,12 @@ median over the measured steps, and the fastest step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,7 @@ from common import (
 )
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshplan.compiler import compile as compile_module
 from meshplan.compiler.capture import bind_inputs
 from meshplan.compiler.compile import build_rank_program, compile_plan
 from meshplan.dsl import load_plan
@@ -97,9 +101,15 @@ def make_step(
 def build_variants(rank: int, world_size: int) -> dict[str, Callable[[], float]]:
     variants: dict[str, Callable[[], float]] = {}
     mesh = None
-    for name, plan_path in (("meshplan TP", PLAN_TP), ("meshplan TP+SP", PLAN_TP_SP)):
+    for name, plan_path in (
+        ("meshplan TP", PLAN_TP),
+        ("meshplan TP+SP", PLAN_TP_SP),
+        ("meshplan TP, no overlap", PLAN_TP),
+    ):
         source = llama_source(batch=BATCH, seq=SEQ, **MODEL)
-        compiled = compile_plan(load_plan(plan_path, world_size=world_size), source, world_size=world_size)
+        with without_pass("overlap") if "no overlap" in name else contextlib.nullcontext():
+            plan = load_plan(plan_path, world_size=world_size)
+            compiled = compile_plan(plan, source, world_size=world_size)
         mesh = mesh or init_mesh(compiled.layout)
         program = build_rank_program(compiled, source.model, rank, mesh)
         inputs = bind_inputs(source.model, compiled.graph, source.args, source.kwargs)
@@ -115,6 +125,17 @@ def build_variants(rank: int, world_size: int) -> dict[str, Callable[[], float]]
     megatron = MegatronLlama(copy.deepcopy(source.model), mesh.get_group("tp"))
     variants["megatron TP"] = make_step(megatron, lambda: megatron(*args))
     return variants
+
+
+@contextlib.contextmanager
+def without_pass(name: str) -> Iterator[None]:
+    """Compile without one of the compiler's passes (to measure what it buys)."""
+    passes = compile_module.PASSES
+    compile_module.PASSES = tuple(p for p in passes if p.name != name)
+    try:
+        yield
+    finally:
+        compile_module.PASSES = passes
 
 
 SINGLE_THREADS = {"single, 1 thread": 1, "single, 2 threads": 2}
@@ -186,7 +207,8 @@ def main() -> None:
     for t, what in ((medians, "medians"), (fastest, "fastest")):
         print(
             f"{what}: TP+SP meshplan/pytorch {t['meshplan TP+SP'] / t['pytorch TP+SP']:.3f}, "
-            f"TP meshplan/megatron {t['meshplan TP'] / t['megatron TP']:.3f}"
+            f"TP meshplan/megatron {t['meshplan TP'] / t['megatron TP']:.3f}, "
+            f"overlap/no overlap {t['meshplan TP'] / t['meshplan TP, no overlap']:.3f}"
         )
     print(f"fastest steps: {ratios(fastest)}")
     print(f"ratio (medians) {ratios(medians)}")

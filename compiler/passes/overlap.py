@@ -84,15 +84,10 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
     if STAGE in first.meta:
         node.meta[STAGE] = first.meta[STAGE]
     at = node
-    for i, u in enumerate(users):
-        with graph.inserting_after(at):
-            item = graph.call_function(operator.getitem, (node, i))
-        item.meta.update(u.meta)
-        u.replace_all_uses_with(item)
-        name = u.name
-        graph.erase_node(u)
-        item._rename(name)  # the printed program keeps the linear's name
-        at = item
+    for i, u in enumerate(users):  # each linear becomes its output of the group, name and facts kept
+        u.target, u.args, u.kwargs = operator.getitem, (node, i), {}
+        at.append(u)
+        at = u
     return True
 
 

@@ -7,11 +7,14 @@ rank, AdamW, on 2 gloo ranks (CPU). One step = forward, backward, optimizer step
 Every configuration is built once, then they take turns, one step each per round (so they share\nthe machine's load): `--warmup` rounds, then `--steps` timed rounds; the median is printed.
 
     ddp          DistributedDataParallel + torch.optim.AdamW (every rank holds everything)
+    ddp-fused    the same with AdamW's fused kernel (`fused=True`), as meshplan steps: the
+                 data-parallel engines alone compared
     fsdp2-noresh fully_shard per layer and root, reshard_after_forward=False (ZeRO-2 like)
     fsdp2        fully_shard per layer and root, reshard_after_forward=True  (ZeRO-3)
     dp, zero1..3 what `meshplan run` runs: the program compiled from `data_parallel over dp
-                 { zero = N }` (ZeRO nodes in the graph), with runtime.data_parallel (N = 0)
-                 or runtime.zero (per-bucket flats; stage 3 per-layer units, prefetched)
+                 { zero = N }` (ZeRO nodes in the graph), with runtime.data_parallel and
+                 `meshplan run`'s AdamW (N = 0) or runtime.zero (per-bucket flats; stage 3
+                 per-layer units, prefetched; AdamW over the flats)
 
 Ratios below 1.0 mean meshplan is faster. On a shared 2-core machine the numbers are noisy:
 read ratios from one run, not across runs.
@@ -39,6 +42,7 @@ from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.data_parallel import DataParallel
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
+from meshplan.runtime.train import TrainConfig, make_optimizer
 from meshplan.runtime.zero import ZeroConfig, shard_for_zero
 
 WORLD = 2
@@ -50,9 +54,9 @@ def _setup(
     name: str, model: torch.nn.Module, world: int, args: argparse.Namespace
 ) -> tuple[Callable, Callable, Callable]:
     """The forward (ids, labels) -> loss, the optimizer step and zero_grad."""
-    if name == "ddp":
+    if name.startswith("ddp"):
         ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+        opt = torch.optim.AdamW(ddp.parameters(), **ADAMW, fused=name == "ddp-fused")
         return ddp, opt.step, opt.zero_grad
     if name.startswith("fsdp2"):
         mesh = init_device_mesh("cpu", (world,))
@@ -78,7 +82,8 @@ def _setup(
 
     if stage == 0:
         dp = wrapped = DataParallel(program, dist.group.WORLD, bucket_bytes=args.bucket_mib * 2**20)
-        opt = torch.optim.AdamW(program.parameters(), **ADAMW)
+        config = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
+        opt = make_optimizer(program, config)  # `meshplan run`'s: fused, no decay on 1-D weights
 
         def step() -> None:
             dp.finish()
@@ -120,14 +125,21 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=25, help="ZeRO bucket size; DDP's default is 25")
     args = parser.parse_args()
-    names = ["ddp", "dp", "zero1", "zero2", "fsdp2-noresh", "fsdp2", "zero3"]
+    names = ["ddp", "ddp-fused", "dp", "zero1", "zero2", "fsdp2-noresh", "fsdp2", "zero3"]
     by_rank = spawn(worker, WORLD, (args, names), timeout_s=600)
     t = {name: max(r[name] for r in by_rank) for name in names}  # a step ends when the slowest rank does
     print(f"Llama fp32, {args.layers} layers, H={args.hidden}, B=4 S=64 per rank, {WORLD} gloo ranks\n")
     for name in names:
         print(f"{name:>13}  {t[name] * 1e3:8.1f} ms/step")
     print()
-    pairs = [("dp", "ddp"), ("zero1", "ddp"), ("zero2", "ddp"), ("zero2", "fsdp2-noresh"), ("zero3", "fsdp2")]
+    pairs = [
+        ("dp", "ddp"),
+        ("dp", "ddp-fused"),
+        ("zero1", "ddp"),
+        ("zero2", "ddp"),
+        ("zero2", "fsdp2-noresh"),
+        ("zero3", "fsdp2"),
+    ]
     for ours, theirs in pairs:
         print(f"{ours} / {theirs:<13} {t[ours] / t[theirs]:.2f}")
     result("DP step time by layout (slowest rank)", "ms", {name: round(t[name] * 1e3, 1) for name in names})

@@ -10,6 +10,8 @@ backward and AdamW (lr 1e-3), same batch every step.
     pytorch TP        parallelize_module with Colwise/RowwiseParallel on the same modules,
                       vocab-parallel embedding and LM head, loss under loss_parallel(), 2 ranks
     megatron TP       the same layout written by hand (bench/common.py `MegatronLlama`), 2 ranks
+    megatron TP, fused AdamW   the same, stepped by AdamW's fused kernel as meshplan's is (the
+                      programs alone compared; the others use torch.optim.AdamW's default)
     meshplan TP, no overlap   meshplan TP compiled without the `overlap` pass (each input
                       gradient reduced after the weight gradients, as Megatron's code above does)
     meshplan TP+SP    examples/llama_tp.plan (norms on sequence shards), 2 ranks
@@ -76,10 +78,13 @@ def make_step(
     *,
     parallel_loss: bool = False,
     finish: Callable[[], None] = lambda: None,
+    fused: bool = False,
 ) -> Callable[[], float]:
     """One training step as a callable returning the loss; `finish` after backward (meshplan's
-    gradient sync of the weights partial over tp: the sequence-parallel norms)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gradient sync of the weights partial over tp: the sequence-parallel norms). `fused`: AdamW's
+    fused kernel, as `meshplan run` steps (`runtime.train.make_optimizer`); otherwise
+    torch.optim.AdamW's default, as a hand-written trainer does."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -115,15 +120,16 @@ def build_variants(rank: int, world_size: int) -> dict[str, Callable[[], float]]
         inputs = bind_inputs(source.model, compiled.graph, source.args, source.kwargs)
         sync = partial_grad_sync(compiled, program, mesh)
         forward = lambda program=program, inputs=inputs: program(*inputs)[0]  # noqa: E731
-        variants[name] = make_step(program, forward, finish=sync.finish)
+        variants[name] = make_step(program, forward, finish=sync.finish, fused=True)
 
     source = llama_source(batch=BATCH, seq=SEQ, **MODEL)
     args = source.args
     for name, sp in (("pytorch TP", False), ("pytorch TP+SP", True)):
         model = parallelize_with_pytorch(copy.deepcopy(source.model), mesh, sequence_parallel=sp)
         variants[name] = make_step(model, lambda model=model: model(*args), parallel_loss=True)
-    megatron = MegatronLlama(copy.deepcopy(source.model), mesh.get_group("tp"))
-    variants["megatron TP"] = make_step(megatron, lambda: megatron(*args))
+    for name, fused in (("megatron TP", False), ("megatron TP, fused AdamW", True)):
+        megatron = MegatronLlama(copy.deepcopy(source.model), mesh.get_group("tp"))
+        variants[name] = make_step(megatron, lambda megatron=megatron: megatron(*args), fused=fused)
     return variants
 
 
@@ -207,7 +213,8 @@ def main() -> None:
     for t, what in ((medians, "medians"), (fastest, "fastest")):
         print(
             f"{what}: TP+SP meshplan/pytorch {t['meshplan TP+SP'] / t['pytorch TP+SP']:.3f}, "
-            f"TP meshplan/megatron {t['meshplan TP'] / t['megatron TP']:.3f}, "
+            f"TP meshplan/megatron {t['meshplan TP'] / t['megatron TP']:.3f} "
+            f"(with its AdamW fused too {t['meshplan TP'] / t['megatron TP, fused AdamW']:.3f}), "
             f"overlap/no overlap {t['meshplan TP'] / t['meshplan TP, no overlap']:.3f}"
         )
     print(f"fastest steps: {ratios(fastest)}")

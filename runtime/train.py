@@ -142,7 +142,10 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay where `decays` says so (ZeRO's optimizer follows the same rule)."""
+    """AdamW; no weight decay where `decays` says so (ZeRO's optimizer follows the same rule).
+    Fused (one kernel over every tensor of a device, `fused_adamw`) where PyTorch has the kernel:
+    torch.optim.AdamW's default steps each parameter with its own dozen ops, which on a CPU cost
+    a fifth of a small model's step; the values are the same up to rounding."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
@@ -150,7 +153,17 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=config.lr,
+        betas=config.betas,
+        fused=fusable([p for _, p in named]),
+    )
+
+
+def fusable(params: Iterable[Tensor]) -> bool:
+    """Whether AdamW's fused kernel takes these parameters: floating point, on a CPU or a GPU."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor:

@@ -69,11 +69,11 @@ class ShardedAdamW:
             betas=betas,
             weight_decay=weight_decay,
             eps=eps,
-            foreach=False,
+            fused=True,  # fp32 masters on a CPU or a GPU: one kernel per flat (`train.make_optimizer`)
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
             self.optimizer.state[m] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, device=m.device),  # the fused kernel's: on its device
                 "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
             }
@@ -144,6 +144,7 @@ class ShardedAdamW:
         masters copied into the shards they stand for (the caller refreshes gathered copies)."""
         with torch.no_grad():
             for f, master in zip(self.flats, self.masters, strict=True):
-                self.optimizer.state[master]["step"] = torch.as_tensor(steps[f.names[0]]).float().clone()
+                step = torch.as_tensor(steps[f.names[0]]).to(master.device, torch.float32, copy=True)
+                self.optimizer.state[master]["step"] = step
                 if master is not f.shard:
                     f.shard.copy_(master)

@@ -21,8 +21,8 @@ backward and AdamW (lr 1e-3), same batch every step.
 The 2-rank runs are gloo processes with 1 intra-op thread each (OMP_NUM_THREADS=1,
 torch.set_num_threads(1), set by `meshplan.runtime.launch.spawn`), so they use the machine's
 two cores as the single process with 2 threads does. Every variant runs interleaved inside
-the same two processes (step i of every variant, then step i+1), each step started by a
-barrier, so a change in the machine's load hits all of them alike; a step's time is the
+the same two processes (step i of every variant, then step i+1; each round in its own order,
+the same on both ranks, so no variant always runs first or after the same neighbour), each step started by a barrier, so a change in the machine's load hits all of them alike; a step's time is the
 slower rank's. The single-process variants run on rank 0 (torch.set_num_threads(1 or 2)
 for the step) while rank 1 waits in the next barrier, which costs no CPU. Reported: the
 median over the measured steps, and the fastest step.
@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -155,8 +156,12 @@ def worker(rank: int, world_size: int, warmup: int, steps: int) -> dict[str, lis
         source = llama_source(batch=BATCH, seq=SEQ, **MODEL)
         variants[name] = make_step(source.model, lambda model=source.model, args=source.args: model(*args))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    order = random.Random(0)  # the same on every rank
     for i in range(warmup + steps):
-        for name, step in variants.items():
+        # each round in its own order: no variant always runs first, or always right after the
+        # same neighbour (after a single-process one, say, with rank 1 idle meanwhile)
+        for name in order.sample(list(variants), len(variants)):
+            step = variants[name]
             dist.barrier()
             if name in SINGLE_THREADS:
                 if rank != 0:

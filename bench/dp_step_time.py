@@ -23,6 +23,7 @@ read ratios from one run, not across runs.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -103,10 +104,13 @@ def worker(rank: int, world: int, args: argparse.Namespace, names: list[str]) ->
     }
     runs = {name: _setup(name, build(**overrides), world, args) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
-    # Round-robin, one step of each per round: on a shared machine every configuration sees the same load.
+    # One step of each per round: on a shared machine every configuration sees the same load. Each
+    # round in its own order (the same on every rank): none always runs first or after the same one.
+    order = random.Random(0)
     for i in range(args.warmup + args.steps):
         ids, labels = example_inputs(BATCH, SEQ, seed=world * i + rank)
-        for name, (model, step, zero_grad) in runs.items():
+        for name in order.sample(list(runs), len(runs)):
+            model, step, zero_grad = runs[name]
             dist.barrier()
             start = time.perf_counter()
             model(ids, labels).backward()

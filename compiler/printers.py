@@ -523,8 +523,9 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         elif node.op == "call_module" and node.target == overlap.TARGET:
             entry = node.args[0]
             op = _BACKWARD_OP[collective(entry)["kind"]]  # type: ignore[index,union-attr]
+            n = len(node.meta["val"])
             notes[node.name] = (
-                f"  # {len(node.meta['val'])} linears on {entry}: backward issues its {op} "
+                f"  # {n} linear{'s' if n > 1 else ''} on {entry}: backward issues its {op} "
                 "of the input gradient, then computes the weight gradients"
             )
         elif region:

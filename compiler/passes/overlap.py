@@ -17,8 +17,9 @@ nothing. Grouped, the backward is (`runtime/linears.py`):
     linears = self.linears(copy_to_tp, q_weight, None, k_weight, None, v_weight, None)
     linear, linear_1, linear_2 = linears[0], linears[1], linears[2]
 
-An entry is grouped when every user is an `aten.linear` reading it as the input (a user of
-any other kind would need the whole reduced gradient first). The node goes where the first
+An entry is grouped when every user is a linear layer reading it as the input: `aten.linear`,
+or `aten.addmm`/`aten.mm` with the weight stored (in, out) as GPT-2's Conv1D does (the group
+reads its transpose). A user of any other kind would need the whole reduced gradient first. The node goes where the first
 linear was; a later linear's weight that is computed after that point (a cast to the compute
 dtype at its use) is moved before it when it depends on no linear of the group and has no
 side effects; otherwise the entry is left as it was. The ledger is unchanged: the entry's
@@ -35,9 +36,12 @@ from torch import fx
 
 from meshplan.runtime.linears import Linears
 
+from ..graph import shape
 from ..meta import MODULE, REQUIRES_GRAD, STAGE, collective
 from . import Context, Pass
 from .checkpoint import region_modules
+
+aten = torch.ops.aten
 
 TARGET = "linears"  # the submodule every grouped node calls (stateless: one per graph)
 ENTRIES = ("copy_to", "all_gather")  # kinds whose backward reduces the input gradient
@@ -67,16 +71,26 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
         return False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     users = sorted(entry.users, key=order.__getitem__)
-    if not users or not all(_reads_as_input(u, entry) for u in users):
+    found = [_weight_and_bias(u, entry) for u in users]
+    if not users or any(f is None for f in found):
         return False
     if len({u.meta.get(STAGE) for u in users}) > 1:
         return False
     first = users[0]
-    params = [a for u in users for a in (u.args[1], _bias(u))]
-    if not _hoist([a for a in params if isinstance(a, fx.Node)], first, set(users), order):
+    sides = [f for f in found if f is not None]
+    needed = [n for w, b, _ in sides for n in (w, b) if isinstance(n, fx.Node)]
+    if not _hoist(needed, first, set(users), order):
         return False
     graph = gm.graph
+    params: list[fx.Node | None] = []
     with graph.inserting_before(first):
+        for w, b, stored_in_out in sides:
+            if stored_in_out:  # (in, out), as GPT-2's Conv1D keeps it: its transpose is the weight
+                stored = w.meta.get("val")
+                w = graph.call_function(aten.t.default, (w,))
+                if stored is not None:
+                    w.meta["val"] = stored.t()
+            params += [w, b]
         node = graph.call_module(TARGET, (entry, *params))
     node.meta["val"] = tuple(u.meta.get("val") for u in users)
     node.meta[MODULE] = _common_path([u.meta.get(MODULE, "") for u in users])
@@ -91,15 +105,27 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
     return True
 
 
-def _reads_as_input(user: fx.Node, entry: fx.Node) -> bool:
-    """`aten.linear(entry, weight[, bias])` with `entry` only as the input."""
-    if user.op != "call_function" or user.target != torch.ops.aten.linear.default or user.kwargs:
-        return False
-    return user.args[0] is entry and all(a is not entry for a in user.args[1:])
-
-
-def _bias(linear: fx.Node) -> fx.Node | None:
-    return linear.args[2] if len(linear.args) > 2 else None  # type: ignore[return-value]
+def _weight_and_bias(user: fx.Node, entry: fx.Node) -> tuple[fx.Node, fx.Node | None, bool] | None:
+    """(weight, bias, whether the weight is stored (in, out)) of a user computing a linear layer
+    of `entry`: `aten.linear(entry, w[, b])` (w: (out, in)), or `aten.addmm(b, entry, w)` and
+    `aten.mm(entry, w)` (w: (in, out), GPT-2's Conv1D on the flattened tokens); None for any
+    other user, or one reading `entry` as something else too."""
+    args = user.args
+    if user.op != "call_function" or user.kwargs:
+        return None
+    if user.target == aten.linear.default and args[0] is entry:
+        w, b, stored_in_out = args[1], args[2] if len(args) > 2 else None, False
+    elif user.target == aten.addmm.default and len(args) == 3 and args[1] is entry:
+        w, b, stored_in_out = args[2], args[0], True
+        if not isinstance(b, fx.Node) or len(shape(b)) != 1:  # a bias per output feature only
+            return None
+    elif user.target == aten.mm.default and args[0] is entry:
+        w, b, stored_in_out = args[1], None, True
+    else:
+        return None
+    if not isinstance(w, fx.Node) or w is entry or b is entry:
+        return None
+    return w, b, stored_in_out  # type: ignore[return-value]
 
 
 def _in_blocks(entry: fx.Node) -> bool:

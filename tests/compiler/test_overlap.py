@@ -119,3 +119,25 @@ def test_an_entry_read_by_anything_but_linears_is_left_alone():
     g.erase_node(w2)
     gm.add_submodule(overlap.TARGET, torch.nn.Module())
     assert overlap.group_linears(gm, entry)
+
+
+def test_gpt2_conv1d_layers_are_grouped_through_their_transpose():
+    """Hugging Face GPT-2 computes its Conv1D as `addmm(bias, x, w)` with w stored (in, out): the
+    group reads `t(w)`, so c_attn and c_fc overlap their reductions too (parity: verify on GPT-2)."""
+    from pathlib import Path
+
+    from plans import GPT2_TP
+
+    from meshplan.compiler.capture import load_model
+
+    factory = Path(__file__).parent / "hf_factories.py"
+    source = load_model(f"{factory}:hf_gpt2")
+    c = compile_plan(check_text(GPT2_TP, path="gpt2.plan", world_size=2), source, world_size=2)
+    layers = source.model.config.n_layer
+    assert groups(c.graph) == [("copy_to", 1)] * (2 * layers + 1)  # c_attn, c_fc per block; lm_head
+    transposes = [
+        n
+        for n in c.graph.graph.nodes
+        if n.target == torch.ops.aten.t.default and any(u.target == overlap.TARGET for u in n.users)
+    ]
+    assert len(transposes) == 2 * layers  # the Conv1D weights; the LM head is an nn.Linear

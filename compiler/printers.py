@@ -66,6 +66,12 @@ def explain(compiled: Compiled) -> str:
     for row in compiled.ledger.rows:
         if row.rule:
             by_rule_line[int(row.rule.rsplit(":", 1)[1])].append(row)
+    issued_early = {  # entries whose backward reduction a `linears` group issues early
+        n.name
+        for gm in (compiled.graph, *(region for _, region in region_modules(compiled.graph)))
+        for n in gm.graph.nodes
+        if any(u.op == "call_module" and u.target == overlap.TARGET for u in n.users)
+    }
     lines = [
         f"{plan.path}: mesh "
         + " x ".join(f"{n}={s}" for n, s in zip(compiled.layout.names, compiled.layout.sizes, strict=True))
@@ -95,6 +101,12 @@ def explain(compiled: Compiled) -> str:
                 counts[(r.phase, r.op)] += r.count
             summary = ", ".join(f"{n} {op} {phase}" for (phase, op), n in sorted(counts.items()))
             lines.append(f"    collectives per step: {summary}")
+            early = sum(r.count for r in rows if r.phase == "backward" and r.node in issued_early)
+            if early:
+                lines.append(
+                    f"    issued early: {early} backward, each overlapping the weight gradients of the "
+                    "linears that read it"
+                )
         if rule.kind == "context":
             lines += _context_lines(compiled, rule)
         lines.append("")

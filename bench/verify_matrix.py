@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests/compiler"
-sys.path.insert(0, str(TESTS))
+TESTS = ROOT / "tests/compiler"  # the model factories
+sys.path.insert(0, str(ROOT / "tests"))  # the plans
 
-from tp_plans import (  # noqa: E402
+from plans import (  # noqa: E402
     BERT_RULES,
     BERT_SEQUENCE,
     DTENSOR_RULES,

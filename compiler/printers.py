@@ -531,10 +531,10 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         elif info:
             notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
             if any(u.op == "call_module" and u.target == overlap.TARGET for u in node.users):
-                notes[node.name] += f"; backward waits for the {_BACKWARD_OP[info['kind']]} issued below"
+                notes[node.name] += f"; backward waits for the {overlap.ENTRIES[info['kind']]} issued below"
         elif node.op == "call_module" and node.target == overlap.TARGET:
             entry = node.args[0]
-            op = _BACKWARD_OP[collective(entry)["kind"]]  # type: ignore[index,union-attr]
+            op = overlap.ENTRIES[collective(entry)["kind"]]  # type: ignore[index,union-attr]
             n = len(node.meta["val"])
             notes[node.name] = (
                 f"  # {n} linear{'s' if n > 1 else ''} on {entry}: backward issues its {op} "
@@ -547,9 +547,6 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         m = re.match(r"\s+(\w+) = ", line)
         body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
     return "\n".join(body)
-
-
-_BACKWARD_OP = {"copy_to": "all_reduce", "all_gather": "reduce_scatter"}  # the entries `overlap` groups
 
 
 def _where(info: dict) -> str:

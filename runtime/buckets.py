@@ -10,7 +10,7 @@ construction (tests compare them with what was issued).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,12 @@ from torch import Tensor, nn
 def decays(name: str, param: nn.Parameter) -> bool:
     """Whether AdamW decays `param`: not 1-D ones (norm weights, biases), as is usual for transformers."""
     return param.dim() >= 2
+
+
+def fusable(params: Iterable[Tensor]) -> bool:
+    """Whether AdamW's fused kernel takes these parameters: floating point, on a CPU or a GPU
+    (`make_optimizer` and ZeRO's AdamW use it then: one kernel instead of a dozen ops each)."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def dp_buckets(

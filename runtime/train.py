@@ -71,7 +71,7 @@ from torch import Tensor, nn
 
 from . import checkpoint, watchdog
 from .axes import Axes
-from .buckets import decays
+from .buckets import decays, fusable
 from .collectives import label_collectives
 from .expert_zero import ExpertZero
 from .grad_sync import GradSync, Local
@@ -159,11 +159,6 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
         betas=config.betas,
         fused=fusable([p for _, p in named]),
     )
-
-
-def fusable(params: Iterable[Tensor]) -> bool:
-    """Whether AdamW's fused kernel takes these parameters: floating point, on a CPU or a GPU."""
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor:

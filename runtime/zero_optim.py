@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .buckets import fusable
 from .zero_flats import Flat
 
 _OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -69,7 +70,7 @@ class ShardedAdamW:
             betas=betas,
             weight_decay=weight_decay,
             eps=eps,
-            fused=True,  # fp32 masters on a CPU or a GPU: one kernel per flat (`train.make_optimizer`)
+            fused=fusable(self.masters),  # one kernel per flat, as `train.make_optimizer`
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
             self.optimizer.state[m] = {

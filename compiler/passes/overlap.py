@@ -44,7 +44,8 @@ from .checkpoint import region_modules
 aten = torch.ops.aten
 
 TARGET = "linears"  # the submodule every grouped node calls (stateless: one per graph)
-ENTRIES = ("copy_to", "all_gather")  # kinds whose backward reduces the input gradient
+# entry kinds whose backward reduces the input gradient -> that reduction
+ENTRIES = {"copy_to": "all_reduce", "all_gather": "reduce_scatter"}
 # Zero-bubble schedules split each backward at the nodes where weights join the input path
 # (`runtime/split_backward.py`): a group would be such a node, computing every gradient twice.
 SPLIT_BACKWARD = ("zero_bubble", "zbv")

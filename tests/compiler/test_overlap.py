@@ -11,6 +11,7 @@ import operator
 
 import pytest
 import torch
+from plans import GPT2_TP, llama_rules, llama_sequence, plan
 from torch import fx
 
 from meshplan.compiler.capture import ModelSource
@@ -22,21 +23,11 @@ from meshplan.compiler.printers import annotated_code
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
 
-RULES = """
-modules {{
-    layers.*.self_attn.{{q,k,v}}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{{gate,up}}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    embed_tokens:                    vocab over tp
-    lm_head:                         vocab over tp
-{extra}}}
-"""
-SP = "    layers.*.{input,post_attention}_layernorm: sequence over tp\n    norm: sequence over tp\n"
+BF16 = "\nprecision {\n    compute = bf16\n}\n"
 
 
 def compiled(extra: str = "", tail: str = ""):
-    text = "mesh tp=2\n" + RULES.format(extra=extra) + tail
+    text = plan(llama_rules() + extra, extra=tail)
     source = ModelSource("llama", llama.build(), llama.example_inputs(), {})
     return compile_plan(check_text(text, path="case.plan", world_size=2), source, world_size=2)
 
@@ -70,9 +61,9 @@ PER_LAYER = [3, 2]  # q, k, v; gate, up
     "extra, tail, kind",
     [
         ("", "", "copy_to"),
-        (SP, "", "all_gather"),
+        (llama_sequence(), "", "all_gather"),
         # bf16: each weight is cast at its use, after the first linear; the casts move up
-        ("", "\nprecision {\n    compute = bf16\n}\n", "copy_to"),
+        ("", BF16, "copy_to"),
         # checkpointed layers: grouped inside each region, recomputed with it
         ("    layers.*: checkpoint\n", "", "copy_to"),
     ],
@@ -85,7 +76,7 @@ def test_the_column_linears_of_each_entry_are_one_node(extra, tail, kind):
     assert sorted(groups(c.graph)) == sorted(want)
     assert ungrouped_linears_on_entries(c.graph) == []
     code = annotated_code(c)
-    op = {"copy_to": "all_reduce", "all_gather": "reduce_scatter"}[kind]
+    op = overlap.ENTRIES[kind]
     assert code.count(f"backward waits for the {op} issued below") == 2 * layers + 1
     assert f"3 linears on {kind}_tp" in code and f"backward issues its {op} of the input gradient" in code
 
@@ -125,8 +116,6 @@ def test_gpt2_conv1d_layers_are_grouped_through_their_transpose():
     """Hugging Face GPT-2 computes its Conv1D as `addmm(bias, x, w)` with w stored (in, out): the
     group reads `t(w)`, so c_attn and c_fc overlap their reductions too (parity: verify on GPT-2)."""
     from pathlib import Path
-
-    from plans import GPT2_TP
 
     from meshplan.compiler.capture import load_model
 

@@ -14,7 +14,10 @@ scaling):
 - **reference**: the unpartitioned model in float64 (complex tensors in complex128); under an
   experts rule with a `capacity_factor`, its experts drop the pairs that rule drops
   (`capacity_applied`: the routing weights of the pairs over capacity multiplied by 0), and
-  with a `z_loss` its routers' z-losses are added to its loss (`z_loss_applied`);
+  with a `z_loss` its routers' z-losses are added to its loss (`z_loss_applied`). A list of
+  experts with a capacity hands each expert its rows in the model's own loop, where nothing
+  says which pair a row is: the reference is then the plan's one-device program (below)
+  compiled from the float64 model, whose experts unit drops them;
 - **yardstick**: the unpartitioned model as the plan computes it on one device (fp32 master
   weights, the plan's precision policy and nothing else): rounding alone.
 
@@ -243,13 +246,13 @@ def _eager_loss(model, source, dtype=None) -> Callable:
     return loss_of
 
 
-def _one_device_program(plan, source):
-    """The plan's precision policy alone, compiled for one rank: the unpartitioned model as the
-    plan computes it. Returns (program, loss_of)."""
+def _one_device_program(plan, source, precision: bool = True):
+    """The plan's precision policy alone (`precision=False`: not even that), compiled for one
+    rank: the unpartitioned model as the plan computes it. Returns (program, loss_of)."""
     from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.graph import find_loss
-    from meshplan.compiler.passes.experts import expert_modules
+    from meshplan.compiler.passes.experts import capacity_factor, expert_modules
     from meshplan.compiler.passes.router_loss import z_loss_of
     from meshplan.dsl.check import MeshSpec
     from meshplan.runtime.expert_list import stacked_lists
@@ -259,15 +262,17 @@ def _one_device_program(plan, source):
     # experts rules stay: over one rank their unit runs the model's experts module whole, which
     # export may not capture itself (Mixtral's eager loop); not for a list of experts, whose
     # parent's loop export captured: without the rule the yardstick is that loop, not the unit
-    # (unless the rule adds a z-loss, which the yardstick must add too)
+    # (unless the rule adds a z-loss or drops pairs, which the yardstick must do too)
     lists = set(stacked_lists(source.model))
     governed = expert_modules(plan, source.model)
     experts = tuple(
         r
         for r in plan.rules_of("experts")
-        if z_loss_of(r) is not None or not {p for p, w in governed.items() if w is r} <= lists
+        if z_loss_of(r) is not None
+        or capacity_factor(r) is not None
+        or not {p for p, w in governed.items() if w is r} <= lists
     )
-    rules = plan.rules_of("dtype") + experts
+    rules = (plan.rules_of("dtype") if precision else ()) + experts
     alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
     compiled = compile_plan(alone, source, world_size=1, dynamic=False)  # it runs the job's one shape
     program = build_rank_program(compiled, source.model, 0)
@@ -379,7 +384,7 @@ def verify(
     from meshplan.compiler.capture import load_function, load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
-    from meshplan.compiler.passes.experts import capacity_applied
+    from meshplan.compiler.passes.experts import capacity_applied, capacity_lists
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.compiler.passes.router_loss import z_loss_applied, z_loss_units
     from meshplan.dsl import load_plan
@@ -463,15 +468,26 @@ def verify(
         try:
             # the model as the plan's capacity rules make it drop (the yardstick's unit drops
             # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them
-            eager = _eager_loss(float64, source, torch.float64)
-            own = load_function(between_steps, "--between-steps") if between_steps else None
-            with capacity_applied(plan, float64), z_loss_applied(z_loss_units(compiled.graph), float64) as z:
-                reference = one_device(
-                    float64,
-                    lambda ids, labels: eager(ids, labels) + z(),
-                    "reference",
-                    (lambda: own(float64)) if own is not None else None,
+            if capacity_lists(plan, source.model):  # which pair a row is: the unit's graph knows
+                ref_program, ref_loss = _one_device_program(plan, replace(source, model=float64), False)
+                hook = (
+                    between_steps_hook(between_steps, ref_program, float64, Axes()) if between_steps else None
                 )
+                reference = one_device(ref_program, ref_loss, "reference", hook)
+                _fill_tied(reference.weights, source.model)
+            else:
+                eager = _eager_loss(float64, source, torch.float64)
+                own = load_function(between_steps, "--between-steps") if between_steps else None
+                with (
+                    capacity_applied(plan, float64),
+                    z_loss_applied(z_loss_units(compiled.graph), float64) as z,
+                ):
+                    reference = one_device(
+                        float64,
+                        lambda ids, labels: eager(ids, labels) + z(),
+                        "reference",
+                        (lambda: own(float64)) if own is not None else None,
+                    )
             why_not = ""
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]

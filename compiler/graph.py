@@ -353,7 +353,11 @@ def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> 
 
     if isinstance(template, ExpertParallel):  # over an axis or a group of axes (`dp x tp`)
         assert model is not None, "an experts unit runs the model's experts module"
-        return template.bind(axis_group(mesh, template.axis) if mesh is not None else None, model)
+        if mesh is None:
+            return template.bind(None, model)
+        shared = template.shared_axis()  # the subgroup whose ranks share the tokens, if any
+        share = axis_group(mesh, shared) if shared and shared != template.axis else None
+        return template.bind(axis_group(mesh, template.axis), model, share)
     if isinstance(template, AxisCollective):
         group = mesh.get_group(template.axis) if mesh is not None else None
         return type(template)(group, template.axis, balanced=template.balanced)

@@ -276,7 +276,10 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     if factor is None:
         pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
     else:
-        routed = held[0] * (layout.size(axis) if info.get("shared") else 1)  # the tokens it queues
+        shared = info.get("shared")
+        if shared is True:  # (a program compiled before groups of axes: the unit's own axis)
+            shared = axis
+        routed = held[0] * (layout.size(shared) if shared else 1)  # the tokens it queues
         pairs = (experts * expert_capacity(routed, k, experts, factor), *held[1:])  # (E C, H)
     nbytes = math.prod(pairs) * value(tokens).element_size()
     n = layout.size(axis)
@@ -295,10 +298,11 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
     forward = [row("forward", pairs, nbytes, 2)]
     if factor is None:  # dropless: the sizes follow the counts
         forward.insert(0, row("forward", (experts,), 8 * experts, 1))
-    elif info.get("shared"):  # the routing of the tokens its ranks share, N k int64 from each
+    elif shared:  # the routing of the tokens its ranks share, N k int64 from each
         sent = int(held[0]) * int(k) * 8  # (a capacity needs the example's sizes: they are concrete)
+        m = layout.size(shared)
         gathered = LedgerRow(
-            node.name, "experts", "all_gather", "forward", axis, (n, held[0], k), sent, 1, n, where
+            node.name, "experts", "all_gather", "forward", shared, (m, held[0], k), sent, 1, m, where
         )
         forward.insert(0, gathered)
     rows = [*forward, row("backward", pairs, nbytes, 2)]

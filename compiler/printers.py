@@ -302,7 +302,7 @@ def _expert_lines(compiled: Compiled) -> list[str]:
             if gathers:
                 lines.append(
                     f"    all_gather per unit and step: {gathers[0].bytes:,} B forward (the routing of every "
-                    f"rank of `{info['axis']}`: their pairs queue as one device's)"
+                    f"rank of `{gathers[0].axis}`: their pairs queue as one device's)"
                 )
     return [*lines, ""]
 

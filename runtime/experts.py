@@ -30,7 +30,8 @@ per routing group: the tokens this call routes, i.e. this rank's share of the mi
 `expert_capacity`). Experts borrowing a tensor axis (`experts over tp`) route rows of tokens
 the axis's ranks share: their routing group is all of those tokens, so each rank gathers the
 others' top_k_index (N k ints) and queues the pairs in the tokens' order (`_shared_positions`),
-as one device routing them would. Which pairs it keeps is fixed by the routing alone (`expert_positions`):
+as one device routing them would. Over a group of axes (`experts over dp x tp`) that gather
+is over the borrowed axis's ranks alone (`share_group`): dp's ranks route other batches. Which pairs it keeps is fixed by the routing alone (`expert_positions`):
 pairs rank by slot, then by token, so every token's first choice comes before any token's
 second (GShard's and DeepSpeed's top-2 order), and an expert keeps its first `C`. A dropped
 pair adds nothing to its token's output (its expert output counts as zero), so its routing
@@ -71,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import watchdog
 from .collectives import AxisCollective
 
 # attributes a module or its config counts its experts in (Mixtral's `num_experts`, DeepSeek's...)
@@ -174,6 +176,7 @@ class ExpertParallel(AxisCollective):
         splits_batch: bool = True,
         batch_ranks: int | None = None,
         token_chunks: int = 1,
+        shared: str = "",
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -188,6 +191,10 @@ class ExpertParallel(AxisCollective):
         # borrowing a tensor axis: this rank's rows of the tokens its ranks share are this many
         # chunks of them, in order (a capacity counts all of them, `_shared_positions`)
         self.token_chunks = token_chunks
+        # of the unit's axes, the one whose ranks share the tokens ("": none); over a group of
+        # axes (`dp x tp`) its ranks are a subgroup, `share_group`, bound with the unit's group
+        self.shared = shared
+        self.share_group = group
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -202,9 +209,12 @@ class ExpertParallel(AxisCollective):
             batch = f", batch_ranks={self.batch_ranks}"
         return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}{batch}"
 
-    def bind(self, group: dist.ProcessGroup | None, model: nn.Module) -> ExpertParallel:
-        """This rank's instance: its process group, and the model's experts module as the
-        `num_experts / n` local experts it computes."""
+    def bind(
+        self, group: dist.ProcessGroup | None, model: nn.Module, share_group: dist.ProcessGroup | None = None
+    ) -> ExpertParallel:
+        """This rank's instance: its process group (and, over a group of axes, the subgroup of
+        the axis whose ranks share the tokens: `share_group`; else the group itself), and the
+        model's experts module as the `num_experts / n` local experts it computes."""
         n = dist.get_world_size(group) if group is not None else 1
         bound = ExpertParallel(
             group if n > 1 else None,  # one rank: nothing to send
@@ -217,9 +227,19 @@ class ExpertParallel(AxisCollective):
             splits_batch=getattr(self, "splits_batch", True),
             batch_ranks=getattr(self, "batch_ranks", None),  # (programs saved before groups of axes)
             token_chunks=getattr(self, "token_chunks", 1),
+            shared=self.shared_axis(),
         )
+        if share_group is not None and n > 1:
+            bound.share_group = share_group
         bound.__dict__["_local"] = local_experts(model.get_submodule(self.path), self.num_experts // n)
         return bound
+
+    def shared_axis(self) -> str:
+        """The axis whose ranks share the tokens ("": every rank routes its own)."""
+        shared = getattr(self, "shared", None)
+        if shared is None:  # a program saved before groups of axes: the unit's axis, or none
+            return "" if getattr(self, "splits_batch", True) else self.axis
+        return shared
 
     @property
     def local(self) -> nn.Module:
@@ -274,12 +294,14 @@ class ExpertParallel(AxisCollective):
         n = dist.get_world_size(self.group) if self.group is not None else 1
         experts, local = self.num_experts, self.num_experts // n
         num_tokens, k = top_k_index.shape
-        if getattr(self, "splits_batch", True) or self.group is None:  # this rank's tokens are its own
+        share = self.share_group if self.shared_axis() and self.group is not None else None
+        if share is None:  # this rank's tokens are its own
             capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
             place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
         else:  # the axis's ranks share the tokens: queues over all of them, as one device routes them
-            capacity = expert_capacity(num_tokens * n, k, experts, self.capacity_factor)
-            place = self._shared_positions(top_k_index)
+            sharing = dist.get_world_size(share)
+            capacity = expert_capacity(num_tokens * sharing, k, experts, self.capacity_factor)
+            place = self._shared_positions(top_k_index, share)
         kept = place < capacity  # (N, k)
         if _counting():
             self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=experts).cpu()
@@ -300,22 +322,22 @@ class ExpertParallel(AxisCollective):
         pairs = padded[torch.where(kept, slot, experts * capacity)]  # (N, k, H)
         return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
 
-    def _shared_positions(self, top_k_index: Tensor) -> Tensor:
+    def _shared_positions(self, top_k_index: Tensor, share: dist.ProcessGroup) -> Tensor:
         """(N, k) each of this rank's pairs' place in its expert's queue over the tokens the
-        axis's ranks share (experts borrowing a tensor axis): every rank's routing gathered
-        (N k ints each) and put in the tokens' order, where each rank's rows are `token_chunks`
-        chunks (chunk c of rank r is the shared tokens' chunk c n + r), then queued as one
-        device queues them (`expert_positions`)."""
-        n = dist.get_world_size(self.group)
+        ranks of `share` hold between them (experts borrowing a tensor axis): every rank's
+        routing gathered (N k ints each) and put in the tokens' order, where each rank's rows
+        are `token_chunks` chunks (chunk c of rank r is the shared tokens' chunk c n + r), then
+        queued as one device queues them (`expert_positions`)."""
+        n = dist.get_world_size(share)
         num_tokens, k = top_k_index.shape
         gathered = top_k_index.new_empty((n * num_tokens, k))  # rank r's at rows [r N, (r+1) N)
-        self.note("all_gather", "routing")
+        watchdog.note("all_gather", self.shared_axis(), f"{self.label} routing".strip(), share)
         self.sent_bytes += top_k_index.numel() * top_k_index.element_size()
-        dist.all_gather_into_tensor(gathered, top_k_index.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(gathered, top_k_index.contiguous(), group=share)
         chunks = getattr(self, "token_chunks", 1)
         ordered = gathered.view(n, chunks, num_tokens // chunks, k).transpose(0, 1).reshape(-1, k)
         place = expert_positions(ordered, self.num_experts).view(chunks, n, num_tokens // chunks, k)
-        return place[:, dist.get_rank(self.group)].reshape(num_tokens, k)
+        return place[:, dist.get_rank(share)].reshape(num_tokens, k)
 
     def _experts(self, tokens: Tensor, local_index: Tensor, ones: Tensor, params, n: int) -> Tensor:
         """The model's experts module on rows `tokens` (M, H), row i through local expert

@@ -28,6 +28,21 @@ How many rows the experts get follows the routing, so the graph cannot say; the 
 `topk` (or `argmax`) can: the ledger's all-to-all bytes use its (token, slot) pairs, recorded
 here (`ROUTING`: the example's count, and k for `check`'s `top_k`).
 
+With a capacity (`experts over ep (capacity_factor=1.25)`), an expert keeps the first C of
+its rows in the unit's queue (`runtime/experts.py`), which must be the policy's order: every
+token's first choice before any token's second, then by token, whatever order the model's
+loop hands the rows in (`torch.where(index == e)` gives them by token; Mistral's reference
+code by slot). So each row's (token, slot) is recovered from the graph: its token from the
+index the model took it by (`tokens[token]`), its slot from the routing's top-k (the slot
+of that token that chose this expert); the joined rows are sorted by (expert, slot, token)
+before the unit and put back after it:
+
+    key = expert << 50 | slot << 40 | token;  order = argsort(key)
+    y = meshplan.experts(rows[order], index[order], ones, [...], path)[argsort(order)]
+
+A list whose rows are not taken from the routed tokens by an index, or whose routing shows
+no top-k, cannot say which pairs to drop: a located error.
+
 Requires: a graph captured under `experts_as_units`. Ensures: no `meshplan.expert_rows` node
 is left; each list's calls are one `meshplan.experts` node.
 """
@@ -36,10 +51,12 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 from torch import fx
 
+from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
@@ -47,7 +64,7 @@ from meshplan.runtime.expert_list import ExpertList
 from ..graph import arg_node, hint, shape
 from ..meta import MODULE, REQUIRES_GRAD, ROUTING, Routing
 from . import Context, Pass
-from .experts import MARKER, ROWS_MARKER, expert_modules
+from .experts import MARKER, ROWS_MARKER, capacity_factor, expert_modules
 
 aten = torch.ops.aten
 
@@ -65,7 +82,15 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         if why is not None:
             ctx.diagnostics.append(_error(rules[path], path, why))
             continue
-        if not _join(gm.graph, sorted(nodes, key=lambda n: int(n.args[3]))):  # type: ignore[arg-type]
+        ordered = sorted(nodes, key=lambda n: int(n.args[3]))  # type: ignore[arg-type]
+        queue: Queue | None = None
+        if capacity_factor(rules[path]) is not None:  # the rows in the queue's order: (token, slot)
+            found = _queue(ordered)
+            if isinstance(found, str):
+                ctx.diagnostics.append(_capacity_error(rules[path], path, found))
+                continue
+            queue = found
+        if not _join(gm.graph, ordered, queue):
             ctx.diagnostics.append(
                 Diagnostic(
                     rules[path].pattern_span,
@@ -113,9 +138,61 @@ def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _join(graph: fx.Graph, calls: list[fx.Node]) -> bool:
-    """Replace the list's E calls (in expert order) by one experts unit on all their rows.
-    Returns whether the routing that makes the rows was found (`ROUTING`)."""
+class Queue(NamedTuple):
+    """What orders a list's rows as a capacity queues them: each expert's row -> token index
+    (`tokens[token]`), and the routing's (N, k) top-k indices (None: one slot, an argmax)."""
+
+    tokens: list[fx.Node]
+    top_k_index: fx.Node | None
+
+
+def _queue(calls: list[fx.Node]) -> Queue | str:
+    """The `Queue` of a list's calls (in expert order), or why the graph does not show it."""
+    routing = _routing([arg_node(n, 0) for n in calls])
+    if routing is None:
+        return "its parent routes its tokens with no top-k the graph shows"
+    index = routing["index"]
+    routed = shape(index)[0] if index is not None else None
+    tokens = []
+    for call in calls:
+        token = _token_index(arg_node(call, 0))
+        if (
+            token is None
+            or len(shape(token)) != 1
+            or token.meta["val"].dtype not in (torch.int64, torch.int32)
+        ):
+            return (
+                f"the rows of expert {call.args[3]} are not taken from the routed tokens by an index "
+                "(`tokens[token]`), so which (token, slot) pair each row is cannot be known"
+            )
+        source = arg_node(_unviewed(arg_node(call, 0)), 0)
+        if routed is not None and hint(shape(source)[0]) != hint(routed):
+            return f"the rows of expert {call.args[3]} are taken from a tensor other than the routed tokens"
+        tokens.append(token)
+    return Queue(tokens, index)
+
+
+def _unviewed(node: fx.Node) -> fx.Node:
+    while node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        node = arg_node(node, 0)
+    return node
+
+
+def _token_index(rows: fx.Node) -> fx.Node | None:
+    """The 1-D index `rows` were taken by from the routed tokens: `tokens[token]`
+    (`aten.index.Tensor(tokens, [token])`) or `tokens.index_select(0, token)`, through views."""
+    node = _unviewed(rows)
+    if node.target is aten.index.Tensor and len(node.args[1]) == 1:  # type: ignore[arg-type]
+        return node.args[1][0]  # type: ignore[index,return-value]
+    if node.target is aten.index_select.default and node.args[1] == 0:
+        return arg_node(node, 2)
+    return None
+
+
+def _join(graph: fx.Graph, calls: list[fx.Node], queue: Queue | None) -> bool:
+    """Replace the list's E calls (in expert order) by one experts unit on all their rows, in
+    a capacity's queue order if `queue` says it. Returns whether the routing that makes the
+    rows was found (`ROUTING`)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     first = min(calls, key=position.__getitem__)
     after = _descendants(calls)
@@ -150,7 +227,19 @@ def _join(graph: fx.Graph, calls: list[fx.Node]) -> bool:
         ones = add(
             aten.new_ones.default, (tokens, [count, 1]), tokens.meta["val"].new_ones((count.meta["val"], 1))
         )
-        out = add(MARKER, (tokens, index, ones, params, path), torch.empty_like(tokens.meta["val"]))
+        if queue is None:
+            out = unit = add(
+                MARKER, (tokens, index, ones, params, path), torch.empty_like(tokens.meta["val"])
+            )
+        else:
+            order = _queue_order(add, index, queue)
+            apply = [
+                add(aten.index.Tensor, (t, [order]), t.meta["val"][order.meta["val"]])
+                for t in (tokens, index)
+            ]
+            unit = add(MARKER, (*apply, ones, params, path), torch.empty_like(apply[0].meta["val"]))
+            back = add(aten.argsort.default, (order,), order.meta["val"].argsort())
+            out = add(aten.index.Tensor, (unit, [back]), unit.meta["val"][back.meta["val"]])
         split = add(
             aten.split_with_sizes.default,
             (out, sizes),
@@ -161,10 +250,30 @@ def _join(graph: fx.Graph, calls: list[fx.Node]) -> bool:
             call.replace_all_uses_with(piece)
     routing = _routing(rows)
     if routing is not None:
-        out.meta[ROUTING] = routing
+        unit.meta[ROUTING] = routing
     for call in calls:
         graph.erase_node(call)
     return routing is not None
+
+
+def _queue_order(add, index: fx.Node, queue: Queue) -> fx.Node:
+    """(R,) the joined rows' order in a capacity's queues: by expert, then slot, then token
+    (key `expert << 50 | slot << 40 | token`, a call routing under 2^40 tokens to k < 2^10)."""
+    val = {n: n.meta["val"] for n in [index, *queue.tokens]}
+    token = add(aten.cat.default, (queue.tokens,), torch.cat([val[t] for t in queue.tokens]))  # (R,)
+    expert = add(aten.view.default, (index, [-1]), val[index].view(-1))  # (R,)
+    key = add(aten.mul.Tensor, (expert, 1 << 50), expert.meta["val"] * (1 << 50))
+    if queue.top_k_index is not None:
+        chosen = add(
+            aten.index.Tensor, (queue.top_k_index, [token]), queue.top_k_index.meta["val"][token.meta["val"]]
+        )  # (R, k) each row's token's experts
+        mine = add(aten.eq.Tensor, (chosen, index), chosen.meta["val"] == val[index])  # (R, k): one True
+        mine = add(aten.to.dtype, (mine, torch.int64), mine.meta["val"].to(torch.int64))
+        slot = add(aten.argmax.default, (mine, -1), mine.meta["val"].argmax(-1))  # (R,)
+        shifted = add(aten.mul.Tensor, (slot, 1 << 40), slot.meta["val"] * (1 << 40))
+        key = add(aten.add.Tensor, (key, shifted), key.meta["val"] + shifted.meta["val"])
+    key = add(aten.add.Tensor, (key, token), key.meta["val"] + token.meta["val"])
+    return add(aten.argsort.default, (key,), key.meta["val"].argsort())
 
 
 def _from(node: fx.Node) -> list[fx.Node]:
@@ -197,6 +306,17 @@ def _routing(rows: list[fx.Node]) -> Routing | None:
                 seen.add(arg)
                 todo.append(arg)
     return None
+
+
+def _capacity_error(rule: PlanRule, path: str, why: str) -> Diagnostic:
+    assert isinstance(rule.action, ast.ExpertParallel)
+    arg = next(a for a in rule.action.args if a.name.text == "capacity_factor")
+    return Diagnostic(
+        arg.span,
+        f"expert capacity (`capacity_factor`) for `{path}` needs each row's (token, slot) pair: {why}",
+        hint="take each expert's rows as `tokens[token]` with `token, slot = torch.where(index == e)` "
+        "from a torch.topk routing, or remove `capacity_factor` to train dropless",
+    )
 
 
 def _error(rule: PlanRule, path: str, why: str) -> Diagnostic:

@@ -24,12 +24,12 @@ dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{
 A `capacity_factor` goes to the unit (`ExpertParallel(..., capacity_factor=1.25)`): each
 expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and the rest are
 dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
-unpartitioned model drop the same pairs, for `meshplan verify`'s reference. Experts borrowing
-a tensor axis queue the tokens its ranks share (the unit gathers their routing: `token_chunks`
-says how each rank's rows lie among them); under sequence or context parallelism a unit with
-a capacity gets every token of its call, gathered (`tensor_parallel/experts.py`). Not for a
-group of axes borrowing a tensor axis: its ranks route shares counted over part of the group.
-A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
+unpartitioned model drop the same pairs, for `meshplan verify`'s reference (a list of
+experts queues its rows in the policy's order: `expert_rows.py`). Experts borrowing a tensor
+axis, alone or in a group of axes (`dp x tp`), queue the tokens that axis's ranks share (the
+unit gathers their routing over it, `shared`: `token_chunks` says how each rank's rows lie
+among them); under sequence or context parallelism a unit with a capacity gets every token of
+its call, gathered (`tensor_parallel/experts.py`). A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
 
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
 inputs are whole over every tensor axis: the operator has no sharding rule).
@@ -378,7 +378,6 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         if rule is not None and isinstance(found, str):
             no_logits.setdefault(id(rule), (rule, [], found))[1].append(path)
     ctx.diagnostics += [z_loss_problem(r, _modules_phrase(p), why) for r, p, why in no_logits.values()]
-    ctx.diagnostics += _list_capacities(governed, modules)
     if ctx.failed:
         return gm
     z_losses = []
@@ -416,6 +415,8 @@ def _lower(
     relative = tuple(name.removeprefix(f"{path}.") for name in names)
     factor = capacity_factor(rule)
     group = axes_of(rule.axis)
+    # the axis whose ranks share the tokens (a tensor axis the experts borrow), or ""
+    shared = " x ".join(a for a in group if a not in ctx.plan.batch_axes)
     unit = ExpertParallel(
         None,
         rule.axis,
@@ -423,8 +424,9 @@ def _lower(
         num_experts=count,
         param_names=relative,
         capacity_factor=factor,
-        splits_batch=rule.axis in ctx.plan.batch_axes,
+        splits_batch=all(a in ctx.plan.batch_axes for a in group),
         token_chunks=node.meta.get(TOKEN_CHUNKS, 1),
+        shared=shared,
         # a group of axes: the mean over those of its axes that split the batch
         batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
         if len(group) > 1
@@ -441,8 +443,9 @@ def _lower(
         "rule": rule,
         "experts": count,
         "capacity_factor": factor,
-        # its ranks share the tokens (borrowing a tensor axis): a capacity gathers their routing
-        "shared": rule.axis not in ctx.plan.batch_axes,
+        # the axis whose ranks share the tokens (a tensor axis it borrows): a capacity gathers
+        # their routing
+        "shared": shared,
     }
     if isinstance(module, ExpertList):  # its rows are pairs: as many as its routing makes
         call.meta[COLLECTIVE]["routed_pairs"] = node.meta[ROUTING]["pairs"] if ROUTING in node.meta else None
@@ -463,6 +466,16 @@ def capacity_factor(rule: PlanRule) -> float | None:
     return next((float(a.value) for a in rule.action.args if a.name.text == "capacity_factor"), None)
 
 
+def capacity_lists(plan: Plan, model: nn.Module) -> list[str]:
+    """The lists of experts (`ExpertList`) a rule with a `capacity_factor` governs, by path."""
+    modules = dict(model.named_modules())
+    return [
+        path
+        for path, rule in expert_modules(plan, model).items()
+        if isinstance(modules[path], ExpertList) and capacity_factor(rule) is not None
+    ]
+
+
 @contextlib.contextmanager
 def capacity_applied(plan: Plan, model: nn.Module) -> Iterator[None]:
     """While it lasts, every experts module a rule with a `capacity_factor` governs drops the
@@ -478,8 +491,8 @@ def capacity_applied(plan: Plan, model: nn.Module) -> Iterator[None]:
     for path, rule in expert_modules(plan, model).items():
         factor, module = capacity_factor(rule), modules[path]
         count = num_experts(module, model)
-        if factor is None or count is None:
-            continue
+        if factor is None or count is None or isinstance(module, ExpertList):
+            continue  # (a list's parent hands each expert its rows: verify's reference is its unit)
         signature, forward = inspect.signature(module.forward), module.forward
 
         def dropping(*args, _signature=signature, _forward=forward, _factor=factor, _count=count, **kwargs):
@@ -533,15 +546,14 @@ def _sizes(
         for arg in rule.action.args:
             if arg.name.text == "capacity_factor":
                 shared = [a for a in axes_of(rule.axis) if a not in plan.batch_axes]
-                if shared and len(axes_of(rule.axis)) > 1:
+                if len(shared) > 1:
                     out.append(
                         Diagnostic(
                             arg.span,
-                            f"expert capacity (`capacity_factor`) with a group of axes that borrows the "
-                            f"tensor axis `{shared[0]}` is not lowered yet: its ranks route shares of the "
-                            "tokens, counted over only part of the group",
-                            hint="remove `capacity_factor` to train dropless, or split the experts over "
-                            f"`{shared[0]}` alone",
+                            f"expert capacity (`capacity_factor`) with a group of axes that borrows "
+                            f"two tensor axes (`{shared[0]}`, `{shared[1]}`) is not lowered yet: the "
+                            "tokens they share are cut over both",
+                            hint="remove `capacity_factor` to train dropless, or borrow one tensor axis",
                         )
                     )
                 continue
@@ -576,30 +588,6 @@ def _sizes(
                             severity="warning",
                         )
                     )
-    return out
-
-
-def _list_capacities(governed: dict[str, PlanRule], modules: dict[str, nn.Module]) -> list[Diagnostic]:
-    """A `capacity_factor` on lists of experts: refused (their parent's loop hands each expert
-    its rows; which pairs to drop, and the one-device reference dropping the same, are not
-    lowered for it yet)."""
-    lists: dict[int, tuple[PlanRule, list[str]]] = {}
-    for path, rule in governed.items():
-        if isinstance(modules[path], ExpertList) and capacity_factor(rule) is not None:
-            lists.setdefault(id(rule), (rule, []))[1].append(path)
-    out = []
-    for rule, paths in lists.values():
-        assert isinstance(rule.action, ast.ExpertParallel)
-        arg = next(a for a in rule.action.args if a.name.text == "capacity_factor")
-        out.append(
-            Diagnostic(
-                arg.span,
-                f"expert capacity (`capacity_factor`) for a list of experts ({_modules_phrase(paths)}) is "
-                "not lowered yet: its parent's loop hands each expert its rows, dropless",
-                hint="remove `capacity_factor` to train dropless, or keep the experts stacked in 3-D "
-                "parameters (Hugging Face's layout), where capacities work",
-            )
-        )
     return out
 
 

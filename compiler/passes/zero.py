@@ -64,7 +64,7 @@ from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from ..graph import COLLECTIVE, is_tensor_node, module_path
-from ..meta import MODULE, STAGE, STAGES, stage
+from ..meta import MODULE, PLACEMENT, STAGE, STAGES, stage
 from ..stages import stages_reading
 from . import Context, Pass
 
@@ -433,6 +433,8 @@ def _release(
             anchor.meta[MODULE] = module
             outs.append(anchor)
     for n, out in zip(leaving, outs, strict=True):
+        if PLACEMENT in n.meta:  # the same value, as the ranks hold it (the ledger reads its shards)
+            out.meta[PLACEMENT] = n.meta[PLACEMENT]
         n.replace_all_uses_with(out, delete_user_cb=lambda u: u not in members and u is not release)
 
 

@@ -23,6 +23,7 @@ from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import moe
 from meshplan.examples.models.moe import ListedMoE, SwiGLU
 from meshplan.runtime.expert_list import ExpertList, as_list_state, problem, stacked_lists
+from meshplan.runtime.experts import ExpertParallel
 
 HERE = Path(__file__).resolve().parent
 EP = "mesh ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep\n}\n"
@@ -172,18 +173,108 @@ def test_a_loop_that_skips_idle_experts_names_the_line_that_decides():
     assert caught.value.hint is not None and "`if rows.numel() == 0: continue`" in caught.value.hint
 
 
-def test_a_capacity_for_a_list_of_experts_is_refused():
+class SlotMajor(ListedMoE):
+    """The example's block handing each expert its rows by slot, then token (the order of
+    Mistral's reference loop over a one-hot (E, k, N) mask), where `ListedMoE` hands them by token."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(-1, H)
+        index, weights = self.route(tokens)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(index.t() == e)
+            out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return out.view(B, T, H)
+
+
+class Masked(ListedMoE):
+    """Each expert's rows picked by a boolean mask: no index says which token a row is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(-1, H)
+        index, weights = self.route(tokens)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            chosen = index == e  # (N, k)
+            mask = chosen.any(-1)
+            weight = (weights * chosen).sum(-1)[mask]
+            out = out.index_put((mask,), expert(tokens[mask]) * weight[:, None], accumulate=True)
+        return out.view(B, T, H)
+
+
+def _run_one_rank(model: nn.Module, text: str):
+    """The plan's program at one rank of `ep` (its unit drops as any rank's): the loss, each
+    unit's dropped pairs per expert, the router's gradients."""
+    from meshplan.compiler.capture import bind_inputs
+    from meshplan.compiler.compile import build_rank_program
+    from meshplan.compiler.graph import find_loss
+
+    source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=model)
+    compiled = compile_plan(check_text(text, "p.plan", world_size=1), source, world_size=1)
+    program = build_rank_program(compiled, model, 0)
+    loss = find_loss(program(*bind_inputs(model, compiled.graph, moe.example_inputs(batch=2, seq=16), {})))
+    loss.backward()
+    units = [m for m in program.modules() if isinstance(m, ExpertParallel)]
+    routers = {n: p.grad for n, p in program.named_parameters() if n.endswith("mlp.gate.weight")}
+    return loss.detach(), [u.take_dropped() for u in units], routers
+
+
+@pytest.mark.parametrize("block", [ListedMoE, SlotMajor], ids=["by-token", "by-slot"])
+def test_a_capacity_drops_the_pairs_the_stacked_experts_drop(block):
+    """`capacity_factor=0.75` on a list: whichever order the block hands each expert its rows in,
+    the unit queues them in the policy's (every first choice before any second, then by token,
+    `runtime.experts.expert_positions`), so the pairs dropped, the loss and the router's
+    gradients are those of the same model with its experts stacked (`moe.build`: same weights)."""
+    text = "mesh ep=1\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2, capacity_factor=0.75)\n}\n"
+    listed_model = moe.build_listed()
+    for layer in listed_model.layers:
+        layer.mlp.__class__ = block
+    loss, dropped, routers = _run_one_rank(listed_model, text)
+    stacked_loss, stacked_dropped, stacked_routers = _run_one_rank(moe.build(), text)
+    assert all(d.sum() > 0 for d in dropped)  # 64 pairs, 12 places per expert: some drop
+    assert [d.tolist() for d in dropped] == [d.tolist() for d in stacked_dropped]
+    assert torch.allclose(loss, stacked_loss, rtol=1e-6)
+    for name, grad in routers.items():
+        assert torch.allclose(grad, stacked_routers[name], rtol=1e-5, atol=1e-8), name
+    dropless, _, _ = _run_one_rank(moe.build_listed(), text.replace(", capacity_factor=0.75", ""))
+    assert not torch.allclose(loss, dropless, rtol=1e-6)
+
+
+def test_a_lists_capacity_has_the_stacked_models_traffic():
+    """With a capacity the list's unit sends the stacked model's fixed buffers: 4 experts x
+    ceil(64 pairs x 1.25 / 4) = 20 rows each way, counted from the block's top-k."""
     text = EP.replace("experts over ep", "experts over ep (capacity_factor=1.25)")
+    compiled = compile_plan(_plan(text), load_model(f"{HERE}/expert_layouts.py:listed"), world_size=2)
+    stacked = compile_plan(_plan(text), load_model(f"{moe.__file__}:build"), world_size=2)
+
+    def traffic(c):
+        return sorted((r.phase, r.shape, r.bytes, r.count) for r in c.ledger.rows if r.kind == "experts")
+
+    assert (
+        traffic(compiled)
+        == traffic(stacked)
+        == [("backward", (80, 64), 20480, 2)] * 2 + [("forward", (80, 64), 20480, 2)] * 2
+    )
+
+
+def test_a_capacity_on_a_list_without_token_indices_is_a_located_error():
+    text = EP.replace("experts over ep", "experts over ep (capacity_factor=1.25)")
+    source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=_with(Masked))
     with pytest.raises(PlanError) as caught:
-        compile_plan(_plan(text), load_model(f"{HERE}/expert_layouts.py:listed"), world_size=2)
+        compile_plan(_plan(text), source, world_size=2)
     assert [(d.span.line, d.span.col, d.message) for d in caught.value.errors] == [
         (
             4,
             44,
-            "expert capacity (`capacity_factor`) for a list of experts (`layers.0.mlp.experts` and 1 more "
-            "like it) is not lowered yet: its parent's loop hands each expert its rows, dropless",
+            f"expert capacity (`capacity_factor`) for `layers.{i}.mlp.experts` needs each row's (token, slot) "
+            "pair: the rows of expert 0 are not taken from the routed tokens by an index (`tokens[token]`), "
+            "so which (token, slot) pair each row is cannot be known",
         )
+        for i in (0, 1)
     ]
+    compile_plan(_plan(EP), source, world_size=2)  # dropless, the same block splits
 
 
 TP_INSIDE = """mesh ep=2, tp=2

@@ -464,10 +464,24 @@ def test_experts_may_borrow_the_tensor_axis():
         for r in capacity.ledger.rows
         if r.node == "experts_tp_0" and r.phase == "forward"
     ] == [("all_gather", (2, 16, 2), 256), ("all_to_all", (80, 64), 20480)]
-    group = text.replace("mesh dp=2, tp=2", "mesh dp=2, tp=2").replace(
-        "over tp (top_k=2)", "over dp x tp (top_k=2, capacity_factor=1.25)"
+    # over dp x tp likewise: the routing gathered over tp alone (dp's ranks route other batches)
+    group = _compile(text.replace("over tp (top_k=2)", "over dp x tp (top_k=2, capacity_factor=1.25)"))
+    unit = group.graph.experts_dp_tp_0
+    assert (unit.shared_axis(), unit.splits_batch, unit.batch_ranks) == ("tp", False, 2)
+    assert [
+        (r.op, r.axis, r.shape, r.bytes)
+        for r in group.ledger.rows
+        if r.node == "experts_dp_tp_0" and r.phase == "forward"
+    ] == [("all_gather", "tp", (2, 16, 2), 256), ("all_to_all", "dp x tp", (80, 64), 20480)]
+    two = (
+        "mesh tp=2, tq=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    lm_head: column over tq\n"
+        "    layers.*.mlp.experts: experts over tp x tq (top_k=2, capacity_factor=1.25)\n}\n"
     )
-    assert "with a group of axes that borrows the tensor axis `tp` is not lowered yet" in _errors(group)
+    assert (
+        "p.plan:7:58: error: expert capacity (`capacity_factor`) with a group of axes that borrows two "
+        "tensor axes (`tp`, `tq`) is not lowered yet: the tokens they share are cut over both"
+    ) in _errors(two).splitlines()
 
 
 def test_experts_over_a_group_of_axes():

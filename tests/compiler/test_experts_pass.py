@@ -427,6 +427,29 @@ def test_experts_route_their_own_rows_of_sequence_parallel_tokens():
     assert "layers.0.mlp.experts.gate_up_proj" not in capacity.grad_sums
 
 
+def test_experts_split_whole_tokens_over_a_tensor_axis_instead_of_computing_them_twice():
+    """Attention over tp without sequence parallelism leaves the tokens whole on every tp rank:
+    each rank's unit takes its split of them (half the all-to-all rows), and the output is
+    gathered back whole; the experts' gradients are summed over tp. A list of experts splits its
+    N k rows alike. A token count the tp ranks cannot share equally (15) stays whole."""
+    text = SEQUENCE_AND_EXPERTS.replace("    layers.*.*_layernorm: sequence over tp\n", "").replace(
+        "ARGS", "top_k=2"
+    )
+    for model in (moe.build(), moe.build_listed()):
+        compiled = _compile(text, model)
+        node = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
+        assert str(node.args[0].target) == "split_tp"
+        assert [u.meta[COLLECTIVE]["kind"] for u in node.users] == ["gather_replicated"]
+        forward = [r.shape for r in compiled.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
+        assert forward[-1] == (32, 64)  # 16 of the 32 tokens per rank, top-2
+        assert compiled.grad_sums[next(n for n in compiled.grad_sums if ".0.mlp.experts." in n)] == ("tp",)
+    odd = compile_plan(
+        check_text(text, "p.plan"), ModelSource("m", moe.build(), moe.example_inputs(batch=1, seq=15))
+    )
+    node = next(n for n in odd.graph.graph.nodes if n.target == "experts_ep_0")
+    assert not any(a.op == "call_module" and "split" in str(a.target) for a in node.all_input_nodes)
+
+
 def test_experts_may_borrow_the_tensor_axis():
     """`experts over tp` where tensor rules split attention over tp: each tp rank holds half the
     experts and routes its own rows of the tokens (its sequence shard under sequence

@@ -17,18 +17,20 @@ walk's axis. Three cases, then the default (its inputs gathered, the unit run wh
 
 2. The experts borrow the axis (`experts over tp`): each rank routes its own rows of the
    tokens the axis's ranks share (`_split_over_experts`).
-3. The experts are whole over the axis and the tokens come in cut by rows (sequence or context
-   parallelism): each rank's unit routes its own rows (`_whole_over_the_axis`).
+3. The experts are whole over the axis: each rank's unit routes its own rows, those the tokens
+   come in cut by (sequence or context parallelism) or its split of whole tokens, gathered
+   back after (`_whole_over_the_axis`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from meshplan.dsl.check import PlanRule, axes_of
 
-from ...graph import REQUIRES_GRAD, RULE, arg_node
-from ...meta import TOKEN_CHUNKS
+from ...graph import REQUIRES_GRAD, RULE, arg_node, divides, hint, shape
+from ...meta import ROUTING, TOKEN_CHUNKS
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts import MARKER
 from .walk import Walk, register
@@ -40,11 +42,13 @@ def _whole_over_the_axis(
     """Experts whole over this axis (cases 2 and 3). Tokens cut by rows over it (sequence
     parallelism, a context axis: `Shard(0, blocks)` of the flattened tokens) stay cut: each
     rank's unit routes and computes its own rows, as every rank of a data axis does, and its
-    output is cut alike.
+    output is cut alike. Whole tokens (attention split over tp, no sequence rule) are cut by
+    rows here, and the output gathered back: otherwise every rank of the axis would route,
+    send and compute the same tokens' experts (tp times the work, and the all-to-all bytes).
     The experts' weights then see a shard of the tokens: read through f, their gradients are
     partial over this axis (summed by the gradient sync: `grad_sums.py`). A capacity counts
     the tokens of one call, so a unit with one gets every token (gathered), as one device."""
-    rows = w.placement(tokens)
+    have = w.placement(tokens)
     rule = w.spec.experts.get(str(node.args[4]))
     if rule is not None and rule.axis is not None and w.axis in axes_of(rule.axis):  # they borrow this axis
         _split_over_experts(w, node, tokens, index, weights, rule)
@@ -52,13 +56,19 @@ def _whole_over_the_axis(
     capacity = rule is not None and any(
         a.name.text == "capacity_factor" for a in getattr(rule.action, "args", ())
     )
-    if not (isinstance(rows, Shard) and rows.dim == 0) or capacity:
+    whole = not capacity and isinstance(have, Replicate) and _rows_divide(w, node, tokens, rule)
+    if capacity or not (whole or (isinstance(have, Shard) and have.dim == 0)):
         w.default(node)  # the unit's inputs gathered if they are not whole
         return
+    rows = have if isinstance(have, Shard) else Shard(0)
+    if whole:  # each rank computes its split of the tokens, not all of them again
+        w.use(node, tokens, w.convert(tokens, rows, because=rule))
     _routing_cut_like(w, node, (index, weights), rows, rule)
     for p in params:
         w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
     w.set(node, rows, rule)
+    if whole:
+        _gathered_for_users(w, node, rule)
 
 
 def _split_over_experts(
@@ -82,10 +92,31 @@ def _split_over_experts(
     # order (one chunk of whole tokens, or under sequence parallelism one per sequence)
     node.meta[TOKEN_CHUNKS] = len(rows.blocks) or 1
     if whole:
-        gathered = w.convert(node, REPLICATE, because=rule)
-        for user in list(node.users):
-            if user is not gathered:
-                user.replace_input_with(node, gathered)
+        _gathered_for_users(w, node, rule)
+
+
+def _rows_divide(w: Walk, node: fx.Node, tokens: fx.Node, rule: PlanRule | None) -> bool:
+    """Whether whole tokens can be cut into equal rows over the axis: at the example shape, and
+    (noted for the run to check, as a sequence cut is) at the shapes the program serves. A list's
+    rows are one per routed (token, slot) pair: N k, N the routing's tokens (`ROUTING`)."""
+    size = shape(tokens)[0]
+    routing = node.meta.get(ROUTING)
+    if hint(size) is None and routing is not None and routing["index"] is not None:
+        size = shape(routing["index"])[0] * routing["k"]
+    example = hint(size)
+    if example is None or example % w.n:
+        return False  # the rows stay whole: every rank computes them (correct, the work repeated)
+    if divides(w.n, size) is None and isinstance(size, torch.SymInt):
+        w.spec.cuts.setdefault((size.node.expr, w.n), rule)
+    return True
+
+
+def _gathered_for_users(w: Walk, node: fx.Node, rule: PlanRule | None) -> None:
+    """The unit's output, cut by rows, gathered back whole for every user (as its tokens came)."""
+    gathered = w.convert(node, REPLICATE, because=rule)
+    for user in list(node.users):
+        if user is not gathered:
+            user.replace_input_with(node, gathered)
 
 
 def _routing_cut_like(

@@ -10,7 +10,16 @@ replicated until expert parallelism lands), BERT MLM (tied decoder bias), PyTorc
 test Transformer, and a Llama in plain PyTorch (`nn.RMSNorm`, complex RoPE, sum-reduced loss).
 
 Cells: tp=2, tp=2 + sequence parallelism, tp=4, and dp=2 x tp=2 + SP with ZeRO 1, 2 and 3; the
-plain-PyTorch Llama also with checkpointing and with bf16 compute. Each cell trains 3 AdamW
+plain-PyTorch Llama also with checkpointing and with bf16 compute.
+
+MoE families (experts split over an expert axis): Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE
+(a shared expert), OLMoE, DeepSeek-V3 (latent attention, a shared expert, biased group
+routing), GPT-OSS (experts with biases, attention sinks), and the example MoE with its
+experts stacked and kept as a list. Cells: ep=2; dp=2 x ep=2 with a capacity and ZeRO-3;
+ep=2 x tp=2 with attention over tp (the tokens whole at the experts, split there); dp=2 x
+tp=2 with the experts over `dp x tp`, a capacity, ZeRO-3 (and a shared expert over tp).
+
+Each cell trains 3 AdamW
 steps beside the float64 model and the one-device yardstick (see cli/verify.py) and prints
 the partitioned program's distance to float64 next to the yardstick's; a cell `check`
 refuses prints the refusal. Prints a Markdown table.
@@ -53,6 +62,41 @@ FAMILIES = {  # name: (factory, tensor rules, sequence rules, checkpointed modul
     "plain_llama": ("factories.py:titan_llama", TITAN_RULES, TITAN_SEQUENCE, "layers.*"),
 }
 
+# name: (factory, module prefix, attention rules over tp ("" to keep attention whole), the
+# shared expert's rules over tp)
+MOE_FAMILIES = {
+    "mixtral": ("hf_factories.py:hf_mixtral_aux", "model.", MIXTRAL_RULES, ""),
+    "qwen3_moe": ("hf_factories.py:hf_qwen3_moe", "model.", MIXTRAL_RULES, ""),
+    "qwen2_moe": (
+        "hf_factories.py:hf_qwen2_moe",
+        "model.",
+        MIXTRAL_RULES,
+        "    model.layers.*.mlp.shared_expert.{gate_proj,up_proj}: column over tp\n"
+        "    model.layers.*.mlp.shared_expert.down_proj: row over tp\n",
+    ),
+    "olmoe": ("hf_factories.py:hf_olmoe", "model.", MIXTRAL_RULES, ""),
+    "deepseek_v3": (
+        "hf_factories.py:hf_deepseek_v3",
+        "model.",
+        "",
+        "    model.layers.*.mlp.shared_experts.{gate_proj,up_proj}: column over tp\n"
+        "    model.layers.*.mlp.shared_experts.down_proj: row over tp\n",
+    ),
+    "gpt_oss": ("hf_factories.py:hf_gpt_oss", "model.", MIXTRAL_RULES, ""),
+    "moe_stacked": (
+        "../../examples/models/moe.py:build",
+        "",
+        llama_rules(vocab=False).split("    layers.*.mlp")[0],
+        "",
+    ),
+    "moe_list": (
+        "../../examples/models/moe.py:build_listed",
+        "",
+        llama_rules(vocab=False).split("    layers.*.mlp")[0],
+        "",
+    ),
+}
+
 BF16 = "\nprecision {\n    compute = bf16\n}\n"
 
 
@@ -83,7 +127,25 @@ def cells(family: str) -> dict[str, str]:
     return out
 
 
-def run_cell(family: str, text: str, folder: Path) -> str:
+def moe_cells(family: str) -> dict[str, str]:
+    """Cell name -> plan text, for an MoE family."""
+    _, prefix, attention, shared = MOE_FAMILIES[family]
+    experts = f"    {prefix}layers.*.mlp.experts: experts over"
+    return {
+        "ep2": plan(f"\n{experts} ep (top_k=2)\n", mesh="ep=2"),
+        "dp2xep2+cap+zero3": plan(
+            f"\n{experts} ep (top_k=2, capacity_factor=1.0)\n", mesh="dp=2, ep=2", extra=zero(3)
+        ),
+        "ep2xtp2": plan(f"{attention or chr(10)}{experts} ep (top_k=2)\n{shared}", mesh="ep=2, tp=2"),
+        "dp2xtp2 dp x tp+cap+zero3": plan(
+            f"{attention or chr(10)}{experts} dp x tp (top_k=2, capacity_factor=1.0)\n{shared}",
+            mesh="dp=2, tp=2",
+            extra=zero(3),
+        ),
+    }
+
+
+def run_cell(family: str, factory: str, text: str, folder: Path) -> str:
     """One Markdown row's measurements (everything after the family and cell names)."""
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
@@ -93,7 +155,7 @@ def run_cell(family: str, text: str, folder: Path) -> str:
     path.write_text(text)
     start = time.perf_counter()
     try:
-        report = verify(str(path), f"{TESTS}/{FAMILIES[family][0]}", steps=3)
+        report = verify(str(path), f"{TESTS}/{factory}", steps=3)
     except (PlanError, CompileError) as error:
         first = str(error).strip().splitlines()
         return f"refused: {' / '.join(line.strip() for line in first[:2])} | | | | |"
@@ -116,12 +178,13 @@ def run_cell(family: str, text: str, folder: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("families", nargs="*", help=f"some of: {', '.join(FAMILIES)} (default: all)")
+    every = [*FAMILIES, *(f for f in MOE_FAMILIES if f not in FAMILIES)]
+    parser.add_argument("families", nargs="*", help=f"some of: {', '.join(every)} (default: all)")
     parser.add_argument("--cells", nargs="*", help="only these cells (e.g. tp2 tp4)")
     args = parser.parse_args()
-    unknown = set(args.families) - set(FAMILIES)
+    unknown = set(args.families) - set(every)
     if unknown:
-        parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+        parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(every)}")
     print(
         "| family | cell | verdict | losses | gradient norms | weights | worst tensor | time |\n"
         "|---|---|---|---|---|---|---|---|"
@@ -129,13 +192,20 @@ def main() -> int:
     print("| | | | partitioned / yardstick: relative distance to float64 after 3 AdamW steps | | | | |")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families or FAMILIES:
-            for cell, text in cells(family).items():
-                if args.cells and cell not in args.cells:
-                    continue
-                row = run_cell(family, text, Path(tmp))
-                failed += "FAILED" in row
-                print(f"| {family} | {cell} | {row} |", flush=True)
+        chosen = args.families or every
+        jobs = [(f, FAMILIES[f][0], c, t) for f in chosen if f in FAMILIES for c, t in cells(f).items()]
+        jobs += [
+            (f, MOE_FAMILIES[f][0], c, t)
+            for f in chosen
+            if f in MOE_FAMILIES
+            for c, t in moe_cells(f).items()
+        ]
+        for family, factory, cell, text in jobs:
+            if args.cells and cell not in args.cells:
+                continue
+            row = run_cell(family, factory, text, Path(tmp))
+            failed += "FAILED" in row
+            print(f"| {family} | {cell} | {row} |", flush=True)
     return 1 if failed else 0
 
 

@@ -476,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="max global gradient norm, 0 disables, as for `run` (default 1.0)",
     )
     p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights and the token ids (default 0)",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=4.0,

@@ -104,6 +104,71 @@ def hf_mixtral_aux():
     )
 
 
+def _moe(config_name: str, model_name: str, **extra):
+    """A small MoE of the family: 4 experts, top-2, experts in their eager loop (float64)."""
+    defaults = {"num_key_value_heads": 2, "num_experts_per_tok": 2, "experts_implementation": "eager"}
+    return _small(config_name, model_name, **{**defaults, **extra})
+
+
+def hf_qwen3_moe():
+    """Qwen3-MoE: q/k norms, experts stacked (E, 2I, H), its load-balancing loss in the loss."""
+    return _moe(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        num_experts=4,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+    )
+
+
+def hf_qwen2_moe():
+    """Qwen2-MoE: a shared expert beside the routed ones, scaled by a sigmoid gate of its own."""
+    return _moe(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        output_router_logits=True,
+    )
+
+
+def hf_olmoe():
+    return _moe("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, eos_token_id=1, pad_token_id=0)
+
+
+def hf_deepseek_v3():
+    """DeepSeek-V3: multi-head latent attention, a shared expert, sigmoid routing with a
+    per-expert bias (its `e_score_correction_bias` buffer) over groups of experts."""
+    return _moe(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+def hf_gpt_oss():
+    """GPT-OSS: experts with biases and a clamped SwiGLU, attention sinks."""
+    return _moe(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        num_local_experts=4,
+        head_dim=16,
+        layer_types=["full_attention", "full_attention"],
+    )
+
+
 def hf_bert_mlm():
     """Post-norm encoder, MLM head whose decoder bias is tied to `cls.predictions.bias`."""
     from transformers import BertConfig, BertForMaskedLM

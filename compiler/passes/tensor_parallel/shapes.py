@@ -18,7 +18,7 @@ from ...graph import (
     known_equal,
     shape,
 )
-from ...placement import REPLICATE, Partial, Shard
+from ...placement import REPLICATE, Partial, Replicate, Shard
 from .walk import Walk, _merged_blocks, _norm_dim, _uneven, register
 
 aten = torch.ops.aten
@@ -329,4 +329,14 @@ def _cat(w: Walk, node: fx.Node) -> None:
             w.error(node, f"{describe(node)} concatenates along dim {dim}, which is sharded over `{w.axis}`")
         w.set(node, p, w.rule_near(node))
         return
+    shards = {p for p in placements if isinstance(p, Shard)}
+    if len(shards) == 1 and all(isinstance(p, Shard | Replicate) for p in placements):
+        (shard,) = shards
+        if shard.dim != dim:  # whole parts join the shards: each rank takes its chunk of them
+            rule = w.rule_near(node)  # (GPT-OSS's attention sinks, one per head, beside the scores)
+            for part in parts:
+                if isinstance(w.placement(part), Replicate):
+                    w.use(node, part, w.convert(part, shard, because=rule))
+            w.set(node, shard, rule)
+            return
     w.error(node, f"{describe(node)} concatenates tensors with different placements over `{w.axis}`")

@@ -243,6 +243,32 @@ _DP_KINDS = ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the plan's words
 
 
+def _expert_sums(compiled: Compiled, axis: str, paths: list[str]) -> list[str]:
+    """The axes over which each rank's unit routes its own rows of tokens whole experts see (a
+    sequence shard, or its split of whole tokens): their gradients are summed over them."""
+    summed = sorted(
+        {
+            a
+            for name, over in compiled.grad_sums.items()
+            if any(name.startswith(f"{p}.") for p in paths)
+            for a in over
+        }
+    )
+    if not summed:
+        return []
+    over = " x ".join(summed)
+    tensor = {r.axis for r in compiled.plan.rules if r.kind in ("tensor", "sequence")}
+    instead = (
+        f"; `experts over {axis} x {over}` would give each `{over}` rank other experts instead, nothing to sum"
+        if set(summed) <= tensor and len(axes_of(axis)) == 1
+        else ""
+    )
+    return [
+        f"    each rank of `{over}` routes its own rows of the tokens (a sequence shard, or its split of whole "
+        f"tokens) through the same experts: their gradients are summed over `{over}` by the gradient sync{instead}"
+    ]
+
+
 def _expert_lines(compiled: Compiled) -> list[str]:
     """Expert parallelism: the experts each rank holds, how the batch and the gradients are
     split, and each unit's all-to-all bytes per step."""
@@ -269,6 +295,7 @@ def _expert_lines(compiled: Compiled) -> list[str]:
                 f"    `{' x '.join(shared)}` splits no batch (its ranks share the tokens): each rank routes "
                 "its own rows of them"
             )
+        lines += _expert_sums(compiled, axis, [module_path(u) for u in mine])
     others = [a for a in data if not any(a in axes_of(x) for x in axes)]
     lines.append(
         f"    the batch is split over {' x '.join(data) or 'no axis'} ({math.prod(layout.size(a) for a in data)} "

@@ -335,7 +335,7 @@ def _cat(w: Walk, node: fx.Node) -> None:
         if shard.dim != dim:  # whole parts join the shards: each rank takes its chunk of them
             rule = w.rule_near(node)  # (GPT-OSS's attention sinks, one per head, beside the scores)
             for part in parts:
-                if isinstance(w.placement(part), Replicate):
+                if isinstance(part, fx.Node) and isinstance(w.placement(part), Replicate):
                     w.use(node, part, w.convert(part, shard, because=rule))
             w.set(node, shard, rule)
             return

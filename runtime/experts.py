@@ -31,7 +31,8 @@ per routing group: the tokens this call routes, i.e. this rank's share of the mi
 the axis's ranks share: their routing group is all of those tokens, so each rank gathers the
 others' top_k_index (N k ints) and queues the pairs in the tokens' order (`_shared_positions`),
 as one device routing them would. Over a group of axes (`experts over dp x tp`) that gather
-is over the borrowed axis's ranks alone (`share_group`): dp's ranks route other batches. Which pairs it keeps is fixed by the routing alone (`expert_positions`):
+is over the borrowed axis's ranks alone (`share_group`): dp's ranks route other batches.
+Which pairs it keeps is fixed by the routing alone (`expert_positions`):
 pairs rank by slot, then by token, so every token's first choice comes before any token's
 second (GShard's and DeepSpeed's top-2 order), and an expert keeps its first `C`. A dropped
 pair adds nothing to its token's output (its expert output counts as zero), so its routing

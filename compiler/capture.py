@@ -634,7 +634,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     except Exception as exc:
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {_describe(exc)}{_stopped_at(printed)}",
-            hint=_capture_hint(exc),
+            hint=_capture_hint(exc, model),
         ) from exc
 
 
@@ -659,19 +659,40 @@ def _stopped_at(printed: io.StringIO) -> str:
     return f" at {_display(file)}:{line} (`{code.strip()}`)"
 
 
-def _capture_hint(exc: Exception) -> str:
+def _capture_hint(exc: Exception, model: nn.Module) -> str:
     if "Cache" in str(exc):
         return "the model returns a KV cache; call it with use_cache=False (a training graph has none)"
     if "data-dependent" in str(exc):
-        return (
+        hint = (
             "the model decides there on a value that depends on the data, which one graph cannot "
             "hold; write it without the decision (a loop over experts that skips those with no "
             "tokens, `if rows.numel() == 0: continue`, computes the same without the `if`)"
         )
+        experts = _experts_modules(model)
+        if experts:
+            hint += (
+                f"; if it is the loop of an experts module, a rule `{experts}: experts over AXIS` "
+                "captures that module as one unit without reading its loop (over an axis of one "
+                "rank its experts stay whole)"
+            )
+        return hint
     return (
         "meshplan captures with torch.export.export(model, args, kwargs, strict=False); "
         "run that by hand to see the full error"
     )
+
+
+def _experts_modules(model: nn.Module) -> str:
+    """The path pattern of the modules that hold experts stacked on dim 0 of every parameter
+    (`model.layers.*.mlp.experts`), the first such; '' if none."""
+    from meshplan.runtime.experts import EXPERT_COUNTS
+
+    for path, module in model.named_modules():
+        count = next((c for a in EXPERT_COUNTS if isinstance(c := getattr(module, a, None), int)), None)
+        params = list(module.parameters(recurse=False))
+        if count and count > 1 and params and all(p.dim() >= 2 and p.shape[0] == count for p in params):
+            return re.sub(r"\.\d+(?=\.|$)", ".*", path)
+    return ""
 
 
 @dataclass(frozen=True)

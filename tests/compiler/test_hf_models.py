@@ -49,3 +49,17 @@ def test_phi3_fused_weights_are_cut_per_block():
 def test_neox_fused_qkv_is_head_major_and_needs_no_blocks():
     compiled = compile_plan(check_text(NEOX_TP, "hf.plan"), load_model(f"{HERE}/hf_factories.py:hf_neox"))
     assert compiled.param_placements["gpt_neox.layers.0.attention.query_key_value.weight"] == {"tp": Shard(0)}
+
+
+def test_an_experts_loop_export_cannot_read_names_the_rule_that_makes_it_one_unit():
+    """GPT-OSS's experts module loops over the experts that got tokens (`for expert_idx in
+    expert_hit`), a decision on the data: a plan without an experts rule cannot capture it,
+    and the hint names the rule that takes the module as one unit."""
+    from meshplan.compiler.errors import CaptureError
+
+    text = "mesh tp=2\n\nmodules {\n    model.layers.*.self_attn.o_proj: row over tp\n}\n"
+    with pytest.raises(CaptureError) as caught:
+        compile_plan(check_text(text, "hf.plan"), load_model(f"{HERE}/hf_factories.py:hf_gpt_oss"))
+    assert "(`for expert_idx in expert_hit:`)" in caught.value.message
+    assert caught.value.hint is not None
+    assert "a rule `model.layers.*.mlp.experts: experts over AXIS` captures that module" in caught.value.hint

@@ -334,8 +334,10 @@ def _expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], 
         if not units:
             return {}
         local = torch.cat([torch.cat([u.take_tokens(), u.take_dropped()]) for u in units])
-        # every rank's routed rows: the data ranks', and those of experts borrowing a tensor axis
-        over = (*axes.data, *sorted({a for u in units for a in axes_of(u.axis)} - set(axes.data)))
+        # every rank's routed rows: the data ranks', those of experts borrowing a tensor axis, and
+        # those of an axis that cuts the tokens by rows (a sequence shard each)
+        routing = {a for u in units for a in (*axes_of(u.axis), *getattr(u, "rows_cut", ()))}
+        over = (*axes.data, *sorted(routing - set(axes.data)))
         counts = axes.sum_over(local, over, "expert load")
         load = {}
         for unit, both in zip(units, counts.split([2 * u.num_experts for u in units]), strict=True):

@@ -259,28 +259,47 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
     return rows
 
 
+def unit_tokens(node: fx.Node, layout: MeshLayout) -> tuple[tuple, int | torch.SymInt]:
+    """An experts unit's tokens as one rank holds them, (N, H) (cut by every axis that cuts
+    them, the unit's own included: experts borrowing a tensor axis route their rank's rows), and
+    the experts each routes a token to, k (a list's rows are pairs already: k = 1)."""
+    tokens, index = arg_node(node, 0), arg_node(node, 1)
+    routed = node.meta[COLLECTIVE].get("routed_pairs")
+    if routed is not None:  # a list's rows, one per pair: as many as its routing makes
+        return _held(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
+    return _held(tokens, shape(tokens), "", layout), _held(index, shape(index), "", layout)[-1]
+
+
+def shared_axis(info: dict) -> str:
+    """The axis whose ranks queue their tokens together under a capacity ("": none)."""
+    shared = info.get("shared") or ""
+    return info["axis"] if shared is True else shared  # (True: compiled before groups of axes)
+
+
+def unit_capacity(node: fx.Node, layout: MeshLayout) -> int:
+    """C, the pairs each expert of a unit with a `capacity_factor` takes per call: of the
+    tokens its rank routes, or those the ranks of its shared axis route together."""
+    info = node.meta[COLLECTIVE]
+    held, k = unit_tokens(node, layout)
+    shared = shared_axis(info)
+    routed = held[0] * (layout.size(shared) if shared else 1)  # the tokens it queues
+    return expert_capacity(int(routed), int(k), int(info["experts"]), info["capacity_factor"])
+
+
 def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool) -> list[LedgerRow]:
     """An experts unit's all-to-alls (see the module docstring): the counts, then each pair's
     row dispatched and combined in forward, and both again, reversed, in backward."""
     axis, rule = info["axis"], info.get("rule")
     where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
-    tokens, index = arg_node(node, 0), arg_node(node, 1)
-    # this rank's tokens: cut by every axis that cuts them, the unit's own included (experts
-    # borrowing a tensor axis route their rank's rows of the tokens)
-    held = _held(tokens, shape(tokens), "", layout)  # (N, H)
-    k = _held(index, shape(index), "", layout)[-1]
-    factor, experts = info.get("capacity_factor"), int(info["experts"])
-    routed = info.get("routed_pairs")
-    if routed is not None:  # a list's rows, one per pair: as many as its routing makes
-        held, k = _held(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
+    tokens = arg_node(node, 0)
+    held, k = unit_tokens(node, layout)
+    factor, experts, shared = info.get("capacity_factor"), int(info["experts"]), shared_axis(info)
     if factor is None:
         pairs = (held[0] * k, *held[1:])  # (N k, H): every (token, slot) pair's row
     else:
-        shared = info.get("shared")
-        if shared is True:  # (a program compiled before groups of axes: the unit's own axis)
-            shared = axis
-        routed = held[0] * (layout.size(shared) if shared else 1)  # the tokens it queues
-        pairs = (experts * expert_capacity(routed, k, experts, factor), *held[1:])  # (E C, H)
+        places = experts * unit_capacity(node, layout)  # E C
+        # its own kept pairs where the ranks of `shared` queue together: at most N k, or E C
+        pairs = (min(held[0] * k, places) if shared else places, *held[1:])
     nbytes = math.prod(pairs) * value(tokens).element_size()
     n = layout.size(axis)
     if not isinstance(nbytes, int):  # a list's rows, with no routing to count them (warned at compile)
@@ -296,9 +315,9 @@ def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool
         )
 
     forward = [row("forward", pairs, nbytes, 2)]
-    if factor is None:  # dropless: the sizes follow the counts
+    if factor is None or shared:  # the sizes follow the counts (of the kept pairs)
         forward.insert(0, row("forward", (experts,), 8 * experts, 1))
-    elif shared:  # the routing of the tokens its ranks share, N k int64 from each
+    if factor is not None and shared:  # the routing of the tokens its ranks share, N k int64 from each
         sent = int(held[0]) * int(k) * 8  # (a capacity needs the example's sizes: they are concrete)
         m = layout.size(shared)
         gathered = LedgerRow(

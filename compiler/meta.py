@@ -46,6 +46,9 @@ ROUTING = "meshplan.routing"
 # its ranks share each rank's rows are (1 for a contiguous split; under sequence parallelism one
 # per sequence), for a capacity counted over all of them (`runtime.experts`)
 TOKEN_CHUNKS = "meshplan.token_chunks"
+# on an experts unit whose tokens tensor, sequence or context axes cut by rows, each rank routing
+# its own (`list[str]`): those axes; under a capacity their ranks queue their pairs together
+ROWS_CUT = "meshplan.rows_cut"
 
 
 class Collective(TypedDict, total=False):

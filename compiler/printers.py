@@ -22,7 +22,7 @@ from meshplan.runtime.zero_nodes import ZeroGather
 
 from .compile import Compiled
 from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
-from .ledger import _held
+from .ledger import _held, unit_capacity
 from .meta import CHECKPOINT, RULE, collective
 from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
@@ -317,13 +317,21 @@ def _expert_lines(compiled: Compiled) -> list[str]:
         info = next(u for u in units if u.name == rows[0].node).meta[COLLECTIVE]
         if info.get("capacity_factor") is None:
             lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
-        else:  # fixed buffers: E C rows each way, whatever the routing
+        elif not info.get("shared"):  # fixed buffers: E C rows each way, whatever the routing
             capacity = first[0].shape[0] // info["experts"]
-            whose = "the tokens its ranks share" if info.get("shared") else "a rank's tokens"
             lines.append(
                 f"    all_to_all per unit and step: {text} (dispatch and combine of {info['experts']} x "
                 f"{capacity} rows: capacity_factor={info['capacity_factor']:g} lets each expert take "
-                f"{capacity} (token, slot) pairs of {whose} here; the rest are dropped)"
+                f"{capacity} (token, slot) pairs of a rank's tokens here; the rest are dropped)"
+            )
+        else:  # each rank sends its own kept pairs of the tokens its ranks queue together
+            unit = next(u for u in units if u.name == rows[0].node)
+            capacity = unit_capacity(unit, compiled.layout)
+            lines.append(
+                f"    all_to_all per unit and step: {text} (token counts, then dispatch and combine of "
+                f"the rank's kept pairs, at most {first[-1].shape[0]} rows: capacity_factor="
+                f"{info['capacity_factor']:g} lets each expert take {capacity} (token, slot) pairs of the "
+                f"tokens the ranks of `{info['shared']}` share here; the rest are dropped)"
             )
             gathers = [r for r in rows if r.node == rows[0].node and r.op == "all_gather" and not r.recompute]
             if gathers:

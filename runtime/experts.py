@@ -32,6 +32,10 @@ the axis's ranks share: their routing group is all of those tokens, so each rank
 others' top_k_index (N k ints) and queues the pairs in the tokens' order (`_shared_positions`),
 as one device routing them would. Over a group of axes (`experts over dp x tp`) that gather
 is over the borrowed axis's ranks alone (`share_group`): dp's ranks route other batches.
+The same where an axis cuts the tokens by rows for experts over their own axis (a sequence
+shard each: `shared` names that axis). Where ranks share the tokens, each sends only its own
+kept pairs, in all-to-alls sized by the counts as dropless (`_routed` with `kept`): fixed
+buffers of E C rows would hold every peer's places too, and compute them.
 Which pairs it keeps is fixed by the routing alone (`expert_positions`):
 pairs rank by slot, then by token, so every token's first choice comes before any token's
 second (GShard's and DeepSpeed's top-2 order), and an expert keeps its first `C`. A dropped
@@ -178,6 +182,7 @@ class ExpertParallel(AxisCollective):
         batch_ranks: int | None = None,
         token_chunks: int = 1,
         shared: str = "",
+        rows_cut: tuple[str, ...] = (),
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -196,6 +201,9 @@ class ExpertParallel(AxisCollective):
         # axes (`dp x tp`) its ranks are a subgroup, `share_group`, bound with the unit's group
         self.shared = shared
         self.share_group = group
+        # axes other than the unit's whose ranks route their own rows of the tokens (a sequence
+        # shard, a split of whole tokens): the job's expert load sums over them too
+        self.rows_cut = rows_cut
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -229,6 +237,7 @@ class ExpertParallel(AxisCollective):
             batch_ranks=getattr(self, "batch_ranks", None),  # (programs saved before groups of axes)
             token_chunks=getattr(self, "token_chunks", 1),
             shared=self.shared_axis(),
+            rows_cut=getattr(self, "rows_cut", ()),
         )
         if share_group is not None and n > 1:
             bound.share_group = share_group
@@ -261,30 +270,63 @@ class ExpertParallel(AxisCollective):
 
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *params: Tensor) -> Tensor:
         # x: (N, H) this rank's tokens; top_k_index, top_k_weights: (N, k); params: (E/n, ...) each
-        if self.capacity_factor is not None:
+        if self.capacity_factor is None:
+            if _counting():
+                self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
+            return self._routed(x, top_k_index, top_k_weights, params)
+        share = self.share_group if self.shared_axis() and self.group is not None else None
+        if share is None:
             return self._with_capacity(x, top_k_index, top_k_weights, params)
+        # the tokens the ranks of `share` hold between them queue as one device's: each rank
+        # sends only its own kept pairs (the buffers of E C rows would hold every peer's too)
+        sharing = dist.get_world_size(share)
+        num_tokens, k = top_k_index.shape
+        capacity = expert_capacity(num_tokens * sharing, k, self.num_experts, self.capacity_factor)
+        kept = self._shared_positions(top_k_index, share) < capacity  # (N, k)
+        self._count(top_k_index, kept)
+        return self._routed(x, top_k_index, top_k_weights, params, kept)
+
+    def _routed(
+        self,
+        x: Tensor,
+        top_k_index: Tensor,
+        top_k_weights: Tensor,
+        params: Sequence[Tensor],
+        kept: Tensor | None = None,
+    ) -> Tensor:
+        """Every (token, slot) pair (or only the `kept` ones: a dropped pair's output counts as
+        zero) to the rank of its expert and back, in all-to-alls sized by the counts."""
         n = dist.get_world_size(self.group) if self.group is not None else 1
-        local = self.num_experts // n
+        experts, local = self.num_experts, self.num_experts // n
         num_tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)  # (N k,) the expert of each (token, slot) pair
+        if kept is not None:
+            flat = torch.where(kept.reshape(-1), flat, experts)  # a dropped pair: to no rank, sorted last
         order = flat.argsort(stable=True)  # (N k,) pairs grouped by expert, so by rank
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,) pairs per expert
-        if _counting():
-            self.tokens += counts.detach().cpu()
+        counts = torch.bincount(flat, minlength=experts + 1)[:experts]  # (E,) pairs per expert
         received = self._exchange(counts)  # (n L,) pairs from rank j for local expert l at j L + l
         send = counts.view(n, local).sum(1).tolist()  # pairs to each rank
         recv = received.view(n, local).sum(1).tolist()  # pairs from each rank
-        rows = x[order // k]  # (N k, H) each pair's token, grouped by destination rank
+        sent = sum(send)  # N k, less the dropped pairs
+        rows = x[order[:sent] // k]  # (sent, H) each pair's token, grouped by destination rank
         tokens = _AllToAllV.apply(rows, None, send, recv, self, "dispatch")  # (M, H)
         local_index = torch.arange(local, device=x.device).repeat(n).repeat_interleave(received)  # (M,)
         ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (M, 1): weighed after the combine
         y = self._experts(tokens, local_index, ones, params, n)  # (M, H) each row through its expert
         anchor = tokens if tokens.shape[0] == 0 else None
-        back = _AllToAllV.apply(y, anchor, recv, send, self, "combine")  # (N k, H) in `order`
+        back = _AllToAllV.apply(y, anchor, recv, send, self, "combine")  # (sent, H) in `order`
+        if sent < flat.numel():  # the dropped pairs' outputs: zeros
+            back = torch.cat([back, back.new_zeros((flat.numel() - sent, back.shape[1]))])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         pairs = back[inverse].view(num_tokens, k, -1)  # (N, k, H) in (token, slot) order
         return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, H)
+
+    def _count(self, top_k_index: Tensor, kept: Tensor) -> None:
+        """The metrics: pairs routed to each expert, and of them the dropped."""
+        if _counting():
+            self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
+            self.dropped += torch.bincount(top_k_index[~kept], minlength=self.num_experts).cpu()
 
     def _with_capacity(
         self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, params: Sequence[Tensor]
@@ -295,18 +337,10 @@ class ExpertParallel(AxisCollective):
         n = dist.get_world_size(self.group) if self.group is not None else 1
         experts, local = self.num_experts, self.num_experts // n
         num_tokens, k = top_k_index.shape
-        share = self.share_group if self.shared_axis() and self.group is not None else None
-        if share is None:  # this rank's tokens are its own
-            capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
-            place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
-        else:  # the axis's ranks share the tokens: queues over all of them, as one device routes them
-            sharing = dist.get_world_size(share)
-            capacity = expert_capacity(num_tokens * sharing, k, experts, self.capacity_factor)
-            place = self._shared_positions(top_k_index, share)
+        capacity = expert_capacity(num_tokens, k, experts, self.capacity_factor)
+        place = expert_positions(top_k_index, experts)  # (N, k) each pair's place in its expert's queue
         kept = place < capacity  # (N, k)
-        if _counting():
-            self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=experts).cpu()
-            self.dropped += torch.bincount(top_k_index[~kept], minlength=experts).cpu()
+        self._count(top_k_index, kept)
         slot = top_k_index * capacity + place  # (N, k) the pair's row in the send buffer, if kept
         source = torch.full((experts * capacity,), num_tokens, device=x.device)  # (E C,) row N: zeros
         token = torch.arange(num_tokens, device=x.device)[:, None].expand(num_tokens, k)  # (N, k)

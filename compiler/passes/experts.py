@@ -28,8 +28,10 @@ unpartitioned model drop the same pairs, for `meshplan verify`'s reference (a li
 experts queues its rows in the policy's order: `expert_rows.py`). Experts borrowing a tensor
 axis, alone or in a group of axes (`dp x tp`), queue the tokens that axis's ranks share (the
 unit gathers their routing over it, `shared`: `token_chunks` says how each rank's rows lie
-among them); under sequence or context parallelism a unit with a capacity gets every token of
-its call, gathered (`tensor_parallel/experts.py`). A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
+among them); so do the ranks of an axis that cuts the tokens by rows (`ROWS_CUT`: a sequence
+shard, or whole tokens split at the unit, `tensor_parallel/experts.py`); under the
+load-balanced context layout a unit with a capacity gets every token of its call, gathered.
+A `z_loss` adds the router z-loss of each unit to the graph's loss (`router_loss.py`).
 
 Requires: a graph captured under `experts_as_units`; tensor parallelism decided (the unit's
 inputs are whole over every tensor axis: the operator has no sharding rule).
@@ -74,7 +76,7 @@ from meshplan.runtime.mesh import axes_of
 
 from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
 from ..match import Resolution
-from ..meta import ROUTING, TOKEN_CHUNKS
+from ..meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
 from ..placement import Shard
 from . import Context, Pass
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
@@ -415,8 +417,13 @@ def _lower(
     relative = tuple(name.removeprefix(f"{path}.") for name in names)
     factor = capacity_factor(rule)
     group = axes_of(rule.axis)
-    # the axis whose ranks share the tokens (a tensor axis the experts borrow), or ""
-    shared = " x ".join(a for a in group if a not in ctx.plan.batch_axes)
+    # the axes that cut its tokens by rows, each rank routing its own (`ROWS_CUT`); the axis whose
+    # ranks queue their tokens together under a capacity (a tensor axis the experts borrow, or
+    # that one), or ""
+    rows_cut = tuple(node.meta.get(ROWS_CUT, ()))
+    shared = " x ".join(a for a in group if a not in ctx.plan.batch_axes) or (
+        rows_cut[0] if factor is not None and rows_cut else ""
+    )
     unit = ExpertParallel(
         None,
         rule.axis,
@@ -427,6 +434,7 @@ def _lower(
         splits_batch=all(a in ctx.plan.batch_axes for a in group),
         token_chunks=node.meta.get(TOKEN_CHUNKS, 1),
         shared=shared,
+        rows_cut=rows_cut,
         # a group of axes: the mean over those of its axes that split the batch
         batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
         if len(group) > 1

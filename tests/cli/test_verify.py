@@ -447,23 +447,29 @@ def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("experts", "factory", "zero"),
-    [("tp", "build", 1), ("dp x tp", "build_listed", 3)],
-    ids=["over-tp", "list-over-dp-x-tp"],
+    ("mesh", "experts", "factory", "data"),
+    [
+        ("dp=2, tp=2", "tp", "build", "\ndata_parallel over dp {\n    zero = 1\n}\n"),
+        ("dp=2, tp=2", "dp x tp", "build_listed", "\ndata_parallel over dp {\n    zero = 3\n}\n"),
+        ("ep=2, tp=2", "ep", "build", ""),
+    ],
+    ids=["over-tp", "list-over-dp-x-tp", "over-ep-tokens-cut-over-tp"],
 )
-def test_expert_capacity_over_tokens_a_tensor_axis_shares(tmp_path, experts, factory, zero):
+def test_expert_capacity_over_tokens_a_tensor_axis_shares(tmp_path, mesh, experts, factory, data):
     """`experts over tp (capacity_factor=1.0)` with sequence-parallel norms: each tp rank routes
     its sequence shard, but an expert's queue is the data rank's whole micro-batch, as one
-    device's: every rank gathers its tp peers' routing and queues the pairs in the tokens' order
-    (each rank's rows one chunk per sequence). Over `dp x tp` the same, the routing gathered over
-    tp alone (dp's ranks route other batches); there with the experts kept as a list, whose rows
-    are queued by (slot, token) whatever order the block's loop hands them in. Drops happen, and
-    match the float64 reference's; a checkpointed layer drops the same pairs again in backward."""
+    device's: every rank gathers its tp peers' routing, queues the pairs in the tokens' order
+    (each rank's rows one chunk per sequence) and sends its own kept pairs. Over `dp x tp` the
+    same, the routing gathered over tp alone (dp's ranks route other batches); there with the
+    experts kept as a list, whose rows are queued by (slot, token) whatever order the block's
+    loop hands them in. Over their own axis `ep`, the experts see tokens that sequence
+    parallelism cuts over tp: tp's ranks queue together likewise. Drops happen, and match the
+    float64 reference's; a checkpointed layer drops the same pairs again in backward."""
     text = (
-        "mesh dp=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        f"mesh {mesh}\n\nmodules {{\n    layers.*.self_attn.{{q,k,v}}_proj: column over tp\n"
         "    layers.*.self_attn.o_proj: row over tp\n    layers.*.*_layernorm: sequence over tp\n"
         f"    layers.*.mlp.experts: experts over {experts} (top_k=2, capacity_factor=1.0)\n"
-        f"    layers.1: checkpoint\n}}\n\ndata_parallel over dp {{\n    zero = {zero}\n}}\n"
+        f"    layers.1: checkpoint\n}}\n{data}"
     )
     report = verify(
         write(tmp_path, text), f"{ROOT}/examples/models/moe.py:{factory}", steps=2, worker=_rank_with_load

@@ -413,7 +413,9 @@ def test_experts_route_their_own_rows_of_sequence_parallel_tokens():
     """Under sequence parallelism each rank of `tp` holds a shard of the tokens: its experts unit
     routes those (half the all-to-all rows of whole tokens), nothing gathered, and the experts'
     weights, which see a shard of the tokens, have their gradients summed over tp by the
-    gradient sync. A capacity counts every token of the call: that unit still gathers them."""
+    gradient sync. A capacity counts every token of the call: the tp ranks gather each other's
+    routing (16 tokens x 2 int64 each) and queue their pairs together, each sending only its
+    own kept pairs (at most its 32; C = 32 x 2 x 2.0 / 4 = 32 per expert over both)."""
     compiled = _compile(SEQUENCE_AND_EXPERTS.replace("ARGS", "top_k=2"))
     unit = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
     assert not any(a.op == "call_module" and "all_gather" in str(a.target) for a in unit.all_input_nodes)
@@ -422,9 +424,18 @@ def test_experts_route_their_own_rows_of_sequence_parallel_tokens():
     assert compiled.grad_sums["layers.0.mlp.experts.gate_up_proj"] == ("tp",)
     assert not [w for w in compiled.warnings if "runs on whole tensors" in w.message]
     capacity = _compile(SEQUENCE_AND_EXPERTS.replace("ARGS", "top_k=2, capacity_factor=2.0"))
-    dispatch = [r.shape for r in capacity.ledger.rows if r.node == "experts_ep_0" and r.phase == "forward"]
-    assert dispatch == [(128, 64)]  # every token: E C = 4 x 32 rows (C = 32 x 2 x 2.0 / 4)
-    assert "layers.0.mlp.experts.gate_up_proj" not in capacity.grad_sums
+    forward = [
+        (r.op, r.axis, r.shape)
+        for r in capacity.ledger.rows
+        if r.node == "experts_ep_0" and r.phase == "forward"
+    ]
+    assert forward == [
+        ("all_gather", "tp", (2, 16, 2)),
+        ("all_to_all", "ep", (4,)),
+        ("all_to_all", "ep", (32, 64)),
+    ]
+    assert capacity.graph.experts_ep_0.shared_axis() == "tp"
+    assert capacity.grad_sums["layers.0.mlp.experts.gate_up_proj"] == ("tp",)
 
 
 def test_experts_split_whole_tokens_over_a_tensor_axis_instead_of_computing_them_twice():
@@ -479,14 +490,15 @@ def test_experts_may_borrow_the_tensor_axis():
         "and so are their matrices: one axis holds other experts or slices of the same ones, not both"
     )
     # a capacity queues the tokens tp's ranks share: each gathers their routing (16 tokens x 2
-    # int64 from each rank), and every expert takes ceil(32 x 2 x 1.25 / 4) = 20 pairs of them
+    # int64 from each rank), every expert takes ceil(32 x 2 x 1.25 / 4) = 20 pairs of them, and
+    # each rank sends its own kept pairs only: at most its 32
     capacity = _compile(text.replace("(top_k=2)", "(top_k=2, capacity_factor=1.25)"))
     assert capacity.graph.experts_tp_0.token_chunks == 2  # sequence parallel: a chunk per sequence (B=2)
     assert [
         (r.op, r.shape, r.bytes)
         for r in capacity.ledger.rows
         if r.node == "experts_tp_0" and r.phase == "forward"
-    ] == [("all_gather", (2, 16, 2), 256), ("all_to_all", (80, 64), 20480)]
+    ] == [("all_gather", (2, 16, 2), 256), ("all_to_all", (4,), 32), ("all_to_all", (32, 64), 8192)]
     # over dp x tp likewise: the routing gathered over tp alone (dp's ranks route other batches)
     group = _compile(text.replace("over tp (top_k=2)", "over dp x tp (top_k=2, capacity_factor=1.25)"))
     unit = group.graph.experts_dp_tp_0
@@ -495,7 +507,11 @@ def test_experts_may_borrow_the_tensor_axis():
         (r.op, r.axis, r.shape, r.bytes)
         for r in group.ledger.rows
         if r.node == "experts_dp_tp_0" and r.phase == "forward"
-    ] == [("all_gather", "tp", (2, 16, 2), 256), ("all_to_all", "dp x tp", (80, 64), 20480)]
+    ] == [
+        ("all_gather", "tp", (2, 16, 2), 256),
+        ("all_to_all", "dp x tp", (4,), 32),
+        ("all_to_all", "dp x tp", (32, 64), 8192),
+    ]
     two = (
         "mesh tp=2, tq=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
         "    layers.*.self_attn.o_proj: row over tp\n    lm_head: column over tq\n"

@@ -30,7 +30,7 @@ from torch import fx
 from meshplan.dsl.check import PlanRule, axes_of
 
 from ...graph import REQUIRES_GRAD, RULE, arg_node, divides, hint, shape
-from ...meta import ROUTING, TOKEN_CHUNKS
+from ...meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts import MARKER
 from .walk import Walk, register
@@ -47,7 +47,9 @@ def _whole_over_the_axis(
     send and compute the same tokens' experts (tp times the work, and the all-to-all bytes).
     The experts' weights then see a shard of the tokens: read through f, their gradients are
     partial over this axis (summed by the gradient sync: `grad_sums.py`). A capacity counts
-    the tokens of one call, so a unit with one gets every token (gathered), as one device."""
+    the tokens of one call: the ranks of this axis queue their rows together (`ROWS_CUT`:
+    each gathers the others' routing, N k ints), unless the tokens are cut in the
+    load-balanced layout or over another axis already: then the unit gets them all, gathered."""
     have = w.placement(tokens)
     rule = w.spec.experts.get(str(node.args[4]))
     if rule is not None and rule.axis is not None and w.axis in axes_of(rule.axis):  # they borrow this axis
@@ -56,8 +58,11 @@ def _whole_over_the_axis(
     capacity = rule is not None and any(
         a.name.text == "capacity_factor" for a in getattr(rule.action, "args", ())
     )
-    whole = not capacity and isinstance(have, Replicate) and _rows_divide(w, node, tokens, rule)
-    if capacity or not (whole or (isinstance(have, Shard) and have.dim == 0)):
+    # a capacity queues the rows of every rank of one axis together: of one axis only, and not
+    # in the load-balanced layout (its chunks are not in the tokens' order)
+    queues = not capacity or (ROWS_CUT not in node.meta and not w.spec.balanced)
+    whole = queues and isinstance(have, Replicate) and _rows_divide(w, node, tokens, rule)
+    if not queues or not (whole or (isinstance(have, Shard) and have.dim == 0)):
         w.default(node)  # the unit's inputs gathered if they are not whole
         return
     rows = have if isinstance(have, Shard) else Shard(0)
@@ -67,6 +72,9 @@ def _whole_over_the_axis(
     for p in params:
         w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
     w.set(node, rows, rule)
+    node.meta.setdefault(ROWS_CUT, []).append(w.axis)
+    if capacity:  # the ranks of this axis queue their rows together, as one device's tokens
+        node.meta[TOKEN_CHUNKS] = len(rows.blocks) or 1
     if whole:
         _gathered_for_users(w, node, rule)
 

@@ -45,9 +45,9 @@ from torch import Tensor, nn
 
 from . import watchdog
 
-# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.12 names the tensor-in/tensor-out collectives *_single (the old names warn)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -81,7 +81,7 @@ def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = F
     world = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    _all_gather(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     out = from_balanced(out, 0, world) if balanced else out
     return out.movedim(0, dim)
 
@@ -92,7 +92,7 @@ def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool
     moved = x.movedim(dim, 0)
     moved = (to_balanced(moved, 0, world) if balanced else moved).contiguous()
     out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-    _reduce_scatter(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -145,7 +145,7 @@ def issue_backward(entry: Any, grad: Tensor) -> bool:
         dim, group = entry.dim, entry.site.group
         moved = grad.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // dist.get_world_size(group), *moved.shape[1:]))
-        work = _reduce_scatter(out, moved, group=group, async_op=True)
+        work = reduce_scatter_single(out, moved, group=group, async_op=True)
         entry.issued = _Issued(work, lambda: out.movedim(0, dim), "reduce_scatter")
         return True
     return False

@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import watchdog
-from .collectives import AxisCollective
+from .collectives import AxisCollective, all_gather_single
 
 # attributes a module or its config counts its experts in (Mixtral's `num_experts`, DeepSeek's...)
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -368,7 +368,7 @@ class ExpertParallel(AxisCollective):
         gathered = top_k_index.new_empty((n * num_tokens, k))  # rank r's at rows [r N, (r+1) N)
         watchdog.note("all_gather", self.shared_axis(), f"{self.label} routing".strip(), share)
         self.sent_bytes += top_k_index.numel() * top_k_index.element_size()
-        dist.all_gather_into_tensor(gathered, top_k_index.contiguous(), group=share)
+        all_gather_single(gathered, top_k_index.contiguous(), group=share)
         chunks = getattr(self, "token_chunks", 1)
         ordered = gathered.view(n, chunks, num_tokens // chunks, k).transpose(0, 1).reshape(-1, k)
         place = expert_positions(ordered, self.num_experts).view(chunks, n, num_tokens // chunks, k)

@@ -30,10 +30,8 @@ from torch import Tensor, fx, nn
 
 from . import watchdog
 from .buckets import bucket_params, group_by_kind
+from .collectives import all_gather_single
 from .zero_nodes import ZeroGather, ZeroRelease
-
-# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Flat:

@@ -23,10 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import watchdog
+from .collectives import reduce_scatter_single
 from .zero_flats import Flat
-
-# torch >= 2.12 names the tensor-in/tensor-out collectives *_single
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Gradient reductions left running while backward goes on: enough to overlap, and a bound
 # on the full-size gradient buffers alive at once (each is one bucket or one stage-3 unit).
@@ -89,7 +87,7 @@ class ShardedGrads:
             finish = lambda: self._finish_reduce_scatter(f, flat[own].clone())  # noqa: E731
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
-            work = _reduce_scatter(out, flat, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
             finish = functools.partial(self._finish_reduce_scatter, f, out)
         self.pending.append(_Pending(work, finish, flat, op))
         f.reduced = True

@@ -70,7 +70,7 @@ def worker(rank: int, world_size: int, entry_kind: str) -> dict:
     grads = [torch.randn(N, T, o) for o in OUT]
 
     events: list[str] = []
-    real_all_reduce, real_reduce_scatter = dist.all_reduce, collectives._reduce_scatter
+    real_all_reduce, real_reduce_scatter = dist.all_reduce, collectives.reduce_scatter_single
 
     def all_reduce(*args, async_op=False, **kwargs):
         events.append(f"all_reduce async={async_op}")
@@ -90,11 +90,14 @@ def worker(rank: int, world_size: int, entry_kind: str) -> dict:
             outs = tuple(F.linear(inp, w) for w in ws)
         events.clear()
         hooks = [w.register_hook(lambda g, i=i: events.append(f"weight {i}")) for i, w in enumerate(ws)]
-        collectives.dist.all_reduce, collectives._reduce_scatter = all_reduce, reduce_scatter
+        collectives.dist.all_reduce, collectives.reduce_scatter_single = all_reduce, reduce_scatter
         try:
             torch.autograd.backward(outs, grads)
         finally:
-            collectives.dist.all_reduce, collectives._reduce_scatter = real_all_reduce, real_reduce_scatter
+            collectives.dist.all_reduce, collectives.reduce_scatter_single = (
+                real_all_reduce,
+                real_reduce_scatter,
+            )
             for h in hooks:
                 h.remove()
         return [x.grad.clone(), *(w.grad.clone() for w in ws)]

@@ -292,15 +292,18 @@ def test_experts_in_a_pipeline(tmp_path, mesh, data, schedule, zero):
         "mesh pp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep\n}\n\n"
         "data_parallel over ep {\n    zero = 3\n}\n\nprecision {\n    compute = bf16\n}\n\n"
         "pipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n",
+        "mesh ep=2, tp=2\n\nmodules {\n    layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    layers.*.self_attn.o_proj: row over tp\n    layers.*.mlp.experts: experts over ep\n}\n",
     ],
-    ids=["tp-sp", "pipeline-zero3-bf16"],
+    ids=["tp-sp", "pipeline-zero3-bf16", "tp-whole-tokens"],
 )
 def test_experts_kept_as_a_list_of_modules(tmp_path, text):
     """Experts in an `nn.ModuleList` that the block loops over (`expert_layouts.py:listed`),
     stacked and split over `ep`: beside attention split over tp with sequence-parallel norms
     (the routing runs on the gathered tokens), each expert's linears split over tp (the rules
-    name `experts.gate_proj`: every expert's), a router z-loss from the block's top-k; and in a
-    pipeline under ZeRO-3 in bf16."""
+    name `experts.gate_proj`: every expert's), a router z-loss from the block's top-k; in a
+    pipeline under ZeRO-3 in bf16; and beside attention over tp alone, where the tokens reach
+    the experts whole on every tp rank and each takes its split of the list's N k rows."""
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/expert_layouts.py:listed", steps=2))
 
 

@@ -256,7 +256,7 @@ def _one_device_program(plan, source, precision: bool = True):
     from meshplan.compiler.graph import find_loss
     from meshplan.compiler.passes.experts import capacity_factor, expert_modules
     from meshplan.compiler.passes.router_loss import z_loss_of
-    from meshplan.dsl.check import MeshSpec
+    from meshplan.dsl.check import MeshSpec, PrecisionSpec
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.session import call_inputs
 
@@ -276,6 +276,8 @@ def _one_device_program(plan, source, precision: bool = True):
     )
     rules = (plan.rules_of("dtype") if precision else ()) + experts
     alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
+    if not precision:  # the model's own dtype (float64, for the reference): no policy at all
+        alone = replace(alone, precision=PrecisionSpec())
     compiled = compile_plan(alone, source, world_size=1, dynamic=False)  # it runs the job's one shape
     program = build_rank_program(compiled, source.model, 0)
 

@@ -453,7 +453,12 @@ def test_expert_capacity_and_router_z_loss_as_one_device(tmp_path):
     ("mesh", "experts", "factory", "data"),
     [
         ("dp=2, tp=2", "tp", "build", "\ndata_parallel over dp {\n    zero = 1\n}\n"),
-        ("dp=2, tp=2", "dp x tp", "build_listed", "\ndata_parallel over dp {\n    zero = 3\n}\n"),
+        (
+            "dp=2, tp=2",
+            "dp x tp",
+            "build_listed",
+            "\ndata_parallel over dp {\n    zero = 3\n}\n\nprecision {\n    compute = bf16\n}\n",
+        ),
         ("ep=2, tp=2", "ep", "build", ""),
     ],
     ids=["over-tp", "list-over-dp-x-tp", "over-ep-tokens-cut-over-tp"],
@@ -465,7 +470,8 @@ def test_expert_capacity_over_tokens_a_tensor_axis_shares(tmp_path, mesh, expert
     (each rank's rows one chunk per sequence) and sends its own kept pairs. Over `dp x tp` the
     same, the routing gathered over tp alone (dp's ranks route other batches); there with the
     experts kept as a list, whose rows are queued by (slot, token) whatever order the block's
-    loop hands them in. Over their own axis `ep`, the experts see tokens that sequence
+    loop hands them in, in bf16 (its float64 reference: the plan's one-device program without
+    the precision policy). Over their own axis `ep`, the experts see tokens that sequence
     parallelism cuts over tp: tp's ranks queue together likewise. Drops happen, and match the
     float64 reference's; a checkpointed layer drops the same pairs again in backward."""
     text = (

@@ -24,36 +24,12 @@ The pieces, one module each:
     zero_flats.py   parameters as flats (padded 1-D buffers, a shard per rank) and stage 3's units
     zero_grads.py   the gradient reductions per flat, and the averaged gradient shards they leave
     zero_optim.py   AdamW over the fp32 shards (`zero.optimizer`), offload, each rank's state for checkpoints
-    zero_nodes.py   the gather/release nodes of a compiled program, which this engine binds itself to
+    zero_gathers.py when each unit is gathered and freed: hooks on the modules, the compiled program's nodes
+    zero_nodes.py   the gather/release nodes of a compiled program, which `zero_gathers.py` binds itself to
 
-Stage 3 gathers a unit's params before its forward, frees them after it, gathers them
-again before its backward and frees them once backward has accumulated all their
-grads; the next unit (previous, in backward) is prefetched. Two ways to mark the units:
-
-- A compiled program (meshplan's ZeRO pass) calls `ZeroGather` before a layer's first
-  parameter use and `ZeroRelease` on the values leaving it; the engine binds itself to
-  those modules, so the order is the graph's and the gathers are in the ledger:
-
-      zero_gather_layers_0 = self.zero_gather_layers_0(layers_0_attn_q_proj_weight, ...)
-      ...
-      zero_release_layers_0 = self.zero_release_layers_0(add_3)  # frees; backward gathers
-
-  Stages 1 and 2 use the same `ZeroGather` nodes to overlap the all-gather of the
-  updated params with the next forward: `step()` launches it, the node waits for it.
-- Any other module: hooks on every numbered child of a container (`layers.0`, ...), the
-  root for the rest. That needs a module per layer whose forward runs: eager models and
-  `torch.export.unflatten` programs have one, the flat GraphModule of
-  `torch.export(...).module()` does not (it reads every parameter at the top of the
-  graph), so without the compiler's nodes it is one unit, gathered whole.
-
-A pipeline rank holds its stages' parameters in one module that never runs and runs them in
-its stage programs (`programs`), whose nodes drive the engine. Each flat lies within one
-program, so its gradients are whole after that stage's last backward of the step, which
-runs outside `no_sync` (a weight two of the rank's stages read gets a flat of its own that
-only `finish()` reduces). Microbatches interleave, so every unit has a release, gathered
-again for each microbatch's backward and kept (`Flat.pins`) until that backward has
-accumulated its gradients: a split backward (zero-bubble schedules) computes the weight
-gradients later, after other microbatches' forwards.
+Stage 3 gathers a unit's params before its forward and frees them after it, again for its
+backward; stages 1/2 overlap the all-gather of the updated params with the next forward.
+When, on which hook or compiled node, is `zero_gathers.py`'s.
 
 Why not FSDP2: `fully_shard` on the layer holders of a flat exported graph fails (their
 forward never runs, so the graph mixes DTensor params with plain tensors), and on the
@@ -66,19 +42,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, fx, nn
-from torch.utils._pytree import tree_flatten
 
 from . import watchdog
-from .zero_flats import Flat, Unit, bucket_flats, build_units, units_from_nodes
+from .zero_flats import Unit, bucket_flats, build_units, unique, units_from_nodes
+from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
-from .zero_nodes import Gathered, graph_units
+from .zero_nodes import ZeroGather, ZeroRelease, graph_units
 from .zero_optim import OwnState, ShardedAdamW
 
 
@@ -152,23 +128,22 @@ class Zero:
         decays = {id(p): decay is None or decay(n, p) for n, p in params}
         # the compiled graph's ZeroGather nodes, in program order (none on other modules), and
         # the program each is in: a pipeline rank runs several (its stages), each on its own
-        self._programs = list(programs) or [module]
-        self._nodes, self._program_of = [], []
-        for k, program in enumerate(self._programs if units is None else []):
+        programs = list(programs) or [module]
+        nodes: list[tuple[ZeroGather, ZeroRelease | None]] = []
+        program_of: list[int] = []
+        for k, program in enumerate(programs if units is None else []):
             found = graph_units(program, node_axis)
-            self._nodes += found
-            self._program_of += [k] * len(found)
+            nodes += found
+            program_of += [k] * len(found)
         aliases = dict(module.named_parameters(remove_duplicate=False))  # a tied param has two names
         # A param several programs read (a weight tied across two stages of a pipeline rank) has
         # a flat of its own, reduced only by `finish()`: each program's last backward of the
         # step is synchronized, and neither is the last to add to its gradient.
-        shared = _read_by_several(params, self._programs, aliases)
+        shared = _read_by_several(params, programs, aliases)
         self.units: list[Unit]
-        if config.stage == 3 and self._nodes:
-            self.units = units_from_nodes(
-                self._nodes, params, aliases, group, shard_device, decays, axis, alone
-            )
-            self.flats = _unique(f for u in self.units for f in u.flats)
+        if config.stage == 3 and nodes:
+            self.units = units_from_nodes(nodes, params, aliases, group, shard_device, decays, axis, alone)
+            self.flats = unique(f for u in self.units for f in u.flats)
         elif config.stage == 3:
             self.units = build_units(module, params, group, shard_device, units, decays, axis)
             self.flats = [f for u in self.units for f in u.flats]
@@ -177,37 +152,14 @@ class Zero:
             # a flat within one program: its gradients are complete after that program's backward
             self.flats = [
                 f
-                for part in _by_program(params, self._programs, aliases)
+                for part in _by_program(params, programs, aliases)
                 for f in bucket_flats(
                     part, config.bucket_bytes, group, shard_device, decays, axis, [*alone, *shared]
                 )
             ]
-        self._units_of: dict[int, list[Unit]] = {}  # a flat of a tied weight is in several
-        for u in self.units:
-            for f in u.flats:
-                self._units_of.setdefault(id(f), []).append(u)
         # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
         self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
-        # stages 1/2 on a compiled graph: which flats each ZeroGather node waits for
-        flat_of = {id(p): f for f in self.flats for p in f.params}
-        self._waits = [
-            _unique(flat_of[id(aliases[n])] for n in g.params if n in aliases and id(aliases[n]) in flat_of)
-            for g, _ in self._nodes
-        ]
-        # stage 3: the flat and name of each parameter a gather node hands out in another dtype
-        named_in = {id(p): (f, n) for f in self.flats for n, p in zip(f.names, f.params, strict=True)}
-        self._read_as = [
-            [
-                named_in.get(id(aliases[n])) if d is not None and n in aliases else None
-                for n, d in zip(g.params, g.dtypes, strict=True)
-            ]
-            for g, _ in self._nodes
-        ]
-        waited = {id(f) for fs in self._waits for f in fs}
-        self._unwaited = [f for f in self.flats if id(f) not in waited]  # params no node uses
-        self._release_order = [i for i, (_, release) in enumerate(self._nodes) if release is not None]
-        self._release_order.sort(key=lambda i: self._nodes[i][1].position)  # type: ignore[union-attr]
         self._adam = ShardedAdamW(
             self.flats,
             group,
@@ -235,10 +187,11 @@ class Zero:
             divisor=divisor,
         )
         self._issued: Counter[tuple[str, int]] = Counter()
-        # stage 3: the most parameter bytes gathered at once during the last step (`peak_gathered`)
-        self._peak_gathered = self.peak_gathered = 0
         self._last_issued: Counter[tuple[str, int]] = Counter()
-        self._forward_order: list[Unit] = []
+        self.peak_gathered = 0  # stage 3: the most parameter bytes gathered at once in the last step
+        self._gathers = Gathers(
+            module, programs, config.stage, self.flats, self.units, nodes, program_of, aliases, self._record
+        )
         self._handles = self._register_hooks()
 
     # ------------------------------------------------------------------ public API
@@ -258,9 +211,9 @@ class Zero:
             for f in self.flats:
                 f.pins = 0  # a backward that left a param without a gradient
         else:
-            self._all_gather_params(wait=not self._nodes)
+            self._all_gather_params(wait=not self._gathers.nodes)
         self._last_issued, self._issued = self._issued, Counter()
-        self.peak_gathered, self._peak_gathered = self._peak_gathered, 0
+        self.peak_gathered, self._gathers.peak = self._gathers.peak, 0
 
     def wait_params(self) -> None:
         """Stages 1/2: wait for the all-gather of the updated params still running (see `step`)."""
@@ -428,164 +381,26 @@ class Zero:
         else:
             self._all_gather_params(wait=True)
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ hooks
 
     def _register_hooks(self) -> list[Any]:
-        handles = [self.module.register_forward_pre_hook(self._before_root_forward)]
-        if self._programs != [self.module]:  # a pipeline's stages: the module itself never runs
-            handles += [p.register_forward_pre_hook(self._before_program_forward) for p in self._programs]
-        for i, f in enumerate(self.flats):
-            for p in f.params:
-                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
-        for u in self.units:
-            if u.module is None:
-                continue  # driven by the graph's nodes
-            handles.append(u.module.register_forward_pre_hook(self._before_unit_forward(u)))
-            if u.refetch:
-                handles.append(u.module.register_forward_hook(self._after_unit_forward(u)))
-        for index, (gather, release) in enumerate(self._nodes):
-            gather.bind(self, index)
-            if release is not None:
-                release.bind(self, index)
-        return handles
+        """A hook on every parameter's gradient; the modules' hooks and the nodes are `Gathers`'."""
+        self._gathers.register()
+        return [
+            p.register_post_accumulate_grad_hook(self._grad_hook(i))
+            for i, f in enumerate(self.flats)
+            for p in f.params
+        ]
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
-        for gather, release in self._nodes:
-            gather.bind(None, -1)
-            if release is not None:
-                release.bind(None, -1)
-
-    # ------------------------------------------------------------------ hooks
-
-    def _before_root_forward(self, module: nn.Module, args: Any) -> None:
-        if _in_backward():  # recomputation under activation checkpointing
-            return
-        for f in self.flats:
-            f.ready = 0
-        for f in self._unwaited:
-            f.wait_gather()
-
-    def _before_program_forward(self, module: nn.Module, args: Any) -> None:
-        """A pipeline stage starts: the params no node waits for must be whole. Unlike the
-        root's hook, it keeps the flats' counts of gradients: another stage's backward of the
-        step may have run, and each flat is counted by its own program's backwards."""
-        if not _in_backward():
-            for f in self._unwaited:
-                f.wait_gather()
-
-    def _before_unit_forward(self, unit: Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            unit.gather(self._record)
-            if _in_backward():
-                return
-            if unit not in self._forward_order:
-                self._forward_order.append(unit)  # learned on the first forward
-            i = self._forward_order.index(unit)
-            if i + 1 < len(self._forward_order):
-                self._forward_order[i + 1].prefetch(self._record)
-            self._track_gathered()
-
-        return hook
-
-    def _after_unit_forward(self, unit: Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():  # recomputation: backward frees it once its grads are in
-                return
-            unit.free()
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, Tensor) and t.requires_grad:
-                    t.register_hook(self._before_unit_backward(unit))
-
-        return hook
-
-    def _before_unit_backward(self, unit: Unit) -> Callable[[Tensor], None]:
-        def hook(grad: Tensor) -> None:
-            unit.gather(self._record)
-            i = self._forward_order.index(unit)
-            if i > 0:
-                self._forward_order[i - 1].prefetch(self._record)
-            self._track_gathered()
-
-        return hook
-
-    def on_gather(self, index: int, params: Sequence[Tensor]) -> tuple[Tensor | None, ...] | None:
-        """`ZeroGather` node `index` runs: its layer's params must be whole from here on. Under
-        mixed precision it returns the params the graph reads in another dtype (`ZeroGather`)."""
-        if self.config.stage < 3:
-            for f in self._waits[index]:
-                f.wait_gather()
-            return None
-        self.units[index].gather(self._record)
-        if not _in_backward() and self._same_program(index, index + 1):
-            self.units[index + 1].prefetch(self._record)
-        self._track_gathered()
-        dtypes = self._nodes[index][0].dtypes
-        if not any(dtypes):
-            return None
-        out: list[Tensor | None] = [None] * len(params)
-        views, mine = [], []
-        for i, (p, dtype, at) in enumerate(zip(params, dtypes, self._read_as[index], strict=True)):
-            if dtype is None:
-                continue
-            if at is not None and at[0].low is not None and at[0].low.dtype == dtype:
-                views.append(at[0].views[at[1]])
-                mine.append(i)
-            else:  # gathered in its own dtype (read in several): cast here, as the graph did
-                out[i] = p.to(dtype)
-        for i, value in zip(
-            mine, Gathered.apply(len(views), *views, *(params[i] for i in mine)), strict=True
-        ):
-            out[i] = value
-        return tuple(out)
-
-    def _same_program(self, index: int, other: int) -> bool:
-        """Whether unit `other` runs next to unit `index`, in the same program (the next stage
-        on a pipeline rank runs at another time: prefetching it would hold it gathered)."""
-        return 0 <= other < len(self._nodes) and self._program_of[other] == self._program_of[index]
-
-    def on_release(self, index: int) -> None:
-        """`ZeroRelease` node `index` runs in forward: the layer is done with its params until
-        backward. A flat a backward still needs (`Flat.pins`) stays."""
-        if not _in_backward():
-            for f in self.units[index].flats:
-                if not f.pins:
-                    f.free_full()
-
-    def before_backward(self, index: int) -> None:
-        """The gradient reached `ZeroRelease` node `index`: gather its layer for its backward and
-        prefetch the layer whose backward comes next (the one released before it).
-
-        The layer's flats stay gathered until this backward has accumulated their gradients:
-        a pipeline's split backward computes them later (W, after the input gradients), and the
-        forwards of other microbatches may run in between; some weight gradients read the
-        weights (a LayerNorm's), and so does recomputing a checkpointed layer."""
-        self.units[index].gather(self._record)
-        for f in self.units[index].flats:
-            f.pins += 1
-        k = self._release_order.index(index)
-        if k > 0 and self._same_program(index, self._release_order[k - 1]):
-            self.units[self._release_order[k - 1]].prefetch(self._record)
-        self._track_gathered()
-
-    def _grads_done(self, f: Flat) -> None:
-        """Stage 3: backward has accumulated the gradients of every param of `f`. A flat no
-        backward pinned (a unit kept gathered from its forward) is freed now; a pinned one once
-        every flat of its unit is done (recomputing a checkpointed layer reads all of them)."""
-        if not f.pins:
-            f.free_full()
-            return
-        f.pins -= 1
-        for unit in self._units_of[id(f)]:
-            if not any(g.pins for g in unit.flats):
-                unit.free()
-
-    def _track_gathered(self) -> None:
-        now = sum(f.full_nbytes() for f in self.flats if f.is_gathered())
-        self._peak_gathered = max(self._peak_gathered, now)
+        self._gathers.remove()
 
     def _grad_hook(self, index: int) -> Callable[[Tensor], None]:
+        """Backward accumulated one parameter's gradient; once it has all of a flat's (counted
+        from each forward: `Gathers`), reduce the flat, and under stage 3 free it."""
+
         def hook(param: Tensor) -> None:
             f = self.flats[index]
             f.ready += 1
@@ -595,7 +410,7 @@ class Zero:
             if self._sync and id(f) not in self._late:
                 self._grads.start(f)
             if self.config.stage == 3:
-                self._grads_done(f)
+                self._gathers.grads_done(f)
 
         return hook
 
@@ -704,14 +519,6 @@ def _by_program(
     for name, p in params:
         parts[first.get(id(p), len(programs))].append((name, p))
     return [part for part in parts if part]
-
-
-def _unique(flats: Iterable[Flat]) -> list[Flat]:
-    return list({id(f): f for f in flats}.values())
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_bytes(t: Tensor, seen: set[int]) -> int:

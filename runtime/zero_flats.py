@@ -21,7 +21,7 @@ compiler's ledger uses too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -221,6 +221,11 @@ class Unit:
     def free(self) -> None:
         for f in self.flats:
             f.free_full()
+
+
+def unique(flats: Iterable[Flat]) -> list[Flat]:
+    """`flats` in order, each once (a flat of a tied weight is in several units)."""
+    return list({id(f): f for f in flats}.values())
 
 
 # ---------------------------------------------------------------------- grouping

@@ -2,7 +2,8 @@
 
 from .check import Plan, check, check_text, load_plan
 from .errors import Diagnostic, PlanError, PlanFileError, PlanSyntaxError, PlanValidationError, Span
-from .parser import parse, read_plan_text
+from .limits import read_plan_text
+from .parser import parse
 
 __all__ = [
     "Diagnostic",

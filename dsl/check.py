@@ -26,7 +26,8 @@ from .errors import (
     did_you_mean,
     one_of,
 )
-from .parser import MAX_INT, parse_recovering, read_plan_text
+from .limits import MAX_INT, read_plan_text
+from .parser import parse_recovering
 from .patterns import Glob, PatternSyntaxError
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}

@@ -28,7 +28,7 @@ import pytest
 from meshplan.dsl import PlanError, check_text, parse
 from meshplan.dsl.errors import MAX_KEPT, MAX_SHOWN, render_diagnostics
 from meshplan.dsl.fmt import format_plan
-from meshplan.dsl.parser import MAX_PLAN_BYTES, MAX_PLAN_LINES, decode_plan_bytes
+from meshplan.dsl.limits import MAX_PLAN_BYTES, MAX_PLAN_LINES, decode_plan_bytes
 
 NAME = "h.plan"
 MIB = 1 << 20

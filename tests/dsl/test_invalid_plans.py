@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.dsl.parser import MAX_PLAN_BYTES
+from meshplan.dsl.limits import MAX_PLAN_BYTES
 from meshplan.main import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import pytest
 
 from meshplan.dsl import PlanError, PlanFileError, PlanSyntaxError, Span, check_text, load_plan, parse
 from meshplan.dsl import ast as A
-from meshplan.dsl.parser import MAX_PLAN_BYTES, MAX_SYNTAX_ERRORS, decode_plan_bytes, parse_recovering
+from meshplan.dsl.limits import MAX_PLAN_BYTES, MAX_SYNTAX_ERRORS, decode_plan_bytes
+from meshplan.dsl.parser import parse_recovering
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
 

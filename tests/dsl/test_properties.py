@@ -19,7 +19,8 @@ from hypothesis.extra.lark import from_lark
 
 from meshplan.dsl import PlanError, PlanSyntaxError, check_text, parse
 from meshplan.dsl.fmt import format_plan
-from meshplan.dsl.parser import _lark, decode_plan_bytes
+from meshplan.dsl.lalr import lark_parser
+from meshplan.dsl.limits import decode_plan_bytes
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.plan"))
 EXAMPLE_TEXTS = [p.read_text(encoding="utf-8") for p in EXAMPLES]
@@ -65,14 +66,14 @@ def _grammar_terminals() -> dict[str, st.SearchStrategy[str]]:
         ).map("".join),
         "WS_INLINE": st.sampled_from([" ", "  ", "\t"]),
     }
-    for t in _lark().terminals:
+    for t in lark_parser().terminals:
         if t.pattern.type == "str" and t.name not in explicit:
             value = t.pattern.value
             explicit[t.name] = st.just(f" {value} " if value[-1:].isalnum() else value)
     return explicit
 
 
-GRAMMAR_PLANS = from_lark(_lark(), explicit=_grammar_terminals())
+GRAMMAR_PLANS = from_lark(lark_parser(), explicit=_grammar_terminals())
 
 
 @FAST

@@ -1,5 +1,5 @@
 """The example MoE model (examples/models/moe.py) with its experts' matrices laid out as other
-codebases lay them out, for tensor parallelism inside experts (`compiler/expert_tensor_rules.py`):
+codebases lay them out, for tensor parallelism inside experts (`compiler/passes/tensor_parallel/expert_tensor_rules.py`):
 
 - `grouped`: separate gate `w1`, up `w3` (E, H, I) and down `w2` (E, I, H), stored (in, out) and
   applied as `x @ w` (a grouped-matmul layout), I = 32 != H = 64;

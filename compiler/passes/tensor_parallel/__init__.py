@@ -45,6 +45,7 @@ from . import attention, experts, linear, pointwise, shapes  # noqa: F401  (each
 from .grad_sums import defer_weight_sums
 from .matmul_attention import attention_as_sdpa
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
+from .tensor_rules import tensor_specs
 from .walk import Walk
 
 __all__ = ["PASS", "ParamPlacement", "TensorParallelError", "TensorParallelSpec", "run", "tensor_parallel"]
@@ -67,8 +68,6 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     mesh order. A walk keeps the placements the earlier ones gave (every node has one per axis)
     and passes them through the collectives they inserted, which move data over their own
     axis only."""
-    from ...tensor_rules import tensor_specs
-
     ctx.tensor, found = tensor_specs(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout)
     ctx.diagnostics += found
     if ctx.failed:

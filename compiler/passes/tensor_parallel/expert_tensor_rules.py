@@ -13,7 +13,7 @@ weight would be:
 Each rank of `tp` then runs the model's own experts code on its slice of every expert (the
 intermediate features I/tp) and the unit's output is a partial sum over `tp`, reduced once
 after the experts combine their tokens (the tensor-parallel walk's rule for the unit,
-`passes/tensor_parallel/experts.py`). Which dim is an expert's output comes from the shapes:
+`experts.py`). Which dim is an expert's output comes from the shapes:
 the token width H is the input of every column matrix and the output of every row matrix,
 weights stored (E, out, in) as `F.linear` reads them or transposed (E, in, out) as a grouped
 matmul reads them (a module's own `is_transposed` says which when I = H). A column matrix
@@ -39,7 +39,7 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.experts import local_experts
 from meshplan.runtime.shards import Cut, shard_of
 
-from .placement import Placement, Shard
+from ...placement import Placement, Shard
 
 _PROBE_TOKENS = 5
 

@@ -19,7 +19,8 @@ from ...graph import (
     shape,
 )
 from ...placement import REPLICATE, Partial, Replicate, Shard
-from .walk import Walk, _merged_blocks, _norm_dim, _uneven, register
+from .conversions import _uneven
+from .walk import Walk, _norm_dim, register
 
 aten = torch.ops.aten
 
@@ -340,3 +341,28 @@ def _cat(w: Walk, node: fx.Node) -> None:
             w.set(node, shard, rule)
             return
     w.error(node, f"{describe(node)} concatenates tensors with different placements over `{w.axis}`")
+
+
+def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]] | None:
+    """Where a shard on `dim` lands when a reshape merges `dim` with outer dims into one output
+    dim, and the blocks it is then cut in: (B, T, H) Shard(1) -> (B*T, H) is (0, (T,) * B).
+
+    Each rank's rows stay in place: its chunk of every block. None if the reshape does not
+    merge `dim` that way (or sizes are not static).
+    """
+    if not all(isinstance(s, int) for s in (*in_shape, *out_shape)):
+        return None
+    prefix_in = [1]
+    for s in in_shape:
+        prefix_in.append(prefix_in[-1] * s)
+    prefix_out = 1
+    for j, size in enumerate(out_shape):
+        if prefix_out in prefix_in and prefix_out * size in prefix_in:
+            first, last = prefix_in.index(prefix_out), prefix_in.index(prefix_out * size) - 1
+            while first < len(in_shape) and in_shape[first] == 1 and first < dim:
+                first += 1
+            if first < dim <= last:
+                outer = prefix_in[dim] // prefix_in[first]
+                return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
+        prefix_out *= size
+    return None

@@ -28,8 +28,8 @@ from typing import cast
 import torch
 from torch import fx
 
-from .graph import hint, is_guard_error, value
-from .placement import PARTIAL, REPLICATE, Partial, Placement, Shard
+from ...graph import hint, is_guard_error, value
+from ...placement import PARTIAL, REPLICATE, Partial, Placement, Shard
 
 
 @dataclass(frozen=True)

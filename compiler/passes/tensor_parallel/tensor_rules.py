@@ -23,10 +23,10 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 from meshplan.runtime.mesh import MeshLayout
 
+from ...match import Resolution
+from ...placement import REPLICATE, Placement, Shard
 from .expert_tensor_rules import expert_split
-from .match import Resolution
-from .passes.tensor_parallel import ParamPlacement, TensorParallelSpec
-from .placement import REPLICATE, Placement, Shard
+from .spec import ParamPlacement, TensorParallelSpec
 
 _EMBEDDING_LIKE = (nn.Embedding,)
 

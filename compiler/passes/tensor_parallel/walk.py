@@ -1,12 +1,12 @@
-"""The walk of one tensor axis over the graph: placements, conversions between them (the
-collectives), and the registry of op rules the other modules of this package fill."""
+"""The walk of one tensor axis over the graph: every node visited in order, its placement
+decided by the op rule registered for its target (the other modules of this package register
+them; DTensor's strategies decide an op with none) or by running it on whole tensors; the
+conversions it needs are `conversions.py`'s."""
 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable
-from typing import NoReturn
 
 import torch
 from torch import fx
@@ -16,7 +16,6 @@ from torch.fx.node import Argument, Target
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import (
-    COLLECTIVES,
     AllGather,
     AllReduce,
     AllToAll,
@@ -29,15 +28,12 @@ from meshplan.runtime.collectives import (
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
 
 from ...graph import (
-    COLLECTIVE,
-    PLACEMENT,
     REQUIRES_GRAD,
     RULE,
     arg_node,
     as_int,
     as_list,
     describe,
-    divides,
     guard_error,
     hint,
     is_guard_error,
@@ -47,9 +43,10 @@ from ...graph import (
     shape,
     value,
 )
-from ...placement import REPLICATE, Partial, Placement, Replicate, Shard
-from ...strategies import ask
-from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
+from ...placement import REPLICATE, Placement, Replicate, Shard
+from .conversions import Conversions, _uneven
+from .spec import ParamPlacement, TensorParallelSpec
+from .strategies import ask
 
 aten = torch.ops.aten
 # ops whose output is a new constant, whatever their input (read for its shape or dtype only):
@@ -83,100 +80,14 @@ _LAYOUT_KEEPING = (
 # ---------------------------------------------------------------------------- the walk
 
 
-class Walk:
+class Walk(Conversions):
     def __init__(self, gm: fx.GraphModule, spec: TensorParallelSpec):
-        self.gm, self.graph, self.spec = gm, gm.graph, spec
-        self.axis, self.n = spec.axis, spec.size
-        self.diagnostics: list[Diagnostic] = []
-        self.converted: dict[tuple[fx.Node, str, int | None, int, int | None], fx.Node] = {}
-        # (rows, blocks) of the token dim once a sequence shard is flattened with the batch:
-        # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
-        self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
+        super().__init__(gm, spec)
         self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
         self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
         asked = any(getattr(r.action, "layout", None) == "balanced" for r in spec.context_modules.values())
         if spec.balanced and not asked and not _attends_causally(gm, spec.context_modules):
             spec.balanced = False  # nothing to balance: every rank's attention is the same work
-
-    # -- facts
-    def placement(self, node: Argument) -> Placement:
-        if not isinstance(node, fx.Node):
-            return REPLICATE
-        return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
-
-    def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
-        if isinstance(placement, Shard):
-            nested = [
-                a for a, p in self.other_axes(node).items() if isinstance(p, Shard) and p.dim == placement.dim
-            ]
-            if nested:
-                self.error(
-                    node,
-                    f"{describe(node)} would be sharded along dim {placement.dim} over both `{nested[0]}` and "
-                    f"`{self.axis}`; meshplan does not nest two axes' shards of one dim yet",
-                    hint="split each dim over one axis (e.g. keep `sequence` rules on one tensor axis)",
-                    rule=rule,
-                )
-        node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
-        if rule is not None:
-            node.meta[RULE] = rule
-        if isinstance(placement, Shard) and is_tensor_node(node):
-            self.cut(node, placement, rule)
-
-    def cut(self, node: fx.Node, placement: Shard, rule: PlanRule | None) -> None:
-        """Check a shard of a size that follows from the token shape (a sequence over the axis):
-        one that does not divide at the example shape is a located error; one that divides for
-        some shapes only is noted, for the run to check its own (`capture.TokenShapes`)."""
-        sizes = shape(node)
-        if placement.dim >= len(sizes) or placement.padded or placement.blocks:
-            return  # padded and blocked sizes are constants, checked where they are decided
-        size = sizes[placement.dim]
-        example = hint(size)
-        if example is None:
-            return  # a data-dependent size: never sharded into (the rules refuse it)
-        pieces = self.n // placement.replicas * (2 if self.spec.balanced else 1)
-        ok = divides(pieces, size)
-        because = (
-            (self.rule_for_module(node) or self.sequence_rule_near(node))
-            if self.spec.sequence_parallel
-            else None
-        ) or (rule or self.rule_near(node))
-        if ok is False or example % pieces:
-            what = (
-                f"{pieces} chunks (2 per rank: the load-balanced layout)"
-                if self.spec.balanced
-                else f"{pieces} shards"
-            )
-            self.error(
-                node,
-                f"{describe(node)} cuts dim {placement.dim} (size {example}) into {what} "
-                f"over `{self.axis}`, and {example} does not divide by {pieces}",
-                hint="compile and run with a --seq (and --batch) that the plan's splits divide",
-                rule=because,
-            )
-        if ok is None and isinstance(size, torch.SymInt):
-            self.spec.cuts.setdefault((size.node.expr, pieces), because)
-
-    def other_axes(self, node: fx.Node) -> dict[str, Placement]:
-        """`node`'s placements over the other axes: what a node this walk derives from it keeps."""
-        return {k: v for k, v in node.meta.get(PLACEMENT, {}).items() if k != self.axis}
-
-    def requires_grad(self, node: Argument) -> bool:
-        return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
-
-    def error(
-        self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
-    ) -> NoReturn:
-        rule = rule or self.rule_near(node)
-        span = rule.span if rule else self.spec.fallback_span
-        raise TensorParallelError(Diagnostic(span, message, hint))
-
-    def rule_near(self, node: fx.Node) -> PlanRule | None:
-        for arg in node.all_input_nodes:
-            rule = arg.meta.get(RULE)
-            if rule is not None:
-                return rule
-        return None
 
     # -- driver
     def run(self) -> None:
@@ -290,7 +201,7 @@ class Walk:
 
     def default(self, node: fx.Node) -> None:
         """Ops without a hand rule: replicated inputs give a replicated output; otherwise
-        DTensor's strategy for the op decides (`compiler/strategies.py`)."""
+        DTensor's strategy for the op decides (`strategies.py`)."""
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
         if all(isinstance(self.placement(a), Replicate) for a in inputs):
             self.set(node, REPLICATE)
@@ -366,166 +277,6 @@ class Walk:
             )
         self.set(node, REPLICATE, rule)
 
-    # -- conversions
-    def use(self, node: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
-        """Make `node` read `new` where it read `old`; returns `new`."""
-        if new is not old:
-            node.replace_input_with(old, new)
-        return new
-
-    def convert(
-        self, arg: fx.Node, target: Placement, *, into_sharded: bool = False, because: PlanRule | None = None
-    ) -> fx.Node:
-        """A node holding `arg` in `target` placement; `into_sharded` marks use by sharded compute,
-        whose gradient w.r.t. `arg` is partial and must be summed in backward (Megatron's f).
-        `because` is the rule that demands the conversion, for the ledger and `explain`."""
-        have = self.placement(arg)
-        if isinstance(have, Partial):
-            arg = self.reduce_partial(arg)
-            have = self.placement(arg)
-        if (isinstance(have, Shard) and _uneven(have) and have != target) or (
-            isinstance(target, Shard) and _uneven(target) and have != target
-        ):
-            self.error(
-                arg,
-                f"{describe(arg)} is a fused projection's output ({have}); meshplan can only split it "
-                "into its blocks",
-                hint="use the fused output only through its split into q, k and v",
-            )
-        if have != target and any(isinstance(p, Shard) and p.replicas > 1 for p in (have, target)):
-            self.error(
-                arg,
-                f"{describe(arg)} holds key/value heads replicated over `{self.axis}` ({have}); "
-                "it can only be repeated to the query heads",
-            )
-        if isinstance(target, Shard) and target.padded and have != target:
-            self.error(
-                arg, f"cannot move {describe(arg)} from {have} to a padded {target} over `{self.axis}`"
-            )
-        if have == target:
-            if isinstance(target, Replicate) and into_sharded and self.requires_grad(arg):
-                return self.collective("copy_to", arg, None, REPLICATE, because)
-            return arg
-        if isinstance(have, Shard) and isinstance(target, Replicate):
-            kind = "all_gather" if into_sharded else "gather_replicated"
-            whole = self.collective(kind, arg, have.dim, REPLICATE, because, blocks=len(have.blocks) or 1)
-            return self.unpadded(whole, have) if have.padded else whole
-        if isinstance(have, Replicate) and isinstance(target, Shard):
-            return self.collective("split", arg, target.dim, target, because, blocks=len(target.blocks) or 1)
-        if isinstance(have, Shard) and isinstance(target, Shard) and not (have.blocks or target.blocks):
-            return self.collective("all_to_all", arg, have.dim, target, because, to=target.dim)
-        self.error(
-            arg,
-            f"cannot move {describe(arg)} from {have} to {target} over `{self.axis}`",
-            hint="a blocked shard (a fused projection's, or a sequence flattened with the batch) "
-            "moves to another dim only through a whole tensor",
-        )
-        raise AssertionError("unreachable")
-
-    def unpadded(self, whole: fx.Node, was: Shard) -> fx.Node:
-        """A gathered padded shard without its padding: the first `was.padded` entries of its dim."""
-        key = (whole, "unpad", was.dim, 1, None)
-        if key not in self.converted:
-            with self.graph.inserting_after(whole):
-                node = self.graph.call_function(aten.slice.Tensor, (whole, was.dim, 0, was.padded))
-            node.meta.update(
-                {k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-            )
-            node.meta[PLACEMENT] = self.other_axes(whole)
-            self.set(node, REPLICATE, whole.meta.get(RULE))
-            self.converted[key] = node
-        return self.converted[key]
-
-    def reduce_partial(self, arg: fx.Node) -> fx.Node:
-        """Sum a partial result right where it is made (the rule behind it made it partial)."""
-        because = arg.meta.get(RULE)
-        rows = shape(arg)[:1]
-        if (
-            self.spec.sequence_parallel
-            and self.flat_tokens
-            and rows
-            and known_equal(rows[0], self.flat_tokens[0])
-        ):
-            _, blocks = self.flat_tokens  # tokens flattened with the batch: scatter each sequence
-            return self.collective("reduce_scatter", arg, 0, Shard(0, blocks), because, blocks=len(blocks))
-        if self.spec.sequence_parallel and len(shape(arg)) > self.spec.seq_dim:
-            return self.collective(
-                "reduce_scatter", arg, self.spec.seq_dim, Shard(self.spec.seq_dim), because
-            )
-        return self.collective("all_reduce", arg, None, REPLICATE, because)
-
-    def rule_for_module(self, node: fx.Node) -> PlanRule | None:
-        """The `sequence` rule of the module `node` runs in, if any (it is why the node is sharded)."""
-        path = module_path(node)
-        while path:
-            if path in self.spec.sequence_modules:
-                return self.spec.sequence_modules[path]
-            path = path.rpartition(".")[0]
-        return None
-
-    def sequence_rule_near(self, node: fx.Node) -> PlanRule | None:
-        """The `sequence` rule that put a tensor on sequence shards near `node`: its module's own,
-        else the one whose module shares the longest path prefix with it (the layer's norm)."""
-        own = self.rule_for_module(node)
-        if own is not None or not self.spec.sequence_modules:
-            return own
-        parts = module_path(node).split(".")
-
-        def shared(path: str) -> int:
-            return next(
-                (i for i, (a, b) in enumerate(zip(parts, path.split("."), strict=False)) if a != b),
-                len(parts),
-            )
-
-        best = max(self.spec.sequence_modules, key=shared)
-        return self.spec.sequence_modules[best]
-
-    def collective(
-        self,
-        kind: str,
-        arg: fx.Node,
-        dim: int | None,
-        out: Placement,
-        because: PlanRule | None = None,
-        *,
-        blocks: int = 1,
-        to: int | None = None,
-    ) -> fx.Node:
-        """A `kind` collective of `arg` over the axis; `blocks` > 1 runs it on each of that many
-        equal blocks of `dim` (a sequence shard flattened with the batch); `to` is an all-to-all's
-        destination dim."""
-        key = (arg, kind, dim, blocks, to)
-        if key in self.converted:
-            return self.converted[key]
-        name = self.module_for(kind)
-        args: tuple[Argument, ...] = (
-            (arg,) if dim is None else (arg, dim) if blocks == 1 else (arg, dim, blocks)
-        )
-        if to is not None:
-            args = (arg, dim, to)
-        with self.graph.inserting_after(arg):
-            node = self.graph.call_module(name, args)
-        node.meta.update(
-            {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-        )
-        node.meta[PLACEMENT] = self.other_axes(arg)
-        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
-        sequence = self.spec.sequence_parallel and isinstance(out, Shard) and kind == "reduce_scatter"
-        self.set(node, out, self.sequence_rule_near(arg) if sequence else arg.meta.get(RULE))
-        self.converted[key] = node
-        return node
-
-    def module_for(self, kind: str) -> str:
-        """The name of the graph's submodule for collective `kind` on this axis, created on first use.
-
-        The compiled graph holds group-less instances; `build_rank_program` binds each
-        rank's process groups.
-        """
-        name = f"{kind}_{self.axis}"
-        if not hasattr(self.gm, name):
-            self.gm.add_submodule(name, COLLECTIVES[kind](None, self.axis, balanced=self.spec.balanced))
-        return name
-
     def fuse_blocks(
         self, node: fx.Node, dim: int, params: tuple[fx.Node, fx.Node | None], *, weight_dim: int
     ) -> tuple[int, ...]:
@@ -552,38 +303,22 @@ class Walk:
                     self.set(param, placement)
         return blocks
 
-    # -- shapes
-    def local_sizes(self, sizes: Argument, out: Placement) -> list[Argument]:
-        """A size list with the sharded dim divided by the axis size (-1 stays -1). A size the
-        graph computes from the token shape (a `sym_size` node: the whole sequence) is divided
-        by a node of its own: the run's size, whatever it is, over the axis."""
-        local = as_list(sizes)
-        size_node = local[out.dim] if isinstance(out, Shard) else None
-        if isinstance(out, Shard) and isinstance(size_node, fx.Node):
-            if out.padded or out.replicas > 1:
-                raise AssertionError("padded and replicated shards cut constant sizes")
-            local[out.dim] = self.divided(size_node, self.n)
-        elif isinstance(out, Shard) and local[out.dim] != -1:
-            size = as_int(local[out.dim])  # a data-dependent size is never sharded into
-            if size % (self.n // out.replicas) and not out.padded:
-                raise AssertionError("divisibility is checked when the placement is decided")
-            local[out.dim] = out.chunk(size, self.n)
-        return local
 
-    def divided(self, size: fx.Node, n: int) -> fx.Node:
-        """A node computing `size // n` right after `size` (one per size node and axis size).
-        That it divides is noted when the shard is placed (`cut`)."""
-        key = (size, "floordiv", None, n, None)
-        if key not in self.converted:
-            with self.graph.inserting_after(size):
-                node = self.graph.call_function(operator.floordiv, (size, n))
-            node.meta["val"] = size.meta["val"] // n
-            self.converted[key] = node
-        return self.converted[key]
+# ---------------------------------------------------------------------------- the op rules
 
-
+# op -> the rule deciding its placement (`Walk.run` dispatches on it; an op without one goes to
+# `Walk.default`); the op-rule modules of this package fill it with `register`
 Rule = Callable[[Walk, fx.Node], None]
 _RULES: dict[object, Rule] = {}
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
 
 
 def _through_casts(node: fx.Node) -> fx.Node:
@@ -607,46 +342,6 @@ def _get_attr(gm: fx.GraphModule, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def register(*targets) -> Callable[[Rule], Rule]:
-    def deco(fn: Rule) -> Rule:
-        for t in targets:
-            _RULES[t] = fn
-        return fn
-
-    return deco
-
-
-def _uneven(p: Shard) -> bool:
-    """A blocked shard whose blocks differ in size (Phi-3's q/k/v under GQA): only the split
-    into its blocks can use it. Equal blocks are a strided layout collectives handle."""
-    return len(set(p.blocks)) > 1
-
-
-def _merged_blocks(in_shape, out_shape, dim: int) -> tuple[int, tuple[int, ...]] | None:
-    """Where a shard on `dim` lands when a reshape merges `dim` with outer dims into one output
-    dim, and the blocks it is then cut in: (B, T, H) Shard(1) -> (B*T, H) is (0, (T,) * B).
-
-    Each rank's rows stay in place: its chunk of every block. None if the reshape does not
-    merge `dim` that way (or sizes are not static).
-    """
-    if not all(isinstance(s, int) for s in (*in_shape, *out_shape)):
-        return None
-    prefix_in = [1]
-    for s in in_shape:
-        prefix_in.append(prefix_in[-1] * s)
-    prefix_out = 1
-    for j, size in enumerate(out_shape):
-        if prefix_out in prefix_in and prefix_out * size in prefix_in:
-            first, last = prefix_in.index(prefix_out), prefix_in.index(prefix_out * size) - 1
-            while first < len(in_shape) and in_shape[first] == 1 and first < dim:
-                first += 1
-            if first < dim <= last:
-                outer = prefix_in[dim] // prefix_in[first]
-                return j, (prefix_in[last + 1] // prefix_in[dim],) * outer
-        prefix_out *= size
-    return None
 
 
 def _heads_alike(q: Placement, k: Placement, v: Placement) -> bool:

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from meshplan.grammar import SCHEDULES
+
 Kind = Literal["F", "B", "I", "W"]
 UNIT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -257,12 +259,12 @@ def _list_schedule(
     return Schedule(name, ranks, m, owner, tuple(tuple(a) for a in lists))
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
-
-
 def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule a plan names (one of `SCHEDULES`; `chunks` per rank for `interleaved` and `zbv`),
-    checked by simulation: a list that cannot run is a `ScheduleError` here, never a hang later."""
+    """The schedule a plan names (one of `SCHEDULES`, the plan language's list; `chunks` per rank
+    for `interleaved` and `zbv`), checked by simulation: a list that cannot run is a
+    `ScheduleError` here, never a hang later."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"no schedule called {name!r} is built yet")
     if name == "gpipe":
         schedule = gpipe(ranks, microbatches)
     elif name == "1f1b":
@@ -273,8 +275,6 @@ def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule
         schedule = zero_bubble(ranks, microbatches)
     elif name == "zbv":
         schedule = zbv(ranks, microbatches, chunks)
-    else:
-        raise ScheduleError(f"no schedule called {name!r} is built yet")
     simulate(schedule)
     return schedule
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from meshplan.dsl import ast
-from meshplan.dsl.check import Plan, PlanRule, axes_of
+from meshplan.dsl.axes import axes_of
+from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 from meshplan.runtime.mesh import MeshLayout

@@ -1,0 +1,423 @@
+"""The mesh and the settings blocks (`pipeline`, `data_parallel`, `precision`, `train`), checked.
+
+`SettingsChecker` turns them into specs with their defaults filled in, reports what is wrong
+with them, and records what each mesh axis is used for, so that an axis serving two
+incompatible purposes is reported once every statement has named its axes. The checker of
+`dsl.check` builds on it and adds the module rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from meshplan.grammar import SCHEDULES
+
+from . import ast
+from .axes import Axis, MeshSpec
+from .errors import Collector, Diagnostic, Span, did_you_mean
+from .limits import MAX_INT
+from .patterns import Glob, PatternSyntaxError
+
+DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
+DEFAULT_BUCKET_BYTES = 25 * 10**6  # DDP's default bucket size
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    axis: str
+    schedule: str
+    microbatches: int | None  # None: one per stage, decided once the axis size is known
+    virtual_stages: int
+    cuts: tuple[ast.Cut, ...]
+    span: Span
+    spans: Mapping[str, Span] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    axis: str
+    zero: int
+    bucket_bytes: int
+    offload_optimizer: bool
+    offload_params: bool
+    span: Span
+    spans: Mapping[str, Span] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    compute: str = "fp32"
+    params: str = "fp32"
+    grads: str = "fp32"
+    reduce: str = "fp32"
+    loss_scale: str | float | None = None  # "dynamic", a fixed scale, or None
+    spans: Mapping[str, Span] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    gradient_accumulation: int = 1
+    spans: Mapping[str, Span] = field(default_factory=dict)
+
+
+# What an axis is used for; an axis may serve several purposes only within one group.
+_ROLE_WORDS = {
+    "tensor": "tensor parallelism",
+    "sequence": "sequence parallelism",
+    "context": "context parallelism",
+    "experts": "expert parallelism",
+    "pipeline": "pipeline stages",
+    "data": "data parallelism",
+}
+# experts may borrow a data axis (its ranks hold other experts, the batch split as before) or a
+# tensor axis (its ranks hold other experts; each routes its own rows of the tokens)
+_COMPATIBLE_ROLES = ({"tensor", "sequence", "experts"}, {"data", "experts"})
+
+
+def _compatible(roles: set[str]) -> bool:
+    """Whether one axis may serve all of `roles`."""
+    return len(roles) == 1 or any(roles <= group for group in _COMPATIBLE_ROLES)
+
+
+class SettingsChecker:
+    """Checks a plan's statements other than its `modules` block; the checker's state and its report."""
+
+    def __init__(self, path: str, world_size: int | None, *, broken_lines: frozenset[int] = frozenset()):
+        self.path = path
+        self.world_size = world_size
+        # Lines with syntax errors. A block holding one lost an entry to recovery, so checks
+        # that relate its entries (offload needs zero = 3) would report the loss, not the plan.
+        self.broken_lines = broken_lines
+        self.found = Collector()
+        self.roles: dict[str, list[tuple[str, Span]]] = {}
+        self.unknown_axis_used = False
+
+    def complete(self, node: ast.Statement | None) -> bool:
+        """Whether the statement parsed without losing anything to error recovery."""
+        if node is None:
+            return True
+        return not any(node.span.line <= line <= node.span.end_line for line in self.broken_lines)
+
+    def error(self, span: Span, message: str, hint: str | None = None, related=()) -> None:
+        self.found.add(Diagnostic(span, message, hint, "error", tuple(related)))
+
+    def warn(self, span: Span, message: str, hint: str | None = None) -> None:
+        self.found.add(Diagnostic(span, message, hint, "warning"))
+
+    # -- mesh
+    def mesh(self, node: ast.Mesh) -> MeshSpec:
+        seen: dict[str, ast.MeshAxis] = {}
+        axes = []
+        for ax in node.axes:
+            if ax.name.text in seen:
+                self.error(
+                    ax.name.span,
+                    f"axis `{ax.name.text}` is declared twice",
+                    hint="give each mesh axis its own name",
+                    related=[(seen[ax.name.text].span, "first declared here")],
+                )
+                continue
+            seen[ax.name.text] = ax
+            if ax.size is not None and ax.size < 1:
+                self.error(ax.span, f"axis `{ax.name.text}` has size {ax.size}; sizes are at least 1")
+            axes.append(Axis(ax.name.text, ax.size, ax.span))
+        autos = [a for a in axes if a.size is None]
+        for extra in autos[1:]:
+            self.error(
+                extra.span,
+                "only one axis can take its size from the world size (`*`)",
+                hint=f"`{autos[0].name}` already does; give `{extra.name}` a number",
+            )
+        known = _product_up_to(MAX_INT + 1, [a.size for a in axes if a.size and a.size > 0])
+        if known > MAX_INT:  # each size has at most 12 digits, but thousands of axes multiply
+            self.error(
+                node.span,
+                f"the mesh axes multiply to more than {MAX_INT:,} ranks",
+                hint=f"a mesh has 1 to {MAX_INT:,} ranks: the product of its axis sizes",
+            )
+        elif self.world_size is not None:
+            if autos:
+                if self.world_size % known:
+                    self.error(
+                        node.span,
+                        f"world size {self.world_size} is not divisible by the fixed axes' product {known}",
+                        hint="change the axis sizes or the number of processes",
+                    )
+                else:
+                    axes = [
+                        Axis(a.name, self.world_size // known, a.span) if a is autos[0] else a for a in axes
+                    ]
+            elif known != self.world_size:
+                self.error(
+                    node.span,
+                    f"mesh has {known} ranks but the world size is {self.world_size}",
+                    hint=f"make the axis sizes multiply to {self.world_size}, or use `*` for one axis",
+                )
+        return MeshSpec(tuple(axes), node.span)
+
+    def axis_ref(self, name: ast.Name, mesh: MeshSpec, role: str) -> str | None:
+        if name.text not in mesh.names:
+            guess = did_you_mean(name.text, mesh.names)
+            hint = f"did you mean `{guess}`?" if guess else "the mesh axes are: " + ", ".join(mesh.names)
+            self.error(name.span, f"unknown mesh axis `{name.text}`", hint=hint)
+            self.unknown_axis_used = True
+            return None
+        self.roles.setdefault(name.text, []).append((role, name.span))
+        return name.text
+
+    def check_roles(self) -> None:
+        """An axis serves several purposes only within one compatible group, all its uses at once
+        (experts borrow a data axis or a tensor axis, never one that is both)."""
+        for axis, uses in self.roles.items():
+            seen: dict[str, Span] = {}
+            for role, span in uses:
+                if _compatible({*seen, role}):
+                    seen.setdefault(role, span)
+                    continue
+                # the use it clashes with: one it shares no group with (else the first: tensor
+                # and data are each fine with experts, not with each other through them)
+                clash = [(r, s) for r, s in seen.items() if not _compatible({r, role})]
+                other, other_span = (clash or list(seen.items()))[0]
+                self.error(
+                    span,
+                    f"axis `{axis}` is used for {_ROLE_WORDS[role]} here but for "
+                    f"{_ROLE_WORDS[other]} elsewhere",
+                    hint="give each kind of parallelism its own mesh axis",
+                    related=[(other_span, f"`{axis}` used for {_ROLE_WORDS[other]} here")],
+                )
+                break
+
+    def check_unused_axes(self, mesh: MeshSpec) -> None:
+        if self.unknown_axis_used:
+            return  # the misspelt name was most likely meant to be one of the "unused" axes
+        for ax in mesh.axes:
+            if ax.name not in self.roles and ax.size != 1:
+                self.warn(
+                    ax.span,
+                    f"axis `{ax.name}` is not used by any rule or block",
+                    hint=f"its ranks would all compute the same thing; add `data_parallel over {ax.name}` "
+                    "or set its size to 1",
+                )
+
+    # -- patterns (of cuts here, of rules in `dsl.check`)
+    def glob(self, pattern: ast.Pattern) -> Glob | None:
+        try:
+            return Glob.compile(pattern.text)
+        except PatternSyntaxError as e:
+            s = pattern.span
+            col = s.col + e.offset
+            self.error(Span(s.path, s.line, col, s.line, col + e.length), str(e), hint=e.hint)
+            return None
+
+    # -- settings blocks
+    def settings(self, items, allowed: tuple[str, ...]) -> dict[str, ast.Setting]:
+        out: dict[str, ast.Setting] = {}
+        for item in items:
+            if not isinstance(item, ast.Setting):
+                continue
+            if item.key in out:
+                self.error(
+                    item.span,
+                    f"`{item.key}` is set twice",
+                    hint="keep one",
+                    related=[(out[item.key].span, "first set here")],
+                )
+                continue
+            assert item.key in allowed, item.key  # the grammar only admits these
+            out[item.key] = item
+        return out
+
+    def pipeline(self, node: ast.PipelineBlock | None, mesh: MeshSpec) -> PipelineSpec | None:
+        if node is None:
+            return None
+        axis = self.axis_ref(node.axis, mesh, "pipeline")
+        s = self.settings(node.items, ("schedule", "microbatches", "virtual_stages"))
+        spans = {k: v.span for k, v in s.items()}
+        schedule = s["schedule"].value if "schedule" in s else "1f1b"
+        assert isinstance(schedule, str) and schedule in SCHEDULES, schedule  # the grammar admits only these
+        num_stages = mesh.size(axis) if axis else None
+
+        virtual = s["virtual_stages"].value if "virtual_stages" in s else None
+        complete = self.complete(node)
+        if complete and virtual is not None and schedule not in ("interleaved", "zbv"):
+            self.error(
+                s["virtual_stages"].span,
+                f"`virtual_stages` needs `schedule = interleaved` or `zbv`, not {schedule}",
+                hint="virtual stages are the chunks each rank holds in the interleaved and V schedules",
+            )
+        if schedule == "interleaved" and virtual is not None and isinstance(virtual, int) and virtual < 2:
+            self.error(
+                s["virtual_stages"].value_span,
+                "interleaved 1F1B needs at least 2 virtual stages per rank",
+                hint="use `schedule = 1f1b` for one stage per rank",
+            )
+        if schedule == "zbv" and isinstance(virtual, int) and (virtual < 2 or virtual % 2):
+            self.error(
+                s["virtual_stages"].value_span,
+                f"zbv places its chunks in Vs: it needs an even number of virtual stages per rank, not {virtual}",
+                hint=f"use `virtual_stages = {max(2, virtual + virtual % 2)}`",
+            )
+        if virtual is None:
+            virtual = 2 if schedule in ("interleaved", "zbv") else 1
+        assert isinstance(virtual, int)
+
+        micro = s["microbatches"].value if "microbatches" in s else None
+        if isinstance(micro, int):
+            if micro < 1:
+                self.error(s["microbatches"].value_span, "`microbatches` must be at least 1")
+            elif complete and num_stages and schedule != "gpipe" and micro < num_stages:
+                self.error(
+                    s["microbatches"].value_span,
+                    f"{schedule} needs at least as many microbatches as stages: {micro} < {num_stages}",
+                    hint=f"set `microbatches = {num_stages}` or more (more microbatches, smaller bubble)",
+                )
+            elif complete and num_stages and schedule == "interleaved" and micro % num_stages:
+                self.error(
+                    s["microbatches"].value_span,
+                    f"interleaved 1F1B needs microbatches divisible by the {num_stages} pipeline ranks",
+                    hint=f"use {micro + (-micro) % num_stages}",
+                )
+
+        cuts = tuple(i for i in node.items if isinstance(i, ast.Cut))
+        seen_cuts: dict[tuple[str, str], ast.Cut] = {}
+        for cut in cuts:
+            self.glob(cut.pattern)
+            prev = seen_cuts.setdefault((cut.side, cut.pattern.text), cut)
+            if prev is not cut:
+                self.error(
+                    cut.span,
+                    "the same cut is given twice",
+                    hint="delete one of them",
+                    related=[(prev.span, "first here")],
+                )
+        if complete and cuts and num_stages:
+            want = num_stages * virtual - 1
+            num_cuts = len(seen_cuts)  # a repeated cut is reported above, not counted twice
+            if num_cuts != want:
+                self.error(
+                    cuts[0].span,
+                    f"{num_cuts} cut(s) make {num_cuts + 1} stages, but `{axis}` has "
+                    f"{num_stages} rank(s)" + (f" x {virtual} virtual stages" if virtual > 1 else ""),
+                    hint=f"give {want} cut(s), or none to balance the stages automatically",
+                )
+        if axis and num_stages == 1:
+            self.warn(node.span, f"pipeline over `{axis}` of size 1 has a single stage")
+        return PipelineSpec(
+            axis or node.axis.text,
+            schedule,
+            micro if isinstance(micro, int) else None,
+            virtual,
+            cuts,
+            node.span,
+            MappingProxyType(spans),
+        )
+
+    def data_parallel(self, node: ast.DataParallelBlock | None, mesh: MeshSpec) -> DataParallelSpec | None:
+        if node is None:
+            return None
+        axis = self.axis_ref(node.axis, mesh, "data")
+        s = self.settings(node.items, ("zero", "bucket", "offload"))
+        zero = s["zero"].value if "zero" in s else 0
+        assert isinstance(zero, int)
+        if not 0 <= zero <= 3:
+            self.error(
+                s["zero"].value_span,
+                f"ZeRO stage {zero} does not exist",
+                hint="0: plain data parallel, 1: shard optimizer state, 2: + gradients, 3: + parameters",
+            )
+        bucket = s["bucket"].value if "bucket" in s else DEFAULT_BUCKET_BYTES
+        assert isinstance(bucket, int)
+        if bucket <= 0:
+            self.error(s["bucket"].value_span, "bucket size must be positive")
+        offload = s["offload"].value if "offload" in s else ()
+        assert isinstance(offload, tuple)
+        if len(set(offload)) != len(offload):
+            self.error(s["offload"].value_span, "an offload target is listed twice")
+        if self.complete(node) and "params" in offload and zero != 3:
+            self.error(
+                s["offload"].value_span,
+                "offloading parameters needs `zero = 3`",
+                hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU",
+            )
+        return DataParallelSpec(
+            axis or node.axis.text,
+            zero,
+            bucket,
+            "optimizer" in offload,
+            "params" in offload,
+            node.span,
+            MappingProxyType({k: v.span for k, v in s.items()}),
+        )
+
+    def precision(self, node: ast.PrecisionBlock | None) -> PrecisionSpec:
+        if node is None:
+            return PrecisionSpec()
+        s = self.settings(node.items, ("compute", "params", "grads", "reduce", "loss_scale"))
+
+        def get(key: str, default: str) -> str:
+            value = s[key].value if key in s else default
+            assert isinstance(value, str), value  # the grammar admits only dtype names here
+            return value
+
+        compute = get("compute", "fp32")
+        params = get("params", "fp32")
+        grads = get("grads", params)
+        reduce = get("reduce", grads)
+        complete = self.complete(node)
+        if complete and DTYPE_BITS[params] < DTYPE_BITS[compute]:
+            self.error(
+                s["params"].value_span,
+                f"master weights in {params} are less precise than compute in {compute}",
+                hint="keep `params = fp32` (the usual choice), or lower `compute`",
+            )
+        if complete and "params" in s and "compute" in s and {params, compute} == {"bf16", "fp16"}:
+            self.error(
+                s["params"].value_span,
+                f"params in {params} cannot be cast losslessly to compute in {compute}",
+                hint="keep `params = fp32` (the usual choice)",
+            )
+        loss_scale = (
+            s["loss_scale"].value if "loss_scale" in s else ("dynamic" if compute == "fp16" else "none")
+        )
+        assert isinstance(loss_scale, (str, float)), loss_scale
+        if complete and loss_scale != "none" and compute != "fp16" and "loss_scale" in s:
+            self.error(
+                s["loss_scale"].value_span,
+                f"loss scaling is for fp16 compute, but compute is {compute}",
+                hint="bf16 and fp32 have fp32's exponent range; remove `loss_scale`",
+            )
+        if isinstance(loss_scale, float) and loss_scale <= 0:
+            self.error(s["loss_scale"].value_span, "a fixed loss scale must be positive")
+        if compute == "fp16" and loss_scale == "none":
+            self.warn(
+                s["loss_scale"].span,
+                "fp16 without loss scaling: small gradients will underflow to zero",
+                hint="use `loss_scale = dynamic`",
+            )
+        spans = MappingProxyType({k: v.span for k, v in s.items()} | {"block": node.span})
+        return PrecisionSpec(
+            compute, params, grads, reduce, None if loss_scale == "none" else loss_scale, spans
+        )
+
+    def train(self, node: ast.TrainBlock | None) -> TrainSpec:
+        if node is None:
+            return TrainSpec()
+        s = self.settings(node.items, ("gradient_accumulation",))
+        steps = s["gradient_accumulation"].value if "gradient_accumulation" in s else 1
+        assert isinstance(steps, int)
+        if steps < 1:
+            self.error(s["gradient_accumulation"].value_span, "`gradient_accumulation` must be at least 1")
+        return TrainSpec(steps, MappingProxyType({k: v.span for k, v in s.items()}))
+
+
+def _product_up_to(cap: int, values: list[int]) -> int:
+    """The product of `values`, or `cap` once it reaches `cap`: thousands of 12-digit sizes
+    would otherwise make a number too long to print."""
+    out = 1
+    for v in values:
+        out *= v
+        if out >= cap:
+            return cap
+    return out

@@ -254,8 +254,9 @@ def _one_device_program(plan, source, precision: bool = True):
     from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import build_rank_program, compile_plan
     from meshplan.compiler.graph import find_loss
-    from meshplan.compiler.passes.experts import capacity_factor, expert_modules
-    from meshplan.compiler.passes.router_loss import z_loss_of
+    from meshplan.compiler.passes.experts.capacity import capacity_factor
+    from meshplan.compiler.passes.experts.router_loss import z_loss_of
+    from meshplan.compiler.passes.experts.units import expert_modules
     from meshplan.dsl.check import MeshSpec, PrecisionSpec
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.session import call_inputs
@@ -388,9 +389,9 @@ def verify(
     from meshplan.compiler.capture import load_function, load_model, with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
-    from meshplan.compiler.passes.experts import capacity_applied, capacity_lists
+    from meshplan.compiler.passes.experts.capacity import capacity_applied, capacity_lists
+    from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating
-    from meshplan.compiler.passes.router_loss import z_loss_applied, z_loss_units
     from meshplan.dsl import load_plan
     from meshplan.run import RunError
     from meshplan.runtime.axes import Axes

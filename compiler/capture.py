@@ -52,6 +52,7 @@ from .errors import CaptureError, ModelLoadError
 
 # node.meta key holding the path of the innermost module that produced the node.
 from .meta import MODULE as MODULE_PATH_KEY
+from .passes.experts.units import experts_pattern
 
 _SPEC_HINT = "write the model as path/to/file.py:factory or package.module:factory, e.g. examples/models/llama.py:build"
 
@@ -668,7 +669,7 @@ def _capture_hint(exc: Exception, model: nn.Module) -> str:
             "hold; write it without the decision (a loop over experts that skips those with no "
             "tokens, `if rows.numel() == 0: continue`, computes the same without the `if`)"
         )
-        experts = _experts_modules(model)
+        experts = experts_pattern(model)
         if experts:
             hint += (
                 f"; if it is the loop of an experts module, a rule `{experts}: experts over AXIS` "
@@ -680,19 +681,6 @@ def _capture_hint(exc: Exception, model: nn.Module) -> str:
         "meshplan captures with torch.export.export(model, args, kwargs, strict=False); "
         "run that by hand to see the full error"
     )
-
-
-def _experts_modules(model: nn.Module) -> str:
-    """The path pattern of the modules that hold experts stacked on dim 0 of every parameter
-    (`model.layers.*.mlp.experts`), the first such; '' if none."""
-    from meshplan.runtime.experts import EXPERT_COUNTS
-
-    for path, module in model.named_modules():
-        count = next((c for a in EXPERT_COUNTS if isinstance(c := getattr(module, a, None), int)), None)
-        params = list(module.parameters(recurse=False))
-        if count and count > 1 and params and all(p.dim() >= 2 and p.shape[0] == count for p in params):
-            return re.sub(r"\.\d+(?=\.|$)", ".*", path)
-    return ""
 
 
 @dataclass(frozen=True)

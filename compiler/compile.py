@@ -65,7 +65,6 @@ from .passes import (
     Context,
     Pass,
     checkpoint,
-    expert_rows,
     experts,
     overlap,
     pipeline,
@@ -74,6 +73,9 @@ from .passes import (
     zero,
 )
 from .passes.checkpoint import bind_regions
+from .passes.experts import rows as expert_rows
+from .passes.experts.lists import fold_list_members, list_members, stack_expert_lists
+from .passes.experts.units import expert_parameters, experts_as_units
 from .passes.precision import DTYPES, cast_floating
 from .passes.zero import reduce_axes
 from .placement import Placement, Shard
@@ -131,11 +133,11 @@ def compile_plan(
     layout = _layout(plan, world_size)
     compute = DTYPES[plan.precision.compute]
     # lists of experts an experts rule splits are held stacked from here on (`ExpertList`)
-    expert_lists = experts.stack_expert_lists(plan, source.model)
+    expert_lists = stack_expert_lists(plan, source.model)
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
-    with experts.experts_as_units(plan, traced):
+    with experts_as_units(plan, traced):
         captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
     static_because = captured.static_reason
     if captured.dims is not None:
@@ -146,7 +148,7 @@ def compile_plan(
             # problem that only the static compile can tell real from symbolic: compile for
             # the example's shapes, whose errors are the plan's own.
             static_because = str(e) if isinstance(e, ShapeGuardError) else e.errors[0].message
-            with experts.experts_as_units(plan, traced):
+            with experts_as_units(plan, traced):
                 captured = capture(traced, source.args, source.kwargs)
     if captured.dims is None:
         gm, ctx = _run_passes(plan, layout, source, captured)
@@ -212,10 +214,10 @@ def _run_passes(
     gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
     lint(gm, layout, after="capture")
     # a stacked list's experts may be named as the model's code names them (`experts.*.gate_proj`)
-    members = experts.list_members(source.model)
+    members = list_members(source.model)
     paths = [*captured.modules, *members]
-    resolution, diagnostics = resolve(plan, paths, experts.expert_parameters(plan, source.model))
-    resolution, folded = experts.fold_list_members(resolution, members, dict(source.model.named_modules()))
+    resolution, diagnostics = resolve(plan, paths, expert_parameters(plan, source.model))
+    resolution, folded = fold_list_members(resolution, members, dict(source.model.named_modules()))
     diagnostics += folded
     ctx = Context(plan, layout, source, resolution, diagnostics)
     with no_new_guards(gm):

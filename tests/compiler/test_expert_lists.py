@@ -1,6 +1,6 @@
 """Experts kept as a list of modules (`nn.ModuleList` of one class, the parent's loop calling
 each expert on its rows): held stacked (`runtime.expert_list.ExpertList`) and split over an
-expert axis as one experts unit (`compiler/passes/expert_rows.py`). Trained against one device
+expert axis as one experts unit (`compiler/passes/experts/rows.py`). Trained against one device
 in tests/cli/test_verify.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.errors import CaptureError
-from meshplan.compiler.passes.experts import ROWS_MARKER
+from meshplan.compiler.passes.experts.units import ROWS_MARKER
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import moe

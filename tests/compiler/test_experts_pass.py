@@ -145,7 +145,7 @@ def test_a_router_z_loss_is_added_to_the_loss():
     model's experts whole), and verify's reference (`z_loss_applied`) adds the same."""
     from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import build_rank_program
-    from meshplan.compiler.passes.router_loss import z_loss_applied
+    from meshplan.compiler.passes.experts.router_loss import z_loss_applied
 
     model = moe.build().double()
     text = "mesh ep=1\n\n" + EXPERTS.replace("(top_k=2)", "(top_k=2, z_loss=0.01)")

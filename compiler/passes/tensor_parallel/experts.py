@@ -27,12 +27,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from meshplan.dsl.check import PlanRule, axes_of
+from meshplan.dsl.axes import axes_of
+from meshplan.dsl.check import PlanRule
 
 from ...graph import REQUIRES_GRAD, RULE, arg_node, divides, hint, shape
 from ...meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
-from ..experts import MARKER
+from ..experts.units import MARKER
 from .walk import Walk, register
 
 

@@ -1,7 +1,7 @@
 """Expert parallelism: each MoE experts module an `experts over AXIS` rule names runs split over
 that axis, its tokens dispatched to the ranks holding their experts and combined back.
 
-The experts module is treated as a unit. Capture (`experts_as_units`) calls, in place of its
+The experts module is treated as a unit. Capture (`units.experts_as_units`) calls, in place of its
 forward, one opaque operator that takes what the module takes and its parameters:
 
     experts = meshplan.experts(tokens, top_k_index, top_k_weights, [gate_up_proj, down_proj], path)
@@ -23,9 +23,9 @@ dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{
 
 A `capacity_factor` goes to the unit (`ExpertParallel(..., capacity_factor=1.25)`): each
 expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and the rest are
-dropped (`runtime/experts.py` states the policy); `capacity_applied` makes the
+dropped (`runtime/experts.py` states the policy); `capacity.capacity_applied` makes the
 unpartitioned model drop the same pairs, for `meshplan verify`'s reference (a list of
-experts queues its rows in the policy's order: `expert_rows.py`). Experts borrowing a tensor
+experts queues its rows in the policy's order: `rows.py`). Experts borrowing a tensor
 axis, alone or in a group of axes (`dp x tp`), queue the tokens that axis's ranks share (the
 unit gathers their routing over it, `shared`: `token_chunks` says how each rank's rows lie
 among them); so do the ranks of an axis that cuts the tokens by rows (`ROWS_CUT`: a sequence
@@ -53,15 +53,17 @@ After (ep=2; each rank holds 2 experts: gate_up_proj (2, 2I, H), down_proj (2, H
 where `self.experts_ep` is `ExpertParallel(axis='ep', path='layers.0.mlp.experts',
 num_experts=4)`, or with `capacity_factor=1.25` in the rule `ExpertParallel(...,
 capacity_factor=1.25)`.
+
+The package, one idea a module: `units.py` (an experts module captured as one operator, and
+what can be one), `lists.py` (lists of experts held stacked, and the rules naming their
+members), `rows.py` (the pass joining a list's per-expert calls into one unit), this pass,
+`capacity.py` (the capacity factor, and the reference that drops as the unit does),
+`router_loss.py` (the router z-loss, in the graph and in the reference).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,52 +72,17 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
-from meshplan.runtime.expert_list import ExpertList, problem, stack_lists
-from meshplan.runtime.experts import EXPERT_COUNTS, ExpertParallel
+from meshplan.runtime.expert_list import ExpertList
+from meshplan.runtime.experts import ExpertParallel
 from meshplan.runtime.mesh import axes_of
 
-from ..graph import COLLECTIVE, PLACEMENT, arg_node, shape
-from ..match import Resolution
-from ..meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
-from ..placement import Shard
-from . import Context, Pass
+from ...graph import COLLECTIVE, PLACEMENT, arg_node, shape
+from ...meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
+from ...placement import Shard
+from .. import Context, Pass
+from .capacity import capacity_factor
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
-
-_OP = "meshplan::experts"
-
-
-@torch.library.custom_op(_OP, mutates_args=())
-def _experts(
-    tokens: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    params: list[torch.Tensor],
-    path: str,
-) -> torch.Tensor:
-    raise AssertionError(f"{_OP} marks an experts module in a captured graph; the experts pass replaces it")
-
-
-@_experts.register_fake
-def _(tokens, top_k_index, top_k_weights, params, path):
-    return torch.empty_like(tokens)  # (N, H): each token's weighted sum of its experts' outputs
-
-
-MARKER = torch.ops.meshplan.experts.default
-
-
-@torch.library.custom_op("meshplan::expert_rows", mutates_args=())
-def _expert_rows(rows: torch.Tensor, params: list[torch.Tensor], path: str, expert: int) -> torch.Tensor:
-    raise AssertionError("meshplan::expert_rows marks one expert of a list in a captured graph")
-
-
-@_expert_rows.register_fake
-def _(rows, params, path, expert):
-    return torch.empty_like(rows)  # (R, H): an expert maps each row to a row of its width
-
-
-# one expert of a list of experts (`ExpertList`) called on its rows by the parent's loop:
-# expert_rows(rows, [stacked params], path, e); `expert_rows.py` joins a list's calls into one MARKER
-ROWS_MARKER = torch.ops.meshplan.expert_rows.default
+from .units import MARKER, ROWS_MARKER, expert_modules, not_a_unit, num_experts
 
 
 @dataclass(frozen=True)
@@ -124,213 +91,6 @@ class ExpertParams:
 
     axis: str
     rule: PlanRule
-
-
-# ---------------------------------------------------------------------------- capture
-
-
-def expert_modules(plan: Plan, model: nn.Module) -> dict[str, PlanRule]:
-    """Module path -> the `experts` rule that governs it (the most specific one matching)."""
-    from ..match import resolve
-
-    resolution, _ = resolve(plan, [p for p, _ in model.named_modules()])
-    return {
-        path: rule
-        for path, kinds in resolution.placements.items()
-        if (rule := kinds.get("experts")) is not None
-    }
-
-
-def expert_parameters(plan: Plan, model: nn.Module) -> list[str]:
-    """The parameters of every experts module an `experts` rule splits, by path: what a `column`
-    or `row` rule may name (each expert's matrix split over a tensor axis: `expert_tensor_rules`)."""
-    modules = dict(model.named_modules())
-    return [
-        f"{path}.{name}"
-        for path, rule in expert_modules(plan, model).items()
-        if rule.axis is not None and not_a_unit(modules[path], model) is None
-        for name, _ in modules[path].named_parameters()
-    ]
-
-
-def stack_expert_lists(plan: Plan, model: nn.Module) -> tuple[str, ...]:
-    """Every list of experts an `experts` rule splits, replaced in `model` by its `ExpertList`
-    (the experts' parameters stacked on dim 0, under the names `experts.gate_proj.weight`); a
-    list that cannot be stacked stays, and the pass says why. The paths, in model order: a
-    program records them, and a rank stacks its model alike before it binds it."""
-    lists = tuple(
-        path
-        for path, rule in expert_modules(plan, model).items()
-        if rule.axis is not None
-        and (isinstance(module := model.get_submodule(path), ExpertList) or problem(module) is None)
-    )
-    stack_lists(model, lists)
-    return lists
-
-
-def list_members(model: nn.Module) -> dict[str, str]:
-    """Each stacked list's modules as the model's code names them (`experts.3.gate_proj`, the
-    expert itself `experts.3`) -> the module holding them stacked (`experts.gate_proj`; the
-    list for the expert itself): what a rule written against the list may name."""
-    out = {}
-    for path, module in model.named_modules():
-        if isinstance(module, ExpertList):
-            for e in range(module.num_experts):
-                for sub, _ in module.template.named_modules():
-                    out[f"{path}.{e}" + (f".{sub}" if sub else "")] = f"{path}.{sub}" if sub else path
-    return out
-
-
-def fold_list_members(
-    resolution: Resolution, members: dict[str, str], modules: dict[str, nn.Module]
-) -> tuple[Resolution, list[Diagnostic]]:
-    """Rules matched on a stacked list's members (`layers.*.mlp.experts.*.gate_proj: column over
-    tp`) moved to the modules holding them stacked (`experts.gate_proj`): a tensor rule splits
-    every expert's module alike, so all experts must get the same one; other kinds of rule
-    cannot cut a stacked list's experts apart (located errors)."""
-    placements = {p: dict(k) for p, k in resolution.placements.items() if p not in members}
-    diagnostics: list[Diagnostic] = []
-    reported: set[int] = set()
-    experts_of = Counter(members.values())  # holder -> its experts (E member paths)
-    named: Counter[tuple[str, int]] = Counter()  # (holder, rule) -> the experts it matched
-    for path, kinds in resolution.placements.items():
-        holder = members.get(path)
-        if holder is None:
-            continue
-        for kind, rule in kinds.items():
-            if rule.order in reported:
-                continue
-            if kind != "tensor" or isinstance(modules.get(holder), ExpertList):  # not an expert's module
-                reported.add(rule.order)
-                diagnostics.append(_member_error(rule, path, holder))
-                continue
-            named[(holder, rule.order)] += 1
-            other = placements.setdefault(holder, {}).setdefault(kind, rule)
-            if other is not rule:
-                reported.update((rule.order, other.order))
-                diagnostics.append(
-                    Diagnostic(
-                        rule.pattern_span,
-                        f"`{path}` is one of the experts of a stacked list: its module `{holder}` takes one "
-                        f"rule for every expert, and `{other.pattern}` gives it another",
-                        hint=f"write one rule for all the experts: `{holder}: ...`",
-                        related=((other.span, "the other rule"),),
-                    )
-                )
-    rules = {r.order: r for kinds in resolution.placements.values() for r in kinds.values()}
-    for (holder, order), count in named.items():
-        if order in reported:  # conflicting: said above
-            placements[holder].pop("tensor", None)
-        elif count < experts_of[holder]:
-            reported.add(order)
-            placements[holder].pop("tensor", None)  # no expert's module split: one error, not its echoes
-            rule = rules[order]
-            diagnostics.append(
-                Diagnostic(
-                    rule.pattern_span,
-                    f"`{rule.pattern}` names {count} of the {experts_of[holder]} experts held stacked in "
-                    f"`{holder.rpartition('.')[0]}`: a tensor rule splits every expert's module alike",
-                    hint=f"name them all: `{holder}` (or `*` in place of the expert's index)",
-                )
-            )
-    matched = {
-        order: tuple(dict.fromkeys(members.get(p, p) for p in paths))
-        for order, paths in resolution.matched.items()
-    }
-    return Resolution(placements, matched, resolution.overridden), diagnostics
-
-
-def _member_error(rule: PlanRule, path: str, holder: str) -> Diagnostic:
-    return Diagnostic(
-        rule.pattern_span,
-        f"`{path}` is one of the experts of a list held stacked (`{holder}`): a `{rule.kind}` rule cannot "
-        "name one expert or cut the experts apart",
-        hint="name the experts' modules without the index (`experts.gate_proj: column over tp`), "
-        "or put the rule on the module holding the experts",
-    )
-
-
-@contextlib.contextmanager
-def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
-    """While capturing: every experts module an `experts` rule names calls the `meshplan.experts`
-    operator instead of its forward (one that cannot be a unit keeps its forward; the pass says
-    why). Over an axis of one rank too: the unit then runs the model's experts module whole,
-    which also serves experts whose own code export cannot capture (Mixtral's eager loop)."""
-    modules = dict(model.named_modules())
-    patched = []
-    for path, rule in expert_modules(plan, model).items():
-        module = modules[path]
-        if rule.axis is None or not_a_unit(module, model) is not None:
-            continue
-        if isinstance(module, ExpertList):  # the parent's loop calls each expert on its rows
-            module.__dict__["call_expert"] = _rows_call(module, path)
-        else:
-            module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
-        patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            module.__dict__.pop("call_expert", None) if isinstance(module, ExpertList) else delattr(
-                module, "forward"
-            )
-
-
-def _unit_forward(module: nn.Module, path: str):
-    signature = inspect.signature(module.forward)
-    names = [name for name, _ in module.named_parameters()]
-
-    def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        tokens, top_k_index, top_k_weights = bound.args[:3]
-        # read through the module at call time: export swaps its parameters for graph inputs
-        return MARKER(tokens, top_k_index, top_k_weights, [module.get_parameter(n) for n in names], path)
-
-    return forward
-
-
-def _rows_call(module: ExpertList, path: str):
-    def call(e: int, rows: torch.Tensor, *rest, **kwargs):
-        if rest or kwargs:
-            raise TypeError(f"meshplan calls each expert of `{path}` with its rows only")
-        return ROWS_MARKER(rows, [module.stacked(n) for n in module.names], path, e)
-
-    return call
-
-
-def num_experts(module: nn.Module, model: nn.Module) -> int | None:
-    """A list of expert modules, or one module holding them (3-D weights, Mixtral's
-    `num_experts`), or the model config's count."""
-    if isinstance(module, nn.ModuleList):
-        return len(module)
-    for owner in (module, getattr(model, "config", None)):
-        for attr in EXPERT_COUNTS:
-            count = getattr(owner, attr, None)
-            if isinstance(count, int) and count > 0:
-                return count
-    return None
-
-
-def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
-    """Why `module` cannot run split over experts, or None: it must take (tokens, top_k_index,
-    top_k_weights) and hold its experts stacked on dim 0 of every parameter."""
-    if isinstance(module, nn.ModuleList):
-        return f"its experts are a list of modules that cannot be stacked: {problem(module)}"
-    count = num_experts(module, model)
-    if count is None:
-        return "it says nowhere how many experts it has (`num_experts`, or the model config's)"
-    params = list(module.named_parameters())
-    if not params:
-        return "it has no parameters"
-    for name, p in params:
-        if p.dim() < 2 or p.shape[0] != count:
-            return f"its parameter `{name}` {tuple(p.shape)} does not stack the {count} experts on dim 0"
-    try:
-        signature = inspect.signature(module.forward)
-        signature.bind(0, 0, 0)
-    except (TypeError, ValueError):
-        return "its forward does not take (tokens, top_k_index, top_k_weights)"
-    return None
 
 
 def _call_problem(marker: fx.Node) -> str | None:
@@ -468,57 +228,6 @@ def _lower(
     return call
 
 
-def capacity_factor(rule: PlanRule) -> float | None:
-    """The rule's `capacity_factor`, or None: dropless."""
-    assert isinstance(rule.action, ast.ExpertParallel)
-    return next((float(a.value) for a in rule.action.args if a.name.text == "capacity_factor"), None)
-
-
-def capacity_lists(plan: Plan, model: nn.Module) -> list[str]:
-    """The lists of experts (`ExpertList`) a rule with a `capacity_factor` governs, by path."""
-    modules = dict(model.named_modules())
-    return [
-        path
-        for path, rule in expert_modules(plan, model).items()
-        if isinstance(modules[path], ExpertList) and capacity_factor(rule) is not None
-    ]
-
-
-@contextlib.contextmanager
-def capacity_applied(plan: Plan, model: nn.Module) -> Iterator[None]:
-    """While it lasts, every experts module a rule with a `capacity_factor` governs drops the
-    pairs the compiled unit drops (`runtime.experts.expert_positions`, over the tokens of each
-    call): their routing weights multiplied by 0, its own code computing the rest. So the
-    unpartitioned model (`meshplan verify`'s float64 reference) follows the plan's capacity
-    rule without the unit's buffers and all-to-alls: a dropped pair adds 0 to its token's
-    output, and its weight gets no gradient from it, as in the unit."""
-    from meshplan.runtime.experts import expert_capacity, expert_positions
-
-    modules = dict(model.named_modules())
-    patched = []
-    for path, rule in expert_modules(plan, model).items():
-        factor, module = capacity_factor(rule), modules[path]
-        count = num_experts(module, model)
-        if factor is None or count is None or isinstance(module, ExpertList):
-            continue  # (a list's parent hands each expert its rows: verify's reference is its unit)
-        signature, forward = inspect.signature(module.forward), module.forward
-
-        def dropping(*args, _signature=signature, _forward=forward, _factor=factor, _count=count, **kwargs):
-            bound = _signature.bind(*args, **kwargs)
-            tokens, index, weights = bound.args[:3]
-            capacity = expert_capacity(index.shape[0], index.shape[1], _count, _factor)
-            kept = expert_positions(index, _count) < capacity  # (N, k)
-            return _forward(tokens, index, weights * kept, *bound.args[3:], **bound.kwargs)
-
-        module.forward = dropping
-        patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
-
-
 def _sizes(
     plan: Plan, model: nn.Module, governed: dict[str, PlanRule], markers: dict[str, fx.Node]
 ) -> list[Diagnostic]:
@@ -601,7 +310,7 @@ def _sizes(
 
 def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
     """The node of the top-k indices the model routed with: the unit's top_k_index, or for a
-    list's joined calls the top-k `expert_rows` found (or why there is none)."""
+    list's joined calls the top-k `rows.py` found (or why there is none)."""
     if not isinstance(module, ExpertList):
         return arg_node(marker, 1)
     routing = marker.meta.get(ROUTING)
@@ -612,7 +321,7 @@ def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
 
 def _routed_k(marker: fx.Node, module: nn.Module) -> int | torch.SymInt | None:
     """How many experts the model routes each token to: top_k_index's (N, k), or for a list's
-    joined calls (rows one per pair) its routing's k, if `expert_rows` found it."""
+    joined calls (rows one per pair) its routing's k, if `rows.py` found it."""
     if isinstance(module, ExpertList):
         return marker.meta[ROUTING]["k"] if ROUTING in marker.meta else None
     return shape(arg_node(marker, 1))[-1]

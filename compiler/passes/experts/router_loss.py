@@ -51,8 +51,8 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import COLLECTIVES
 from meshplan.runtime.mesh import MeshLayout
 
-from ..graph import COLLECTIVE, PLACEMENT, arg_node, is_loss, is_tensor_node, value
-from ..placement import Shard
+from ...graph import COLLECTIVE, PLACEMENT, arg_node, is_loss, is_tensor_node, value
+from ...placement import Shard
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -192,8 +192,8 @@ def _node(graph: fx.Graph, target, args: tuple, kwargs: dict, name: str, meta: d
 def z_loss_units(gm: fx.GraphModule) -> dict[str, tuple[str, int, float]]:
     """Experts path -> (router module path, number of experts, z-loss coefficient), for every
     experts unit of a compiled graph that adds a z-loss: what `z_loss_applied` takes."""
-    from ..graph import COLLECTIVE
-    from .checkpoint import collective_nodes  # a checkpointed layer's unit is in its region
+    from ...graph import COLLECTIVE
+    from ..checkpoint import collective_nodes  # a checkpointed layer's unit is in its region
 
     return {
         info["path"]: (info["router"], int(info["experts"]), float(info["z_loss"]))

@@ -61,10 +61,11 @@ from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 
-from ..graph import arg_node, hint, shape
-from ..meta import MODULE, REQUIRES_GRAD, ROUTING, Routing
-from . import Context, Pass
-from .experts import MARKER, ROWS_MARKER, capacity_factor, expert_modules
+from ...graph import arg_node, hint, shape
+from ...meta import MODULE, REQUIRES_GRAD, ROUTING, Routing
+from .. import Context, Pass
+from .capacity import capacity_factor
+from .units import MARKER, ROWS_MARKER, expert_modules
 
 aten = torch.ops.aten
 

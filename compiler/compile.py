@@ -54,7 +54,6 @@ from meshplan.dsl.errors import Diagnostic, PlanValidationError
 from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.shards import Cut, shard_of
 
-from . import unsupported
 from .capture import BATCH, SEQ, Captured, Divisibility, ModelSource, TokenShapes, capture, token_tensors
 from .executable import Executable
 from .graph import ShapeGuardError, for_rank, keep_loss_output, no_new_guards, normalize
@@ -70,6 +69,7 @@ from .passes import (
     pipeline,
     precision,
     tensor_parallel,
+    unsupported,
     zero,
 )
 from .passes.checkpoint import bind_regions
@@ -104,8 +104,8 @@ class Compiled:
     expert_lists: tuple[str, ...] = ()
 
 
-# The passes, in order (see the module docstring for why this order). Each is one module under
-# `passes/` (and `unsupported.py`, a check) with the same signature: (graph, Context) -> graph.
+# The passes, in order (see the module docstring for why this order). Each is one module or
+# package under `passes/` with the same signature: (graph, Context) -> graph.
 PASSES: tuple[Pass, ...] = (
     expert_rows.PASS,
     precision.PASS,

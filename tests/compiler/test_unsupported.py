@@ -16,7 +16,7 @@ from torch import nn
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
-from meshplan.compiler.unsupported import not_lowered
+from meshplan.compiler.passes.unsupported import not_lowered
 from meshplan.dsl import PlanError, check_text, load_plan
 from meshplan.examples.models import llama
 from meshplan.main import main

@@ -29,10 +29,10 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Diagnostic
 
-from .capture import ModelSource
-from .match import Resolution
-from .passes import Context, Pass
-from .stages import layer_list
+from ..capture import ModelSource
+from ..match import Resolution
+from ..stages import layer_list
+from . import Context, Pass
 
 _REMOVE_RULE = (
     "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"

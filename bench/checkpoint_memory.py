@@ -26,7 +26,8 @@ import torch
 from common import LiveStorages, sized_llama
 
 from meshplan.compiler.capture import ModelSource
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import example_inputs
 

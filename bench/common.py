@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program
+from meshplan.compiler.lower import build_rank_program
 from meshplan.examples.models.llama import Llama, build, example_inputs
 from meshplan.runtime import collectives as meshplan_collectives
 from meshplan.runtime.mesh import init_mesh

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from common import LiveStorages, result, sized_llama
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import collectives as meshplan_collectives

@@ -140,13 +140,12 @@ def by_hand(group: dist.ProcessGroup):
 
 
 def compiled(folder: str, rank: int, world: int):
-    from meshplan.main import build_parser
+    from meshplan.options import parse
     from meshplan.session import open_session
 
     plan = Path(folder) / "ep.plan"
-    args = build_parser().parse_args(
+    options = parse(
         [
-            "run",
             str(plan),
             "--model",
             f"{__file__}:model",
@@ -158,7 +157,7 @@ def compiled(folder: str, rank: int, world: int):
             folder,
         ]
     )
-    session = open_session(args, rank, world)
+    session = open_session(options, rank, world)
     optimizer = torch.optim.AdamW(session.program.parameters(), lr=1e-4)
 
     def step(ids: torch.Tensor, labels: torch.Tensor, sent: list[int] | None = None) -> float:

@@ -18,7 +18,8 @@ import torch
 from torch import fx
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import Cut, cut_stages
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import Llama, build, example_inputs

@@ -42,7 +42,7 @@ from pp_common import built_schedules, compile_llama, microbatches, new_step, ra
 from torch import fx, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from meshplan.compiler.compile import build_rank_program
+from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import balanced_cuts, cut_stages
 from meshplan.examples.models.llama import Llama, build
 from meshplan.runtime.launch import spawn

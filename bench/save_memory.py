@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import checkpoint

@@ -54,7 +54,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshplan.compiler import compile as compile_module
 from meshplan.compiler.capture import bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import load_plan
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh

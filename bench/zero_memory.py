@@ -38,7 +38,8 @@ from common import result
 from torch import nn
 
 from meshplan.compiler.capture import ModelSource, bind_inputs
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.launch import spawn

@@ -8,7 +8,6 @@ after torchrun is done: printing from the worker races with torchrun stopping it
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -17,16 +16,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshplan.run import (
-    EXIT_INTERNAL,
-    EXIT_PEER,
-    EXIT_USER,
-    TORCHRUN_FLAGS,
-    WORKER_FLAGS,
-    RunError,
-    parse_fault,
-    run_dir,
-)
+from meshplan.errors import ERRORS_ENV, EXIT_INTERNAL, EXIT_PEER, EXIT_USER, HINT, RunError, report
+from meshplan.faults import parse_fault
+from meshplan.options import TORCHRUN_FLAGS, RunOptions, run_dir
 
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
     from torch import nn
@@ -35,40 +27,40 @@ if TYPE_CHECKING:  # torch stays unimported until the checks that need it
     from meshplan.dsl.check import Plan
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(options: RunOptions) -> int:
     """Check what can be checked before starting processes, then exec torchrun and return its status."""
     import tempfile
 
-    command = torchrun_command(args, prepare(args))
+    command = torchrun_command(*prepare(options))
     with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
         env.setdefault("OMP_NUM_THREADS", "1")
         return _run_torchrun(command, env, Path(errors))
 
 
-def prepare(args: argparse.Namespace) -> int:
+def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     """Everything before the workers start: check the plan, the model, the data and the run folder,
-    compile the program once (`args.program`, `args.vocab_size` set for the workers). Returns the
-    number of workers the mesh needs."""
-    plan = _check_before_launch(args)
+    compile the program once. Returns the options the workers get (the program and the model's
+    vocabulary added; a compile folder's model and shapes where the command line is silent) and
+    the number of workers the mesh needs."""
+    options, plan = _check_before_launch(options)
     world_size = plan.mesh.world_size
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
-    source = _model_source(args)
-    _check_data(args, plan, source.model)
-    if args.between_steps and plan.pipeline is not None:
+    source = _model_source(options)
+    options = options.replace(vocab_size=_check_data(options, plan, source.model))
+    if options.between_steps and plan.pipeline is not None:
         from meshplan.session import PIPELINE_BETWEEN_STEPS
 
         raise RunError(PIPELINE_BETWEEN_STEPS)
-    if args.between_steps:  # a missing function is the user's mistake: before any worker starts
+    if options.between_steps:  # a missing function is the user's mistake: before any worker starts
         from meshplan.compiler.capture import load_function
         from meshplan.compiler.errors import CompileError
 
         try:
-            load_function(args.between_steps, "--between-steps")
+            load_function(options.between_steps, "--between-steps")
         except CompileError as e:
             raise RunError(str(e)) from None
-    args.program = str(_compile_once(args, world_size, source))
-    return world_size
+    return options.replace(program=str(_compile_once(options, world_size, source))), world_size
 
 
 # Signals that end a run: passed on to torchrun, which stops its workers (a worker killed
@@ -87,18 +79,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-# The folder where a worker that stops on a user mistake leaves its message (`rank<R>.txt`).
-# Printing it from the worker races with torchrun, which may stop rank 0 before it prints,
-# or print its failure report first: the launcher reads the files after torchrun is done.
-ERRORS_ENV = "MESHPLAN_ERRORS"
-
-
 # torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _USER_ERROR_EXIT = re.compile(r"exitcode\s*:\s*2\b")
 # a worker's report of a collective that failed (`PeerFailure`, runtime/watchdog.py), and its hint line
 _PEER_FAILURE = re.compile(r"^meshplan: error: (rank (\d+) (?:waited|timed out|failed)\b.*)$", re.M)
-HINT = "  hint: "
 
 
 def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
@@ -218,10 +203,10 @@ def most_processes_per_node() -> int:
     return max(64, 8 * (os.cpu_count() or 1))
 
 
-def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
+def torchrun_command(options: RunOptions, world_size: int) -> list[str]:
     """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
-    nnodes = str(args.nnodes)
-    nproc = args.nproc_per_node or _per_node(world_size, nnodes)
+    nnodes = str(options.nnodes)
+    nproc = options.nproc_per_node or _per_node(world_size, nnodes)
     if nproc > most_processes_per_node():
         raise RunError(
             f"the mesh needs {world_size:,} processes, {nproc:,} on this node, which has "
@@ -229,25 +214,13 @@ def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
             "(hint: check the mesh sizes, or spread the run over nodes with --nnodes)"
         )
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-    if args.rdzv_endpoint is None and nnodes == "1":
+    if options.rdzv_endpoint is None and nnodes == "1":
         cmd.append("--standalone")  # a free local port: runs side by side never collide
     for dest in TORCHRUN_FLAGS[1:]:
-        value = getattr(args, dest)
+        value = getattr(options, dest)
         if value is not None:
             cmd.append(f"--{dest.replace('_', '-')}={value}")
-    return [*cmd, "-m", "meshplan.run", *worker_argv(args)]
-
-
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The options a worker gets: the user's, minus torchrun's."""
-    out = [args.plan]
-    for dest, flag in WORKER_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            out += [flag, str(value)]
-    if args.resume:
-        out.append("--resume")
-    return out
+    return [*cmd, "-m", "meshplan.run", *options.worker_argv()]
 
 
 def _per_node(world_size: int, nnodes: str) -> int:
@@ -259,85 +232,88 @@ def _per_node(world_size: int, nnodes: str) -> int:
     return world_size // n
 
 
-def _check_before_launch(args: argparse.Namespace) -> Plan:
-    """The plan, the features `run` supports, the paths: errors here cost no process start-up."""
+def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
+    """The plan, the features `run` supports, the paths: errors here cost no process start-up.
+    For a compile folder, the options with its model and shapes where the command line is silent."""
     from meshplan.dsl import PlanError, check_text, load_plan
-    from meshplan.main import _report
     from meshplan.session import check_supported, compiled_folder
 
     world = None
-    if args.nproc_per_node is not None and str(args.nnodes).isdigit():
-        world = args.nproc_per_node * int(args.nnodes)
+    if options.nproc_per_node is not None and str(options.nnodes).isdigit():
+        world = options.nproc_per_node * int(options.nnodes)
     try:
-        if Path(args.plan).is_dir():
-            executable = compiled_folder(args)
+        if Path(options.plan).is_dir():
+            executable, options = compiled_folder(options)
             world = executable.layout.world_size
             plan = check_text(executable.plan_text, executable.plan_name, world_size=world)
         else:
-            plan = load_plan(args.plan, world_size=world)
+            plan = load_plan(options.plan, world_size=world)
     except PlanError as e:
-        _report(e)
-        raise RunError(f"{args.plan} has errors (see above)") from None
+        report(e)
+        raise RunError(f"{options.plan} has errors (see above)") from None
     if plan.mesh.world_size is None:
-        raise RunError(f"{args.plan}: the mesh has a `*` axis; pass --nproc-per-node N to size it")
+        raise RunError(f"{options.plan}: the mesh has a `*` axis; pass --nproc-per-node N to size it")
     check_supported(plan)
-    if args.data is not None and ":" not in args.data and not Path(args.data).is_file():
-        raise RunError(f"data file {args.data!r} does not exist (hint: pass a text file or FILE.py:factory)")
-    _check_run_folder(args)
+    if options.data is not None and ":" not in options.data and not Path(options.data).is_file():
+        raise RunError(
+            f"data file {options.data!r} does not exist (hint: pass a text file or FILE.py:factory)"
+        )
+    _check_run_folder(options)
     if os.environ.get("MESHPLAN_FAULT"):
         parse_fault(os.environ["MESHPLAN_FAULT"])
-    if args.export:
-        export = Path(args.export)
-        if export.is_file() and not args.overwrite:
+    if options.export:
+        export = Path(options.export)
+        if export.is_file() and not options.overwrite:
             raise RunError(
                 f"--export {export} exists (hint: name another file, or pass --overwrite to replace it)"
             )
         _check_writable(export)
-    return plan
+    return options, plan
 
 
-def _model_source(args: argparse.Namespace) -> ModelSource:
+def _model_source(options: RunOptions) -> ModelSource:
     """The model from its factory, on CPU, with token inputs of the run's micro-batch: a factory
     that fails, or a `--seq` beyond the positions the model's config allows, is said here."""
     from meshplan.compiler.capture import load_model, with_token_shape
     from meshplan.compiler.errors import CompileError
 
     try:
-        return with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
+        return with_token_shape(load_model(options.model), batch=options.batch, seq=options.seq)
     except CompileError as e:
         raise RunError(str(e)) from None
 
 
-def _check_data(args: argparse.Namespace, plan: Plan, model: nn.Module) -> None:
+def _check_data(options: RunOptions, plan: Plan, model: nn.Module) -> int | None:
     """The run's data as the first rank of the data axis sees it, before any process starts: the
     file exists, a factory runs, its first batch has the run's shapes, and the token ids (every
-    byte of a text file) are ids the model embeds. The workers check every later batch against
-    the same vocabulary (`--vocab-size`)."""
+    byte of a text file) are ids the model embeds. Returns that vocabulary size: the workers check
+    every later batch against it (`--vocab-size`)."""
     from meshplan.compiler.capture import vocab_size
     from meshplan.examples import CORPUS
     from meshplan.runtime.data import DataError, make_batches
 
     dp, pipeline = plan.data_parallel, plan.pipeline
-    args.vocab_size = vocab_size(model)
+    vocab = vocab_size(model)
     # a pipeline's micro-step is `microbatches` batches of --batch sequences
     microbatches = (pipeline.microbatches or plan.mesh.size(pipeline.axis) or 1) if pipeline else 1
     try:
         batches = make_batches(
-            args.data or str(CORPUS),
-            batch=args.batch * microbatches,
-            seq=args.seq,
-            seed=args.seed,
+            options.data or str(CORPUS),
+            batch=options.batch * microbatches,
+            seq=options.seq,
+            seed=options.seed,
             dp_rank=0,
             dp_size=(plan.mesh.size(dp.axis) or 1) if dp is not None else 1,
             accumulation=plan.train.gradient_accumulation,
-            vocab_size=args.vocab_size,
+            vocab_size=vocab,
         )
         batches(0, 0)
     except DataError as e:
         raise RunError(str(e)) from None
+    return vocab
 
 
-def _compile_once(args: argparse.Namespace, world_size: int, source: ModelSource) -> Path:
+def _compile_once(options: RunOptions, world_size: int, source: ModelSource) -> Path:
     """The program every worker runs, compiled here before any process starts: plan and model
     problems cost no start-up, and each rank loads it instead of capturing the model again.
     A compile folder's program is only checked against the model; a plan's is compiled for the
@@ -346,21 +322,21 @@ def _compile_once(args: argparse.Namespace, world_size: int, source: ModelSource
     from meshplan.compiler.errors import CompileError
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
     from meshplan.dsl import PlanError, load_plan
-    from meshplan.main import _report
     from meshplan.session import load_program
 
     try:
-        if Path(args.plan).is_dir():
-            program = Path(args.plan) / PROGRAM
-            load_program(program, source.model, batch=args.batch, seq=args.seq)
+        if Path(options.plan).is_dir():
+            program = Path(options.plan) / PROGRAM
+            load_program(program, source.model, batch=options.batch, seq=options.seq)
             return program
-        compiled = compile_plan(load_plan(args.plan, world_size=world_size), source, world_size=world_size)
+        plan = load_plan(options.plan, world_size=world_size)
+        compiled = compile_plan(plan, source, world_size=world_size)
     except PlanError as e:
-        _report(e)
-        raise RunError(f"{args.plan} does not fit the model (see above)") from None
+        report(e)
+        raise RunError(f"{options.plan} does not fit the model (see above)") from None
     except CompileError as e:
         raise RunError(str(e)) from None
-    out = run_dir(args)
+    out = run_dir(options)
     out.mkdir(parents=True, exist_ok=True)
     save_executable(to_executable(compiled), out / PROGRAM)
     return out / PROGRAM
@@ -370,18 +346,18 @@ def _compile_once(args: argparse.Namespace, world_size: int, source: ModelSource
 RUN_PARTS = ("checkpoints", "metrics")
 
 
-def _check_run_folder(args: argparse.Namespace) -> None:
+def _check_run_folder(options: RunOptions) -> None:
     """Never lose a run: a folder that holds one is continued (`--resume`) or replaced on request
     (`--overwrite`), not trained over; `--resume` with nothing to resume is said, not ignored."""
     import shutil
 
-    folder = run_dir(args)
+    folder = run_dir(options)
     if folder.exists() and not folder.is_dir():
         raise RunError(f"--out {folder} is a file, not a folder (hint: pass a folder for the run)")
     checkpoints = sorted(folder.glob("checkpoints/step*/.metadata"))
-    if args.resume and args.overwrite:
+    if options.resume and options.overwrite:
         raise RunError("--resume continues the run in --out and --overwrite replaces it: pass one")
-    if args.resume:
+    if options.resume:
         if not checkpoints:
             where = "no run folder" if not folder.exists() else "no complete checkpoint in"
             raise RunError(
@@ -390,7 +366,7 @@ def _check_run_folder(args: argparse.Namespace) -> None:
             )
         return
     held = [part for part in RUN_PARTS if any((folder / part).glob("*"))]
-    if held and not args.overwrite:
+    if held and not options.overwrite:
         what = f"{len(checkpoints)} checkpoint{'s' * (len(checkpoints) != 1)}" if checkpoints else "metrics"
         raise RunError(
             f"{folder} already holds a run ({what}) (hint: continue it with --resume, pick another "

@@ -11,37 +11,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from meshplan.args import positive_int
-from meshplan.compiler.errors import CompileError
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
-from meshplan.run import RunError
+from meshplan.errors import EXIT_OK, EXIT_USER, UsageError, guarded, report, use_color
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 EXIT_NOT_CANONICAL = 1  # `fmt --check`, like other formatters' check modes
-
-
-class UsageError(Exception):
-    """A user mistake outside any plan file (a bad flag value, a missing output folder)."""
-
-
-def _use_color(stream) -> bool:
-    if os.environ.get("NO_COLOR"):
-        return False
-    return os.environ.get("FORCE_COLOR") is not None or (hasattr(stream, "isatty") and stream.isatty())
-
-
-def _report(error: PlanError) -> None:
-    """The first diagnostics (dsl.errors.MAX_SHOWN), a count of the rest, the totals."""
-    print(error.render(color=_use_color(sys.stderr)), file=sys.stderr)
-    print(error.summary(), file=sys.stderr)
 
 
 def _print_warnings(plan: Plan) -> None:
@@ -50,7 +31,7 @@ def _print_warnings(plan: Plan) -> None:
             render_diagnostics(
                 plan.warnings,
                 {plan.path: plan.source},
-                color=_use_color(sys.stderr),
+                color=use_color(sys.stderr),
                 more_warnings=plan.more_warnings,
             ),
             file=sys.stderr,
@@ -77,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         try:
             plan = load_plan(path, world_size=args.world_size)
         except PlanError as e:
-            _report(e)
+            report(e)
             status = EXIT_USER
             continue
         _print_warnings(plan)
@@ -92,7 +73,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
             text = read_plan_text(path)
             formatted = format_plan(parse(text, str(path)), text)
         except PlanError as e:
-            _report(e)
+            report(e)
             status = EXIT_USER
             continue
         if args.check:
@@ -126,7 +107,7 @@ def _load_for_model(args: argparse.Namespace):
     compiled = compile_plan(plan, source, world_size=world_size)
     if compiled.warnings:
         print(
-            render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=_use_color(sys.stderr)),
+            render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=use_color(sys.stderr)),
             file=sys.stderr,
         )
     return compiled
@@ -140,7 +121,8 @@ def _product(values) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from meshplan.compiler.printers import explain, ledger_table
+    from meshplan.compiler.print_explain import explain
+    from meshplan.compiler.print_ledger import ledger_table
 
     compiled = _load_for_model(args)
     print(explain(compiled))
@@ -193,7 +175,7 @@ def _check_output_folder(out: Path) -> None:
 def _inspect_schedule(folder: Path, form: str) -> int:
     """The pipeline's schedule: each rank's actions in time, simulated at unit costs."""
     from meshplan.compiler.executable import PROGRAM, ExecutableError, load_executable
-    from meshplan.compiler.printers import schedule_svg, schedule_text
+    from meshplan.compiler.print_schedule import schedule_svg, schedule_text
     from meshplan.dsl.check import check_text
     from meshplan.runtime.schedules import build, simulate
 
@@ -221,7 +203,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
     from meshplan.compiler.artifact import ArtifactError, read_artifact
-    from meshplan.compiler.printers import to_dot, to_html
+    from meshplan.compiler.print_graph import to_dot
+    from meshplan.compiler.print_program import to_html
 
     folder = Path(args.folder)
     try:
@@ -235,7 +218,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--rank {args.rank} is outside the compiled world of {world} ranks (0..{world - 1})"
         )
-    from meshplan.compiler.printers import rank_line
+    from meshplan.compiler.print_program import rank_line
 
     program = folder / "program.py"
     if not program.is_file():
@@ -244,7 +227,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     code = rank_line(list(mesh), list(mesh.values()), args.rank) + "\n" + program.read_text(encoding="utf-8")
     title = f"{manifest['plan']}: rank {args.rank} of {world}"
     if args.format == "text":
-        print(_highlight(code) if _use_color(sys.stdout) else code, end="")
+        print(_highlight(code) if use_color(sys.stdout) else code, end="")
         print((folder / "ledger.txt").read_text(encoding="utf-8"), end="")
         return EXIT_OK
     records = json.loads((folder / "graph.json").read_text(encoding="utf-8"))
@@ -493,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="FILE.py:function called with the model after each step, as for `run` (all three trainings)",
     )
 
-    from meshplan.run import add_arguments, cmd_run
+    from meshplan.options import add_arguments
+    from meshplan.run import cmd_run
 
     p = _add(
         sub,
@@ -527,29 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except PlanError as e:
-        _report(e)
-        return EXIT_USER
-    except CompileError as e:
-        print(f"meshplan: error: {e}", file=sys.stderr)
-        return EXIT_USER
-    except (UsageError, RunError) as e:
-        print(f"meshplan: error: {e}", file=sys.stderr)
-        return EXIT_USER
-    except KeyboardInterrupt:
-        print("meshplan: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # a bug in meshplan, not a user mistake
-        if os.environ.get("MESHPLAN_DEBUG"):
-            raise
-        print(
-            f"meshplan: internal error: {type(e).__name__}: {e}\n"
-            "this is a bug in meshplan; rerun with MESHPLAN_DEBUG=1 for the traceback and report it",
-            file=sys.stderr,
-        )
-        return EXIT_INTERNAL
+    return guarded(lambda: args.func(args))
 
 
 if __name__ == "__main__":

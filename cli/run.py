@@ -36,248 +36,42 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from meshplan.args import DefaultInt, DefaultStr, non_negative_int, positive_int
+from meshplan.errors import EXIT_OK, EXIT_PEER, EXIT_USER, HINT, RunError, guarded, leave_for_launcher
+from meshplan.faults import restart_attempt
+from meshplan.options import RunOptions, build_parser, run_dir
 
 if TYPE_CHECKING:
     from meshplan.runtime.train import Summary
-
-DEFAULT_MODEL = "meshplan.examples.models.llama:build"
-EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2  # 1: a bug in meshplan
-EXIT_PEER = 3  # a rank died or hung; the others stopped
-
-# torchrun's own options: passed to torchrun, never to the workers
-TORCHRUN_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "max_restarts")
-# (dest, flag) of every option the workers receive again
-WORKER_FLAGS = (
-    ("model", "--model"),
-    ("program", "--program"),
-    ("vocab_size", "--vocab-size"),
-    ("steps", "--steps"),
-    ("data", "--data"),
-    ("batch", "--batch"),
-    ("seq", "--seq"),
-    ("lr", "--lr"),
-    ("warmup", "--warmup"),
-    ("min_lr_ratio", "--min-lr-ratio"),
-    ("weight_decay", "--weight-decay"),
-    ("grad_clip", "--grad-clip"),
-    ("seed", "--seed"),
-    ("save_every", "--save-every"),
-    ("out", "--out"),
-    ("log_every", "--log-every"),
-    ("timeout", "--timeout"),
-    ("peak_tflops", "--peak-tflops"),
-    ("export", "--export"),
-    ("between_steps", "--between-steps"),
-)
-
-
-class RunError(ValueError):
-    """A user mistake found by `meshplan run` (one line, with a hint)."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `meshplan run` (and of `python -m meshplan.run`)."""
-    p.add_argument(
-        "plan",
-        metavar="PLAN",
-        help="the plan file (its mesh gives the number of processes), or a `meshplan compile -o` folder",
-    )
-    p.add_argument(
-        "--model",
-        default=DefaultStr(DEFAULT_MODEL),
-        metavar="SPEC",
-        help=f"FILE.py:factory or module:factory (default: {DEFAULT_MODEL}, a tiny Llama; "
-        "for a compile folder, the model it was compiled for)",
-    )
-    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
-    p.add_argument(
-        "--data",
-        metavar="FILE",
-        help="a text file (bytes are tokens) or FILE.py:factory (default: the shipped corpus)",
-    )
-    p.add_argument(
-        "--between-steps",
-        metavar="SPEC",
-        help="FILE.py:function or module:function called with the model after each optimizer step "
-        "(e.g. an aux-loss-free expert bias update), the buffers the model counts into summed over "
-        "the data ranks first",
-    )
-    p.add_argument(
-        "--batch",
-        type=positive_int,
-        default=DefaultInt(8),
-        metavar="B",
-        help="sequences per micro-step per data-parallel rank (default 8; for a compile folder, its own)",
-    )
-    p.add_argument(
-        "--seq",
-        type=positive_int,
-        default=DefaultInt(64),
-        metavar="T",
-        help="tokens per sequence (default 64; for a compile folder, its own)",
-    )
-    p.add_argument("--program", help=argparse.SUPPRESS)  # the launcher's compiled program.pt
-    # the model's vocabulary, found by the launcher: every batch's token ids are checked against it
-    p.add_argument("--vocab-size", type=positive_int, help=argparse.SUPPRESS)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument(
-        "--warmup", type=non_negative_int, default=20, metavar="N", help="linear warmup steps (default 20)"
-    )
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this (default 0.1)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument(
-        "--grad-clip", type=float, default=1.0, help="max global gradient norm, 0 disables (default 1.0)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--save-every",
-        type=non_negative_int,
-        default=0,
-        metavar="N",
-        help="checkpoint every N steps (and at the end); 0: never",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the latest complete checkpoint in --out"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the checkpoints and metrics of a run already in --out (without it, `run` refuses)",
-    )
-    p.add_argument(
-        "--export",
-        metavar="FILE",
-        help="after training, write the full (unpartitioned) weights: FILE.safetensors or FILE.pt",
-    )
-    p.add_argument(
-        "--out", metavar="DIR", help="run folder for metrics and checkpoints (default: runs/<plan name>)"
-    )
-    p.add_argument(
-        "--log-every",
-        type=positive_int,
-        default=10,
-        metavar="N",
-        help="print every N steps when not on a terminal",
-    )
-    p.add_argument(
-        "--timeout",
-        type=positive_int,
-        default=300,
-        metavar="S",
-        help="seconds a collective may wait for a peer (default 300)",
-    )
-    p.add_argument(
-        "--peak-tflops", type=float, metavar="F", help="peak TFLOP/s per device, for the MFU estimate"
-    )
-    g = p.add_argument_group("torchrun (passed through)")
-    g.add_argument(
-        "--nproc-per-node",
-        type=positive_int,
-        metavar="N",
-        help="processes per node (default: the mesh's world size / --nnodes)",
-    )
-    g.add_argument("--nnodes", default="1", metavar="N")
-    g.add_argument("--node-rank", metavar="R")
-    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT")
-    g.add_argument("--rdzv-backend", metavar="NAME")
-    g.add_argument("--rdzv-id", metavar="ID")
-    g.add_argument("--max-restarts", metavar="N")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Entry of `meshplan run`: launch torchrun, or be one of its workers."""
     from meshplan.launcher import launch
 
+    options = RunOptions.from_args(args)
     try:
-        return _worker(args) if under_torchrun() else launch(args)
+        return _worker(options) if under_torchrun() else launch(options)
     except RunError as e:
         print(f"meshplan: error: {e}", file=sys.stderr)
         return EXIT_USER
-
-
-def restart_attempt() -> int:
-    """How many times torchrun has restarted the workers (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A fault injected into one rank when it starts step `step` (0-based: 3 is the fourth step)."""
-
-    step: int
-    hang: bool = False  # stay alive but silent (a stuck rank), instead of exiting as if killed
-
-    def strike(self) -> None:
-        """Exit with 137 (as SIGKILL would), or never return."""
-        if not self.hang:
-            os._exit(137)
-        while True:  # stuck: the peers time out in their next collective; torchrun ends this process
-            time.sleep(60)
-
-
-def injected_fault(rank: int) -> Fault | None:
-    """This rank's fault from MESHPLAN_FAULT="rank=R,step=S" or "rank=R,step=S,hang" (first attempt only).
-
-    A testing hook for the failure paths: rank R exits abruptly at step S, as if killed,
-    while its peers are inside the same step's collectives; with `hang` it stays alive and
-    never joins them, as if stuck.
-    """
-    spec = os.environ.get("MESHPLAN_FAULT")
-    if not spec or restart_attempt() > 0:
-        return None
-    fault_rank, fault = parse_fault(spec)
-    return fault if fault_rank == rank else None
-
-
-def parse_fault(spec: str) -> tuple[int, Fault]:
-    """`rank=R,step=S[,hang]` -> (R, its fault); anything else is a `RunError` saying the form."""
-    parts = spec.split(",")
-    fields = dict(part.split("=", 1) for part in parts if "=" in part)
-    extra = [p for p in parts if "=" not in p and p != "hang"] + sorted(set(fields) - {"rank", "step"})
-    try:
-        if extra:
-            raise ValueError
-        return int(fields["rank"]), Fault(int(fields["step"]), hang="hang" in parts)
-    except (KeyError, ValueError):
-        raise RunError(
-            f"MESHPLAN_FAULT={spec!r} is not `rank=R,step=S` or `rank=R,step=S,hang` (a testing hook)"
-        ) from None
 
 
 def under_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def run_dir(args: argparse.Namespace) -> Path:
-    """`--out`, else `runs/<plan name>` (for a compile folder, the name of the plan it compiled)."""
-    if args.out:
-        return Path(args.out)
-    plan = Path(args.plan)
-    if plan.is_dir():
-        from meshplan.compiler.artifact import ArtifactError, read_artifact
-
-        try:
-            return Path("runs") / Path(read_artifact(plan)["plan"]).stem
-        except (ArtifactError, KeyError, ValueError) as e:
-            raise RunError(str(e)) from None
-    return Path("runs") / plan.stem
-
-
 # ---------------------------------------------------------------------------- worker
 
 
-def _worker(args: argparse.Namespace) -> int:
+def _worker(options: RunOptions) -> int:
     import torch
     import torch.distributed as dist
 
     from meshplan.compiler.errors import CompileError
     from meshplan.dsl import PlanError
-    from meshplan.launcher import HINT
     from meshplan.runtime import watchdog
     from meshplan.runtime.checkpoint import CheckpointError
     from meshplan.runtime.data import DataError
@@ -285,18 +79,20 @@ def _worker(args: argparse.Namespace) -> int:
 
     rank = int(os.environ["RANK"])
     if restart_attempt() > 0:
-        args.resume = True  # torchrun restarted the workers: continue from the last complete checkpoint
+        options = options.replace(
+            resume=True
+        )  # torchrun restarted the workers: continue from the last complete checkpoint
         if rank == 0:
             print(
                 f"meshplan: restart {restart_attempt()}: resuming from the last checkpoint", file=sys.stderr
             )
-    _init_process_group(args.timeout)
+    _init_process_group(options.timeout)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        summary = train_rank(args, rank, dist.get_world_size())
+        summary = train_rank(options, rank, dist.get_world_size())
         _teardown_in_order()
     except (PlanError, CompileError, DataError, CheckpointError, RunError) as e:
-        _say_user_error(e, rank)
+        leave_for_launcher(e, rank)
         return EXIT_USER
     except RuntimeError as e:  # a collective timed out or lost its peer: one line naming it and who
         if not isinstance(e, PeerFailure) and not is_peer_failure(e):
@@ -304,18 +100,18 @@ def _worker(args: argparse.Namespace) -> int:
         failure = e if isinstance(e, PeerFailure) else PeerFailure(watchdog.diagnose(e))  # start-up, export
         print(
             f"meshplan: error: {failure}\n{HINT}continue with --resume from the last checkpoint in "
-            f"{run_dir(args)} (collectives wait --timeout {args.timeout} s)",
+            f"{run_dir(options)} (collectives wait --timeout {options.timeout} s)",
             file=sys.stderr,
         )
         return EXIT_PEER
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return EXIT_OK if summary.steps_done >= args.steps else EXIT_USER
+    return EXIT_OK if summary.steps_done >= options.steps else EXIT_USER
 
 
 def train_rank(
-    args: argparse.Namespace, rank: int, world_size: int, *, show_progress: bool | None = None
+    options: RunOptions, rank: int, world_size: int, *, show_progress: bool | None = None
 ) -> Summary:
     """One worker's run, in a process group that is up: load the program and this rank's shards,
     train (resuming if asked), export if asked."""
@@ -323,39 +119,14 @@ def train_rank(
     from meshplan.runtime.data import within_vocab
     from meshplan.session import export_weights, open_session, train_session
 
-    prepared = open_session(args, rank, world_size)
-    if args.vocab_size is not None:  # an id beyond it is a located DataError, not an IndexError
-        spec = args.data or str(CORPUS)
-        prepared = replace(prepared, batches=within_vocab(prepared.batches, args.vocab_size, spec))
-    summary = train_session(args, prepared, show_progress=show_progress)
-    if args.export:
-        export_weights(args, prepared, rank)
+    prepared = open_session(options, rank, world_size)
+    if options.vocab_size is not None:  # an id beyond it is a located DataError, not an IndexError
+        spec = options.data or str(CORPUS)
+        prepared = replace(prepared, batches=within_vocab(prepared.batches, options.vocab_size, spec))
+    summary = train_session(prepared, show_progress=show_progress)
+    if options.export:
+        export_weights(prepared, rank)
     return summary
-
-
-def _say_user_error(error: Exception, rank: int) -> None:
-    """Leave the message for the launcher (every rank: whichever stops first is the one torchrun
-    reports); under a user's own torchrun, rank 0 prints it."""
-    import contextlib
-    import io
-
-    from meshplan.dsl import PlanError
-    from meshplan.launcher import ERRORS_ENV
-    from meshplan.main import _report
-
-    text = io.StringIO()
-    with contextlib.redirect_stderr(text):
-        if isinstance(error, PlanError):
-            _report(error)
-        else:
-            print(f"meshplan: error: {error}", file=sys.stderr)
-    folder = os.environ.get(ERRORS_ENV)
-    if folder is not None and Path(folder).is_dir():
-        partial = Path(folder) / f".rank{rank}.txt"  # renamed when whole: torchrun may stop us mid-write
-        partial.write_text(text.getvalue())
-        partial.replace(partial.with_name(f"rank{rank}.txt"))
-    elif rank == 0:
-        sys.stderr.write(text.getvalue())
 
 
 def _teardown_in_order() -> None:
@@ -405,17 +176,10 @@ def _init_process_group(timeout_s: int) -> None:
 # ---------------------------------------------------------------------------- python -m meshplan.run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshplan run", description="train a model under a plan on torchrun")
-    add_arguments(p)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from meshplan.main import main as meshplan_main
-
     # the same error handling as `meshplan run` (plan errors rendered, internal errors summarized)
-    return meshplan_main(["run", *(sys.argv[1:] if argv is None else argv)])
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return guarded(lambda: cmd_run(args))
 
 
 if __name__ == "__main__":

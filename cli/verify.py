@@ -158,36 +158,34 @@ def _rank(rank: int, world_size: int, job: Job):
     """One rank of the partitioned program, set up and trained exactly as `meshplan run` does."""
     import torch
 
-    from meshplan.run import build_parser
+    from meshplan.options import RunOptions
     from meshplan.session import consolidated_state, open_session, train_config, train_session
 
-    args = build_parser().parse_args(
-        [
-            job.plan,
-            "--model", job.model,
-            "--steps", str(job.steps),
-            "--batch", str(job.batch),
-            "--seq", str(job.seq),
-            "--lr", str(job.lr),
-            "--grad-clip", str(job.grad_clip),
-            "--warmup", "1",
-            "--seed", str(job.seed),
-            "--out", str(Path(job.out) / "partitioned"),
-            *(("--program", job.program) if job.program else ()),
-            *(("--between-steps", job.between_steps) if job.between_steps else ()),
-        ]
-    )  # fmt: skip
-    prepared = open_session(args, rank, world_size)
+    options = RunOptions(
+        job.plan,
+        model=job.model,
+        steps=job.steps,
+        batch=job.batch,
+        seq=job.seq,
+        lr=job.lr,
+        grad_clip=job.grad_clip,
+        warmup=1,
+        seed=job.seed,
+        out=str(Path(job.out) / "partitioned"),
+        program=job.program or None,
+        between_steps=job.between_steps or None,
+    )
+    prepared = open_session(options, rank, world_size)
     dp_rank, dp_size = prepared.axes.data_rank, prepared.axes.data_size
     batches = token_batches(job, dp_rank=dp_rank, dp_size=dp_size, accumulation=prepared.accumulation)
     prepared = replace(prepared, batches=batches)
-    summary = train_session(args, prepared, show_progress=False)
+    summary = train_session(prepared, show_progress=False)
     weights = consolidated_state(prepared)
     if rank != 0:
         return None
     # through a file: tensors sent back through the result queue would outlive their process
     torch.save(weights, Path(job.out) / "partitioned.pt")
-    return summary.losses, summary.grad_norms, train_config(args, prepared), dp_size
+    return summary.losses, summary.grad_norms, train_config(prepared), dp_size
 
 
 # ---------------------------------------------------------------------------- the unpartitioned runs
@@ -252,12 +250,14 @@ def _one_device_program(plan, source, precision: bool = True):
     """The plan's precision policy alone (`precision=False`: not even that), compiled for one
     rank: the unpartitioned model as the plan computes it. Returns (program, loss_of)."""
     from meshplan.compiler.capture import bind_inputs
-    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.lower import build_rank_program
     from meshplan.compiler.passes.experts.capacity import capacity_factor
     from meshplan.compiler.passes.experts.router_loss import z_loss_of
     from meshplan.compiler.passes.experts.units import expert_modules
-    from meshplan.dsl.check import MeshSpec, PrecisionSpec
+    from meshplan.dsl.axes import MeshSpec
+    from meshplan.dsl.settings import PrecisionSpec
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.session import call_inputs
 
@@ -393,7 +393,7 @@ def verify(
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import load_plan
-    from meshplan.run import RunError
+    from meshplan.errors import RunError
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.launch import spawn
     from meshplan.session import (

@@ -3,7 +3,7 @@
     plan = load_plan("examples/llama_tp.plan", world_size=2)
     source = load_model("examples/models/llama.py:build")
     compiled = compile_plan(plan, source)
-    program = build_rank_program(compiled, source.model.state_dict(), rank=0, mesh=device_mesh)
+    program = build_rank_program(compiled, source.model, rank=0, mesh=device_mesh)  # lower.py
 
 Capture and resolution come first; then the passes of `PASSES`, in this order, each for a
 reason, each linted after it runs (`lint.py`):
@@ -52,14 +52,13 @@ from torch import fx, nn
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
 from meshplan.runtime.mesh import MeshLayout, axes_of
-from meshplan.runtime.shards import Cut, shard_of
 
 from .capture import BATCH, SEQ, Captured, Divisibility, ModelSource, TokenShapes, capture, token_tensors
-from .executable import Executable
-from .graph import ShapeGuardError, for_rank, keep_loss_output, no_new_guards, normalize
+from .graph import ShapeGuardError, keep_loss_output, no_new_guards, normalize
 from .ledger import DataParallelFacts, ExpertDataFacts, Ledger, build_ledger
 from .lint import lint
 from .match import Resolution, resolve
+from .meta import STAGES
 from .passes import (
     Context,
     Pass,
@@ -72,7 +71,6 @@ from .passes import (
     unsupported,
     zero,
 )
-from .passes.checkpoint import bind_regions
 from .passes.experts import rows as expert_rows
 from .passes.experts.lists import fold_list_members, list_members, stack_expert_lists
 from .passes.experts.units import expert_parameters, experts_as_units
@@ -102,6 +100,11 @@ class Compiled:
     grad_sums: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # lists of experts the program holds stacked (`runtime.expert_list.ExpertList`), by path
     expert_lists: tuple[str, ...] = ()
+
+    @property
+    def stage_cuts(self) -> tuple[tuple[str, str], ...]:
+        """The pipeline's cuts the pipeline pass chose: (side, module path); () without a pipeline."""
+        return tuple(self.graph.meta.get(STAGES, ()))
 
 
 # The passes, in order (see the module docstring for why this order). Each is one module or
@@ -385,60 +388,3 @@ def _layout(plan: Plan, world_size: int | None) -> MeshLayout:
     if world_size is not None and math.prod(sizes) != world_size:
         raise AssertionError("the checker resolves the mesh against the world size")
     return MeshLayout(plan.mesh.names, tuple(sizes))
-
-
-# ---------------------------------------------------------------------------- per-rank programs
-
-
-def build_rank_program(
-    compiled: Compiled | Executable, model: nn.Module, rank: int, mesh=None
-) -> fx.GraphModule:
-    """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
-
-    `compiled` is a fresh compile or one loaded from disk (`executable.py`); `model` holds
-    the full (unpartitioned) parameters and buffers; `mesh` is the
-    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
-    """
-    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    state.update(model.named_buffers(remove_duplicate=False))
-    coords = compiled.layout.coords(rank)
-    graph = compiled.graph.graph
-    root: dict[str, object] = {}
-    local_of: dict[int, nn.Parameter] = {}  # id(full tensor) -> its local parameter, keeps ties
-    for node in graph.nodes:
-        if node.op == "get_attr":
-            name = str(node.target)
-            if name not in state:  # a nested graph (e.g. a set_grad_enabled region): shared as is
-                root[name] = _get_attr(compiled.graph, name)
-                continue
-            full = state[name]
-            placement = compiled.param_placements.get(name, {})
-            local = local_shard(full, placement, coords, compiled.layout)
-            if isinstance(full, nn.Parameter):
-                if id(full) not in local_of:
-                    local_of[id(full)] = nn.Parameter(
-                        local.detach().clone(), requires_grad=full.requires_grad
-                    )
-                root[name] = local_of[id(full)]
-            else:
-                root[name] = local.detach().clone()
-        elif node.op == "call_module":
-            root[str(node.target)] = for_rank(compiled.graph.get_submodule(str(node.target)), mesh, model)
-    return bind_regions(fx.GraphModule(root, graph), mesh, model)
-
-
-def _get_attr(module: nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def local_shard(
-    full: torch.Tensor, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
-) -> torch.Tensor:
-    """This rank's piece of a full tensor: for `Shard(d, blocks=sizes)`, its chunk of each block."""
-    local = full
-    for axis, p in placement.items():
-        if isinstance(p, Shard):
-            local = shard_of(local, Cut(p.dim, p.blocks, p.padded), coords[axis], layout.size(axis))
-    return local

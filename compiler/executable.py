@@ -38,7 +38,7 @@ from meshplan.runtime.expert_list import ExpertList, stack_lists
 from meshplan.runtime.mesh import MeshLayout
 
 from .capture import ModelSource, TokenShapes
-from .meta import CHECKPOINT, COLLECTIVE, MODULE, STAGES
+from .meta import CHECKPOINT, COLLECTIVE, MODULE
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def to_executable(compiled: Compiled) -> Executable:
         model_sha256=model_fingerprint(model),
         token_shape=_token_shape(compiled.source),
         shapes=compiled.shapes,
-        stage_cuts=compiled.graph.meta.get(STAGES, ()),
+        stage_cuts=compiled.stage_cuts,
         grad_sums=compiled.grad_sums,
         expert_lists=compiled.expert_lists,
     )

@@ -10,14 +10,13 @@ Facts the compiler adds live in `node.meta` under namespaced keys:
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from typing import TypeGuard
 
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
 from torch.fx.node import Argument
 
@@ -341,27 +340,6 @@ def _loss_leaf(spec: pytree.TreeSpec) -> int | None:
         return None
     children = list(spec.children()) if hasattr(spec, "children") else spec.children_specs
     return sum(child.num_leaves for child in children[: list(keys).index("loss")])
-
-
-def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> nn.Module:
-    """A rank's own instance of one of the graph's communication modules: a collective bound
-    to this rank's process group of its axis (an experts unit also to `model`'s experts module,
-    whose code it runs), or a fresh ZeRO node for the engine to bind."""
-    from meshplan.runtime.collectives import AxisCollective  # runtime imports torch.distributed
-    from meshplan.runtime.experts import ExpertParallel
-    from meshplan.runtime.mesh import axis_group
-
-    if isinstance(template, ExpertParallel):  # over an axis or a group of axes (`dp x tp`)
-        assert model is not None, "an experts unit runs the model's experts module"
-        if mesh is None:
-            return template.bind(None, model)
-        shared = template.shared_axis()  # the subgroup whose ranks share the tokens, if any
-        share = axis_group(mesh, shared) if shared and shared != template.axis else None
-        return template.bind(axis_group(mesh, template.axis), model, share)
-    if isinstance(template, AxisCollective):
-        group = mesh.get_group(template.axis) if mesh is not None else None
-        return type(template)(group, template.axis, balanced=template.balanced)
-    return copy.copy(template)
 
 
 def mutated_buffers(gm: fx.GraphModule) -> list[str]:

@@ -20,24 +20,22 @@ from pathlib import Path
 
 import gloo_pool
 
-from meshplan.launcher import prepare, worker_argv
-from meshplan.main import build_parser
-from meshplan.run import run_dir, train_rank
+from meshplan.launcher import prepare
+from meshplan.options import parse, run_dir
+from meshplan.run import train_rank
 
 
 def meshplan_run(*argv: str) -> list[list[dict]]:
     """Train as `meshplan run *argv` does; each rank's metrics records, by rank."""
-    args = build_parser().parse_args(["run", *argv])
-    world_size = prepare(args)  # sets the program and vocabulary the workers are given
-    steps = gloo_pool.spawn(_worker, world_size, (worker_argv(args),))
-    assert all(done >= args.steps for done in steps), steps  # the command would exit 2
-    return metrics(run_dir(args))
+    options, world_size = prepare(parse(list(argv)))  # with the program and vocabulary for the workers
+    steps = gloo_pool.spawn(_worker, world_size, (options.worker_argv(),))
+    assert all(done >= options.steps for done in steps), steps  # the command would exit 2
+    return metrics(run_dir(options))
 
 
 def _worker(rank: int, world_size: int, argv: list[str]) -> int:
     """A torchrun worker's part: the arguments the launcher hands it, parsed as it parses them."""
-    args = build_parser().parse_args(["run", *argv])
-    return train_rank(args, rank, world_size, show_progress=False).steps_done
+    return train_rank(parse(argv), rank, world_size, show_progress=False).steps_done
 
 
 def metrics(folder: Path) -> list[list[dict]]:

@@ -10,9 +10,9 @@ the graph, called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=
 (with a selective context that keeps matmul outputs for `checkpoint selective`). The call
 node carries `meta["meshplan.checkpoint"]`. The submodule holds no parameters: they stay
 `get_attr` nodes of the outer graph and enter the region as inputs, so optimizers, tied
-weights and per-rank shards (`build_rank_program`) see the same parameters as before.
+weights and per-rank shards (`lower.build_rank_program`) see the same parameters as before.
 Collective modules called inside a region are shared with the outer graph; a rank program
-rebinds them to its process groups with `bind_regions`. Numbers are unchanged: the region
+rebinds them to its process groups with `lower.bind_regions`. Numbers are unchanged: the region
 runs the same ops in the same order, and its recomputation in backward is bit-identical.
 
 Before (`layers.1: checkpoint`):
@@ -48,14 +48,14 @@ from typing import Literal
 
 import torch
 import torch.utils.checkpoint
-from torch import fx, nn
+from torch import fx
 
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 
 from .. import outline
-from ..graph import COLLECTIVE, for_rank, written_buffer
+from ..graph import COLLECTIVE, written_buffer
 from ..match import Resolution
 from ..meta import CHECKPOINT, MODULE
 from . import Context, Pass
@@ -324,31 +324,3 @@ def _saves_tensors(node: fx.Node) -> bool:
     if node.op == "call_module":
         return node.meta.get(COLLECTIVE, {}).get("kind") not in _COLLECTIVES_SAVING_NOTHING
     return node.target not in _SAVES_NOTHING
-
-
-def bind_regions(program: fx.GraphModule, mesh=None, model: nn.Module | None = None) -> fx.GraphModule:
-    """Give the regions of a rank program this rank's collective modules.
-
-    `build_rank_program` copies attributes it does not know as they are, so a region
-    would still call the compiled graph's group-less collectives. This rebuilds each
-    region around the program's own collective modules (those its outer graph calls),
-    creating the others for `mesh` as `build_rank_program` does. Parameters need
-    nothing: they enter regions as inputs from the outer graph's `get_attr` nodes.
-    """
-    made: dict[str, nn.Module] = {}
-
-    def collective(region: fx.GraphModule, target: str) -> nn.Module:
-        if hasattr(program, target):
-            return program.get_submodule(target)
-        if target not in made:
-            made[target] = for_rank(region.get_submodule(target), mesh, model)
-        return made[target]
-
-    for node, region in list(region_modules(program)):
-        targets = {str(n.target) for n in region.graph.nodes if n.op == "call_module"}
-        if not targets:  # nothing rank-specific inside: the compiled region is shared as is
-            continue
-        modules = {t: collective(region, t) for t in sorted(targets)}
-        rebound = fx.GraphModule(modules, region.graph, class_name=type(region).__name__)
-        setattr(program, node.meta[CHECKPOINT]["target"], rebound)
-    return program

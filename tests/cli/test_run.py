@@ -11,33 +11,30 @@ from pathlib import Path
 import pytest
 from runs import meshplan_run
 
-from meshplan.launcher import first_failure, torchrun_command, worker_argv
-from meshplan.main import build_parser, main
-from meshplan.run import Fault, injected_fault
+from meshplan.faults import Fault, injected_fault
+from meshplan.launcher import first_failure, torchrun_command
+from meshplan.main import main
+from meshplan.options import RunOptions, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DP = str(ROOT / "examples" / "tiny_dp.plan")
 
 
-def parse(*argv: str):
-    return build_parser().parse_args(["run", *argv])
-
-
 def test_the_launcher_runs_real_torchrun_with_the_mesh_world_size() -> None:
-    args = parse(TINY_DP, "--steps", "7", "--save-every", "3", "--resume", "--max-restarts", "1")
-    cmd = torchrun_command(args, world_size=2)
+    options = parse([TINY_DP, "--steps", "7", "--save-every", "3", "--resume", "--max-restarts", "1"])
+    cmd = torchrun_command(options, world_size=2)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=1" in cmd
     worker = cmd[cmd.index("meshplan.run") + 1 :]
-    assert worker == worker_argv(args)
+    assert worker == options.worker_argv()
     assert worker[0] == TINY_DP and "--resume" in worker
     assert worker[worker.index("--steps") + 1] == "7"
     assert not any("restarts" in a or "nnodes" in a for a in worker)  # torchrun's flags stay with torchrun
 
 
 def test_multi_node_flags_pass_through() -> None:
-    args = parse(TINY_DP, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500")
-    cmd = torchrun_command(args, world_size=2)
+    options = parse([TINY_DP, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500"])
+    cmd = torchrun_command(options, world_size=2)
     assert "--nproc-per-node=1" in cmd and "--nnodes=2" in cmd and "--node-rank=1" in cmd
     assert "--rdzv-endpoint=head:29500" in cmd and "--standalone" not in cmd
 
@@ -192,7 +189,7 @@ def test_overwrite_replaces_only_what_a_run_leaves(tmp_path) -> None:
 
     folder = a_finished_run(tmp_path / "run")
     (folder / "notes.txt").write_text("mine")
-    _check_run_folder(parse(TINY_DP, "--out", str(folder), "--overwrite"))
+    _check_run_folder(RunOptions(TINY_DP, out=str(folder), overwrite=True))
     assert not (folder / "checkpoints").exists() and not any((folder / "metrics").iterdir())
     assert (folder / "notes.txt").read_text() == "mine"
 

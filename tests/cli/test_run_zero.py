@@ -24,7 +24,7 @@ import pytest
 from gloo_pool import spawn
 from plans import llama_rules
 
-from meshplan.main import build_parser
+from meshplan.options import parse
 from meshplan.session import open_session, train_session
 
 pytestmark = pytest.mark.slow
@@ -80,9 +80,9 @@ def run(rank: int, world_size: int, tmp: Path, name: str, *extra: str) -> None:
         compiled = compile_plan(load_plan(plan, world_size=world_size), shaped, world_size=world_size)
         save_executable(to_executable(compiled), program)
     dist.barrier()
-    argv = ["run", str(plan), "--program", str(program), "--model", model, *RUN_FLAGS, "--grad-clip", "0.5"]
-    args = build_parser().parse_args([*argv, "--out", str(tmp / name), *extra])
-    train_session(args, open_session(args, rank, world_size), show_progress=False)
+    argv = [str(plan), "--program", str(program), "--model", model, *RUN_FLAGS, "--grad-clip", "0.5"]
+    options = parse([*argv, "--out", str(tmp / name), *extra])
+    train_session(open_session(options, rank, world_size), show_progress=False)
     dist.barrier()
 
 

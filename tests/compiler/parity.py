@@ -20,8 +20,9 @@ import torch
 
 def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dtype: str) -> dict:
     from meshplan.compiler.capture import bind_inputs, load_model
-    from meshplan.compiler.compile import build_rank_program, compile_plan, local_shard
+    from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.lower import build_rank_program, local_shard
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import check_text
     from meshplan.runtime.mesh import init_mesh

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from meshplan.compiler.capture import ModelSource
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.passes.checkpoint import (
     CHECKPOINT,
     CheckpointError,

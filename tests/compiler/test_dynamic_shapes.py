@@ -51,8 +51,8 @@ def parity_at_shapes(rank: int, world_size: int, plan_text: str, model_spec: str
     of this rank's program and of the unpartitioned model on the same tokens: the relative
     difference of the loss and the worst of a gradient shard."""
     from meshplan.compiler.capture import bind_inputs
-    from meshplan.compiler.compile import build_rank_program, local_shard
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.lower import build_rank_program, local_shard
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.runtime.mesh import init_mesh
     from meshplan.session import partial_grad_sync

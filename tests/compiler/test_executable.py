@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.executable import ExecutableError, load_executable, save_executable, to_executable
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 
 HERE = Path(__file__).resolve().parent

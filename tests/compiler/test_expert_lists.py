@@ -208,8 +208,8 @@ def _run_one_rank(model: nn.Module, text: str):
     """The plan's program at one rank of `ep` (its unit drops as any rank's): the loss, each
     unit's dropped pairs per expert, the router's gradients."""
     from meshplan.compiler.capture import bind_inputs
-    from meshplan.compiler.compile import build_rank_program
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.lower import build_rank_program
 
     source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=model)
     compiled = compile_plan(check_text(text, "p.plan", world_size=1), source, world_size=1)

@@ -144,7 +144,7 @@ def test_a_router_z_loss_is_added_to_the_loss():
     routers' outputs; loss and every gradient match on one rank (ep=1: the unit runs the
     model's experts whole), and verify's reference (`z_loss_applied`) adds the same."""
     from meshplan.compiler.capture import bind_inputs
-    from meshplan.compiler.compile import build_rank_program
+    from meshplan.compiler.lower import build_rank_program
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied
 
     model = moe.build().double()

@@ -5,7 +5,8 @@ import copy
 import torch
 
 from meshplan.compiler.capture import ModelSource
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
 from meshplan.runtime.train import _update_scale

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from meshplan.compiler.capture import ModelSource
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.passes.precision import cast_floating
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama_complex

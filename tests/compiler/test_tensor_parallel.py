@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshplan.compiler.capture import ModelSource, load_model
-from meshplan.compiler.compile import build_rank_program, compile_plan, local_shard
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program, local_shard
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import gpt, llama

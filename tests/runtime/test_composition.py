@@ -33,8 +33,8 @@ from gloo_pool import spawn
 from plans import llama_rules, llama_sequence
 from reference import single_device_losses
 
-from meshplan.compiler.compile import local_shard
-from meshplan.main import build_parser
+from meshplan.compiler.lower import local_shard
+from meshplan.options import parse
 from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,8 @@ def reference(
     parameters, and for a bf16 cell the parameters of the fp32 model trained the same way (the
     yardstick), else None. Cells whose reference is the same computation share one."""
     from meshplan.compiler.capture import load_model, with_token_shape
-    from meshplan.compiler.compile import build_rank_program, compile_plan
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.lower import build_rank_program
     from meshplan.dsl import load_plan
 
     key = (one_rank_plan_text(cell), global_batch, repr(dataclasses.replace(cfg, run_dir=Path())))
@@ -149,9 +150,8 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
     from meshplan.compiler.executable import load_executable
 
     plan_path, program_path = tmp / f"{cell}.plan", tmp / f"{cell}.program.pt"
-    args = build_parser().parse_args(
+    options = parse(
         [
-            "run",
             str(plan_path),
             "--program",
             str(program_path),
@@ -164,13 +164,13 @@ def run_cell(rank: int, world_size: int, tmp: Path, cell: str) -> dict:
             *RUN_FLAGS,
         ]
     )
-    prepared = open_session(args, rank, world_size)
+    prepared = open_session(options, rank, world_size)
     if cell == BROKEN:
         prepared.program.all_reduce_tp.forward = lambda x: x  # each rank keeps its partial sums
-    summary = train_session(args, prepared, show_progress=False)
-    cfg = train_config(args, prepared)
+    summary = train_session(prepared, show_progress=False)
+    cfg = train_config(prepared)
     global_batch = DP * MICRO_BATCH * prepared.accumulation
-    ref_losses, ref_params, fp32_params = reference(tmp, rank, cell, args.model, cfg, global_batch)
+    ref_losses, ref_params, fp32_params = reference(tmp, rank, cell, options.model, cfg, global_batch)
 
     compiled = load_executable(program_path)  # the placements the ranks ran with
     coords = compiled.layout.coords(rank)

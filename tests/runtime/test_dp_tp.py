@@ -16,9 +16,9 @@ from gloo_pool import spawn
 from plans import data_parallel, llama_rules, plan
 from reference import single_device_losses
 
-from meshplan.compiler.compile import local_shard
+from meshplan.compiler.lower import local_shard
 from meshplan.examples.models.llama import build
-from meshplan.main import build_parser
+from meshplan.options import parse
 from meshplan.session import open_session, train_config, train_session
 
 pytestmark = pytest.mark.slow
@@ -35,19 +35,19 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     from meshplan.dsl import load_plan
 
     plan_path = Path(tmp) / "dp_tp.plan"
-    args = build_parser().parse_args(
-        ["run", str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp, *RUN_FLAGS]
+    options = parse(
+        [str(plan_path), "--batch", str(MICRO_BATCH), "--seq", str(SEQ), "--out", tmp, *RUN_FLAGS]
     )
-    prepared = open_session(args, rank, world_size)
-    summary = train_session(args, prepared, show_progress=False)
-    cfg = train_config(args, prepared)
+    prepared = open_session(options, rank, world_size)
+    summary = train_session(prepared, show_progress=False)
+    cfg = train_config(prepared)
 
     reference = build()  # the factory's fixed seed: the weights the program was sharded from
     ref_losses = single_device_losses(reference, cfg, batch=2 * MICRO_BATCH, seq=SEQ, clip=CLIP)
 
     # placements of each parameter, from a compile of the same plan for this shape (cheap to redo here)
     plan = load_plan(plan_path, world_size=world_size)
-    shaped = with_token_shape(load_model(args.model), batch=MICRO_BATCH, seq=SEQ)
+    shaped = with_token_shape(load_model(options.model), batch=MICRO_BATCH, seq=SEQ)
     compiled = compile_plan(plan, shaped, dynamic=False)
     coords = compiled.layout.coords(rank)
     ref_params = dict(reference.named_parameters())

@@ -13,7 +13,8 @@ import torch
 from gloo_pool import spawn
 
 from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
-from meshplan.compiler.compile import build_rank_program, compile_plan
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import Cut, StageError, balanced_cuts, cut_stages
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build, example_inputs

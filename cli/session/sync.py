@@ -1,0 +1,248 @@
+"""Which gradient-sync engine a rank trains with, from the plan: none, data parallel (DDP-style
+buckets), ZeRO 1/2/3, or their per-set-of-axes forms when expert parallelism or a weight whose
+gradient is partial over a tensor or context axis makes parameters reduce over different axes.
+
+    sync = gradient_sync(options, plan, program, rank_program, mesh, pipeline)
+    sync.engine, sync.axes      # the `GradSync` (None: no data axis), the process groups by role
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from meshplan.dsl.axes import axes_of
+
+if TYPE_CHECKING:
+    import torch
+    from torch import fx, nn
+
+    from meshplan.compiler.lower import Program
+    from meshplan.dsl.check import Plan
+    from meshplan.dsl.settings import DataParallelSpec
+    from meshplan.options import RunOptions
+    from meshplan.runtime.axes import Axes
+    from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.runtime.expert_data_parallel import ExpertDataParallel
+    from meshplan.runtime.expert_zero import ExpertZero
+    from meshplan.runtime.zero import Zero
+
+    from .pipeline import PipelineRank
+
+    Engine: TypeAlias = DataParallel | ExpertDataParallel | Zero | ExpertZero
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A rank's gradient synchronization: its engine (None without a data axis) and its axes."""
+
+    engine: Engine | None
+    axes: Axes  # process groups by axis name, the data axes, each parameter's cuts
+    experts: tuple[str, ...]  # the mesh axes experts rules split over
+
+
+def gradient_sync(
+    options: RunOptions,
+    plan: Plan,
+    program: Program,
+    rank_program: fx.GraphModule,
+    mesh,
+    pipeline: PipelineRank | None,
+) -> Sync:
+    """The engine and the axes of a rank that holds `rank_program`'s parameters (under a
+    pipeline, its stages' parameters, which its stage programs run)."""
+    layout = program.layout
+    dp_spec = plan.data_parallel
+    dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
+    experts_over = {x for r in plan.rules_of("experts") for x in axes_of(r.axis)}
+    experts = tuple(a for a in layout.names if a in experts_over)
+    engine: Engine | None = None
+    if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
+        dp_group = mesh.get_group(dp_axis)
+        if dp_spec.zero > 0:
+            engine = shard_for_zero(options, rank_program, dp_group, dp_spec, plan, pipeline)
+            if pipeline is not None:
+                pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
+        else:
+            from meshplan.runtime.data_parallel import DataParallel
+
+            engine = DataParallel(
+                rank_program,
+                dp_group,
+                bucket_bytes=dp_spec.bucket_bytes,
+                reduce_dtype=_reduce_dtype(plan),
+                axis=dp_spec.axis,
+                late=_late(rank_program, pipeline),
+            )
+    axes = rank_axes(program, mesh, data=(dp_spec.axis,) if dp_spec is not None else ())
+    if experts or program.grad_sums:
+        # the expert axes split the batch too: data parallel for all but the experts; a weight
+        # gradient partial over an axis is summed over it with the data axes' average
+        from meshplan.runtime.expert_zero import ExpertZero
+
+        axes = dataclasses.replace(axes, data=plan.batch_axes)
+        engine = _per_axes(options, rank_program, axes, mesh, program, plan, pipeline)
+        if pipeline is not None and isinstance(engine, ExpertZero):
+            pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
+    return Sync(engine, axes, experts)
+
+
+def rank_axes(program: Program, mesh, data: tuple[str, ...] = ()) -> Axes:
+    """The mesh as a rank of `program` trains on it: every axis's group, the data axes, each
+    parameter's cuts and the axes its gradient is partial over."""
+    from meshplan.compiler.placement import Shard
+    from meshplan.runtime.axes import Axes
+    from meshplan.runtime.shards import AxisCut, Cut
+
+    layout = program.layout
+    return Axes(
+        groups={name: mesh.get_group(name) for name in layout.names if layout.size(name) > 1},
+        data=data,
+        sharding={
+            name: tuple(
+                AxisCut(axis, Cut(p.dim, p.blocks, p.padded))
+                for axis, p in placement.items()
+                if isinstance(p, Shard)
+            )
+            for name, placement in program.param_placements.items()
+            if any(isinstance(p, Shard) for p in placement.values())
+        },
+        summed=program.grad_sums,
+    )
+
+
+def partial_grad_sync(
+    program: Program, rank_program: nn.Module, mesh, data: tuple[str, ...] = ()
+) -> ExpertDataParallel:
+    """For code that runs a rank program itself (benchmarks, parity tests) rather than through
+    `meshplan run`: the gradient sync of the weights whose gradients are partial over an axis
+    (`Program.grad_sums`), summed over it in buckets; with `data`, every gradient also
+    averaged over those axes (an expert's over those that do not hold other experts), as `run`
+    does. Call `finish()` after backward."""
+    from meshplan.runtime.expert_data_parallel import expert_data_parallel
+    from meshplan.runtime.mesh import group_over
+
+    layout = program.layout
+    return expert_data_parallel(
+        rank_program, rank_axes(program, mesh, data), lambda over: group_over(layout, over, mesh)
+    )
+
+
+def _per_axes(
+    options: RunOptions,
+    rank_program: fx.GraphModule,
+    axes: Axes,
+    mesh,
+    program: Program,
+    plan: Plan,
+    pipeline: PipelineRank | None,
+) -> ExpertDataParallel | ExpertZero:
+    """Gradient averaging under expert parallelism (`runtime/experts.py`): each parameter over
+    the data axes that do not shard it, in buckets of the plan's size; under ZeRO, each
+    parameter's training state sharded over those axes (`runtime/expert_zero.py`). Under a
+    pipeline `rank_program` holds the rank's parameters and its stage programs run them (as for
+    `shard_for_zero`)."""
+    from meshplan.runtime.expert_data_parallel import expert_data_parallel
+    from meshplan.runtime.expert_zero import expert_zero
+    from meshplan.runtime.mesh import group_over
+
+    dp_spec = plan.data_parallel
+    layout = program.layout
+    groups = lambda over: group_over(layout, over, mesh)  # noqa: E731
+    if dp_spec is not None and dp_spec.zero > 0:
+        return expert_zero(
+            rank_program,
+            axes,
+            groups,
+            _zero_config(dp_spec, _reduce_dtype(plan)),
+            **_adamw(options),
+            programs=_stage_programs(pipeline),
+            alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
+        )
+    return expert_data_parallel(
+        rank_program,
+        axes,
+        groups,
+        bucket_bytes=dp_spec.bucket_bytes if dp_spec is not None else 25_000_000,
+        reduce_dtype=_reduce_dtype(plan),
+        late=_late(rank_program, pipeline),
+    )
+
+
+def shard_for_zero(
+    options: RunOptions,
+    rank_program: fx.GraphModule,
+    dp_group: torch.distributed.ProcessGroup,
+    dp_spec: DataParallelSpec,
+    plan: Plan,
+    pipeline: PipelineRank | None,
+) -> Zero:
+    """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
+
+    The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
+    ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
+    Under a pipeline `rank_program` holds the rank's parameters and its stage programs run them;
+    each weight tied across pipeline ranks gets a flat of its own, so that every rank holding
+    a copy holds the same piece of its gradient (`PipelineRank.sum_tied_grads` adds them).
+    """
+    from meshplan.runtime.data_parallel import broadcast_parameters
+    from meshplan.runtime.zero import shard_for_zero
+
+    # every rank built the same seeded model, but only each rank's own shard survives sharding
+    broadcast_parameters([p for p in rank_program.parameters() if p.requires_grad], dp_group)
+    return shard_for_zero(
+        rank_program,
+        dp_group,
+        _zero_config(dp_spec, _reduce_dtype(plan)),
+        **_adamw(options),
+        axis=dp_spec.axis,
+        programs=_stage_programs(pipeline),
+        alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
+    )
+
+
+def _stage_programs(pipeline: PipelineRank | None) -> list[fx.GraphModule]:
+    """A pipeline rank's stage programs, whose ZeRO nodes drive the engine ([] without one)."""
+    if pipeline is None:
+        return []
+    return [pipeline.parts.stages[s] for s in sorted(pipeline.parts.stages)]
+
+
+def _late(rank_program: fx.GraphModule, pipeline: PipelineRank | None) -> list[nn.Parameter]:
+    """The weights several of a pipeline rank's stages read: reduced after its last backward."""
+    if pipeline is None:
+        return []
+    return [rank_program.get_parameter(n) for n in pipeline.parts.shared_here]
+
+
+def _reduce_dtype(plan: Plan) -> torch.dtype | None:
+    import torch
+
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+
+
+def _adamw(options: RunOptions) -> dict[str, Any]:
+    """`train`'s AdamW settings, for the ZeRO engines that bring their own optimizer."""
+    from meshplan.runtime.buckets import decays
+    from meshplan.runtime.train import TrainConfig
+
+    return {
+        "lr": options.lr,
+        "betas": TrainConfig.betas,
+        "weight_decay": options.weight_decay,
+        "decay": decays,
+    }
+
+
+def _zero_config(dp_spec: DataParallelSpec, reduce_dtype: torch.dtype | None):
+    """The plan's `data_parallel` block as the ZeRO engine's settings."""
+    from meshplan.runtime.zero import ZeroConfig
+
+    return ZeroConfig(
+        stage=dp_spec.zero,
+        bucket_bytes=dp_spec.bucket_bytes,
+        offload_optimizer=dp_spec.offload_optimizer,
+        offload_params=dp_spec.offload_params,
+        reduce_dtype=reduce_dtype,
+    )

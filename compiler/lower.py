@@ -1,0 +1,234 @@
+"""Lowering: the compiled program + the model + a rank + the mesh -> the program that rank runs.
+
+    program = build_rank_program(compiled, model, rank, mesh)     # shards bound, collectives on groups
+    stages = rank_stages(compiled, program, rank, mesh, axis="pp", schedule=schedule)  # under a pipeline
+
+Every rank runs one SPMD graph (`Compiled.graph`, or a loaded `Executable`'s); lowering makes it
+this rank's: each parameter and buffer replaced by its local shard (`local_shard`; tied weights
+stay one parameter), each communication module bound to this rank's process group of its axis
+(`for_rank`), checkpoint regions rebound to those same modules (`bind_regions`), and under a
+pipeline the graph cut into its stages, of which the schedule gives this rank some
+(`rank_stages`). This is the one place that turns a compiled program into a rank's; the
+compiler's passes before it never see a rank, and the runtime after it never sees a plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import fx, nn
+
+from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.shards import Cut, shard_of
+
+from .meta import CHECKPOINT
+from .passes.checkpoint import region_modules
+from .placement import Placement, Shard
+from .stages import compiled_cuts, cut_stages
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from meshplan.runtime.schedules import Schedule
+
+
+class Program(Protocol):
+    """What lowering and a run read of a compiled program, fresh (`compile.Compiled`) or loaded
+    from disk (`executable.Executable`)."""
+
+    @property
+    def graph(self) -> fx.GraphModule: ...  # the SPMD graph every rank shares
+
+    @property
+    def layout(self) -> MeshLayout: ...
+
+    @property
+    def param_placements(self) -> dict[str, dict[str, Placement]]: ...  # name -> {axis: placement}
+
+    @property
+    def grad_sums(self) -> dict[str, tuple[str, ...]]: ...  # weight -> axes its gradient is summed over
+
+    @property
+    def stage_cuts(self) -> tuple[tuple[str, str], ...]: ...  # the pipeline's cuts: (side, module path)
+
+    @property
+    def expert_lists(self) -> tuple[str, ...]: ...  # lists of experts held stacked, by path
+
+
+def build_rank_program(program: Program, model: nn.Module, rank: int, mesh=None) -> fx.GraphModule:
+    """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
+
+    `model` holds the full (unpartitioned) parameters and buffers; `mesh` is the DeviceMesh
+    (None for an axis-free plan). Tied parameters stay tied.
+    """
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    coords = program.layout.coords(rank)
+    graph = program.graph.graph
+    root: dict[str, object] = {}
+    local_of: dict[int, nn.Parameter] = {}  # id(full tensor) -> its local parameter, keeps ties
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            name = str(node.target)
+            if name not in state:  # a nested graph (e.g. a set_grad_enabled region): shared as is
+                root[name] = _get_attr(program.graph, name)
+                continue
+            full = state[name]
+            placement = program.param_placements.get(name, {})
+            local = local_shard(full, placement, coords, program.layout)
+            if isinstance(full, nn.Parameter):
+                if id(full) not in local_of:
+                    local_of[id(full)] = nn.Parameter(
+                        local.detach().clone(), requires_grad=full.requires_grad
+                    )
+                root[name] = local_of[id(full)]
+            else:
+                root[name] = local.detach().clone()
+        elif node.op == "call_module":
+            root[str(node.target)] = for_rank(program.graph.get_submodule(str(node.target)), mesh, model)
+    return bind_regions(fx.GraphModule(root, graph), mesh, model)
+
+
+def _get_attr(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def local_shard(
+    full: torch.Tensor, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
+) -> torch.Tensor:
+    """This rank's piece of a full tensor: for `Shard(d, blocks=sizes)`, its chunk of each block."""
+    local = full
+    for axis, p in placement.items():
+        if isinstance(p, Shard):
+            local = shard_of(local, Cut(p.dim, p.blocks, p.padded), coords[axis], layout.size(axis))
+    return local
+
+
+def for_rank(template: nn.Module, mesh=None, model: nn.Module | None = None) -> nn.Module:
+    """A rank's own instance of one of the graph's communication modules: a collective bound
+    to this rank's process group of its axis (an experts unit also to `model`'s experts module,
+    whose code it runs), or a fresh ZeRO node for the engine to bind."""
+    from meshplan.runtime.collectives import AxisCollective  # runtime imports torch.distributed
+    from meshplan.runtime.experts import ExpertParallel
+    from meshplan.runtime.mesh import axis_group
+
+    if isinstance(template, ExpertParallel):  # over an axis or a group of axes (`dp x tp`)
+        assert model is not None, "an experts unit runs the model's experts module"
+        if mesh is None:
+            return template.bind(None, model)
+        shared = template.shared_axis()  # the subgroup whose ranks share the tokens, if any
+        share = axis_group(mesh, shared) if shared and shared != template.axis else None
+        return template.bind(axis_group(mesh, template.axis), model, share)
+    if isinstance(template, AxisCollective):
+        group = mesh.get_group(template.axis) if mesh is not None else None
+        return type(template)(group, template.axis, balanced=template.balanced)
+    return copy.copy(template)
+
+
+def bind_regions(program: fx.GraphModule, mesh=None, model: nn.Module | None = None) -> fx.GraphModule:
+    """Give the checkpoint regions of a rank program this rank's collective modules.
+
+    `build_rank_program` copies attributes it does not know as they are, so a region
+    would still call the compiled graph's group-less collectives. This rebuilds each
+    region around the program's own collective modules (those its outer graph calls),
+    creating the others for `mesh` as `build_rank_program` does. Parameters need
+    nothing: they enter regions as inputs from the outer graph's `get_attr` nodes.
+    """
+    made: dict[str, nn.Module] = {}
+
+    def collective(region: fx.GraphModule, target: str) -> nn.Module:
+        if hasattr(program, target):
+            return program.get_submodule(target)
+        if target not in made:
+            made[target] = for_rank(region.get_submodule(target), mesh, model)
+        return made[target]
+
+    for node, region in list(region_modules(program)):
+        targets = {str(n.target) for n in region.graph.nodes if n.op == "call_module"}
+        if not targets:  # nothing rank-specific inside: the compiled region is shared as is
+            continue
+        modules = {t: collective(region, t) for t in sorted(targets)}
+        rebound = fx.GraphModule(modules, region.graph, class_name=type(region).__name__)
+        setattr(program, node.meta[CHECKPOINT]["target"], rebound)
+    return program
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """One pipeline rank's part of a program: the stages its schedule gives it, and the module
+    holding their parameters under the model's names (what the optimizer, data parallelism,
+    checkpoints and export see)."""
+
+    held: fx.GraphModule
+    stages: dict[int, fx.GraphModule]  # stage index -> its program, this rank's only
+    schedule: Schedule  # checked by simulation
+    axis: str
+    position: int  # this rank's coordinate on the pipeline axis
+    ranks: list[int]  # the global ranks of its pipeline group, by position
+    group: dist.ProcessGroup | None  # None: a pipeline of one rank
+    # weights tied across pipeline ranks: name -> (shape, the positions holding a copy)
+    tied: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    # weights several of this rank's stages read (the tied embedding and LM head in a V):
+    # complete only after both stages' last backwards
+    shared_here: frozenset[str]
+
+
+def rank_stages(
+    program: Program, rank_program: fx.GraphModule, rank: int, mesh, *, axis: str, schedule: Schedule
+) -> RankStages:
+    """Cut `rank_program` (this rank's, from `build_rank_program`) into the compiled stages and
+    keep the ones `schedule` gives this rank."""
+    import torch.distributed as dist
+
+    from meshplan.runtime.collectives import label_collectives
+
+    layout = program.layout
+    cut = cut_stages(program.graph, compiled_cuts(program.graph, program.stage_cuts))
+    assert cut.count == schedule.stages, f"{cut.count} stages for a schedule of {schedule.stages}"
+    position = layout.coords(rank)[axis]
+    programs = cut.programs(rank_program)
+    mine = {s: programs[s] for s in range(cut.count) if schedule.owner[s] == position}
+    for stage in mine.values():
+        label_collectives(stage)
+    names = {str(n.target) for st in mine.values() for n in st.graph.nodes if n.op == "get_attr"}
+    # and every other name of the parameters held (a tied weight read under one name: its
+    # checkpoint keys and export names are the model's, whatever layout loads them)
+    held_ids = {id(p) for n in names if (p := _parameter(rank_program, n)) is not None}
+    attrs = [str(n.target) for n in rank_program.graph.nodes if n.op == "get_attr"]
+    names |= {name for name in attrs if id(_parameter(rank_program, name)) in held_ids}
+    graph = fx.Graph()
+    # in the program's order, so that a tied weight's first name (its optimizer state's key) is
+    # the one every layout gives it
+    for name in dict.fromkeys(attrs):
+        if name in names:
+            graph.get_attr(name)
+    graph.output(None)
+    held = fx.GraphModule(rank_program, graph, class_name="PipelineRank")
+    group = mesh.get_group(axis) if layout.size(axis) > 1 else None
+    members = dist.get_process_group_ranks(group) if group is not None else [rank]
+    # a weight by its first name in the program, as every rank and `held` name it
+    first = {id(p): n for n, p in reversed(list(rank_program.named_parameters(remove_duplicate=False)))}
+    tied = {}
+    for name, used in cut.shared.items():
+        holders = tuple(sorted({schedule.owner[s] for s in used}))
+        if len(holders) > 1:  # on one rank the copies are one parameter: autograd sums them
+            param = rank_program.get_parameter(name)
+            tied[first[id(param)]] = (tuple(param.shape), holders)
+    here = frozenset(
+        first[id(rank_program.get_parameter(n))]
+        for n, used in cut.shared.items()
+        if sum(s in mine for s in used) > 1
+    )
+    return RankStages(held, mine, schedule, axis, position, members, group, tied, here)
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:  # a buffer, or a constant
+        return None

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,10 @@ class Compiled:
         return tuple(self.graph.meta.get(STAGES, ()))
 
 
+# Sees the graph after capture ("capture") and after each pass that ran (the pass's name),
+# before the next pass changes it in place: the golden tests render each step's effect.
+Observer = Callable[[str, fx.GraphModule], None]
+
 # The passes, in order (see the module docstring for why this order). Each is one module or
 # package under `passes/` with the same signature: (graph, Context) -> graph.
 PASSES: tuple[Pass, ...] = (
@@ -123,7 +128,12 @@ PASSES: tuple[Pass, ...] = (
 
 
 def compile_plan(
-    plan: Plan, source: ModelSource, *, world_size: int | None = None, dynamic: bool = True
+    plan: Plan,
+    source: ModelSource,
+    *,
+    world_size: int | None = None,
+    dynamic: bool = True,
+    observe: Observer | None = None,
 ) -> Compiled:
     """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found.
 
@@ -132,6 +142,10 @@ def compile_plan(
     Where the model or a pass needs them concrete, the plan is compiled for the example
     shape instead, with a warning saying why: never a program that is right only for the
     example and accepts others.
+
+    `observe` sees the graph after capture and after each pass that ran (`Observer`); when
+    the dynamic compile falls back to the example's shapes, it sees the second run from
+    its capture again.
     """
     layout = _layout(plan, world_size)
     compute = DTYPES[plan.precision.compute]
@@ -145,7 +159,7 @@ def compile_plan(
     static_because = captured.static_reason
     if captured.dims is not None:
         try:
-            gm, ctx = _run_passes(plan, layout, source, captured)
+            gm, ctx = _run_passes(plan, layout, source, captured, observe)
         except (ShapeGuardError, PlanValidationError) as e:
             # The passes needed a size of the example shape (`ShapeGuardError`), or found a
             # problem that only the static compile can tell real from symbolic: compile for
@@ -154,7 +168,7 @@ def compile_plan(
             with experts_as_units(plan, traced):
                 captured = capture(traced, source.args, source.kwargs)
     if captured.dims is None:
-        gm, ctx = _run_passes(plan, layout, source, captured)
+        gm, ctx = _run_passes(plan, layout, source, captured, observe)
         if dynamic and static_because:
             ctx.diagnostics.append(_static_warning(plan, source, static_because))
     warnings = [d for d in ctx.diagnostics if d.severity == "warning"]
@@ -209,13 +223,15 @@ def _every_name(by_name: dict[str, tuple[str, ...]], model: nn.Module) -> dict[s
 
 
 def _run_passes(
-    plan: Plan, layout: MeshLayout, source: ModelSource, captured: Captured
+    plan: Plan, layout: MeshLayout, source: ModelSource, captured: Captured, observe: Observer | None = None
 ) -> tuple[fx.GraphModule, Context]:
     """Resolve the rules and run `PASSES` on the captured graph, linting after each. Raises
     `PlanValidationError` with every problem found, `ShapeGuardError` when a pass decides on
     a size that follows from the token shape by its example value."""
     gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
     lint(gm, layout, after="capture")
+    if observe is not None:
+        observe("capture", gm)
     # a stacked list's experts may be named as the model's code names them (`experts.*.gate_proj`)
     members = list_members(source.model)
     paths = [*captured.modules, *members]
@@ -230,6 +246,8 @@ def _run_passes(
             gm = step.run(gm, ctx)
             if not ctx.failed:
                 lint(gm, layout, after=step.name)
+            if observe is not None:
+                observe(step.name, gm)
     if ctx.failed:
         raise PlanValidationError(ctx.diagnostics, {plan.path: plan.source})
     return gm, ctx

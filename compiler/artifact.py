@@ -21,12 +21,11 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from meshplan import __version__
 
 from .compile import Compiled
-from .executable import PROGRAM, save_executable, to_executable
+from .executable import PROGRAM, model_fingerprint, save_executable, to_executable
 from .printers import annotated_code, explain, graph_records, ledger_table
 
 
@@ -61,17 +60,6 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
         (out / name).write_text(text, encoding="utf-8")
     save_executable(to_executable(compiled), out / PROGRAM)
     return [out / name for name in [*written, PROGRAM]]
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model's structure: every module's path and type, every parameter's and
-    buffer's name, shape and dtype (not the values: a retrained model is the same structure)."""
-    digest = hashlib.sha256()
-    for name, module in model.named_modules():
-        digest.update(f"{name}:{type(module).__qualname__}\n".encode())
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\n".encode())
-    return digest.hexdigest()
 
 
 def resolved_plan(compiled: Compiled) -> str:

@@ -86,10 +86,19 @@ class Executable:
         return hashlib.sha256(self.plan_text.encode()).hexdigest()
 
 
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's structure: every module's path and type, every parameter's and
+    buffer's name, shape and dtype (not the values: a retrained model is the same structure)."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__qualname__}\n".encode())
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\n".encode())
+    return digest.hexdigest()
+
+
 def to_executable(compiled: Compiled) -> Executable:
     """The runnable part of a `Compiled`, without the model's values."""
-    from .artifact import model_fingerprint
-
     assert compiled.source is not None, "compile_plan records its source"
     model = compiled.source.model
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -128,8 +137,6 @@ def save_executable(executable: Executable, path: Path) -> None:
 def load_executable(path: Path, model: nn.Module | None = None) -> Executable:
     """Read `path`; with `model`, refuse a program compiled for another model structure (its
     lists of experts stacked first, as the program holds them)."""
-    from .artifact import model_fingerprint
-
     if not path.is_file():
         raise ExecutableError(f"{path} does not exist: compile the plan with `meshplan compile ... -o DIR`")
     try:

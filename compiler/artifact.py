@@ -26,7 +26,10 @@ from meshplan import __version__
 
 from .compile import Compiled
 from .executable import PROGRAM, model_fingerprint, save_executable, to_executable
-from .printers import annotated_code, explain, graph_records, ledger_table
+from .print_explain import explain
+from .print_graph import graph_records
+from .print_ledger import ledger_table
+from .print_program import annotated_code
 
 
 def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Path]:

@@ -53,6 +53,8 @@ from .graph import COLLECTIVE, PLACEMENT, arg_node, hint, shape, value
 from .passes.checkpoint import collective_nodes
 from .placement import Shard
 
+PHASES = ("forward", "backward", "step")  # a row's phase, in the order a step runs them
+
 # kind -> ((op, count) in forward, (op, count) in backward)
 _STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]] = {
     "copy_to": ((), (("all_reduce", 1),)),
@@ -195,7 +197,7 @@ def build_ledger(
     return Ledger(tuple(rows))
 
 
-def _held(
+def held_shape(
     node: fx.Node, full: tuple[int | torch.SymInt, ...], axis: str, layout: MeshLayout
 ) -> tuple[int | torch.SymInt, ...]:
     """The shape of `node` as one rank of `axis`'s group holds it: cut by every other axis that
@@ -227,7 +229,7 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             continue
         kind, axis = info["kind"], info["axis"]
         val = value(node)
-        full = _held(node, tuple(routed.get(str(d), d) for d in shape(node)), axis, layout)
+        full = held_shape(node, tuple(routed.get(str(d), d) for d in shape(node)), axis, layout)
         if not all(isinstance(d, int) for d in full):
             continue  # rows whose count follows the data and no routing says (warned at compile)
         nbytes = math.prod(full) * val.element_size()
@@ -235,11 +237,11 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             nbytes //= layout.size(axis)
         if kind == "ring_attention":  # the key block is what travels (whole: n blocks)
             keys = arg_node(node, 1)
-            full = _held(keys, shape(keys), axis, layout)
+            full = held_shape(keys, shape(keys), axis, layout)
             nbytes = math.prod(full) * value(keys).element_size()
         if kind == "vocab_cross_entropy":  # all-reduces of one float per token
             logits = arg_node(node, 0)
-            full = _held(logits, shape(logits), axis, layout)[:-1]
+            full = held_shape(logits, shape(logits), axis, layout)[:-1]
             nbytes = math.prod(full) * 4
         rule = info.get("rule")
         where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
@@ -266,8 +268,8 @@ def unit_tokens(node: fx.Node, layout: MeshLayout) -> tuple[tuple, int | torch.S
     tokens, index = arg_node(node, 0), arg_node(node, 1)
     routed = node.meta[COLLECTIVE].get("routed_pairs")
     if routed is not None:  # a list's rows, one per pair: as many as its routing makes
-        return _held(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
-    return _held(tokens, shape(tokens), "", layout), _held(index, shape(index), "", layout)[-1]
+        return held_shape(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
+    return held_shape(tokens, shape(tokens), "", layout), held_shape(index, shape(index), "", layout)[-1]
 
 
 def shared_axis(info: dict) -> str:

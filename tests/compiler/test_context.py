@@ -113,7 +113,7 @@ def test_ulysses_with_fewer_key_value_heads_than_ranks_keeps_each_rank_its_head(
     assert {n.args[1:] for n in kept} == {(1, cp // kv)}  # heads dim, ranks per head
     assert {str(n.meta[PLACEMENT]["cp"]) for n in kept} == {f"Shard(1, replicas={cp // kv})"}
     # explain's formula (q and the output by all-to-all, k and v gathered) is the ledger's traffic
-    from meshplan.compiler.printers import explain
+    from meshplan.compiler.print_explain import explain
 
     rows = [
         r for r in compiled.ledger.rows if r.kind in ("all_to_all", "all_gather") and r.phase == "forward"
@@ -190,7 +190,7 @@ def test_explain_predicts_each_variant_and_the_ledger_agrees(mode: str):
     """The formulas `explain` prints (k and v of the P - 1 others; Ulysses' q, k, v and output
     by all-to-all) against the ledger of the collectives the walk inserted: equal. The example
     Llama repeats its 2 key/value heads to the 4 query heads; the collectives move the 2."""
-    from meshplan.compiler.printers import explain
+    from meshplan.compiler.print_explain import explain
 
     compiled = _compile(f"mesh cp=2\n\nmodules {{\n    layers.*.self_attn: context {mode} over cp\n}}\n")
     text = explain(compiled)

@@ -18,7 +18,8 @@ from meshplan.compiler.capture import ModelSource, load_model
 from meshplan.compiler.compile import Compiled, compile_plan
 from meshplan.compiler.graph import COLLECTIVE
 from meshplan.compiler.placement import Shard
-from meshplan.compiler.printers import annotated_code, explain
+from meshplan.compiler.print_explain import explain
+from meshplan.compiler.print_program import annotated_code
 from meshplan.dsl import PlanError, check_text
 from meshplan.examples.models import moe
 

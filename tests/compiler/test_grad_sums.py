@@ -12,7 +12,7 @@ from torch import nn
 
 from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
-from meshplan.compiler.printers import explain
+from meshplan.compiler.print_explain import explain
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
 from meshplan.runtime.collectives import CopyToAxis

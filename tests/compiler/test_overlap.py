@@ -19,7 +19,7 @@ from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.meta import collective
 from meshplan.compiler.passes import overlap
 from meshplan.compiler.passes.checkpoint import region_modules
-from meshplan.compiler.printers import annotated_code
+from meshplan.compiler.print_program import annotated_code
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama
 

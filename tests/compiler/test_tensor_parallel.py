@@ -127,7 +127,7 @@ def test_local_shard_of_padded_placement_ends_in_zeros():
 
 
 def test_a_vocabulary_the_axis_does_not_divide_is_padded_and_explained():
-    from meshplan.compiler.printers import explain
+    from meshplan.compiler.print_explain import explain
 
     plan = check_text((ROOT / "examples/gpt_tp.plan").read_text(), "gpt_tp.plan")
     compiled = compile_plan(plan, load_model(f"{HERE}/factories.py:gpt_odd_vocab"))

@@ -121,7 +121,7 @@ def test_explain_shows_the_stages_and_the_cuts_to_freeze_them() -> None:
     cuts as plan text; pasted into the plan, those cuts make the same stages."""
     from pathlib import Path
 
-    from meshplan.compiler.printers import explain
+    from meshplan.compiler.print_explain import explain
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "examples/llama_pipeline.plan").read_text()

@@ -1,33 +1,33 @@
-"""What meshplan prints about a compiled plan: `explain`, the ledger table, annotated rank code.
+"""`meshplan explain` (and a compile folder's `explain.txt`): rule by rule, what it matched, the
+local shapes it gives and the collectives it causes; then the data-parallel, expert, gradient
+sum and pipeline blocks, and the linears no tensor rule splits.
 
-Everything here is plain text (or DOT/HTML for `inspect`), built from a `Compiled`
-or from the JSON a compile writes, so the same text appears on screen and on disk.
+Plain text built from a `Compiled`, so the same text appears on screen and on disk.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
 
 from meshplan.dsl.fmt import action_text
-from meshplan.runtime.mesh import MeshLayout, axes_of
-from meshplan.runtime.schedules import Schedule, Timeline
+from meshplan.runtime.collectives import AxisCollective
+from meshplan.runtime.mesh import axes_of
 from meshplan.runtime.zero_nodes import ZeroGather
 
 from .compile import Compiled
-from .graph import COLLECTIVE, PLACEMENT, module_path, shape, shape_text, value
-from .ledger import _held, unit_capacity
-from .meta import CHECKPOINT, RULE, collective
+from .graph import COLLECTIVE, module_path, shape, value
+from .ledger import PHASES, held_shape, unit_capacity
+from .meta import RULE
 from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
 from .passes.zero import reduce_axes
 from .placement import Shard
+from .print_schedule import unit_costs
 
 
 def compress_paths(paths: Iterable[str]) -> list[str]:
@@ -188,7 +188,7 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
             counts[(r.phase, r.op)] += r.count
         summary = ", ".join(
             f"{n} {op} {phase}"
-            for (phase, op), n in sorted(counts.items(), key=lambda kv: (_PHASES.index(kv[0][0]), kv[0][1]))
+            for (phase, op), n in sorted(counts.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1]))
         )
         nbytes = sum(r.bytes * r.count for r in rows)
         lines.append(f"    collectives per step: {summary} ({nbytes / 1e6:.3f} MB)")
@@ -371,8 +371,8 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
     q, k = attention.args[0], attention.args[1]
     if k.target is torch.ops.aten.repeat_interleave.self_int:  # the key/value heads move, then repeat
         k = k.args[0]
-    b, heads, n, d = _held(q, shape(q), axis, compiled.layout)
-    kv_heads = _held(k, shape(k), axis, compiled.layout)[1]
+    b, heads, n, d = held_shape(q, shape(q), axis, compiled.layout)
+    kv_heads = held_shape(k, shape(k), axis, compiled.layout)[1]
     size = value(q).element_size()
     h, h_kv = heads * d, kv_heads * d
     moved = {
@@ -392,8 +392,6 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
 def _context_layout(compiled: Compiled, axis: str, p: int) -> str:
     """How the sequence is cut over the context axis: the load-balanced causal layout when the
     axis's collectives are built balanced (`TensorParallelSpec.balanced`), else contiguous."""
-    from meshplan.runtime.collectives import AxisCollective
-
     balanced = any(
         isinstance(m, AxisCollective) and m.axis == axis and m.balanced for m in compiled.graph.modules()
     )
@@ -492,252 +490,3 @@ def _replicated_linears(compiled: Compiled) -> list[str]:
         if cls.__name__ in ("Linear", "Embedding", "Conv1D") and res.rule_for(path, "tensor") is None:
             out.append(path)
     return out
-
-
-_PHASES = ("forward", "backward", "step")
-
-
-def ledger_table(compiled: Compiled) -> str:
-    """The collective ledger as a table, one line per (op, phase, axis, shape, rule)."""
-    agg: dict[tuple, list[int]] = {}
-    for r in compiled.ledger.rows:
-        key = (r.phase, r.op, r.axis, r.shape, r.rule)
-        entry = agg.setdefault(key, [0, r.bytes])
-        entry[0] += r.count
-    width = max([5, *(len(key[2]) for key in agg)])  # `dp x ep` under expert parallelism
-    header = f"{'phase':<9} {'op':<15} {'axis':<{width}} {'shape':<16} {'bytes':>10} {'count':>6}  rule"
-    lines = [header, "-" * len(header)]
-    for (phase, op, axis, shp, rule), (count, nbytes) in sorted(
-        agg.items(), key=lambda kv: (_PHASES.index(kv[0][0]), kv[0][4], kv[0][1])
-    ):
-        lines.append(
-            f"{phase:<9} {op:<15} {axis:<{width}} {tuple(shp)!s:<16} {nbytes:>10} {count:>6}  {rule}"
-        )
-    lines.append("-" * len(header))
-    lines.append(compiled.ledger.summary())
-    return "\n".join(lines) + "\n"
-
-
-def rank_line(names: Sequence[str], sizes: Sequence[int], rank: int) -> str:
-    """`# meshplan rank 5 of 8: dp=1, pp=0, tp=1`: where a rank sits in the mesh."""
-    layout = MeshLayout(tuple(names), tuple(sizes))
-    coords = ", ".join(f"{k}={v}" for k, v in layout.coords(rank).items())
-    return f"# meshplan rank {rank} of {layout.world_size}: {coords}"
-
-
-def annotated_code(compiled: Compiled) -> str:
-    """The program every rank runs (SPMD) as Python, each collective and checkpointed region
-    marked on the right, followed by the code of each checkpointed region. A rank binds its
-    own shards and process groups (its mesh coordinates) when the program is built."""
-    layout = compiled.layout
-    mesh = ", ".join(f"{n}={s}" for n, s in zip(layout.names, layout.sizes, strict=True))
-    header = [
-        f"# meshplan program for every rank of `mesh {mesh}` ({layout.world_size} ranks)",
-        f"# plan: {Path(compiled.plan.path).name}",
-        "# parameters are each rank's shards; collectives are marked on the right",
-    ]
-    sums = getattr(compiled, "grad_sums", {})
-    sections = [_annotated(compiled.graph, compiled.ledger, sums)]
-    for call, region in region_modules(compiled.graph):
-        info = call.meta[CHECKPOINT]
-        sections.append(
-            f"# checkpointed region {info['path']} ({info['mode']}): {info['target']}, run again in backward\n"
-            + _annotated(region, compiled.ledger, sums)
-        )
-    return "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n"
-
-
-def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
-    notes = {}
-    for node in gm.graph.nodes:
-        info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
-        if node.op == "get_attr" and str(node.target) in sums:
-            axes = " x ".join(sums[str(node.target)])
-            notes[node.name] = (
-                f"  # its gradient is partial over {axes}: summed by the gradient sync, in a bucket"
-            )
-        elif info and info["kind"] in ("zero_gather", "zero_release"):
-            notes[node.name] = _zero_note(node, info, ledger)
-        elif info and info["kind"] == "experts":
-            sent = sum(r.bytes * r.count for r in ledger.rows if r.node == node.name and r.phase == "forward")
-            notes[node.name] = (
-                f"  # experts over {info['axis']}: all_to_all dispatch and combine, {sent:,} B{_where(info)}"
-            )
-        elif info:
-            notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
-            if any(u.op == "call_module" and u.target == overlap.TARGET for u in node.users):
-                notes[node.name] += f"; backward waits for the {overlap.ENTRIES[info['kind']]} issued below"
-        elif node.op == "call_module" and node.target == overlap.TARGET:
-            entry = node.args[0]
-            op = overlap.ENTRIES[collective(entry)["kind"]]  # type: ignore[index,union-attr]
-            n = len(node.meta["val"])
-            notes[node.name] = (
-                f"  # {n} linear{'s' if n > 1 else ''} on {entry}: backward issues its {op} "
-                "of the input gradient, then computes the weight gradients"
-            )
-        elif region:
-            notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
-    body = []
-    for line in gm.code.strip("\n").splitlines():
-        m = re.match(r"\s+(\w+) = ", line)
-        body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
-    return "\n".join(body)
-
-
-def _where(info: dict) -> str:
-    rule = info.get("rule")
-    if rule is not None:
-        return f" <- {rule.span.path}:{rule.span.line}"
-    return f" <- {info['where']}" if info.get("where") else ""
-
-
-def _zero_note(node, info: dict, ledger) -> str:
-    """`# ZeRO gather over dp: layers.0, all_gather 0.135 MB` (the bytes its unit's flats move)."""
-    unit = info["unit"] or "root"
-    if info["kind"] == "zero_release":
-        return f"  # ZeRO release: {unit} freed; backward gathers it again{_where(info)}"
-    rows = [r for r in ledger.rows if r.node == node.name and r.op == "all_gather" and r.phase == "forward"]
-    if not rows:  # stages 1/2: the all-gather ran after the optimizer step
-        return f"  # ZeRO: {unit} waits for its updated params{_where(info)}"
-    nbytes = sum(r.bytes for r in rows)
-    return f"  # ZeRO gather over {info['axis']}: {unit}, all_gather {nbytes / 1e6:.3f} MB{_where(info)}"
-
-
-def graph_records(compiled: Compiled) -> list[dict]:
-    """The graph as JSON-friendly records, for `inspect` to draw without recompiling."""
-    out = []
-    for node in compiled.graph.graph.nodes:
-        info = node.meta.get(COLLECTIVE)
-        rule = (info or {}).get("rule") or node.meta.get(RULE)
-        out.append(
-            {
-                "name": node.name,
-                "op": node.op,
-                "target": getattr(node.target, "__name__", str(node.target)),
-                "inputs": [a.name for a in node.all_input_nodes],
-                "module": module_path(node),
-                "placement": {k: str(v) for k, v in node.meta.get(PLACEMENT, {}).items()},
-                "collective": {k: v for k, v in (info or {}).items() if k != "rule"} or None,
-                "rule": f"{rule.span.path}:{rule.span.line}" if rule is not None else None,
-            }
-        )
-    return out
-
-
-def to_dot(records: list[dict], title: str) -> str:
-    """Graphviz DOT: collectives red, sharded values blue, replicated grey; parameters omitted."""
-    lines = [f'digraph "{title}" {{', '  rankdir=TB; node [shape=box, fontname="monospace", fontsize=10];']
-    shown = {r["name"] for r in records if r["op"] not in ("get_attr",)}
-    for r in records:
-        if r["name"] not in shown:
-            continue
-        placement = ", ".join(f"{k}: {v}" for k, v in r["placement"].items())
-        label = f"{r['name']}\\n{r['target']}" + (f"\\n{placement}" if placement else "")
-        if r["collective"]:
-            style = 'style=filled, fillcolor="#f4a6a6"'
-        elif "Shard" in placement:
-            style = 'style=filled, fillcolor="#b8d4f0"'
-        else:
-            style = 'style=filled, fillcolor="#eeeeee"'
-        lines.append(f'  "{r["name"]}" [label="{label}", {style}];')
-        for src in r["inputs"]:
-            if src in shown:
-                lines.append(f'  "{src}" -> "{r["name"]}";')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def to_html(code: str, ledger: str, title: str) -> str:
-    """A self-contained page: the rank's code with collective lines highlighted, and the ledger."""
-    rows = []
-    for line in code.splitlines():
-        escaped = html.escape(line)
-        cls = ' class="coll"' if "  # " in line and " over " in line else ""
-        rows.append(f"<span{cls}>{escaped}</span>")
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; }}
-pre {{ background: #fafafa; border: 1px solid #ddd; padding: 1em; font-size: 12px; line-height: 1.35; overflow-x: auto; }}
-.coll {{ background: #fde2e2; font-weight: bold; }}
-</style></head><body>
-<h1>{html.escape(title)}</h1>
-<h2>Collectives per step</h2>
-<pre>{html.escape(ledger)}</pre>
-<h2>Program</h2>
-<pre>{chr(10).join(rows)}</pre>
-</body></html>
-"""
-
-
-# ---------------------------------------------------------------------------- pipeline schedules
-
-
-def schedule_text(timeline: Timeline) -> str:
-    """Each rank's actions on a time axis, one column per unit of cost (a forward is 1, a
-    backward 2, its input and weight halves 1 each): `F3` starts the forward of microbatch 3 (`F2.3`: of stage 2, when a rank
-    holds several), `==` continues it, `.` is idle. Ends with each rank's idle share and the
-    schedule's bubble."""
-    schedule = timeline.schedule
-    several = schedule.stages > schedule.ranks
-    label = {
-        a: (f"{a.kind}{a.stage}.{a.microbatch}" if several else f"{a.kind}{a.microbatch}")
-        for a in timeline.start
-    }
-    width = max(len(t) for t in label.values()) + 1
-    columns = round(timeline.makespan)
-    lines = [
-        f"{schedule.name}: {schedule.ranks} ranks, {schedule.stages} stages, {schedule.microbatches} microbatches"
-    ]
-    for r in range(schedule.ranks):
-        cells = ["." * (width - 1)] * columns
-        for action in schedule.actions[r]:
-            first, last = round(timeline.start[action]), round(timeline.end[action])
-            cells[first] = label[action].ljust(width - 1)
-            for c in range(first + 1, last):
-                cells[c] = "=" * (width - 1)
-        idle = 1 - timeline.busy[r] / timeline.makespan if timeline.makespan else 0.0
-        lines.append(f"rank {r}  " + " ".join(cells) + f"   idle {idle:.3f}")
-    lines.append(f"bubble {timeline.bubble:.3f} of the step (unit costs: {unit_costs(schedule)})")
-    return "\n".join(lines) + "\n"
-
-
-def unit_costs(schedule: Schedule) -> str:
-    """The costs the bubble is computed at, in words."""
-    if any(a.kind == "I" for actions in schedule.actions for a in actions):
-        return "forward 1, input gradient 1, weight gradient 1"
-    return "forward 1, backward 2"
-
-
-_ACTION_COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#76b7b2", "W": "#edc948"}
-
-
-def schedule_svg(timeline: Timeline) -> str:
-    """The same timeline as a picture: a row per rank, a box per action (forward blue,
-    backward green, input gradient teal, weight gradient yellow), labelled with its microbatch."""
-    schedule = timeline.schedule
-    unit, row, left, top = 40, 30, 70, 40
-    width = left + int(timeline.makespan * unit) + 20
-    height = top + schedule.ranks * row + 40
-    title = f"{schedule.name}: bubble {timeline.bubble:.3f}"
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="system-ui, sans-serif" font-size="11">',
-        f'<text x="{left}" y="20" font-size="13">{html.escape(title)}</text>',
-    ]
-    for r in range(schedule.ranks):
-        y = top + r * row
-        parts.append(f'<text x="8" y="{y + 18}">rank {r}</text>')
-        for action in schedule.actions[r]:
-            x = left + timeline.start[action] * unit
-            w = (timeline.end[action] - timeline.start[action]) * unit
-            text = f"{action.kind}{action.microbatch}" + (
-                f" s{action.stage}" if schedule.stages > schedule.ranks else ""
-            )
-            parts.append(
-                f'<rect x="{x:.1f}" y="{y}" width="{w - 1:.1f}" height="{row - 4}" '
-                f'fill="{_ACTION_COLORS[action.kind]}"><title>{action}</title></rect>'
-                f'<text x="{x + 3:.1f}" y="{y + 17}" fill="white">{html.escape(text)}</text>'
-            )
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"

@@ -2,10 +2,12 @@
 
 Each inserted collective node becomes rows: op, mesh axis, the tensor's full shape,
 bytes of that tensor, how many times per step in forward and in backward, and the plan
-line that caused it. Bytes are what each rank contributes to the collective (the full
-tensor for an all-reduce, the full gathered tensor for all-gather and reduce-scatter);
-`traffic` is what a ring algorithm moves per rank: 2(n-1)/n x bytes for all-reduce,
-(n-1)/n x bytes for all-gather and reduce-scatter.
+line that caused it. The ops a node issues per call are the ones its module class
+declares (`runtime.collectives`: `forward_wire`, `backward_wire`), not a table of the
+ledger's own. Bytes are what each rank contributes to the collective (the full tensor for
+an all-reduce, the full gathered tensor for all-gather and reduce-scatter); `traffic` is
+what a ring algorithm moves per rank: 2(n-1)/n x bytes for all-reduce, (n-1)/n x bytes for
+all-gather and reduce-scatter.
 
 Counts are per optimizer step: with `gradient_accumulation = k` the graph's collectives
 run k times, the gradient reductions once. Data-parallel rows come from the runtime's
@@ -45,6 +47,7 @@ import torch
 from torch import fx
 
 from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
+from meshplan.runtime.collectives import COLLECTIVES, Wire
 from meshplan.runtime.experts import expert_capacity
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
@@ -54,21 +57,6 @@ from .passes.checkpoint import collective_nodes
 from .placement import Shard
 
 PHASES = ("forward", "backward", "step")  # a row's phase, in the order a step runs them
-
-# kind -> ((op, count) in forward, (op, count) in backward)
-_STEPS: dict[str, tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]] = {
-    "copy_to": ((), (("all_reduce", 1),)),
-    "all_reduce": ((("all_reduce", 1),), ()),
-    "all_gather": ((("all_gather", 1),), (("reduce_scatter", 1),)),
-    "gather_replicated": ((("all_gather", 1),), ()),
-    "reduce_scatter": ((("reduce_scatter", 1),), (("all_gather", 1),)),
-    "split": ((), (("all_gather", 1),)),
-    "all_to_all": ((("all_to_all", 1),), (("all_to_all", 1),)),
-    "vocab_embedding": ((), ()),
-    "vocab_cross_entropy": ((("all_reduce", 3),), ()),
-    # k and v around the ring; backward also their gradients (n - 1 sends of a rank's block each)
-    "ring_attention": ((("send_recv", 2),), (("send_recv", 4),)),
-}
 
 
 @dataclass(frozen=True)
@@ -245,9 +233,10 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             nbytes = math.prod(full) * 4
         rule = info.get("rule")
         where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
-        forward, backward = _STEPS[kind]
+        declared = COLLECTIVES[kind]  # the ops it issues per call, as its module class declares them
+        forward, backward = declared.forward_wire, declared.backward_wire
         if kind == "vocab_cross_entropy" and len(node.args) > 4 and node.args[4]:
-            forward = (("all_reduce", 4),)  # label smoothing: the sum of the logits too
+            forward = (Wire("all_reduce", 4),)  # label smoothing: the sum of the logits too
         phases = [("forward", forward, False), ("backward", backward, False)]
         if recomputed:  # a checkpointed region runs its forward again during backward
             phases.append(("backward", forward, True))

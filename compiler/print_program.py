@@ -68,10 +68,12 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         elif info:
             notes[node.name] = f"  # {info['kind']} over {info['axis']}, {shape_text(node)}{_where(info)}"
             if any(u.op == "call_module" and u.target == overlap.TARGET for u in node.users):
-                notes[node.name] += f"; backward waits for the {overlap.ENTRIES[info['kind']]} issued below"
+                notes[node.name] += (
+                    f"; backward waits for the {overlap.issued_reduction(info['kind'])} issued below"
+                )
         elif node.op == "call_module" and node.target == overlap.TARGET:
             entry = node.args[0]
-            op = overlap.ENTRIES[collective(entry)["kind"]]  # type: ignore[index,union-attr]
+            op = overlap.issued_reduction(collective(entry)["kind"])  # type: ignore[index,arg-type]
             n = len(node.meta["val"])
             notes[node.name] = (
                 f"  # {n} linear{'s' if n > 1 else ''} on {entry}: backward issues its {op} "

@@ -29,6 +29,13 @@ contiguous cut, `from_balanced` after a contiguous gather), so the shards stay c
 
     n = 2, T = 8, chunks of 2:   rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5
 
+Each module class is its collective kind, declared once (`kind`, the name in the graph's
+node facts and in `COLLECTIVES`): the ops it puts on the wire per call, forward and backward
+(`forward_wire`, `backward_wire`: the compiler's ledger counts them), whether its autograd
+function saves a tensor for backward (`saves_tensors`: how far a checkpointed region's
+recomputation must go), and whether it is an overlap entry (`overlap_entry`: the linears that
+read it may issue its backward reduction early, `issue_backward`).
+
 The modules hold their process group; nothing here is global state. Each collective
 tells `runtime/watchdog.py` what it is about to wait in (op, axis, node label), so a rank
 that times out can say which collective; `label_collectives` names the nodes.
@@ -37,7 +44,7 @@ that times out can say which collective; `label_collectives` names the nodes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -257,13 +264,29 @@ def _in_blocks(op, x: Tensor, dim: int, blocks: int) -> Tensor:
     return op(x.unflatten(dim, (blocks, -1)), dim + 1).flatten(dim, dim + 1)
 
 
+class Wire(NamedTuple):
+    """A collective on the wire: its op (all_reduce, all_gather, reduce_scatter, all_to_all,
+    send_recv) and how many times one call issues it."""
+
+    op: str
+    times: int = 1
+
+
 class AxisCollective(nn.Module):
     """Base: a collective bound to the process group of one mesh axis.
 
     `label` is its name in the program (`all_reduce_tp_3`, see `label_collectives`): the
     watchdog's report names the node a rank waits in. `balanced`: the axis's shards are in the
     load-balanced layout (rank r holds chunks r and 2n-1-r of 2n), see the module docstring.
+    A subclass declares its kind (see the module docstring); one that does not say otherwise
+    saves tensors for backward, the conservative answer.
     """
+
+    kind: ClassVar[str]
+    forward_wire: ClassVar[tuple[Wire, ...]] = ()
+    backward_wire: ClassVar[tuple[Wire, ...]] = ()
+    saves_tensors: ClassVar[bool] = True
+    overlap_entry: ClassVar[bool] = False
 
     balanced: bool = False  # (a class default: programs saved before the layout existed)
 
@@ -288,12 +311,21 @@ class AxisCollective(nn.Module):
 class CopyToAxis(AxisCollective):
     """f: a replicated tensor entering sharded compute; gradients are summed over the axis."""
 
+    kind = "copy_to"
+    backward_wire = (Wire("all_reduce"),)
+    saves_tensors = False
+    overlap_entry = True
+
     def forward(self, x: Tensor) -> Tensor:
         return _Copy.apply(x, self)
 
 
 class AllReduce(AxisCollective):
     """g: partial sums leaving sharded compute (after a row split)."""
+
+    kind = "all_reduce"
+    forward_wire = (Wire("all_reduce"),)
+    saves_tensors = False
 
     def forward(self, x: Tensor) -> Tensor:
         return _Reduce.apply(x, self)
@@ -302,12 +334,22 @@ class AllReduce(AxisCollective):
 class AllGather(AxisCollective):
     """Sequence shards -> full sequence before a column split; backward reduce-scatters."""
 
+    kind = "all_gather"
+    forward_wire = (Wire("all_gather"),)
+    backward_wire = (Wire("reduce_scatter"),)
+    saves_tensors = False
+    overlap_entry = True
+
     def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
         return _in_blocks(lambda t, d: _Gather.apply(t, d, self, True), x, dim, blocks)
 
 
 class GatherReplicated(AxisCollective):
     """Shards -> a full tensor used by replicated compute; backward keeps the local chunk."""
+
+    kind = "gather_replicated"
+    forward_wire = (Wire("all_gather"),)
+    saves_tensors = False
 
     def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
         return _in_blocks(lambda t, d: _Gather.apply(t, d, self, False), x, dim, blocks)
@@ -316,12 +358,21 @@ class GatherReplicated(AxisCollective):
 class ReduceScatter(AxisCollective):
     """Partial sums -> sequence shards after a row split (sequence parallelism)."""
 
+    kind = "reduce_scatter"
+    forward_wire = (Wire("reduce_scatter"),)
+    backward_wire = (Wire("all_gather"),)
+    saves_tensors = False
+
     def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
         return _in_blocks(lambda t, d: _ReduceScatter.apply(t, d, self), x, dim, blocks)
 
 
 class Split(AxisCollective):
     """A replicated tensor -> this rank's chunk; backward all-gathers."""
+
+    kind = "split"
+    backward_wire = (Wire("all_gather"),)
+    saves_tensors = False
 
     def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
         return _in_blocks(lambda t, d: _Split.apply(t, d, self), x, dim, blocks)
@@ -331,6 +382,10 @@ class AllToAll(AxisCollective):
     """A shard on one dim -> a shard on another, without ever holding the whole tensor; backward
     is the reverse all-to-all."""
 
+    kind = "all_to_all"
+    forward_wire = (Wire("all_to_all"),)
+    backward_wire = (Wire("all_to_all"),)
+
     def forward(self, x: Tensor, src: int, dst: int) -> Tensor:
         return _AllToAll.apply(x, src, dst, self)
 
@@ -339,6 +394,8 @@ class KeyValueGroup(AxisCollective):
     """Keep this rank's key/value head of a projection computed whole (GQA, fewer kv heads than
     ranks): chunk rank // replicas of the last dim's n / replicas. No communication; backward
     puts the gradient back in its place (zeros elsewhere), the input's f sums the ranks'."""
+
+    kind = "kv_group"
 
     def forward(self, x: Tensor, dim: int, replicas: int) -> Tensor:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -352,6 +409,8 @@ class VocabParallelEmbedding(AxisCollective):
     result is a partial sum that the next node reduces (all-reduce, or reduce-scatter
     under sequence parallelism).
     """
+
+    kind = "vocab_embedding"
 
     def forward(self, weight: Tensor, ids: Tensor, padding_idx: int | None = None) -> Tensor:
         local_vocab = weight.shape[0]
@@ -442,6 +501,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class VocabParallelCrossEntropy(AxisCollective):
+    kind = "vocab_cross_entropy"
+    forward_wire = (Wire("all_reduce", 3),)  # row max, softmax sum, target logit (label smoothing: 4)
+
     def forward(
         self,
         logits: Tensor,
@@ -464,15 +526,19 @@ def label_collectives(root: nn.Module) -> None:
             module.label = name
 
 
+# kind -> its module class (`ring_attention.py` adds its own)
 COLLECTIVES: dict[str, type[AxisCollective]] = {
-    "copy_to": CopyToAxis,
-    "all_reduce": AllReduce,
-    "all_gather": AllGather,
-    "gather_replicated": GatherReplicated,
-    "reduce_scatter": ReduceScatter,
-    "split": Split,
-    "all_to_all": AllToAll,
-    "kv_group": KeyValueGroup,
-    "vocab_embedding": VocabParallelEmbedding,
-    "vocab_cross_entropy": VocabParallelCrossEntropy,
+    c.kind: c
+    for c in (
+        CopyToAxis,
+        AllReduce,
+        AllGather,
+        GatherReplicated,
+        ReduceScatter,
+        Split,
+        AllToAll,
+        KeyValueGroup,
+        VocabParallelEmbedding,
+        VocabParallelCrossEntropy,
+    )
 }

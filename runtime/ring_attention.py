@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import COLLECTIVES, AxisCollective
+from .collectives import COLLECTIVES, AxisCollective, Wire
 
 
 class RingAttention(AxisCollective):
@@ -45,6 +45,11 @@ class RingAttention(AxisCollective):
     the blocks travel with their key/value heads only and are repeated to the query heads
     where a step computes, so the ring moves H_kv / H of what repeated heads would cost; the
     gradients of a head's H / H_kv repeats are summed before they travel."""
+
+    kind = "ring_attention"
+    # k and v around the ring; backward also their gradients (n - 1 sends of a rank's block each)
+    forward_wire = (Wire("send_recv", 2),)
+    backward_wire = (Wire("send_recv", 4),)
 
     def forward(
         self,
@@ -61,7 +66,7 @@ class RingAttention(AxisCollective):
         return _RingFunction.apply(q, k, v, causal, scale, mask, self)
 
 
-COLLECTIVES["ring_attention"] = RingAttention
+COLLECTIVES[RingAttention.kind] = RingAttention
 
 
 class _RingFunction(torch.autograd.Function):

@@ -1,12 +1,13 @@
 """Overlap: the linears that read an entry collective's output become one `Linears` node, whose
 backward issues the entry's reduction before computing the weight gradients.
 
-An entry collective starts sharded compute: f (`copy_to`: identity forward, all-reduce of the
-input gradient backward) or, under sequence parallelism, the all-gather whose backward
-reduce-scatters it. Its users are typically the column-split linears of one block (q, k and v;
-gate and up; the LM head). Left as separate autograd nodes, each linear computes its input and
-weight gradient together and the entry reduces only after all of them: the reduction overlaps
-nothing. Grouped, the backward is (`runtime/linears.py`):
+An entry collective (its module class says `overlap_entry`) starts sharded compute: f
+(`copy_to`: identity forward, all-reduce of the input gradient backward) or, under sequence
+parallelism, the all-gather whose backward reduce-scatters it. Its users are typically the
+column-split linears of one block (q, k and v; gate and up; the LM head). Left as separate
+autograd nodes, each linear computes its input and weight gradient together and the entry
+reduces only after all of them: the reduction overlaps nothing. Grouped, the backward is
+(`runtime/linears.py`):
 
     grad_x = sum_i grad_i @ w_i                 input gradient of the group
     issue the entry's reduction of grad_x       async: f's all-reduce, SP's reduce-scatter
@@ -34,6 +35,7 @@ import operator
 import torch
 from torch import fx
 
+from meshplan.runtime.collectives import COLLECTIVES
 from meshplan.runtime.linears import Linears
 
 from ..graph import shape
@@ -44,8 +46,6 @@ from .checkpoint import region_modules
 aten = torch.ops.aten
 
 TARGET = "linears"  # the submodule every grouped node calls (stateless: one per graph)
-# entry kinds whose backward reduces the input gradient -> that reduction
-ENTRIES = {"copy_to": "all_reduce", "all_gather": "reduce_scatter"}
 # Zero-bubble schedules split each backward at the nodes where weights join the input path
 # (`runtime/split_backward.py`): a group would be such a node, computing every gradient twice.
 SPLIT_BACKWARD = ("zero_bubble", "zbv")
@@ -68,7 +68,7 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
     """Replace the linears reading `entry` by one `Linears` node, if `entry` is an entry
     collective read only by linears; whether it did."""
     info = collective(entry)
-    if info is None or info["kind"] not in ENTRIES or _in_blocks(entry):
+    if info is None or not is_entry(info["kind"]) or _in_blocks(entry):
         return False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     users = sorted(entry.users, key=order.__getitem__)
@@ -104,6 +104,17 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
         at.append(u)
         at = u
     return True
+
+
+def is_entry(kind: str) -> bool:
+    """Whether collectives of `kind` are entries (`overlap_entry` on their module class)."""
+    declared = COLLECTIVES.get(kind)
+    return declared is not None and declared.overlap_entry
+
+
+def issued_reduction(kind: str) -> str:
+    """The reduction of the input gradient an entry of `kind` has issued early: its backward op."""
+    return COLLECTIVES[kind].backward_wire[0].op
 
 
 def _weight_and_bias(user: fx.Node, entry: fx.Node) -> tuple[fx.Node, fx.Node | None, bool] | None:

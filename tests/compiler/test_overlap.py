@@ -50,7 +50,7 @@ def ungrouped_linears_on_entries(gm: fx.GraphModule) -> list[str]:
         for n in g.graph.nodes
         if n.target == torch.ops.aten.linear.default
         and (info := collective(n.args[0])) is not None
-        and info["kind"] in overlap.ENTRIES
+        and overlap.is_entry(info["kind"])
     ]
 
 
@@ -76,7 +76,7 @@ def test_the_column_linears_of_each_entry_are_one_node(extra, tail, kind):
     assert sorted(groups(c.graph)) == sorted(want)
     assert ungrouped_linears_on_entries(c.graph) == []
     code = annotated_code(c)
-    op = overlap.ENTRIES[kind]
+    op = overlap.issued_reduction(kind)
     assert code.count(f"backward waits for the {op} issued below") == 2 * layers + 1
     assert f"3 linears on {kind}_tp" in code and f"backward issues its {op} of the input gradient" in code
 

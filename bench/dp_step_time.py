@@ -42,10 +42,11 @@ from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.data_parallel import DataParallel
+from meshplan.runtime.grad_sync import make_optimizer
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
-from meshplan.runtime.train import TrainConfig, make_optimizer
-from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+from meshplan.runtime.train import TrainConfig
+from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 
 WORLD = 2
 BATCH, SEQ = 4, 64
@@ -82,9 +83,9 @@ def _setup(
     def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return wrapped(*bind_inputs(model, compiled.graph, (ids, labels), {}))[0]
 
+    config = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
     if stage == 0:
         dp = wrapped = DataParallel(program, dist.group.WORLD, bucket_bytes=args.bucket_mib * 2**20)
-        config = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
         opt = make_optimizer(program, config)  # `meshplan run`'s: fused, no decay on 1-D weights
 
         def step() -> None:
@@ -92,8 +93,9 @@ def _setup(
             opt.step()
 
         return forward, step, opt.zero_grad
-    config = ZeroConfig(stage=stage, bucket_bytes=args.bucket_mib * 2**20)
-    zero = shard_for_zero(program, dist.group.WORLD, config, **ADAMW)
+    options = ZeroOptions(stage=stage, bucket_bytes=args.bucket_mib * 2**20)
+    zero = shard_for_zero(program, dist.group.WORLD, options)
+    zero.optimizer(config)
     return forward, zero.step, zero.zero_grad
 
 

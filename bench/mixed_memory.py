@@ -35,10 +35,13 @@ from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
-from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+from meshplan.runtime.train import TrainConfig
+from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 
 WORLD, BATCH, SEQ = 2, 2, 48  # 96 tokens: no activation has a weight's shape
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
+# ZeRO's AdamW (its eps, 1e-8, is the default)
+SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
 PLAN = "mesh dp=2\n\nprecision {\n    compute = bf16\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n"
 
 
@@ -70,7 +73,8 @@ def worker(rank: int, world: int, layout: str, args: argparse.Namespace) -> dict
         source = ModelSource(spec="llama", model=model, args=example_inputs(BATCH, SEQ))
         compiled = compile_plan(plan, source, world_size=world)
         program = build_rank_program(compiled, model, rank, init_mesh(compiled.layout))
-        zero = shard_for_zero(program, dist.group.WORLD, ZeroConfig(stage=3), **ADAMW)
+        zero = shard_for_zero(program, dist.group.WORLD, ZeroOptions(stage=3))
+        zero.optimizer(SETTINGS)
         params = list(program.parameters())
         buffers = {f.low.untyped_storage()._cdata for f in zero.flats if f.low is not None}
 

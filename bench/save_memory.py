@@ -41,10 +41,13 @@ from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime import checkpoint
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
-from meshplan.runtime.zero import ZeroConfig, shard_for_zero
+from meshplan.runtime.train import TrainConfig
+from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 
 LAYOUTS = ("meshplan", "fsdp2", "fsdp2-full")
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
+# ZeRO's AdamW (its eps, 1e-8, is the default)
+SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
 BATCH, SEQ = 2, 32
 
 
@@ -55,14 +58,15 @@ def _meshplan(model: torch.nn.Module, world: int, folder: str) -> dict[str, int]
     source = ModelSource(spec="llama", model=model, args=example_inputs(BATCH, SEQ))
     compiled = compile_plan(plan, source, world_size=world)
     program = build_rank_program(compiled, model, dist.get_rank(), init_mesh(compiled.layout))
-    zero = shard_for_zero(program, dist.group.WORLD, ZeroConfig(stage=3), **ADAMW)
+    zero = shard_for_zero(program, dist.group.WORLD, ZeroOptions(stage=3))
+    zero.optimizer(SETTINGS)
     ids, labels = example_inputs(BATCH, SEQ, seed=dist.get_rank())
     program(*bind_inputs(model, compiled.graph, (ids, labels), {}))[0].backward()
     zero.step()
     zero.zero_grad()
-    state = sum(t.nbytes for own in zero.own_state() for t in own.tensors.values())
-    save = resident_rise(lambda: checkpoint.save(folder, 1, program, zero))
-    load = resident_rise(lambda: checkpoint.load(checkpoint.latest(folder), program, zero))
+    state = sum(e.data.nbytes for held in zero.own_elements().values() for e in held.values())
+    save = resident_rise(lambda: checkpoint.save(folder, 1, zero))
+    load = resident_rise(lambda: checkpoint.load(checkpoint.latest(folder), zero))
     return {"state": state, "save": save, "load": load}
 
 

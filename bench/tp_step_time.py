@@ -84,7 +84,7 @@ def make_step(
 ) -> Callable[[], float]:
     """One training step as a callable returning the loss; `finish` after backward (meshplan's
     gradient sync of the weights partial over tp: the sequence-parallel norms). `fused`: AdamW's
-    fused kernel, as `meshplan run` steps (`runtime.train.make_optimizer`); otherwise
+    fused kernel, as `meshplan run` steps (`runtime.grad_sync.make_optimizer`); otherwise
     torch.optim.AdamW's default, as a hand-written trainer does."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
 

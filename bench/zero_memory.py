@@ -44,9 +44,11 @@ from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.runtime.launch import spawn
 from meshplan.runtime.mesh import init_mesh
-from meshplan.runtime.zero import Zero, ZeroConfig, shard_for_zero
+from meshplan.runtime.train import TrainConfig
+from meshplan.runtime.zero import Zero, ZeroOptions, shard_for_zero
 
 WORLD = 2
+SETTINGS = TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)  # AdamW's (eps 1e-8)
 BYTES_PER_PARAM = {"weight": 2, "grad": 2, "optimizer": 12}
 
 
@@ -103,9 +105,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         model = build(**overrides).to(torch.bfloat16)
         num_params = sum(p.numel() for p in model.parameters())
         sampler = PeakSampler(model)
-        config = ZeroConfig(stage=max(stage, 1), bucket_bytes=args.bucket_mib * 2**20)
+        options = ZeroOptions(stage=max(stage, 1), bucket_bytes=args.bucket_mib * 2**20)
         group = solo if stage == 0 else dist.group.WORLD
-        zero = shard_for_zero(model, group, config, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+        zero = shard_for_zero(model, group, options)
+        zero.optimizer(SETTINGS)
         sampler.attach(zero, model.layers)
         for step in range(2):
             ids, labels = example_inputs(2, 32, seed=world * step + rank)
@@ -136,10 +139,9 @@ def compiled_peak(rank: int, world: int, overrides: dict, per_layer: bool) -> di
     source = ModelSource(spec="llama", model=model, args=example_inputs(2, 32))
     compiled = compile_plan(plan, source, world_size=world)
     program = build_rank_program(compiled, model, rank, init_mesh(compiled.layout))
-    config = ZeroConfig(stage=3)
-    adamw = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
     # units=[] ignores the graph's nodes: the whole program is one unit (the root)
-    zero = shard_for_zero(program, dist.group.WORLD, config, units=None if per_layer else [], **adamw)
+    zero = shard_for_zero(program, dist.group.WORLD, ZeroOptions(stage=3), units=None if per_layer else [])
+    zero.optimizer(SETTINGS)
     for step in range(2):
         ids, labels = example_inputs(2, 32, seed=world * step + rank)
         program(*bind_inputs(model, compiled.graph, (ids, labels), {}))[0].backward()

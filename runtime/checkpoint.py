@@ -26,12 +26,13 @@ a resumed run takes them from its own command line.
     replicated/optim/state/layers.0.mlp.up_proj.weight/exp_avg
     train/step, rng/rank0, rng/rank1, ...
 
-Each rank writes only what it holds (`runtime/pieces.py`): its tensor-parallel shard of a
-parameter and, under ZeRO, its elements of the fp32 master and moments, each placed in the
-whole tensor as boxes (offsets and sizes), which DCP records in `.metadata`. Nothing is
-gathered: saving costs a rank its own shards' bytes, not the model's, so a model that needs
-ZeRO-3 to fit can be checkpointed. A box several ranks hold (a replica over data
-parallelism, a weight tied across pipeline stages) is written once. Loading reads each box
+Each rank writes only what it holds (`runtime/pieces.py`), as its gradient sync engine says
+(`GradSync.own_state`): its tensor-parallel shard of a parameter and, under ZeRO, its
+elements of the fp32 master and moments, each placed in the whole tensor as boxes (offsets
+and sizes), which DCP records in `.metadata`. Nothing is gathered: saving costs a rank its
+own shards' bytes, not the model's, so a model that needs ZeRO-3 to fit can be checkpointed.
+A box several ranks hold (a replica over data parallelism, a weight tied across pipeline
+stages) is written once. Loading reads each box
 this rank holds in the new run from the saved boxes it overlaps, so the checkpoint does not
 depend on the layout: a run saved with dp=2 x tp=2 and ZeRO-3 resumes with dp=4 and ZeRO-1,
 or without ZeRO, or with tp=4 (the data stream depends on the global batch only), and
@@ -65,14 +66,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .axes import Axes
-from .expert_zero import ExpertZero
+from .grad_sync import Elements, GradSync, Held, TrainingState
 from .pieces import LoadPlanner, Pieces, SavePlanner
-from .zero import Zero
 
 _FINAL = re.compile(r"^step(\d{8})$")
 TMP_PREFIX = ".tmp-"
@@ -119,14 +117,14 @@ def before(path: Path) -> Path | None:
 def save(
     root: str | Path,
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
+    sync: GradSync,
     *,
     axes: Axes | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of `step` atomically (all ranks call this); return its final path."""
-    tmp = write_temporary(root, step, model, optimizer, axes=axes)
+    """Write the checkpoint of `step` atomically (all ranks call this); return its final path.
+    `sync`: the engine training the model, whose optimizer (`sync.optimizer`) is built."""
+    tmp = write_temporary(root, step, sync, axes=axes)
     final = Path(root) / checkpoint_name(step)
     if _rank() == 0:
         write_checksums(tmp)
@@ -136,14 +134,7 @@ def save(
     return final
 
 
-def write_temporary(
-    root: str | Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
-    *,
-    axes: Axes | None = None,
-) -> Path:
+def write_temporary(root: str | Path, step: int, sync: GradSync, *, axes: Axes | None = None) -> Path:
     """The first half of `save`: every rank writes into `.tmp-stepN`. Nothing is published yet."""
     tmp = Path(root) / (TMP_PREFIX + checkpoint_name(step))
     if _rank() == 0:
@@ -152,7 +143,7 @@ def write_temporary(
     _barrier()
     with _single_process_quiet():
         dcp.save(
-            _state(model, optimizer, step, axes)[0],
+            _state(sync, step, axes)[0],
             checkpoint_id=str(tmp),
             planner=SavePlanner(),
             no_dist=not _distributed(),
@@ -238,16 +229,11 @@ def prune(root: str | Path, *, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
-    *,
-    axes: Axes | None = None,
-) -> Restored:
-    """Restore model, optimizer and this rank's RNG from a checkpoint folder (trusted input)."""
+def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Restored:
+    """Restore the model and optimizer `sync` trains and this rank's RNG from a checkpoint
+    folder (trusted input)."""
     _verified_once(Path(path))
-    state, own = _state(model, optimizer, 0, axes)
+    state, own = _state(sync, 0, axes)
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner(), no_dist=not _distributed())
@@ -257,13 +243,7 @@ def load(
         raise CheckpointError(
             f"checkpoint {path} does not fit this run: {_first_cause(e, Path(path))}"
         ) from None
-    if isinstance(optimizer, Zero | ExpertZero):  # read in place into the engine's shards
-        optimizer.loaded({name: m["step"] for name, m in own["optim"]["state"].items()})
-        model.load_state_dict(_buffers(model, own["model"]), strict=False)
-    else:
-        groups = get_state_dict(model, optimizer)[1]["param_groups"]  # this run's configuration
-        optim = {"state": own["optim"]["state"], "param_groups": groups}
-        set_state_dict(model, optimizer, model_state_dict=own["model"], optim_state_dict=optim)
+    sync.loaded(own)  # read in place into the engine's tensors
     if _rng_key() in state["rng"]:  # a rank that did not exist when saving keeps its seeded state
         torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
@@ -325,76 +305,40 @@ def _key(fqn: str) -> str:
 _REPLICATED = "replicated"  # the key of the layout-free state (a name older checkpoints share)
 
 
-def _state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
-    step: int,
-    axes: Axes | None = None,
-) -> tuple[dict, dict]:
+def _state(sync: GradSync, step: int, axes: Axes | None = None) -> tuple[dict, TrainingState]:
     """What DCP writes or reads (every sharded tensor as this rank's `Pieces` of the whole), and
-    the same state with this rank's tensors themselves (what a load then hands to the optimizer)."""
-    axes = axes or Axes()
-    if isinstance(optimizer, Zero | ExpertZero):
-        own = _zero_state(model, optimizer, axes)
-        placed = own
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        own = {"model": model_sd, "optim": {"state": optim_sd.get("state", {})}}
-        placed = _placed(own, axes)
+    the engine's state with this rank's tensors themselves (what a load then hands back to it)."""
+    own = sync.own_state()
     rng = {_rng_key(): torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
     state = {
-        _REPLICATED: placed,
+        _REPLICATED: _placed(own, axes or Axes()),
         "train": {"step": torch.tensor(step, dtype=torch.int64)},
         "rng": rng,
     }
     return state, own
 
 
-def _zero_state(model: nn.Module, zero: Zero | ExpertZero, axes: Axes) -> dict:
-    """The same keys as without ZeRO: each param by every name it has (tied ones too), its
-    moments and step by its first name, and the buffers; each value this rank's elements of
-    it, views of the engine's fp32 masters and moments (`Zero.own_state`)."""
-    values: dict[str, Pieces] = {}
-    moments: dict[str, dict[str, Pieces | torch.Tensor]] = {}
-    for own in zero.own_state():
-        cuts = axes.placed(own.name)
-        pieces = {key: Pieces.of_range(t, own.start, own.shape, cuts) for key, t in own.tensors.items()}
-        values[own.name] = pieces.pop("master")
-        moments[own.name] = dict(pieces)
-    for name, step in zero.steps().items():
-        moments.setdefault(name, {})["step"] = step
-    first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-    params = {
-        n: values[first[id(p)]]
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if first[id(p)] in values
-    }
-    return {"model": params | _buffers(model, model.state_dict()), "optim": {"state": moments}}
-
-
-def _buffers(model: nn.Module, state: dict) -> dict:
-    """The entries of `state` that are the model's buffers (not parameters)."""
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {k: v for k, v in state.items() if k not in params and k in model.state_dict()}
-
-
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _placed(own: dict, axes: Axes) -> dict:
-    """`own` with each tensor-parallel shard (a parameter or one of its moments) as this rank's
-    `Pieces` of the whole tensor: new dicts, the optimizer's own state is left as it is."""
+def _placed(own: TrainingState, axes: Axes) -> dict:
+    """`own` with each sharded tensor (a parameter or one of its moments) as this rank's
+    `Pieces` of the whole tensor: a tensor-parallel shard, or ZeRO's `Elements` of one (under
+    a tied parameter's every name, placed by its first). New dicts: the engine's own state is
+    left as it is."""
 
-    def place(name: str, t: torch.Tensor) -> Pieces | torch.Tensor:
+    def place(name: str, t: Held) -> Pieces | torch.Tensor:
+        if isinstance(t, Elements):
+            return Pieces.of_range(t.data, t.start, t.shape, axes.placed(t.name))
         cuts = axes.placed(name)
         return Pieces.of_local(t.detach(), cuts) if cuts else t
 
-    model = {name: place(name, t) for name, t in own["model"].items()}
+    model = {name: place(name, t) for name, t in own.model.items()}
     state = {
         name: {key: place(name, t) if key in _MOMENTS else t for key, t in moments.items()}
-        for name, moments in own["optim"]["state"].items()
+        for name, moments in own.optim.items()
     }
     return {"model": model, "optim": {"state": state}}
 

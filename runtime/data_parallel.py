@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 -m meshplan.run examples/tiny_dp.plan      # or: meshplan run ...
 
     dp = DataParallel(program, mesh.get_group("dp"), bucket_bytes=plan.data_parallel.bucket_bytes)
+    optimizer = dp.optimizer(config)        # AdamW over program's parameters (`grad_sync.make_optimizer`)
     for micro in range(k):
         with dp.no_sync() if micro < k - 1 else contextlib.nullcontext():
             loss = dp(*inputs)[0] / k
@@ -58,7 +59,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .buckets import dp_buckets
-from .grad_sync import param_grad_squares, scale_param_grads_
+from .grad_sync import WholeParams, param_grad_squares, scale_param_grads_
 
 
 @dataclass
@@ -84,8 +85,9 @@ class Launch:
     during_backward: bool  # launched from a backward hook (overlapping compute), not from finish()
 
 
-class DataParallel(nn.Module):
-    """Wraps a module so its gradients are averaged over `group` (see the module docstring)."""
+class DataParallel(nn.Module, WholeParams):
+    """Wraps a module so its gradients are averaged over `group` (see the module docstring);
+    its optimizer is `WholeParams`' AdamW over `module`."""
 
     def __init__(
         self,

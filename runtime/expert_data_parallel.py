@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .axes import Axes
 from .data_parallel import DataParallel
-from .grad_sync import param_grad_squares, scale_param_grads_
+from .grad_sync import WholeParams, param_grad_squares, scale_param_grads_
 
 
 class _Engine(Protocol):
@@ -43,12 +43,12 @@ E = TypeVar("E", bound=_Engine)
 
 
 class PerGroup(Generic[E]):
-    """The `GradSync` of several engines, each over its own parameters and group: every call
-    goes to each. Each parameter is in one engine, whose `grad_squares` covers the ranks that
-    average it; the loop then sums a kind cut over an expert axis over that axis."""
+    """The gradient sync of several engines over one module, each over its own parameters and
+    group: every call goes to each. Each parameter is in one engine, whose `grad_squares` covers
+    the ranks that average it; the loop then sums a kind cut over an expert axis over that axis."""
 
-    def __init__(self, engines: Sequence[E]) -> None:
-        self.engines = list(engines)
+    def __init__(self, module: nn.Module, engines: Sequence[E]) -> None:
+        self.module, self.engines = module, list(engines)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -69,13 +69,14 @@ class PerGroup(Generic[E]):
             engine.scale_grads_(factor)
 
 
-class ExpertDataParallel(PerGroup["DataParallel | LocalParams"]):
+class ExpertDataParallel(PerGroup["DataParallel | LocalParams"], WholeParams):
     """Data parallelism when experts are split over an axis that is data parallel for the rest.
 
     Every data axis splits the batch; a parameter's gradient is averaged over the data axes
     that do not shard it: the dense ones over all of them (`dp` x `ep`), an expert's over the
     others (`dp`; none when the experts borrow the only data axis). Each set of axes is one
-    `DataParallel` engine over its own parameters; this is the `GradSync` of all of them.
+    `DataParallel` engine over its own parameters; this is the `GradSync` of all of them, with
+    one AdamW over the whole module (`WholeParams`).
 
         mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
     """
@@ -160,4 +161,4 @@ def expert_data_parallel(
                 late=[p for p in late if any(p is q for q in params)],
             )
         )
-    return ExpertDataParallel(engines)
+    return ExpertDataParallel(module, engines)

@@ -1,8 +1,8 @@
 """ZeRO under expert parallelism: the training state of each parameter sharded over the ranks
 that average its gradient.
 
-    zero = expert_zero(program, axes, lambda over: group_over(layout, over, mesh), ZeroConfig(stage=2), ...)
-    train(program, loss_of, batches, config, axes=axes, sync=zero)
+    zero = expert_zero(program, axes, lambda over: group_over(layout, over, mesh), ZeroOptions(stage=2))
+    train(program, loss_of, batches, config, axes=axes, sync=zero)  # zero.optimizer(config) there
 
 `mesh dp=2, ep=2` with `zero = 2` (ranks dp-major): the dense parameters' fp32 masters,
 moments and gradients are cut in quarters over all four ranks, an expert's in halves over
@@ -26,23 +26,30 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .axes import Axes
 from .data_parallel import broadcast_parameters
 from .expert_data_parallel import PerGroup, averaged_over, data_ranks
-from .zero import Collective, Zero, ZeroConfig
-from .zero_optim import OwnState
+from .grad_sync import AdamWSettings, TrainingState
+from .zero import Collective, Zero, ZeroOptions
+from .zero_optim import load_buffers, read_steps, training_state
 
 
 class ExpertZero(PerGroup[Zero]):
     """Several `Zero` engines over one module, each over the group that averages its params."""
 
-    def __init__(self, engines: Sequence[Zero]) -> None:
-        super().__init__(engines)
-        self.optimizer = _Optimizers([e.optimizer for e in self.engines])
+    def optimizer(self, config: AdamWSettings) -> ExpertZero:
+        """`Zero.optimizer` of every engine; this object steps them all."""
+        for e in self.engines:
+            e.optimizer(config)
+        return self
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The engines' AdamWs' param groups, in one list (the loop sets the LR in each)."""
+        return [g for e in self.engines for g in e.param_groups]
 
     def step(self) -> None:
         for e in self.engines:
@@ -85,40 +92,25 @@ class ExpertZero(PerGroup[Zero]):
         for e in self.engines:
             yield from e.gathered_by_unit()
 
-    def own_state(self) -> list[OwnState]:
-        """`Zero.own_state` of every engine: the engines own disjoint names."""
-        return [state for e in self.engines for state in e.own_state()]
+    def own_state(self) -> TrainingState:
+        """`Zero.own_state` of every engine's elements together: the engines own disjoint names."""
+        elements = {name: held for e in self.engines for name, held in e.own_elements().items()}
+        steps = {name: step for e in self.engines for name, step in e.steps().items()}
+        return training_state(self.module, elements, steps)
 
-    def steps(self) -> dict[str, Tensor]:
-        return {name: step for e in self.engines for name, step in e.steps().items()}
-
-    def loaded(self, steps: dict[str, Tensor]) -> None:
+    def loaded(self, state: TrainingState) -> None:
+        steps = read_steps(state)
         for e in self.engines:
-            e.loaded(steps)
-
-
-class _Optimizers:
-    """The engines' AdamWs as the loop sets them: one list of param groups (the LR, every step)."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.optimizers = list(optimizers)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
+            e.reload(steps)
+        load_buffers(self.module, state)
 
 
 def expert_zero(
     module: nn.Module,
     axes: Axes,
     groups: Callable[[tuple[str, ...]], dist.ProcessGroup | None],
-    config: ZeroConfig,
+    options: ZeroOptions,
     *,
-    lr: float,
-    betas: tuple[float, float],
-    weight_decay: float,
-    eps: float = 1e-8,
-    decay: Callable[[str, nn.Parameter], bool] | None = None,
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
 ) -> ExpertZero:
@@ -130,9 +122,9 @@ def expert_zero(
     names = {id(p): n for n, p in module.named_parameters()}
     engines = []
     for over, params in averaged_over(module, axes).items():  # sorted: the same order on every rank
-        group, settings = groups(over), config
+        group, settings = groups(over), options
         if group is None:  # no other rank holds them: stage 3 would gather from itself
-            group, settings = _own_group(), dataclasses.replace(config, stage=min(config.stage, 2))
+            group, settings = _own_group(), dataclasses.replace(options, stage=min(options.stage, 2))
         broadcast_parameters(params, group)  # the same seeded model: make it exact
         label, mine = " x ".join(over), {names[id(p)] for p in params}
         engines.append(
@@ -140,11 +132,6 @@ def expert_zero(
                 module,
                 group,
                 settings,
-                lr=lr,
-                betas=betas,
-                weight_decay=weight_decay,
-                eps=eps,
-                decay=decay,
                 axis=label or "(this rank)",
                 only=mine,
                 node_axis=label,  # the compiler's ZeRO pass names each node's group alike
@@ -153,7 +140,7 @@ def expert_zero(
                 alone=[n for n in alone if n in mine],
             )
         )
-    return ExpertZero(engines)
+    return ExpertZero(module, engines)
 
 
 def _own_group() -> dist.ProcessGroup:

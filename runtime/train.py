@@ -12,8 +12,10 @@ divided by the number of micro-steps, so k micro-batches of b train exactly like
 batch of k*b (for a mean-reduced loss over equally many tokens).
 
 Gradients are synchronized over the data axis by one `GradSync` engine (`grad_sync.py`):
-`Local` (no data axis), `DataParallel` or `Zero`. The loop reads and scales the gradient
-only through it, so clipping and loss scaling are one code path for all three.
+`Local` (no data axis), `DataParallel`, `Zero` or their expert-parallel forms. The loop reads
+and scales the gradient only through it, so clipping and loss scaling are one code path for
+all of them, and takes its optimizer from it (`sync.optimizer(config)`), which checkpoints
+then save and load through the same engine.
 
 Gradient clipping by global norm: the norm is over the *full* model. Parameters are grouped
 by the axes that shard them (`Axes.sharded_over`: () for a whole one, ("tp",) for a column
@@ -21,9 +23,9 @@ split, ("ep", "tp") later for an expert's matrix); the engine sums each group's 
 the data axis (`grad_squares`), and each sum is then summed over the axes that shard its
 group. A whole parameter is identical on every rank of those axes and counts once.
 
-Under ZeRO the optimizer is `zero.optimizer`, AdamW over this rank's fp32 shards, and each
-data rank holds only its shard of the averaged gradient; each rank checkpoints its own
-elements (`zero.own_state()`).
+Under ZeRO the optimizer is the engine itself, stepping AdamW over this rank's fp32 shards,
+and each data rank holds only its shard of the averaged gradient; each rank checkpoints its
+own elements (`zero.own_state()`).
 
 Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:
@@ -32,7 +34,7 @@ Metrics: every rank appends one JSON object per optimizer step to
      "peak_memory": 412000000, "mfu": null, "skipped_steps": 0, "time_s": 0.05}
 
 plus, under ZeRO, `"zero_memory": {"params": ..., "grads": ..., "optimizer": ..., "total": ...}`:
-the bytes of training state this rank holds right after the optimizer step (`Zero.memory()`),
+the bytes of training state this rank holds right after the optimizer step (`GradSync.memory()`),
 and under a pipeline `"pipeline_idle"`: the fraction of the step this rank's stages spent
 waiting for their neighbours (the measured bubble; `runtime/pipeline.py`).
 
@@ -71,11 +73,8 @@ from torch import Tensor, nn
 
 from . import checkpoint, watchdog
 from .axes import Axes
-from .buckets import decays, fusable
 from .collectives import label_collectives
-from .expert_zero import ExpertZero
-from .grad_sync import GradSync, Local
-from .zero import Zero
+from .grad_sync import GradSync, Local, Optimizer
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
@@ -139,26 +138,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     progress = min((step - config.warmup_steps) / span, 1.0)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-
-
-def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay where `decays` says so (ZeRO's optimizer follows the same rule).
-    Fused (one kernel over every tensor of a device, `fused_adamw`) where PyTorch has the kernel:
-    torch.optim.AdamW's default steps each parameter with its own dozen ops, which on a CPU cost
-    a fifth of a small model's step; the values are the same up to rounding."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    decay = [p for n, p in named if decays(n, p)]
-    no_decay = [p for n, p in named if not decays(n, p)]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=config.lr,
-        betas=config.betas,
-        fused=fusable([p for _, p in named]),
-    )
 
 
 def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor:
@@ -241,18 +220,17 @@ def train(
     pipeline's measured idle fraction), and `after_backward` runs once the step's gradients
     are synchronized, before they are read (a pipeline sums a tied weight's over its copies);
     `between_steps` runs after each optimizer step (the model's own update of its buffers:
-    aux-loss-free balancing's expert bias). ZeRO brings its own optimizer, built with `decays` and this config's
-    hyperparameters; the LR is set here every step.
+    aux-loss-free balancing's expert bias). The engine builds the optimizer with this config's
+    hyperparameters (`GradSync.optimizer`); the LR is set here every step.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     axes = axes or Axes()
     torch.manual_seed(config.seed)
-    zero = sync if isinstance(sync, Zero | ExpertZero) else None
     grads: GradSync = sync if sync is not None else Local(program)
-    # ZeRO brings its own AdamW: the engine steps, zeroes and is checkpointed
-    optimizer = zero if zero is not None else make_optimizer(program, config)
+    # the fused AdamW over `program`, or ZeRO's engine stepping its own over its shards
+    optimizer = grads.optimizer(config)
     ckpt_root = config.run_dir / "checkpoints"
-    start = _maybe_resume(ckpt_root, program, optimizer, config, axes)
+    start = _maybe_resume(ckpt_root, grads, config, axes)
     metrics = MetricsWriter(config.run_dir, rank)
     dp_size = axes.data_size
     tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
@@ -271,8 +249,7 @@ def train(
             t0 = time.perf_counter()
             lr = lr_at(step, config)
             # read each step: loading a checkpoint replaces an optimizer's param groups
-            adamw = optimizer.optimizer if isinstance(optimizer, Zero | ExpertZero) else optimizer
-            for group in adamw.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = _accumulate(
                 forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
@@ -281,8 +258,7 @@ def train(
                 after_backward()
             norm = _optimizer_step(grads, optimizer, axes, names, scale, config.grad_clip)
             skipped = not bool(torch.isfinite(norm))
-            if zero is not None:
-                zero_memory = zero.memory()
+            held = grads.memory()  # before zero_grad: what the step leaves held
             optimizer.zero_grad()
             if between_steps is not None:
                 between_steps()
@@ -308,8 +284,8 @@ def train(
                 "loss_scale": scale,
                 "time_s": dt,
             }
-            if zero is not None:
-                record["zero_memory"] = zero_memory
+            if held is not None:
+                record["zero_memory"] = held
             if step_metrics is not None:
                 record.update(step_metrics())
             summary.last = record
@@ -317,13 +293,7 @@ def train(
             display.update(record)
             if _should_save(step + 1, config):
                 watchdog.note("checkpoint save", "")
-                checkpoint.save(
-                    ckpt_root,
-                    step + 1,
-                    program,
-                    optimizer,
-                    axes=axes,
-                )
+                checkpoint.save(ckpt_root, step + 1, grads, axes=axes)
                 display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
     except RuntimeError as e:
         if is_peer_failure(e):  # gloo/NCCL: a peer closed its connection or never answered
@@ -338,7 +308,7 @@ def train(
 
 def _optimizer_step(
     grads: GradSync,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
+    optimizer: Optimizer,
     axes: Axes,
     names: list[str],
     scale: float | None,
@@ -426,20 +396,14 @@ def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int
     return scale, good_steps
 
 
-def _maybe_resume(
-    root: Path,
-    program: nn.Module,
-    optimizer: torch.optim.Optimizer | Zero | ExpertZero,
-    config: TrainConfig,
-    axes: Axes,
-) -> int:
+def _maybe_resume(root: Path, sync: GradSync, config: TrainConfig, axes: Axes) -> int:
     if not config.resume:
         return 0
     path = checkpoint.latest(root)
     if path is None:
         return 0
     try:
-        return checkpoint.load(path, program, optimizer, axes=axes).step
+        return checkpoint.load(path, sync, axes=axes).step
     except checkpoint.CheckpointError as e:
         older = checkpoint.before(path)
         if older is None:

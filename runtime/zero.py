@@ -2,10 +2,10 @@
 that schedules gathers, frees and gradient reductions and drives the optimizer step.
 
 The training loop wraps a module (a compiled per-rank GraphModule, or any nn.Module)
-and calls this object instead of an optimizer:
+and steps this object instead of an optimizer:
 
-    zero = shard_for_zero(model, dp_group, ZeroConfig(stage=2), lr=3e-4, betas=(0.9, 0.95),
-                          weight_decay=0.1, eps=1e-8)
+    zero = shard_for_zero(model, dp_group, ZeroOptions(stage=2, decay=decays))
+    zero.optimizer(TrainConfig(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))  # AdamW over the shards
     for micro in range(k):
         with zero.no_sync() if micro < k - 1 else contextlib.nullcontext():
             model(x[micro], y[micro]).backward()
@@ -23,7 +23,7 @@ The pieces, one module each:
 
     zero_flats.py   parameters as flats (padded 1-D buffers, a shard per rank) and stage 3's units
     zero_grads.py   the gradient reductions per flat, and the averaged gradient shards they leave
-    zero_optim.py   AdamW over the fp32 shards (`zero.optimizer`), offload, each rank's state for checkpoints
+    zero_optim.py   AdamW over the fp32 shards (`zero.optimizer()`), offload, each rank's state for checkpoints
     zero_gathers.py when each unit is gathered and freed: hooks on the modules, the compiled program's nodes
     zero_nodes.py   the gather/release nodes of a compiled program, which `zero_gathers.py` binds itself to
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -51,22 +51,28 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from . import watchdog
+from .grad_sync import AdamWSettings, TrainingState
 from .zero_flats import Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
 from .zero_nodes import ZeroGather, ZeroRelease, graph_units
-from .zero_optim import OwnState, ShardedAdamW
+from .zero_optim import OwnElements, ShardedAdamW, load_buffers, read_steps, training_state
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
-    """How to shard over the data-parallel group. `reduce_dtype=None` reduces in the params' dtype."""
+class ZeroOptions:
+    """How to shard a module's training state over a data-parallel group: the plan's
+    `data_parallel` block (`zero`, `bucket`, `offload`, the reduce precision) and which params
+    get weight decay. `reduce_dtype=None` reduces in the params' dtype. `decay(name, param)`
+    (default: every param), like `make_optimizer`'s rule of no decay on 1-D params: the others
+    go in their own flats and a second param group with `weight_decay` 0."""
 
     stage: int = 1
     bucket_bytes: int = 25 * 2**20
     offload_optimizer: bool = False
     offload_params: bool = False
     reduce_dtype: torch.dtype | None = None
+    decay: Callable[[str, nn.Parameter], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -99,22 +105,23 @@ class Zero:
         self,
         module: nn.Module,
         group: dist.ProcessGroup,
-        config: ZeroConfig,
+        options: ZeroOptions,
         *,
-        lr: float,
-        betas: tuple[float, float],
-        weight_decay: float,
-        eps: float,
-        units: Sequence[str] | None = None,
-        decay: Callable[[str, nn.Parameter], bool] | None = None,
         axis: str = "dp",
+        units: Sequence[str] | None = None,
         programs: Sequence[nn.Module] = (),
         alone: Collection[str] = (),
         only: Collection[str] | None = None,
         node_axis: str | None = None,
         divisor: int | None = None,
     ) -> None:
-        self.module, self.group, self.config, self.axis = module, group, config, axis
+        """`shard_for_zero`'s arguments, and for one of several engines over one module, each
+        over its own group (`runtime/expert_zero.py`): `only` the names of the params this
+        engine shards (default: every trainable one), `node_axis` the group whose ZeRO nodes it
+        binds (the compiler names each node's group: `dp x ep` for a layer's dense params, `dp`
+        for its experts'; None binds them all), and `divisor` what a summed gradient is
+        divided by (default: the group's size; `expert_data_parallel.data_ranks`)."""
+        self.module, self.group, self.options, self.axis = module, group, options, axis
         self.world = dist.get_world_size(group)
         mine = None if only is None else set(only)
         params = [
@@ -123,9 +130,10 @@ class Zero:
         if not params:
             raise ValueError("the module has no trainable parameters to shard")
         self.device = params[0][1].device
-        shard_device = torch.device("cpu") if config.offload_params else self.device
+        shard_device = torch.device("cpu") if options.offload_params else self.device
         # A flat holds only decayed or only undecayed params, so each master sits in one param group.
-        decays = {id(p): decay is None or decay(n, p) for n, p in params}
+        decay = options.decay
+        self._decays = decays = {id(p): decay is None or decay(n, p) for n, p in params}
         # the compiled graph's ZeroGather nodes, in program order (none on other modules), and
         # the program each is in: a pipeline rank runs several (its stages), each on its own
         programs = list(programs) or [module]
@@ -141,10 +149,10 @@ class Zero:
         # step is synchronized, and neither is the last to add to its gradient.
         shared = _read_by_several(params, programs, aliases)
         self.units: list[Unit]
-        if config.stage == 3 and nodes:
+        if options.stage == 3 and nodes:
             self.units = units_from_nodes(nodes, params, aliases, group, shard_device, decays, axis, alone)
             self.flats = unique(f for u in self.units for f in u.flats)
-        elif config.stage == 3:
+        elif options.stage == 3:
             self.units = build_units(module, params, group, shard_device, units, decays, axis)
             self.flats = [f for u in self.units for f in u.flats]
         else:
@@ -154,34 +162,19 @@ class Zero:
                 f
                 for part in _by_program(params, programs, aliases)
                 for f in bucket_flats(
-                    part, config.bucket_bytes, group, shard_device, decays, axis, [*alone, *shared]
+                    part, options.bucket_bytes, group, shard_device, decays, axis, [*alone, *shared]
                 )
             ]
         # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
         self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
-        self._adam = ShardedAdamW(
-            self.flats,
-            group,
-            decays,
-            device=self.device,
-            offload=config.offload_optimizer,
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            eps=eps,
-        )
-        self.optimizer, self.masters, self.opt_device = (
-            self._adam.optimizer,
-            self._adam.masters,
-            self._adam.opt_device,
-        )
+        self._adam: ShardedAdamW | None = None  # `optimizer()` builds it
         self._sync = True
         self._grads = ShardedGrads(
             self.flats,
             group,
-            stage=config.stage,
-            reduce_dtype=config.reduce_dtype,
+            stage=options.stage,
+            reduce_dtype=options.reduce_dtype,
             record=self._record,
             axis=axis,
             divisor=divisor,
@@ -190,11 +183,37 @@ class Zero:
         self._last_issued: Counter[tuple[str, int]] = Counter()
         self.peak_gathered = 0  # stage 3: the most parameter bytes gathered at once in the last step
         self._gathers = Gathers(
-            module, programs, config.stage, self.flats, self.units, nodes, program_of, aliases, self._record
+            module, programs, options.stage, self.flats, self.units, nodes, program_of, aliases, self._record
         )
         self._handles = self._register_hooks()
 
     # ------------------------------------------------------------------ public API
+
+    def optimizer(self, config: AdamWSettings) -> Zero:
+        """Build the AdamW over this rank's fp32 shards with `config`'s hyperparameters (once,
+        before the first step). The engine itself is what the loop steps: `step()` finishes the
+        reduction, updates the shards and shares the new params."""
+        self._adam = ShardedAdamW(
+            self.flats,
+            self.group,
+            self._decays,
+            device=self.device,
+            offload=self.options.offload_optimizer,
+            config=config,
+        )
+        return self
+
+    @property
+    def adamw(self) -> ShardedAdamW:
+        """The AdamW over this rank's shards, once `optimizer()` built it."""
+        if self._adam is None:
+            raise RuntimeError(f"ZeRO over {self.axis} has no optimizer yet: call optimizer(config) first")
+        return self._adam
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The AdamW's param groups, where the loop sets the LR (an LR scheduler's too)."""
+        return self.adamw.optimizer.param_groups
 
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's shard, and share the new params.
@@ -204,8 +223,8 @@ class Zero:
         """
         self._grads.finish(sync=self._sync)
         self.wait_params()
-        self._adam.step()
-        if self.config.stage == 3:
+        self.adamw.step()
+        if self.options.stage == 3:
             for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
                 u.free()
             for f in self.flats:
@@ -217,7 +236,7 @@ class Zero:
 
     def wait_params(self) -> None:
         """Stages 1/2: wait for the all-gather of the updated params still running (see `step`)."""
-        if self.config.stage < 3:
+        if self.options.stage < 3:
             for f in self.flats:
                 f.wait_gather()
 
@@ -243,13 +262,13 @@ class Zero:
         """Every parameter materialized inside the block (stage 3 frees them after), e.g. to evaluate
         or export a consolidated state dict. These gathers are outside the step's ledger."""
         self.wait_params()
-        if self.config.stage == 3:
+        if self.options.stage == 3:
             for u in self.units:
                 u.gather(lambda op, nbytes: None, whole=True)
         try:
             yield
         finally:
-            if self.config.stage == 3:
+            if self.options.stage == 3:
                 for u in self.units:
                     u.free()
 
@@ -259,7 +278,7 @@ class Zero:
         model. Stages 1/2 keep every parameter whole: all names at once. Every rank of the
         group iterates it to the end, in the same order (the gathers are collectives)."""
         self.wait_params()
-        if self.config.stage < 3:
+        if self.options.stage < 3:
             yield {n for f in self.flats for n in f.names}
             return
         for u in self.units:
@@ -320,11 +339,11 @@ class Zero:
         rows: Counter[tuple[str, int]] = Counter()
         for f in self.flats:
             grad_bytes = self._grads.wire_bytes(f)
-            if self.config.stage == 1:
+            if self.options.stage == 1:
                 rows["all_reduce", grad_bytes] += 1
             else:
                 rows["reduce_scatter", grad_bytes] += 1
-            if self.config.stage < 3:
+            if self.options.stage < 3:
                 rows["all_gather", f.full_nbytes()] += 1
         for u in self.units:
             for f in u.flats:
@@ -350,32 +369,41 @@ class Zero:
         )
         grads += sum(_storage_bytes(p.buffer, seen) for p in self._grads.pending)  # in flight
         optimizer = 0
-        for m in self.masters:
-            optimizer += _storage_bytes(m, seen)
-            optimizer += sum(_storage_bytes(t, seen) for t in self.optimizer.state[m].values())
+        if self._adam is not None:  # built by `optimizer()`
+            state = self._adam.optimizer.state
+            for m in self._adam.masters:
+                optimizer += _storage_bytes(m, seen)
+                optimizer += sum(_storage_bytes(t, seen) for t in state[m].values())
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
-    def own_state(self) -> list[OwnState]:
+    def own_state(self) -> TrainingState:
+        """`GradSync.own_state`: this rank's elements of every parameter's fp32 value and AdamW
+        moments (`own_elements`), under the keys a run without ZeRO saves, and the buffers.
+        Each rank checkpoints its own, placed in the whole tensor (`runtime/checkpoint.py`), so
+        any stage, bucket size or dp size (or no ZeRO) resumes it."""
+        return training_state(self.module, self.own_elements(), self.steps())
+
+    def loaded(self, state: TrainingState) -> None:
+        """`GradSync.loaded`: a checkpoint was read into `own_state()`'s views."""
+        self.reload(read_steps(state))
+        load_buffers(self.module, state)
+
+    def own_elements(self) -> OwnElements:
         """This rank's elements of every parameter's fp32 value and AdamW moments, by name, as
-        views (no copy, no collective): each rank checkpoints its own, placed in the whole
-        tensor (`runtime/checkpoint.py`), so any stage, bucket size or dp size (or no ZeRO)
-        resumes it. A checkpoint loads into the same views, then calls `loaded`."""
+        views (no copy, no collective)."""
         self.wait_params()
-        return self._adam.own_state()
+        return self.adamw.own_elements()
 
     def steps(self) -> dict[str, Tensor]:
         """Every parameter's AdamW step count, by name (a plain AdamW's `state[p]["step"]`)."""
-        return self._adam.steps()
+        return self.adamw.steps()
 
-    def loaded(self, steps: dict[str, Tensor]) -> None:
-        """A checkpoint was read into `own_state()`'s views: take the step counts, refresh the
-        shards the masters stand for and the gathered copies of the parameters."""
-        self._adam.loaded(steps)
-        self._after_load()
-
-    def _after_load(self) -> None:
-        """The shards changed under the params: drop stage 3's gathered copies, refill stages 1/2's."""
-        if self.config.stage == 3:
+    def reload(self, steps: Mapping[str, Tensor]) -> None:
+        """A checkpoint was read into `own_elements()`'s views: take the step counts, refresh
+        the shards the masters stand for, and drop stage 3's gathered copies of the parameters
+        or gather stages 1/2's again."""
+        self.adamw.loaded(steps)
+        if self.options.stage == 3:
             for u in self.units:
                 u.free()
         else:
@@ -409,7 +437,7 @@ class Zero:
             f.ready = 0
             if self._sync and id(f) not in self._late:
                 self._grads.start(f)
-            if self.config.stage == 3:
+            if self.options.stage == 3:
                 self._gathers.grads_done(f)
 
         return hook
@@ -434,54 +462,27 @@ class Zero:
 def shard_for_zero(
     module: nn.Module,
     group: dist.ProcessGroup,
-    config: ZeroConfig,
+    options: ZeroOptions,
     *,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    weight_decay: float = 0.01,
-    eps: float = 1e-8,
-    units: Sequence[str] | None = None,
-    decay: Callable[[str, nn.Parameter], bool] | None = None,
     axis: str = "dp",
+    units: Sequence[str] | None = None,
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
-    only: Collection[str] | None = None,
-    node_axis: str | None = None,
 ) -> Zero:
-    """Shard `module`'s training state over `group` as `config.stage` says; every rank calls it.
+    """Shard `module`'s training state over `group` (the mesh axis `axis`) as `options` say;
+    every rank calls it. Then `optimizer(config)` builds its AdamW.
 
     `units` (stage 3) names the modules whose forward gathers their params, e.g. the
     plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
-    `decay(name, param)` says which params get weight decay (default: all), like
-    `make_optimizer`'s rule of no decay on 1-D params; the others go in their own flats
-    and a second param group with `weight_decay` 0. `programs`: the compiled programs that
-    run `module`'s parameters, when it does not run them itself (a pipeline rank's stages);
-    `alone`: params that get a flat of their own (a weight tied across pipeline ranks, whose
-    gradient pieces `own_grad_of` gives, the same elements on every rank holding a copy).
-    `only`: the names of the params this engine shards (default: every trainable one), when
-    several engines share a module, each over its own group (`runtime/expert_zero.py`), and
-    `node_axis` the group whose ZeRO nodes it binds (the compiler names each node's group:
-    `dp x ep` for a layer's dense params, `dp` for its experts'); None binds them all.
+    `programs`: the compiled programs that run `module`'s parameters, when it does not run
+    them itself (a pipeline rank's stages); `alone`: params that get a flat of their own (a
+    weight tied across pipeline ranks, whose gradient pieces `own_grad_of` gives, the same
+    elements on every rank holding a copy).
 
     The ranks must start from the same parameters (same seed, or a checkpoint): only each
     rank's own shard survives, so a difference would not be noticed.
     """
-    return Zero(
-        module,
-        group,
-        config,
-        lr=lr,
-        betas=betas,
-        weight_decay=weight_decay,
-        eps=eps,
-        units=units,
-        decay=decay,
-        axis=axis,
-        programs=programs,
-        alone=alone,
-        only=only,
-        node_axis=node_axis,
-    )
+    return Zero(module, group, options, axis=axis, units=units, programs=programs, alone=alone)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -5,34 +5,28 @@ The master copy is the shard itself when the shard is fp32 and on the optimizer'
 otherwise (bf16/fp16 parameters, or the state offloaded to the CPU) an fp32 copy that each
 step writes back into the shard. LR schedulers work on `ShardedAdamW.optimizer` unchanged.
 
-Checkpoints do not see flats: `own_state()` gives, per parameter name, where this rank's
-elements lie in the parameter and views of its value and moments there, so each rank writes
-only its own and any stage, bucket size or dp size (or no ZeRO) resumes it
-(`runtime/checkpoint.py` places them in the whole tensor).
+Checkpoints do not see flats: `own_elements()` gives, per parameter name, where this rank's
+elements lie in the parameter and views of its value and moments there, and `training_state`
+puts them under the same keys as a run without ZeRO, so each rank writes only its own and any
+stage, bucket size or dp size (or no ZeRO) resumes it (`runtime/checkpoint.py` places them in
+the whole tensor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from .buckets import fusable
+from .grad_sync import AdamWSettings, Elements, Held, TrainingState
 from .zero_flats import Flat
 
 _OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-class OwnState(NamedTuple):
-    """This rank's elements of one parameter's training state."""
-
-    name: str
-    shape: torch.Size  # the parameter's (this rank's tensor-parallel piece, when it has one)
-    start: int  # where the elements start in the flattened parameter
-    tensors: dict[str, Tensor]  # "master", "exp_avg", "exp_avg_sq": 1-D views, no copies
+OwnElements = dict[str, dict[str, Elements]]  # name -> "master", "exp_avg", "exp_avg_sq": 1-D views
 
 
 class ShardedAdamW:
@@ -47,10 +41,7 @@ class ShardedAdamW:
         *,
         device: torch.device,
         offload: bool,
-        lr: float,
-        betas: tuple[float, float],
-        weight_decay: float,
-        eps: float,
+        config: AdamWSettings,
     ) -> None:
         self.flats, self.group = flats, group
         self.opt_device = torch.device("cpu") if offload else device
@@ -66,10 +57,9 @@ class ShardedAdamW:
         ]
         self.optimizer = torch.optim.AdamW(
             [g for g in param_groups if g["params"]],
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            eps=eps,
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
             fused=fusable(self.masters),  # one kernel per flat, as `train.make_optimizer`
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
@@ -113,23 +103,25 @@ class ShardedAdamW:
         if not missing:
             return []
         return [
-            (view, view.clone())
-            for own in self.own_state()
-            if own.name in missing
-            for view in own.tensors.values()
+            (held.data, held.data.clone())
+            for name, elements in self.own_elements().items()
+            if name in missing
+            for held in elements.values()
         ]
 
-    def own_state(self) -> list[OwnState]:
-        """This rank's elements of every parameter's fp32 value and moments, as views of the
-        masters and the optimizer's state (`Zero.own_state`)."""
-        out = []
+    def own_elements(self) -> OwnElements:
+        """This rank's elements of every parameter's fp32 value ("master") and moments, by
+        name, as views of the masters and the optimizer's state (`Zero.own_elements`)."""
+        out = {}
         for f, master in zip(self.flats, self.masters, strict=True):
             state = self.optimizer.state[master]
             shapes = dict(zip(f.names, (p.shape for p in f.params), strict=True))
             for name, mine, theirs in f.own_slices():
                 tensors = (master, state["exp_avg"], state["exp_avg_sq"])
-                views = {key: t[mine] for key, t in zip(_OPTIMIZER_KEYS, tensors, strict=True)}
-                out.append(OwnState(name, shapes[name], theirs.start, views))
+                out[name] = {
+                    key: Elements(name, shapes[name], theirs.start, t[mine])
+                    for key, t in zip(_OPTIMIZER_KEYS, tensors, strict=True)
+                }
         return out
 
     def steps(self) -> dict[str, Tensor]:
@@ -140,8 +132,8 @@ class ShardedAdamW:
             for name in f.names
         }
 
-    def loaded(self, steps: dict[str, Tensor]) -> None:
-        """After a checkpoint was read into `own_state()`'s views: each flat's step, and the
+    def loaded(self, steps: Mapping[str, Tensor]) -> None:
+        """After a checkpoint was read into `own_elements()`'s views: each flat's step, and the
         masters copied into the shards they stand for (the caller refreshes gathered copies)."""
         with torch.no_grad():
             for f, master in zip(self.flats, self.masters, strict=True):
@@ -149,3 +141,44 @@ class ShardedAdamW:
                 self.optimizer.state[master]["step"] = step
                 if master is not f.shard:
                     f.shard.copy_(master)
+
+
+def training_state(module: nn.Module, elements: OwnElements, steps: Mapping[str, Tensor]) -> TrainingState:
+    """The same keys as without ZeRO: each param by every name it has (tied ones too), its
+    moments and step by its first name, and `module`'s buffers; each param's value and moments
+    this rank's `elements` of them, views of the engine's fp32 masters and moments."""
+    values: dict[str, Held] = {}
+    moments: dict[str, dict[str, Held]] = {}
+    for name, held in elements.items():
+        values[name] = held["master"]
+        moments[name] = {key: held[key] for key in _OPTIMIZER_KEYS[1:]}
+    for name, step in steps.items():
+        moments.setdefault(name, {})["step"] = step
+    first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+    params = {
+        n: values[first[id(p)]]
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if first[id(p)] in values
+    }
+    return TrainingState(params | _buffers(module, module.state_dict()), moments)
+
+
+def read_steps(state: TrainingState) -> dict[str, Tensor]:
+    """The step counts a checkpoint read into a `training_state`: a tensor per parameter."""
+    steps = {}
+    for name, moments in state.optim.items():
+        step = moments["step"]
+        assert isinstance(step, Tensor), f"{name}: a step count is one tensor"
+        steps[name] = step
+    return steps
+
+
+def load_buffers(module: nn.Module, state: TrainingState) -> None:
+    """The buffers a checkpoint read into a `training_state`, into `module`."""
+    module.load_state_dict(_buffers(module, state.model), strict=False)
+
+
+def _buffers(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `state` that are the module's buffers (not parameters)."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in state.items() if k not in params and k in module.state_dict()}

@@ -8,7 +8,8 @@ from torch import nn
 
 from meshplan.examples import CORPUS
 from meshplan.runtime.data import TextBatches, read_bytes
-from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer
+from meshplan.runtime.grad_sync import make_optimizer
+from meshplan.runtime.train import TrainConfig, lr_at
 
 
 def single_device_losses(

@@ -17,12 +17,15 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime.axes import Axes
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
+from meshplan.runtime.grad_sync import Local
 from meshplan.runtime.train import TrainConfig, train
 
 
-def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = build(num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+def tiny(hidden_size: int = 32) -> tuple[torch.nn.Module, Local, torch.optim.Optimizer]:
+    """A model on one process, its engine (what a checkpoint saves from) and the engine's AdamW."""
+    model = build(num_hidden_layers=1, hidden_size=hidden_size, intermediate_size=64)
+    sync = Local(model)
+    return model, sync, sync.optimizer(TrainConfig(lr=1e-2))
 
 
 def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -37,32 +40,32 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_a_crash_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    model, optimizer = tiny()
+    model, sync, optimizer = tiny()
     one_step(model, optimizer, 0)
-    checkpoint.save(tmp_path, 1, model, optimizer)
+    checkpoint.save(tmp_path, 1, sync)
     at_step_1 = state(model)
     one_step(model, optimizer, 1)
     # the job dies after every rank wrote step 2 but before rank 0 renamed it
-    tmp = checkpoint.write_temporary(tmp_path, 2, model, optimizer)
+    tmp = checkpoint.write_temporary(tmp_path, 2, sync)
     assert tmp.name.startswith(checkpoint.TMP_PREFIX) and (tmp / ".metadata").exists()
 
     assert checkpoint.latest(tmp_path) == tmp_path / "step00000001"
-    fresh, fresh_opt = tiny()
-    restored = checkpoint.load(checkpoint.latest(tmp_path), fresh, fresh_opt)
+    fresh, fresh_sync, fresh_opt = tiny()
+    restored = checkpoint.load(checkpoint.latest(tmp_path), fresh_sync)
     assert restored.step == 1
     assert all(torch.equal(fresh_param, at_step_1[n]) for n, fresh_param in state(fresh).items())
     assert fresh_opt.state_dict()["state"][0]["step"] == 1
 
     # the next save of that step replaces the leftover and publishes normally
-    checkpoint.save(tmp_path, 2, model, optimizer)
+    checkpoint.save(tmp_path, 2, sync)
     assert checkpoint.latest(tmp_path) == tmp_path / "step00000002"
     assert not tmp.exists()
 
 
 def test_old_checkpoints_are_pruned(tmp_path: Path) -> None:
-    model, optimizer = tiny()
+    _, sync, _ = tiny()
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model, optimizer, keep=2)
+        checkpoint.save(tmp_path, step, sync, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000002", "step00000003"]
 
 
@@ -129,10 +132,10 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
 
 
 def saved_twice(tmp_path: Path) -> Path:
-    model, optimizer = tiny()
+    model, sync, optimizer = tiny()
     for step in (1, 2):
         one_step(model, optimizer, step)
-        checkpoint.save(tmp_path, step, model, optimizer)
+        checkpoint.save(tmp_path, step, sync)
     return tmp_path / "step00000002"
 
 
@@ -167,16 +170,16 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path: Path, damag
         shard.write_bytes(bytes(data[:100]))
     else:
         shard.unlink()
-    fresh, fresh_opt = tiny()
+    _, fresh_sync, _ = tiny()
     with pytest.raises(checkpoint.CheckpointError, match=message):
-        checkpoint.load(folder, fresh, fresh_opt)
+        checkpoint.load(folder, fresh_sync)
 
 
 def test_a_checkpoint_of_another_model_names_what_does_not_fit(tmp_path: Path) -> None:
     folder = saved_twice(tmp_path)
-    other = build(num_hidden_layers=1, hidden_size=16, intermediate_size=64)
+    _, other, _ = tiny(hidden_size=16)
     with pytest.raises(
         checkpoint.CheckpointError, match=r"does not fit this run: `\S+` was saved as \["
     ) as info:
-        checkpoint.load(folder, other, torch.optim.AdamW(other.parameters()))
+        checkpoint.load(folder, other)
     assert "Traceback" not in str(info.value)

@@ -27,7 +27,8 @@ from meshplan.examples.models.llama import build
 from meshplan.runtime.axes import Axes
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.data_parallel import DataParallel
-from meshplan.runtime.train import TrainConfig, lr_at, make_optimizer, train
+from meshplan.runtime.grad_sync import make_optimizer
+from meshplan.runtime.train import TrainConfig, lr_at, train
 
 pytestmark = pytest.mark.slow
 

@@ -28,13 +28,15 @@ from gloo_pool import spawn
 from torch.utils.checkpoint import checkpoint
 
 from meshplan.examples.models.llama import build, example_inputs
-from meshplan.runtime.zero import Collective, Zero, ZeroConfig, shard_for_zero
+from meshplan.runtime.train import TrainConfig
+from meshplan.runtime.zero import Collective, Zero, ZeroOptions, shard_for_zero
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3}
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
+SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])  # eps 1e-8
 BATCH, SEQ, STEPS = 4, 16, 3
 FP32_RTOL = 1e-5
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -58,7 +60,7 @@ def assert_params_close(result: dict) -> None:
 
 
 class Case(NamedTuple):
-    config: ZeroConfig
+    options: ZeroOptions
     kind: str = "eager"  # eager, checkpointed, exported, unflattened (`_make_model`)
     accumulate: int = 1  # micro-batches per step on each rank
     clip: float | None = None  # max gradient norm
@@ -95,10 +97,17 @@ def _make_model(kind: str) -> torch.nn.Module:
     return model
 
 
+def _zero(model: torch.nn.Module, options: ZeroOptions) -> Zero:
+    """`model` sharded over both ranks, its AdamW built with `ADAMW`'s settings."""
+    zero = shard_for_zero(model, dist.group.WORLD, options)
+    zero.optimizer(SETTINGS)
+    return zero
+
+
 def _train_zero(rank: int, case: Case) -> dict:
     """ZeRO on this rank's half of each global batch (split into `accumulate` micro-batches)."""
     model = _make_model(case.kind)
-    zero = shard_for_zero(model, dist.group.WORLD, case.config, **ADAMW)
+    zero = _zero(model, case.options)
     accumulate = case.accumulate
     local, micro = BATCH // WORLD, BATCH // WORLD // accumulate
     losses, norms, memory = [], [], {}
@@ -158,20 +167,20 @@ def parity_worker(rank: int, world: int, case: Case) -> dict:
 
 # every case runs in one spawn: process start-up dominates the time
 CASES = {
-    "zero1": Case(ZeroConfig(stage=1, bucket_bytes=4096)),
-    "zero2": Case(ZeroConfig(stage=2, bucket_bytes=4096)),
-    "zero3": Case(ZeroConfig(stage=3)),
-    "zero1-offload": Case(ZeroConfig(stage=1, bucket_bytes=4096, offload_optimizer=True)),
-    "zero3-offload": Case(ZeroConfig(stage=3, offload_optimizer=True, offload_params=True)),
-    "zero2-accumulate": Case(ZeroConfig(stage=2, bucket_bytes=4096), accumulate=2),
-    "zero3-accumulate": Case(ZeroConfig(stage=3), accumulate=2),
-    "zero3-checkpointed": Case(ZeroConfig(stage=3), kind="checkpointed"),
-    "zero1-exported": Case(ZeroConfig(stage=1, bucket_bytes=4096), kind="exported"),
-    "zero2-exported": Case(ZeroConfig(stage=2, bucket_bytes=4096), kind="exported"),
-    "zero3-exported": Case(ZeroConfig(stage=3), kind="exported"),
-    "zero3-unflattened": Case(ZeroConfig(stage=3), kind="unflattened"),
-    "zero1-clip": Case(ZeroConfig(stage=1, bucket_bytes=4096), clip=0.05),
-    "zero3-clip": Case(ZeroConfig(stage=3), clip=0.05),
+    "zero1": Case(ZeroOptions(stage=1, bucket_bytes=4096)),
+    "zero2": Case(ZeroOptions(stage=2, bucket_bytes=4096)),
+    "zero3": Case(ZeroOptions(stage=3)),
+    "zero1-offload": Case(ZeroOptions(stage=1, bucket_bytes=4096, offload_optimizer=True)),
+    "zero3-offload": Case(ZeroOptions(stage=3, offload_optimizer=True, offload_params=True)),
+    "zero2-accumulate": Case(ZeroOptions(stage=2, bucket_bytes=4096), accumulate=2),
+    "zero3-accumulate": Case(ZeroOptions(stage=3), accumulate=2),
+    "zero3-checkpointed": Case(ZeroOptions(stage=3), kind="checkpointed"),
+    "zero1-exported": Case(ZeroOptions(stage=1, bucket_bytes=4096), kind="exported"),
+    "zero2-exported": Case(ZeroOptions(stage=2, bucket_bytes=4096), kind="exported"),
+    "zero3-exported": Case(ZeroOptions(stage=3), kind="exported"),
+    "zero3-unflattened": Case(ZeroOptions(stage=3), kind="unflattened"),
+    "zero1-clip": Case(ZeroOptions(stage=1, bucket_bytes=4096), clip=0.05),
+    "zero3-clip": Case(ZeroOptions(stage=3), clip=0.05),
 }
 
 
@@ -311,7 +320,7 @@ def bf16_worker(rank: int, world: int) -> dict:
     master = [p.detach().float() for p in ref.parameters()]
     opt = torch.optim.AdamW(master, **ADAMW)
     model = build(**MODEL).to(torch.bfloat16)
-    zero = shard_for_zero(model, dist.group.WORLD, ZeroConfig(stage=2, reduce_dtype=torch.float32), **ADAMW)
+    zero = _zero(model, ZeroOptions(stage=2, reduce_dtype=torch.float32))
     local = BATCH // WORLD
     for step in range(STEPS):
         ids, labels = example_inputs(BATCH, SEQ, seed=step)
@@ -337,7 +346,7 @@ def bf16_worker(rank: int, world: int) -> dict:
     return {
         "param_rel": worst,
         "param_dtypes": {p.dtype for p in model.parameters()},
-        "master_dtype": zero.masters[0].dtype,
+        "master_dtype": zero.adamw.masters[0].dtype,
     }
 
 
@@ -361,15 +370,15 @@ def checkpoint_worker(rank: int, world: int, tmp: str) -> dict[int, float]:
     for stage in (1, 2, 3):
         root = os.path.join(tmp, f"zero{stage}")
         model = build(**MODEL)
-        zero = shard_for_zero(model, dist.group.WORLD, ZeroConfig(stage=stage, bucket_bytes=4096), **ADAMW)
+        zero = _zero(model, ZeroOptions(stage=stage, bucket_bytes=4096))
         steps(zero, model, [0, 1])
-        saved = checkpoint.save(root, 2, model, zero)
+        saved = checkpoint.save(root, 2, zero)
         written[stage] = (elements_written(saved, rank, zero), sum(f.local_numel for f in zero.flats))
         expected = steps(zero, model, [2, 3])
 
         fresh = build(seed=1, **MODEL)  # other initial weights: the checkpoint must replace them all
-        resumed = shard_for_zero(fresh, dist.group.WORLD, ZeroConfig(stage=stage, bucket_bytes=4096), **ADAMW)
-        assert checkpoint.load(saved, fresh, resumed).step == 2
+        resumed = _zero(fresh, ZeroOptions(stage=stage, bucket_bytes=4096))
+        assert checkpoint.load(saved, resumed).step == 2
         got = steps(resumed, fresh, [2, 3])
         diffs[stage] = max(abs(a - b) for a, b in zip(got, expected, strict=True))
     return {"diffs": diffs, "written": written}
@@ -425,4 +434,4 @@ def test_each_rank_writes_exactly_its_own_zero_shard(results: list[dict]) -> Non
 
 def test_config_rejects_params_offload_below_stage_3() -> None:
     with pytest.raises(ValueError, match="needs ZeRO-3"):
-        ZeroConfig(stage=2, offload_params=True)
+        ZeroOptions(stage=2, offload_params=True)

@@ -25,8 +25,8 @@ import time
 import torch
 from common import LiveStorages, sized_llama
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import example_inputs

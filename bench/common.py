@@ -38,7 +38,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
+from meshplan.compiler.capture import bind_inputs
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.examples.models.llama import Llama, build, example_inputs
 from meshplan.runtime import collectives as meshplan_collectives

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from common import LiveStorages, result, sized_llama
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
+from meshplan.compiler.capture import bind_inputs
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from common import compiled_step, result, same_work_medians, take_turns
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.dsl.check import check_text
 from meshplan.examples.models import moe
 from meshplan.runtime.launch import spawn

@@ -30,8 +30,8 @@ from unittest import mock
 
 from common import PLAN_TP_SP, compiled_step, median, result, sized_llama, take_turns
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.passes import tensor_parallel
 from meshplan.dsl import load_plan
 from meshplan.dsl.check import check_text

@@ -28,8 +28,8 @@ from unittest import mock
 
 from common import compiled_step, result, same_work_medians, take_turns
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.passes.tensor_parallel import experts as experts_rule
 from meshplan.dsl.check import check_text
 from meshplan.examples.models import moe

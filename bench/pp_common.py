@@ -17,8 +17,9 @@ from typing import overload
 import torch
 from torch import fx
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
+from meshplan.compiler.capture import bind_inputs
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import Cut, cut_stages
 from meshplan.dsl import check_text

@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from meshplan.compiler.capture import ModelSource, bind_inputs
+from meshplan.compiler.capture import bind_inputs
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl.check import check_text
 from meshplan.examples.models.llama import example_inputs

@@ -23,7 +23,7 @@ from meshplan.options import TORCHRUN_FLAGS, RunOptions, run_dir
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
     from torch import nn
 
-    from meshplan.compiler.capture import ModelSource
+    from meshplan.compiler.load import ModelSource
     from meshplan.dsl.check import Plan
 
 
@@ -53,8 +53,8 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
 
         raise RunError(PIPELINE_BETWEEN_STEPS)
     if options.between_steps:  # a missing function is the user's mistake: before any worker starts
-        from meshplan.compiler.capture import load_function
         from meshplan.compiler.errors import CompileError
+        from meshplan.compiler.load import load_function
 
         try:
             load_function(options.between_steps, "--between-steps")
@@ -274,8 +274,9 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
 def _model_source(options: RunOptions) -> ModelSource:
     """The model from its factory, on CPU, with token inputs of the run's micro-batch: a factory
     that fails, or a `--seq` beyond the positions the model's config allows, is said here."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.errors import CompileError
+    from meshplan.compiler.load import load_model
 
     try:
         return with_token_shape(load_model(options.model), batch=options.batch, seq=options.seq)
@@ -288,7 +289,7 @@ def _check_data(options: RunOptions, plan: Plan, model: nn.Module) -> int | None
     file exists, a factory runs, its first batch has the run's shapes, and the token ids (every
     byte of a text file) are ids the model embeds. Returns that vocabulary size: the workers check
     every later batch against it (`--vocab-size`)."""
-    from meshplan.compiler.capture import vocab_size
+    from meshplan.compiler.load import vocab_size
     from meshplan.examples import CORPUS
     from meshplan.runtime.data import DataError, make_batches
 

@@ -91,8 +91,9 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 def _load_for_model(args: argparse.Namespace):
     """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
 
     world_size = args.world_size
     if world_size is None:

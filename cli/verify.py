@@ -386,9 +386,10 @@ def verify(
     trains one rank (tests pass a broken one to see verify fail)."""
     import torch
 
-    from meshplan.compiler.capture import load_function, load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
+    from meshplan.compiler.load import load_function, load_model
     from meshplan.compiler.passes.experts.capacity import capacity_applied, capacity_lists
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating

@@ -1,12 +1,9 @@
-"""Load a user's model and capture it as an fx graph with torch.export.
+"""Capture a model as an fx graph with torch.export.
 
-Two steps, kept apart so that tests and the Python API can skip the first:
+Two steps, kept apart so that tests and the Python API can skip the first (`load.py`):
 
     source = load_model("examples/models/llama.py:build")
     captured = capture(source.model, source.args, source.kwargs)
-
-`load_model` runs only the file (or imports only the module) that the spec names and
-calls its factory with no arguments; a plan never runs code.
 
 `capture` uses `torch.export.export(..., strict=False)` with the token inputs' batch and
 sequence dims dynamic (`Dim("batch")`, `Dim("seq")`, shared by every (B, T) integer input):
@@ -27,20 +24,13 @@ tagged with the module that produced it, spelled as `model.named_modules()` spel
 from __future__ import annotations
 
 import contextlib
-import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import io
 import math
 import re
 import sys
-import traceback
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -49,26 +39,11 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 
 from .errors import CaptureError, ModelLoadError
+from .load import ModelSource, _describe, _display, max_positions
 
 # node.meta key holding the path of the innermost module that produced the node.
 from .meta import MODULE as MODULE_PATH_KEY
 from .passes.experts.units import experts_pattern
-
-_SPEC_HINT = "write the model as path/to/file.py:factory or package.module:factory, e.g. examples/models/llama.py:build"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A model built from a `--model` spec, with inputs to capture it with.
-
-    `args` and `kwargs` are what `capture` passes to the model's forward; for a
-    training graph they include the labels, so the captured output is the loss.
-    """
-
-    spec: str
-    model: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,332 +174,6 @@ class Captured:
             for node in self.graph_module.graph.nodes
             if node.name in self.node_modules and _is_within(self.node_modules[node.name], path)
         ]
-
-
-# --- loading -------------------------------------------------------------------------
-
-
-def load_model(spec: str) -> ModelSource:
-    """Build the model a `--model` spec names and make example inputs for it.
-
-    `spec` is `path/to/file.py:factory` or `package.module:factory`. The factory is
-    called with no arguments and must return an `nn.Module`. Inputs come from the
-    module's `example_inputs()` if it defines one, else are random token ids when the
-    model has a `config.vocab_size` (Hugging Face models and the examples have one).
-    """
-    target, factory_name = _split_spec(spec)
-    is_file = _names_a_file(target)
-    # As Python does for a script, the file's folder comes first on the import path, so a
-    # model file that imports the module beside it (`from model import GPT`) loads as it
-    # runs with `python FILE.py`; kept there while the factory and example_inputs run too.
-    with _folder_first_on_path(str(Path(target).resolve().parent) if is_file else None):
-        module = _run_file(target) if is_file else _import_module(target)
-        # Where the user's code lives, to point error messages at its lines.
-        origin = getattr(module, "__file__", None) or target
-        factory = _find_factory(module, factory_name, target)
-        model = _call_factory(factory, spec, origin)
-        args, kwargs = _make_inputs(module, model, spec, origin)
-    return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
-
-
-def load_function(spec: str, option: str) -> Callable[..., Any]:
-    """The function a spec like `--model`'s names (`path/to/file.py:name` or `module:name`),
-    e.g. `--between-steps model.py:update_bias`. A file the model was loaded from is not run
-    again: the function sees the model's own classes (its `isinstance` checks hold)."""
-    target, name = _split_spec(spec)
-    is_file = _names_a_file(target)
-    with _folder_first_on_path(str(Path(target).resolve().parent) if is_file else None):
-        loaded = sys.modules.get(_file_module_name(Path(target))) if is_file else None
-        module = loaded or (_run_file(target) if is_file else _import_module(target))
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ModelLoadError(
-            f"{option} {spec}: {target!r} defines no function {name!r}",
-            hint=_factory_hint(module, name, target).replace("returns the nn.Module", f"{option} can call"),
-        )
-    return function
-
-
-@contextlib.contextmanager
-def _folder_first_on_path(folder: str | None) -> Iterator[None]:
-    """`folder` at the front of sys.path for the duration, unless it is there already.
-
-    Modules imported from it stay in sys.modules afterwards, as they do after any import.
-    """
-    if folder is None or folder in sys.path:
-        yield
-        return
-    sys.path.insert(0, folder)
-    try:
-        yield
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-
-
-def _split_spec(spec: str) -> tuple[str, str]:
-    # rpartition keeps a Windows drive letter ("C:\\m.py:build") in the target.
-    target, colon, factory_name = spec.strip().rpartition(":")
-    if not colon or not target or not factory_name:
-        raise ModelLoadError(f"model spec {spec!r} does not name a factory", hint=_SPEC_HINT)
-    if not factory_name.isidentifier():
-        raise ModelLoadError(
-            f"model spec {spec!r}: factory name {factory_name!r} is not a Python identifier",
-            hint=_SPEC_HINT,
-        )
-    return target, factory_name
-
-
-def _names_a_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
-def _run_file(target: str) -> ModuleType:
-    """Execute one .py file as a private module; `load_model` puts its folder on sys.path first."""
-    path = Path(target)
-    if not path.is_file():
-        where = "is a directory" if path.is_dir() else "does not exist"
-        raise ModelLoadError(
-            f"model file {target!r} {where}",
-            hint=f"the path is relative to the current directory ({Path.cwd()}); {_SPEC_HINT}",
-        )
-    resolved = path.resolve()
-    name = _file_module_name(path)
-    file_spec = importlib.util.spec_from_file_location(name, resolved)
-    if file_spec is None or file_spec.loader is None:
-        raise ModelLoadError(f"cannot load {target!r} as Python", hint=_SPEC_HINT)
-    module = importlib.util.module_from_spec(file_spec)
-    # Registered while it runs: dataclasses and pickling look the module up by name.
-    sys.modules[name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        del sys.modules[name]
-        raise ModelLoadError(
-            f"running {target!r} raised {_describe(exc)}{_location(exc, str(resolved))}",
-            hint=f"run `python {target}` to see the full traceback",
-        ) from exc
-    _importable_by_its_name(module, resolved)
-    return module
-
-
-def _importable_by_its_name(module: ModuleType, path: Path) -> None:
-    """Let `import NAME` of the model file (`moe.py`: `import moe`) from the user's other files
-    (a `--between-steps` or `--data` file beside it) return this module, not a second copy of
-    it whose classes fail every `isinstance` check on the model. Only where that import would
-    find this very file (its folder is first on sys.path while it loads) and nothing holds the
-    name yet."""
-    stem = path.stem
-    if not stem.isidentifier() or stem in sys.modules:
-        return
-    try:
-        found = importlib.util.find_spec(stem)
-    except (ImportError, ValueError):
-        return
-    if found is not None and found.origin is not None and Path(found.origin).resolve() == path:
-        sys.modules[stem] = module
-
-
-def _file_module_name(path: Path) -> str:
-    """The private module name a model file runs as (one per resolved path)."""
-    return "_meshplan_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-
-
-def _import_module(target: str) -> ModuleType:
-    if not all(part.isidentifier() for part in target.split(".")):
-        raise ModelLoadError(f"{target!r} is neither a .py file nor a module name", hint=_SPEC_HINT)
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (target == exc.name or target.startswith(exc.name + ".")):
-            raise ModelLoadError(
-                f"no module named {target!r}",
-                hint=f"check the name and the Python environment, or give a file path; {_SPEC_HINT}",
-            ) from exc
-        raise _import_failed(target, exc) from exc
-    except (Exception, SystemExit) as exc:
-        raise _import_failed(target, exc) from exc
-
-
-def _import_failed(target: str, exc: BaseException) -> ModelLoadError:
-    return ModelLoadError(
-        f"importing {target!r} raised {_describe(exc)}",
-        hint=f"run `python -c 'import {target}'` to see the full traceback",
-    )
-
-
-def _find_factory(module: ModuleType, factory_name: str, target: str) -> Callable[[], Any]:
-    factory = getattr(module, factory_name, None)
-    if factory is None:
-        raise ModelLoadError(
-            f"{target!r} has no {factory_name!r}", hint=_factory_hint(module, factory_name, target)
-        )
-    if not callable(factory):
-        raise ModelLoadError(
-            f"{target}:{factory_name} is not callable: it has type {type(factory).__name__}",
-            hint=_factory_hint(module, factory_name, target),
-        )
-    return factory
-
-
-def _factory_hint(module: ModuleType, factory_name: str, target: str) -> str:
-    """Name the functions the file defines, closest to what was asked first."""
-    defined = [
-        name
-        for name, value in vars(module).items()
-        if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")
-    ]
-    if not defined:
-        return f"{target!r} defines no public function; add one that returns the nn.Module"
-    close = difflib.get_close_matches(factory_name, defined, n=1)
-    prefix = f"did you mean {close[0]!r}? " if close else ""
-    return prefix + "functions defined there: " + ", ".join(defined)
-
-
-def _call_factory(factory: Callable[[], Any], spec: str, origin: str) -> nn.Module:
-    try:
-        model = factory()
-    except (Exception, SystemExit) as exc:
-        raise ModelLoadError(
-            f"factory {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
-            hint="the factory is called with no arguments and must return a torch.nn.Module",
-        ) from exc
-    if not isinstance(model, nn.Module):
-        raise ModelLoadError(
-            f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module",
-            hint="return the model itself, not a (model, config) pair or a class",
-        )
-    return model
-
-
-def _make_inputs(
-    module: ModuleType, model: nn.Module, spec: str, origin: str
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    make = getattr(module, "example_inputs", None)
-    if callable(make):
-        try:
-            inputs = make()
-        except (Exception, SystemExit) as exc:
-            raise ModelLoadError(
-                f"example_inputs() of {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
-                hint="example_inputs is called with no arguments",
-            ) from exc
-        return _as_call_inputs(inputs, spec)
-    inputs = token_inputs(model)
-    if inputs is None:
-        raise ModelLoadError(
-            f"no example inputs for {spec!r}: the module defines no example_inputs() "
-            "and the model has no config.vocab_size",
-            hint="define `example_inputs() -> tuple` next to the factory; it returns the forward's arguments",
-        )
-    return inputs
-
-
-def _as_call_inputs(inputs: object, spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A tuple or list is positional arguments, a dict keyword arguments, a tensor the one argument."""
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), {}
-    if isinstance(inputs, tuple | list):
-        return tuple(inputs), {}
-    if isinstance(inputs, dict) and all(isinstance(key, str) for key in inputs):
-        return (), dict(inputs)
-    raise ModelLoadError(
-        f"example_inputs() of {spec!r} returned {type(inputs).__name__}",
-        hint="return a tuple of positional arguments or a dict of keyword arguments",
-    )
-
-
-def token_inputs(
-    model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 0
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Random token ids for a language model with `config.vocab_size`, else None.
-
-    Follows Hugging Face conventions where the forward has them: `labels` equal to
-    `input_ids` (the model shifts them itself), and `use_cache=False` because a
-    training graph has no KV cache (and torch.export cannot return `DynamicCache`).
-    """
-    config = getattr(model, "config", None)
-    vocab_size = getattr(config, "vocab_size", None)
-    if not isinstance(vocab_size, int) or vocab_size <= 0:
-        return None
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(max_positions, int) and max_positions > 0:
-        seq = min(seq, max_positions)
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)  # (B, T)
-    params = inspect.signature(model.forward).parameters
-    if "input_ids" not in params:
-        return (input_ids,), {}
-    kwargs: dict[str, Any] = {"input_ids": input_ids}
-    if "labels" in params:
-        kwargs["labels"] = input_ids.clone()
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    return (), kwargs
-
-
-# The config fields that bound a model's sequence length, as model families name them:
-# GPT-2's n_positions, Hugging Face's max_position_embeddings, the DTensor test Transformer's
-# max_seq_len, nanoGPT's block_size.
-_POSITION_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len", "block_size")
-
-
-def _config(model: nn.Module) -> object | None:
-    """The model's hyperparameters: `config` (Hugging Face, the examples), else `model_args`."""
-    config = getattr(model, "config", None)
-    return config if config is not None else getattr(model, "model_args", None)
-
-
-def vocab_size(model: nn.Module) -> int | None:
-    """How many token ids the model embeds (`config.vocab_size`), or None when it does not say."""
-    value = getattr(_config(model), "vocab_size", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def max_positions(model: nn.Module) -> tuple[str, int] | None:
-    """The longest sequence the model's config allows, with the field that says so
-    (`("max_position_embeddings", 128)`), or None when it does not say."""
-    config = _config(model)
-    for name in _POSITION_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return name, value
-    return None
-
-
-def describe_error(exc: BaseException, filename: str) -> str:
-    """`KeyError: 'x' (at update.py:3)`: an exception the user's code in `filename` raised,
-    located at its innermost line there, so no traceback is needed."""
-    return _describe(exc) + _location(exc, filename)
-
-
-def _describe(exc: BaseException) -> str:
-    # A SyntaxError's str() repeats the location that `_location` adds.
-    text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)
-    lines = text.strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def _location(exc: BaseException, filename: str) -> str:
-    """' (at file.py:12)' for the innermost frame in the user's file, so no traceback is needed."""
-    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
-        return f" (at {_display(exc.filename)}:{exc.lineno})"
-    wanted = Path(filename).resolve() if filename.endswith(".py") else None
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if wanted is not None and Path(frame.filename).resolve() == wanted
-    ]
-    return f" (at {_display(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-
-
-def _display(filename: str) -> str:
-    """A path relative to the current directory when it is below it, as the user typed it."""
-    path, cwd = Path(filename).resolve(), Path.cwd().resolve()
-    return str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
-
-
-# --- capture -------------------------------------------------------------------------
 
 
 def capture(

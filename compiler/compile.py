@@ -54,10 +54,11 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
 from meshplan.runtime.mesh import MeshLayout, axes_of
 
-from .capture import BATCH, SEQ, Captured, Divisibility, ModelSource, TokenShapes, capture, token_tensors
+from .capture import BATCH, SEQ, Captured, Divisibility, TokenShapes, capture, token_tensors
 from .graph import ShapeGuardError, keep_loss_output, no_new_guards, normalize
 from .ledger import DataParallelFacts, ExpertDataFacts, Ledger, build_ledger
 from .lint import lint
+from .load import ModelSource
 from .match import Resolution, resolve
 from .meta import STAGES
 from .passes import (

@@ -37,7 +37,8 @@ from torch import fx, nn
 from meshplan.runtime.expert_list import ExpertList, stack_lists
 from meshplan.runtime.mesh import MeshLayout
 
-from .capture import ModelSource, TokenShapes
+from .capture import TokenShapes
+from .load import ModelSource
 from .meta import CHECKPOINT, COLLECTIVE, MODULE
 from .placement import Placement
 

@@ -33,6 +33,7 @@ def test_wheel_contents(wheel):
         "meshplan/grammar/plan.lark",
         "meshplan/dsl/parser.py",
         "meshplan/compiler/passes/tensor_parallel/walk.py",
+        "meshplan/compiler/passes/experts/units.py",
         "meshplan/runtime/collectives.py",
         "meshplan/examples/models/llama.py",
         "meshplan/examples/tiny_dp.plan",

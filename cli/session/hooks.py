@@ -72,8 +72,8 @@ def between_steps_hook(
     sets (an expert bias) stay identical everywhere, as on one device over the whole batch."""
     import torch
 
-    from meshplan.compiler.capture import describe_error, load_function
     from meshplan.compiler.graph import mutated_buffers
+    from meshplan.compiler.load import describe_error, load_function
 
     if pipeline:
         raise RunError(PIPELINE_BETWEEN_STEPS)

@@ -13,8 +13,8 @@ from meshplan.errors import RunError
 if TYPE_CHECKING:
     from torch import nn
 
-    from meshplan.compiler.capture import ModelSource
     from meshplan.compiler.executable import Executable
+    from meshplan.compiler.load import ModelSource
     from meshplan.compiler.lower import Program
     from meshplan.dsl.check import Plan
     from meshplan.options import RunOptions

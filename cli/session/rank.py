@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from torch import fx, nn
 
-    from meshplan.compiler.capture import ModelSource
+    from meshplan.compiler.load import ModelSource
     from meshplan.dsl.check import Plan
     from meshplan.options import RunOptions
     from meshplan.runtime.axes import Axes
@@ -59,7 +59,8 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     lowered to this rank, its gradient sync, its batches."""
     import torch
 
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.mesh import init_mesh

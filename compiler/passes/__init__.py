@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from meshplan.dsl.errors import Diagnostic
     from meshplan.runtime.mesh import MeshLayout
 
-    from ..capture import ModelSource
+    from ..load import ModelSource
     from ..match import Resolution
     from .experts import ExpertParams
     from .tensor_parallel import TensorParallelSpec

@@ -29,7 +29,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Diagnostic
 
-from ..capture import ModelSource
+from ..load import ModelSource
 from ..match import Resolution
 from ..stages import layer_list
 from . import Context, Pass

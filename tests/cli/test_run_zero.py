@@ -66,9 +66,10 @@ def run(rank: int, world_size: int, tmp: Path, name: str, *extra: str) -> None:
     """One `meshplan run` of RUNS[name] into tmp/name, on the ranks of this spawn."""
     import torch.distributed as dist
 
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import save_executable, to_executable
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import load_plan
 
     plan_name = name.removesuffix("-resumed")  # a resumed run runs the same plan and program

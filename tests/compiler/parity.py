@@ -19,9 +19,10 @@ import torch
 
 
 def grad_parity(rank: int, world_size: int, plan_text: str, model_spec: str, dtype: str) -> dict:
-    from meshplan.compiler.capture import bind_inputs, load_model
+    from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.graph import find_loss
+    from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, local_shard
     from meshplan.compiler.passes.precision import cast_floating
     from meshplan.dsl import check_text

@@ -11,14 +11,9 @@ import torch
 from torch import nn
 
 import meshplan.examples
-from meshplan.compiler.capture import (
-    MODULE_PATH_KEY,
-    Captured,
-    capture,
-    dotted_module_path,
-    load_model,
-)
+from meshplan.compiler.capture import MODULE_PATH_KEY, Captured, capture, dotted_module_path
 from meshplan.compiler.errors import CaptureError, ModelLoadError
+from meshplan.compiler.load import load_model
 from meshplan.examples.models import gpt, llama
 
 MODELS_DIR = Path(meshplan.examples.__file__).parent / "models"

@@ -22,8 +22,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.passes.checkpoint import (
     CHECKPOINT,

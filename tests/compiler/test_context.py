@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.meta import COLLECTIVE, PLACEMENT, placement
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
@@ -77,7 +77,8 @@ def test_layout_contiguous_turns_the_balanced_layout_off():
 def test_layout_balanced_is_kept_where_the_compiler_would_not_choose_it():
     """Attention written in matmuls is not seen as causal, so the default is contiguous chunks;
     `(layout=balanced)` is the plan's word and is kept (verify passes it against float64)."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
 
     source = with_token_shape(
         load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
@@ -219,7 +220,8 @@ def test_a_batch_of_one_sequence_is_cut_by_sequence_too():
 def test_ring_and_ulysses_take_attention_written_with_matmuls_as_one_sdpa():
     """nanoGPT's attention (scores, a scale, masked_fill, softmax, @ v) is the sdpa call those
     modes replace: ring attention takes the mask buffer's rows, Ulysses moves q, k, v by heads."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
 
     source = with_token_shape(
         load_model(f"{Path(__file__).parent}/factories.py:gpt_matmul_attention"), seq=16
@@ -235,7 +237,8 @@ def test_ring_and_ulysses_take_attention_written_with_matmuls_as_one_sdpa():
 
 def test_attention_in_matmuls_that_is_not_sdpa_is_refused_under_ring():
     """A learned temperature (a tensor, not a number) is not what sdpa computes: refused, located."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
 
     factory = f"{Path(__file__).parent}/factories.py:gpt_learned_temperature_attention"
     source = with_token_shape(load_model(factory), seq=16)
@@ -251,7 +254,8 @@ def test_hugging_face_eager_attention_gathers_its_key_value_heads_unrepeated():
     """`repeat_kv` (unsqueeze, expand, reshape) is captured as the repeat_interleave it is, so
     all_gather moves Llama's 2 kv heads and repeats them to the 4 query heads after."""
     pytest.importorskip("transformers")
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
 
     spec = f"{Path(__file__).parent}/hf_factories.py:hf_llama_eager"
     text = "mesh cp=2\n\nmodules {\n    model.layers.*.self_attn: context all_gather over cp\n}\n"

@@ -11,8 +11,8 @@ import pytest
 from gloo_pool import spawn
 from parity import grad_parity
 
-from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.dsl import PlanError, check_text
 
 MOE = f"{Path(__file__).resolve().parent}/factories.py:dropless_moe"

@@ -20,9 +20,10 @@ import torch
 from gloo_pool import spawn
 from plans import GPT2_RULES, GPT2_SEQUENCE, llama_rules, llama_sequence, plan
 
-from meshplan.compiler.capture import SEQ, load_model, with_token_shape
+from meshplan.compiler.capture import SEQ, with_token_shape
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.executable import load_executable, save_executable, to_executable
+from meshplan.compiler.load import load_model
 from meshplan.dsl import check_text
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
+from meshplan.compiler.capture import bind_inputs, with_token_shape
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.executable import ExecutableError, load_executable, save_executable, to_executable
+from meshplan.compiler.load import load_model
 from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 

@@ -14,9 +14,9 @@ import torch
 from expert_layouts import listed
 from torch import nn
 
-from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.errors import CaptureError
+from meshplan.compiler.load import load_model
 from meshplan.compiler.passes.experts.units import ROWS_MARKER
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.print_explain import explain
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama

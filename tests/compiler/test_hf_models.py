@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from plans import NEOX_TP, PHI3_TP, llama_tp
 
-from meshplan.compiler.capture import load_model
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import check_text
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.compiler.capture import load_function, load_model
 from meshplan.compiler.errors import ModelLoadError
+from meshplan.compiler.load import load_function, load_model
 
 # Module names unique to this test: a module imported from a folder stays in sys.modules.
 SIBLING = """

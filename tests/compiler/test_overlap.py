@@ -14,8 +14,8 @@ import torch
 from plans import GPT2_TP, llama_rules, llama_sequence, plan
 from torch import fx
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.meta import collective
 from meshplan.compiler.passes import overlap
 from meshplan.compiler.passes.checkpoint import region_modules
@@ -117,7 +117,7 @@ def test_gpt2_conv1d_layers_are_grouped_through_their_transpose():
     group reads `t(w)`, so c_attn and c_fc overlap their reductions too (parity: verify on GPT-2)."""
     from pathlib import Path
 
-    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.load import load_model
 
     factory = Path(__file__).parent / "hf_factories.py"
     source = load_model(f"{factory}:hf_gpt2")

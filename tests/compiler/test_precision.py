@@ -4,8 +4,8 @@ import copy
 
 import torch
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.dsl import check_text
 from meshplan.examples.models import llama

@@ -11,8 +11,8 @@ import copy
 import torch
 from torch import nn
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.passes.precision import cast_floating
 from meshplan.dsl import check_text

@@ -109,8 +109,8 @@ def test_tp_and_sequence_parallel_match_one_device(family_cells, family: str) ->
 def test_a_whole_tensor_fallback_names_the_sequence_rule_behind_it() -> None:
     """Mixtral's expert dispatch has no sharding rule: under SP it runs on whole tokens, and the
     warning points at the `sequence` rule that sharded them, not at an unrelated line."""
-    from meshplan.compiler.capture import load_model
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import check_text
 
     factory, tensor, sequence, _ = FAMILIES["mixtral"]

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshplan.compiler.capture import ModelSource, load_model
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource, load_model
 from meshplan.compiler.lower import build_rank_program, local_shard
 from meshplan.compiler.placement import Shard
 from meshplan.dsl import PlanError, check_text
@@ -243,8 +243,8 @@ def test_more_specific_rule_wins(example_llama):
 def test_vocab_parallel_loss_through_view_with_ignore_index():
     """nanoGPT's loss: `cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1)`, whose
     None class weight once read as a split dimension when looking for fused blocks."""
-    from meshplan.compiler.capture import load_model
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import load_plan
 
     root = Path(__file__).resolve().parents[2]

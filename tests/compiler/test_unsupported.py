@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshplan.compiler.capture import ModelSource
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import ModelSource
 from meshplan.compiler.passes.unsupported import not_lowered
 from meshplan.dsl import PlanError, check_text, load_plan
 from meshplan.examples.models import llama

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
+from meshplan.compiler.capture import bind_inputs, with_token_shape
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.passes.zero import unit_of
 from meshplan.dsl.check import check_text

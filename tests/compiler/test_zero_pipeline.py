@@ -9,8 +9,9 @@ import operator
 import torch
 from torch import fx
 
-from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
+from meshplan.compiler.capture import bind_inputs, with_token_shape
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import compiled_cuts, cut_stages
 from meshplan.dsl import check_text

@@ -98,9 +98,10 @@ def one_rank_plan_text(cell: str) -> str:
 
 def compile_cell(world_size: int, tmp: Path, cell: str) -> None:
     """The cell's program, compiled as `meshplan run`'s launcher compiles it, for every rank to load."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import save_executable, to_executable
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import load_plan
 
     plan_path = tmp / f"{cell}.plan"
@@ -120,8 +121,9 @@ def reference(
     """`cell`'s reference, trained on one device on the whole global batch: its losses, its
     parameters, and for a bf16 cell the parameters of the fp32 model trained the same way (the
     yardstick), else None. Cells whose reference is the same computation share one."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program
     from meshplan.dsl import load_plan
 

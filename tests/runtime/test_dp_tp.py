@@ -30,8 +30,9 @@ RUN_FLAGS = ("--steps", str(STEPS), "--warmup", "1", "--grad-clip", str(CLIP))
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict:
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import load_plan
 
     plan_path = Path(tmp) / "dp_tp.plan"

@@ -48,7 +48,7 @@ def run(tmp_path: Path, plan: str, export: str, *extra: str) -> dict[str, torch.
 
 
 def test_padded_shards_save_export_and_reshard_without_their_padding(tmp_path):
-    from meshplan.compiler.capture import load_model
+    from meshplan.compiler.load import load_model
 
     trained = run(tmp_path, DP_TP, "dp_tp")
     model = load_model(MODEL).model

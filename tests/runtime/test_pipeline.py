@@ -12,8 +12,9 @@ import pytest
 import torch
 from gloo_pool import spawn
 
-from meshplan.compiler.capture import bind_inputs, load_model, with_token_shape
+from meshplan.compiler.capture import bind_inputs, with_token_shape
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.compiler.lower import build_rank_program
 from meshplan.compiler.stages import Cut, StageError, balanced_cuts, cut_stages
 from meshplan.dsl import check_text

@@ -17,8 +17,9 @@ import pytest
 from gloo_pool import shared_processes
 from plans import plan
 
-from meshplan.compiler.capture import load_model, with_token_shape
+from meshplan.compiler.capture import with_token_shape
 from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
 from meshplan.compiler.placement import Replicate, Shard
 from meshplan.dsl import check_text
 

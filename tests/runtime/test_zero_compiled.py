@@ -143,8 +143,9 @@ def compute_copies_kept(program, flats) -> int:
 @pytest.fixture(scope="module", params=sorted(PLANS))
 def run(request, tmp_path_factory) -> tuple[str, Report, dict, list[dict]]:
     """(name, the verify report, the compiler's dp ledger, each rank's ZeRO facts)."""
-    from meshplan.compiler.capture import load_model, with_token_shape
+    from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
     from meshplan.dsl import load_plan
     from meshplan.verify import verify
 

@@ -5,4 +5,6 @@ meshplan checks it against the model, rewrites the model's graph and lowers it t
 per-rank torch.distributed program with explicit collectives.
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+__version__ = importlib.metadata.version("meshplan")  # pyproject.toml's

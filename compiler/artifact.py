@@ -17,12 +17,11 @@ the plan text and of the model's structure), not by where they were on the compi
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
 
 import torch
-
-from meshplan import __version__
 
 from .compile import Compiled
 from .executable import PROGRAM, model_fingerprint, save_executable, to_executable
@@ -36,7 +35,7 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     layout = compiled.layout
     manifest = {
-        "meshplan": __version__,
+        "meshplan": importlib.metadata.version("meshplan"),
         "torch": torch.__version__,
         "plan": Path(compiled.plan.path).name,
         "plan_sha256": hashlib.sha256(compiled.plan.source.encode()).hexdigest(),

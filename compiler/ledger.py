@@ -44,17 +44,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
+from torch import fx, nn
 
+from meshplan.dsl.check import Plan
 from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.collectives import COLLECTIVES, Wire
 from meshplan.runtime.experts import expert_capacity
-from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from .graph import COLLECTIVE, PLACEMENT, arg_node, hint, shape, value
 from .passes.checkpoint import collective_nodes
-from .placement import Shard
+from .passes.zero import reduce_axes
+from .placement import Placement, Shard
 
 PHASES = ("forward", "backward", "step")  # a row's phase, in the order a step runs them
 
@@ -151,6 +153,105 @@ class ExpertDataFacts:
     zero: int = 0  # ZeRO: each group's state sharded over its ranks (`runtime/expert_zero.py`)
     decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
     aliases: dict[str, str] = field(default_factory=dict)  # a param's graph names -> its name (ties)
+
+
+def data_parallel_facts(
+    plan: Plan,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    placements: dict[str, dict[str, Placement]],
+    layout: MeshLayout,
+) -> DataParallelFacts | None:
+    """The plan's data-parallel setting and one rank's trainable params, as meta tensors of
+    their local shapes in the order the rank program holds them."""
+    dp = plan.data_parallel
+    if dp is None:
+        return None
+    from meshplan.runtime.buckets import decays
+
+    params, aliases = _local_params(gm, model, placements, layout)
+    reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    where = f"{dp.span.path}:{dp.span.line}"
+    # the gradient norm sums squares per set of axes that shard a parameter, and one for the rest
+    kinds = {
+        tuple(a for a, p in placements.get(name, {}).items() if isinstance(p, Shard) and layout.size(a) > 1)
+        for name in params
+    }
+    norm_sums = len(kinds - {()}) + 1
+    return DataParallelFacts(
+        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where, norm_sums
+    )
+
+
+def _local_params(
+    gm: fx.GraphModule, model: nn.Module, placements: dict[str, dict[str, Placement]], layout: MeshLayout
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One rank's trainable params, as meta tensors of their local shapes in the order the rank
+    program holds them, and every name a param has in the graph -> its name there (ties)."""
+    full = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}  # a tied param is named by its first read, as the rank program names it
+    aliases: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op != "get_attr" or name not in full or not full[name].requires_grad:
+            continue
+        aliases[name] = first.setdefault(id(full[name]), name)
+        if aliases[name] != name:
+            continue
+        shape = list(full[name].shape)
+        for axis, p in placements.get(name, {}).items():
+            if isinstance(p, Shard):
+                shape[p.dim] = p.chunk(shape[p.dim], layout.size(axis))
+        params[name] = torch.empty(shape, dtype=full[name].dtype, device="meta")
+    return params, aliases
+
+
+def expert_data_facts(
+    plan: Plan,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    placements: dict[str, dict[str, Placement]],
+    layout: MeshLayout,
+    grad_sums: dict[str, tuple[str, ...]],
+) -> ExpertDataFacts | None:
+    """Under expert parallelism the batch is split over the data axis and every expert axis;
+    each parameter is averaged over those that do not shard it (`runtime.experts`), and summed
+    over the axes its gradient is partial over (`grad_sums`), grouped as
+    `expert_data_parallel` groups them. None without an expert axis of more than one rank or
+    a gradient sum: then one data axis averages every parameter (`data_parallel_facts`)."""
+    experts = {a for r in plan.rules_of("experts") if r.axis for a in axes_of(r.axis)}
+    dp = plan.data_parallel
+    data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
+    if not any(a in experts for a in data) and not grad_sums:
+        return None
+    from meshplan.runtime.buckets import decays
+
+    params, aliases = _local_params(gm, model, placements, layout)
+    groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
+    for name, p in params.items():
+        sharded = {a for a, pl in placements.get(name, {}).items() if isinstance(pl, Shard)}
+        over = reduce_axes(layout, data, sharded, grad_sums.get(name, ()))
+        groups.setdefault(over, []).append((name, p))
+    reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
+    # the block or rule that asks for these reductions: data parallelism, the experts' axis,
+    # or the context or sequence rule whose shards make weight gradients partial
+    rules = [*plan.rules_of("experts"), *plan.rules_of("context"), *plan.rules_of("sequence")]
+    span = dp.span if dp is not None else rules[0].span if rules else plan.mesh.span
+    zero = dp.zero if dp is not None else 0
+    return ExpertDataFacts(
+        tuple(
+            (over, math.prod(layout.size(a) for a in over), tuple(ps))
+            for over, ps in sorted(groups.items())
+            if over or zero  # ZeRO keeps a group of one rank too: its optimizer step
+        ),
+        dp.bucket_bytes if dp is not None else 25_000_000,
+        reduce,
+        f"{span.path}:{span.line}",
+        zero,
+        decays,
+        aliases,
+    )
 
 
 def build_ledger(

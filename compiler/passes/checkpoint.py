@@ -53,6 +53,7 @@ from torch import fx
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
+from meshplan.runtime.collectives import COLLECTIVES
 
 from .. import outline
 from ..graph import COLLECTIVE, written_buffer
@@ -314,13 +315,11 @@ _SAVES_NOTHING = frozenset(
         aten.type_as.default,
     }
 )
+
+
 # The collectives whose autograd functions save no tensor (their backward is a collective).
-_COLLECTIVES_SAVING_NOTHING = frozenset(
-    {"copy_to", "all_reduce", "all_gather", "gather_replicated", "reduce_scatter", "split"}
-)
-
-
 def _saves_tensors(node: fx.Node) -> bool:
-    if node.op == "call_module":
-        return node.meta.get(COLLECTIVE, {}).get("kind") not in _COLLECTIVES_SAVING_NOTHING
+    if node.op == "call_module":  # a collective says so itself (`runtime.collectives`)
+        declared = COLLECTIVES.get(node.meta.get(COLLECTIVE, {}).get("kind"))
+        return declared is None or declared.saves_tensors
     return node.target not in _SAVES_NOTHING

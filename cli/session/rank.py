@@ -75,7 +75,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     rank_program = build_rank_program(program, source.model, rank, mesh).to(device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
-    sync = gradient_sync(options, plan, program, held, mesh, pipeline)
+    sync = gradient_sync(plan, program, held, mesh, pipeline)
     axes, microbatches = sync.axes, pipeline_microbatches(plan, program.layout)
     batches = _batches(options, plan, axes, microbatches, rank)
     inputs_of = _inputs(source, program.graph, device)

@@ -2,7 +2,7 @@
 buckets), ZeRO 1/2/3, or their per-set-of-axes forms when expert parallelism or a weight whose
 gradient is partial over a tensor or context axis makes parameters reduce over different axes.
 
-    sync = gradient_sync(options, plan, program, rank_program, mesh, pipeline)
+    sync = gradient_sync(plan, program, rank_program, mesh, pipeline)
     sync.engine, sync.axes      # the `GradSync` (None: no data axis), the process groups by role
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from meshplan.dsl.axes import axes_of
 
@@ -21,12 +21,11 @@ if TYPE_CHECKING:
     from meshplan.compiler.lower import Program
     from meshplan.dsl.check import Plan
     from meshplan.dsl.settings import DataParallelSpec
-    from meshplan.options import RunOptions
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.expert_data_parallel import ExpertDataParallel
     from meshplan.runtime.expert_zero import ExpertZero
-    from meshplan.runtime.zero import Zero
+    from meshplan.runtime.zero import Zero, ZeroOptions
 
     from .pipeline import PipelineRank
 
@@ -43,7 +42,6 @@ class Sync:
 
 
 def gradient_sync(
-    options: RunOptions,
     plan: Plan,
     program: Program,
     rank_program: fx.GraphModule,
@@ -61,7 +59,7 @@ def gradient_sync(
     if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
         dp_group = mesh.get_group(dp_axis)
         if dp_spec.zero > 0:
-            engine = shard_for_zero(options, rank_program, dp_group, dp_spec, plan, pipeline)
+            engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline)
             if pipeline is not None:
                 pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
         else:
@@ -82,7 +80,7 @@ def gradient_sync(
         from meshplan.runtime.expert_zero import ExpertZero
 
         axes = dataclasses.replace(axes, data=plan.batch_axes)
-        engine = _per_axes(options, rank_program, axes, mesh, program, plan, pipeline)
+        engine = _per_axes(rank_program, axes, mesh, program, plan, pipeline)
         if pipeline is not None and isinstance(engine, ExpertZero):
             pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
     return Sync(engine, axes, experts)
@@ -130,7 +128,6 @@ def partial_grad_sync(
 
 
 def _per_axes(
-    options: RunOptions,
     rank_program: fx.GraphModule,
     axes: Axes,
     mesh,
@@ -155,8 +152,7 @@ def _per_axes(
             rank_program,
             axes,
             groups,
-            _zero_config(dp_spec, _reduce_dtype(plan)),
-            **_adamw(options),
+            _zero_options(dp_spec, plan),
             programs=_stage_programs(pipeline),
             alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
         )
@@ -171,14 +167,14 @@ def _per_axes(
 
 
 def shard_for_zero(
-    options: RunOptions,
     rank_program: fx.GraphModule,
     dp_group: torch.distributed.ProcessGroup,
     dp_spec: DataParallelSpec,
     plan: Plan,
     pipeline: PipelineRank | None,
 ) -> Zero:
-    """ZeRO over the dp group, from dp rank 0's initial params, with `train`'s AdamW settings.
+    """ZeRO over the dp group, from dp rank 0's initial params; `train` builds its AdamW
+    (`Zero.optimizer`) with the run's settings.
 
     The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
     ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
@@ -194,8 +190,7 @@ def shard_for_zero(
     return shard_for_zero(
         rank_program,
         dp_group,
-        _zero_config(dp_spec, _reduce_dtype(plan)),
-        **_adamw(options),
+        _zero_options(dp_spec, plan),
         axis=dp_spec.axis,
         programs=_stage_programs(pipeline),
         alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
@@ -222,27 +217,17 @@ def _reduce_dtype(plan: Plan) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
 
 
-def _adamw(options: RunOptions) -> dict[str, Any]:
-    """`train`'s AdamW settings, for the ZeRO engines that bring their own optimizer."""
+def _zero_options(dp_spec: DataParallelSpec, plan: Plan) -> ZeroOptions:
+    """The plan's `data_parallel` block as the ZeRO engine's options, with `make_optimizer`'s
+    rule of which params get weight decay."""
     from meshplan.runtime.buckets import decays
-    from meshplan.runtime.train import TrainConfig
+    from meshplan.runtime.zero import ZeroOptions
 
-    return {
-        "lr": options.lr,
-        "betas": TrainConfig.betas,
-        "weight_decay": options.weight_decay,
-        "decay": decays,
-    }
-
-
-def _zero_config(dp_spec: DataParallelSpec, reduce_dtype: torch.dtype | None):
-    """The plan's `data_parallel` block as the ZeRO engine's settings."""
-    from meshplan.runtime.zero import ZeroConfig
-
-    return ZeroConfig(
+    return ZeroOptions(
         stage=dp_spec.zero,
         bucket_bytes=dp_spec.bucket_bytes,
         offload_optimizer=dp_spec.offload_optimizer,
         offload_params=dp_spec.offload_params,
-        reduce_dtype=reduce_dtype,
+        reduce_dtype=_reduce_dtype(plan),
+        decay=decays,
     )

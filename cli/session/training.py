@@ -59,18 +59,17 @@ def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
     shards gathered over their axes, ZeRO's gathered unit by unit, and each tied weight under
     every name it has."""
-    from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.export import consolidate
-    from meshplan.runtime.zero import Zero
+    from meshplan.runtime.grad_sync import Local
 
-    dp, program, wanted = prepared.dp, prepared.program, set(prepared.export_names)
+    program, wanted = prepared.program, set(prepared.export_names)
+    sync = prepared.dp if prepared.dp is not None else Local(program)
+    ids = {name: id(p) for name, p in program.named_parameters(remove_duplicate=False)}
     state: dict[str, torch.Tensor] = {}
-    if isinstance(dp, Zero | ExpertZero):  # ZeRO-3: one unit gathered at a time, not the model
-        ids = {name: id(p) for name, p in program.named_parameters(remove_duplicate=False)}
-        for names in dp.gathered_by_unit():
-            mine = {ids[n] for n in names if n in ids}
-            state |= consolidate(program, prepared.axes, {n for n, i in ids.items() if i in mine} & wanted)
-    # the rest: buffers, and parameters no ZeRO engine holds (all of them without ZeRO)
+    for names in sync.gathered_by_unit():  # ZeRO-3: one unit gathered at a time, not the model
+        mine = {ids[n] for n in names if n in ids}
+        state |= consolidate(program, prepared.axes, {n for n, i in ids.items() if i in mine} & wanted)
+    # the rest: buffers, and parameters no ZeRO engine holds
     state |= consolidate(program, prepared.axes, wanted - state.keys())
     if prepared.pipeline_group is not None:  # each pipeline rank holds other stages: put them together
         import torch.distributed as dist

@@ -205,7 +205,7 @@ def _train_one_device(
         save_every=0,
     )
     batches = whole_job_batches(job, dp_size=dp_size, accumulation=config.accumulation)
-    summary = train(model, loss_of, batches, one, show_progress=False, between_steps=between_steps)
+    summary = train(model, loss_of, batches, one, between_steps=between_steps)
     return Trajectory(summary.losses, summary.grad_norms, _named_weights(model))
 
 

@@ -1,5 +1,6 @@
 """The training loop behind `meshplan run`: AdamW, warmup + cosine LR, global-norm clipping,
-gradient accumulation, checkpoints, a progress bar on rank 0 and JSONL metrics on every rank.
+gradient accumulation, checkpoints, JSONL metrics on every rank, and what a person watching sees
+through a `Display` the caller gives (the command line's progress bar on rank 0).
 
     meshplan run examples/tiny_dp.plan --steps 200          # launches: torchrun ... -m meshplan.run ...
 
@@ -65,7 +66,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -203,7 +204,7 @@ def train(
     *,
     axes: Axes | None = None,
     sync: GradSync | None = None,
-    show_progress: bool | None = None,
+    display: Display | None = None,
     forward_backward: ForwardBackward | None = None,
     step_metrics: Callable[[], dict[str, Any]] | None = None,
     after_backward: Callable[[], None] | None = None,
@@ -219,6 +220,7 @@ def train(
     microbatches), `step_metrics` adds its own facts to each step's record (a
     pipeline's measured idle fraction), and `after_backward` runs once the step's gradients
     are synchronized, before they are read (a pipeline sums a tied weight's over its copies);
+    `display` is told the steps as they go (None: nothing shown).
     `between_steps` runs after each optimizer step (the model's own update of its buffers:
     aux-loss-free balancing's expert bias). The engine builds the optimizer with this config's
     hyperparameters (`GradSync.optimizer`); the LR is set here every step.
@@ -237,7 +239,8 @@ def train(
     local_params = sum(p.numel() for p in program.parameters())
     flops = peak_flops(config)
     summary = Summary(steps_done=start, start_step=start)
-    display = _Display(rank == 0 if show_progress is None else show_progress, config, start)
+    if display is not None:
+        display.begin(config, start)
     names = [name for name, _ in program.named_parameters()]
     label_collectives(program)  # the watchdog's report names the graph node a rank waits in
     scale = config.loss_scale
@@ -290,11 +293,13 @@ def train(
                 record.update(step_metrics())
             summary.last = record
             metrics.write(record)
-            display.update(record)
+            if display is not None:
+                display.update(record)
             if _should_save(step + 1, config):
                 watchdog.note("checkpoint save", "")
                 checkpoint.save(ckpt_root, step + 1, grads, axes=axes)
-                display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
+                if display is not None:
+                    display.note(f"saved checkpoint {checkpoint.checkpoint_name(step + 1)}")
     except RuntimeError as e:
         if is_peer_failure(e):  # gloo/NCCL: a peer closed its connection or never answered
             raise PeerFailure(watchdog.diagnose(e)) from e
@@ -302,7 +307,8 @@ def train(
     finally:
         metrics.close()
         summary.elapsed_s = time.perf_counter() - t_start
-        display.close(summary)
+        if display is not None:
+            display.close(summary)
     return summary
 
 
@@ -419,71 +425,25 @@ def _should_save(done: int, config: TrainConfig) -> bool:
     return config.save_every > 0 and done == config.steps
 
 
-class _Display:
-    """Rank 0's view: a rich progress bar on a terminal, plain lines every `log_every` steps otherwise."""
+class Display(Protocol):
+    """What the loop shows a person as it trains (rank 0's, usually): the command line draws it
+    (`meshplan.display`); the runtime itself draws nothing."""
 
-    def __init__(self, enabled: bool, config: TrainConfig, start: int) -> None:
-        self.enabled = enabled
-        self.config = config
-        self.progress = None
-        if not enabled:
-            return
-        from rich.console import Console
-
-        self.console = Console(stderr=False)
-        if start:
-            self.console.print(f"resumed at step {start}")
-        if self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self.task = self.progress.add_task("train", total=config.steps, completed=start, status="")
-            self.progress.start()
+    def begin(self, config: TrainConfig, start: int) -> None:
+        """Training starts at step `start` (0, or the step a checkpoint resumed at)."""
+        ...
 
     def update(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        status = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=record["step"], status=status)
-        elif record["step"] % self.config.log_every == 0 or record["step"] in (1, self.config.steps):
-            print(
-                f"step {record['step']:>5}/{self.config.steps}  {status}  |g| {record['grad_norm']:.3f}",
-                flush=True,
-            )
+        """A step's metrics record (what `metrics/rank<R>.jsonl` gets)."""
+        ...
 
     def note(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(text) if self.progress is None else self.progress.console.print(text)
+        """A line of news (a checkpoint saved)."""
+        ...
 
     def close(self, summary: Summary) -> None:
-        if not self.enabled:
-            return
-        if self.progress is not None:
-            self.progress.stop()
-        from rich.table import Table
-
-        table = Table(title="meshplan run: summary", show_header=False)
-        ran = summary.steps_done - summary.start_step
-        first = f"{summary.losses[0]:.4f}" if summary.losses else "-"
-        last = f"{summary.losses[-1]:.4f}" if summary.losses else "-"
-        table.add_row("steps", f"{summary.steps_done} (this run: {ran})")
-        table.add_row("loss", f"{first} -> {last}")
-        table.add_row(
-            "time", f"{summary.elapsed_s:.1f} s ({summary.elapsed_s / max(ran, 1) * 1000:.0f} ms/step)"
-        )
-        table.add_row("tokens/s", f"{summary.tokens_per_s:,.0f} (all ranks)")
-        table.add_row("peak memory", f"{peak_memory_bytes() / 2**20:.0f} MiB (rank 0)")
-        table.add_row("skipped steps", str(summary.skipped_steps))
-        table.add_row("metrics", str(self.config.run_dir / "metrics"))
-        self.console.print(table)
+        """Training ended (or stopped): its summary."""
+        ...
 
 
 def summary_dict(summary: Summary) -> dict[str, Any]:

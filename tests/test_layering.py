@@ -5,9 +5,11 @@ made of (collectives, the experts unit and stacked expert lists, ZeRO nodes, the
 pipeline schedules),
 never the training loop, the engines, checkpoints or export; only `cli` composes them all.
 
-Checked statically on every .py file under dsl/ and runtime/ (so a lazy import inside a
-function counts too), and at run time for the promise users see: `import meshplan.dsl`
-does not load torch.
+Checked statically on every .py file under dsl/, compiler/ and runtime/ (so a lazy import inside
+a function counts too), and at run time for the promise users see: `import meshplan.dsl`
+does not load torch. The compiler never reaches up to the package root (`meshplan`: the command
+line's home), the runtime draws no terminal UI (`rich`: the command line's), and no module
+of the package is in an import cycle, counting imports inside functions.
 """
 
 from __future__ import annotations
@@ -18,11 +20,24 @@ import sys
 import textwrap
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-CLI = tuple(f"meshplan.{p.stem}" for p in sorted((REPO / "cli").glob("*.py")) if p.stem != "__init__")
+# the command line's modules and packages (`cli/` is the root package `meshplan`)
+CLI = tuple(
+    f"meshplan.{p.stem}"
+    for p in sorted((REPO / "cli").iterdir())
+    if (p.suffix == ".py" and p.stem != "__init__" and p.stem != "__main__") or (p / "__init__.py").is_file()
+)
+# folder -> its import name: the package's modules, whose imports must form no cycle
+FOLDERS = {
+    "cli": "meshplan",
+    "dsl": "meshplan.dsl",
+    "compiler": "meshplan.compiler",
+    "runtime": "meshplan.runtime",
+}
 # what compiled programs are made of: the only runtime modules the compiler may import
 PROGRAM_LIBRARY = {
     "collectives",
@@ -48,18 +63,36 @@ RULES = {
     "dsl": ("meshplan.dsl", ("torch", "meshplan.compiler", "meshplan.runtime", "compiler", "runtime")),
     "runtime": (
         "meshplan.runtime",
-        ("meshplan.dsl", "meshplan.compiler", "dsl", "compiler", "meshplan.examples", "examples", *CLI),
+        (
+            "meshplan.dsl",
+            "meshplan.compiler",
+            "dsl",
+            "compiler",
+            "meshplan.examples",
+            "examples",
+            "rich",
+            *CLI,
+        ),
     ),
     "compiler": ("meshplan.compiler", (*RUNTIME_ENGINE, "meshplan.examples", *CLI)),
 }
 
 
-def imported_modules(source: str, module: str, *, is_package: bool) -> set[str]:
+def imported_modules(source: str, module: str, *, is_package: bool, run_time: bool = False) -> set[str]:
     """Every module a source file imports, relative imports resolved against `module`,
-    including `importlib.import_module("...")` / `__import__("...")` with a literal name."""
+    including `importlib.import_module("...")` / `__import__("...")` with a literal name.
+    `run_time`: only those that run, not those for annotations under `if TYPE_CHECKING:`."""
     package = module if is_package else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    if run_time:
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.If)
+                and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+            ):
+                node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -88,6 +121,28 @@ def _violations(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
 
 
+def root_uses(source: str, module: str, *, is_package: bool) -> list[str]:
+    """What a file takes from the package root `meshplan` itself (`from meshplan import
+    __version__`, `import meshplan`), as opposed to its subpackages (`from meshplan import dsl`)."""
+    subpackages = {f.split(".")[1] for f in FOLDERS.values() if "." in f} | {"grammar", "examples"}
+    subpackages |= {name.split(".")[1] for name in CLI}
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "meshplan"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(
+                    [*parts[: len(parts) - node.level + 1], *([node.module] if node.module else [])]
+                )
+            if base == "meshplan":
+                found += [f"meshplan.{a.name}" for a in node.names if a.name not in subpackages]
+    return found
+
+
 def _module_name(path: Path, folder: str, package: str) -> tuple[str, bool]:
     rel = path.relative_to(REPO / folder).with_suffix("")
     parts = [p for p in rel.parts if p != "__init__"]
@@ -105,6 +160,58 @@ def test_layering_static(folder: str) -> None:
         names = imported_modules(path.read_text(encoding="utf-8"), module, is_package=is_package)
         problems += [f"{path.relative_to(REPO)} imports {name}" for name in _violations(names, forbidden)]
     assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+def test_the_compiler_never_imports_the_package_root() -> None:
+    problems = []
+    for path in sorted((REPO / "compiler").rglob("*.py")):
+        module, is_package = _module_name(path, "compiler", "meshplan.compiler")
+        uses = root_uses(path.read_text(encoding="utf-8"), module, is_package=is_package)
+        problems += [f"{path.relative_to(REPO)} imports {name}" for name in uses]
+    assert not problems, "the compiler reaches up to the command line's root:\n" + "\n".join(problems)
+
+
+def package_imports() -> nx.DiGraph:
+    """Module -> the package's modules it imports when it runs (anywhere in the file, not for
+    annotations only), over every module of cli/, dsl/, compiler/ and runtime/. An imported name
+    is credited to the longest module it names (`meshplan.compiler.capture.load_model` is
+    `meshplan.compiler.capture`)."""
+    files = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            files[_module_name(path, folder, package)] = path
+    modules = {name for name, _ in files}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for (module, is_package), path in files.items():
+        source = path.read_text(encoding="utf-8")
+        for imported in imported_modules(source, module, is_package=is_package, run_time=True):
+            name = imported
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            # a module's own package is imported before it in any case: `from . import ast` names
+            # it only as where `ast` is found; `from . import Context` does use its `__init__`
+            own_package = module.startswith(name + ".") and name == imported
+            if name and name != module and not own_package:
+                graph.add_edge(module, name)
+    return graph
+
+
+def test_no_module_is_in_an_import_cycle() -> None:
+    graph = package_imports()
+    assert graph.number_of_edges() > 100, "the scanner found almost no imports: the check would prove nothing"
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_through_an_import_inside_a_function() -> None:
+    a = imported_modules(
+        "def f():\n    from meshplan.run import cmd_run\n", "meshplan.main", is_package=False
+    )
+    b = imported_modules("from meshplan.main import main\n", "meshplan.run", is_package=False)
+    graph = nx.DiGraph([("meshplan.main", "meshplan.run")] * ("meshplan.run" in a))
+    graph.add_edges_from([("meshplan.run", "meshplan.main")] * ("meshplan.main" in b))
+    assert not nx.is_directed_acyclic_graph(graph)
 
 
 @pytest.mark.parametrize(

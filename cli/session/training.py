@@ -112,8 +112,15 @@ def train_config(prepared: Session):
 
 
 def train_session(prepared: Session, *, show_progress: bool | None = None):
+    """Train the session with `meshplan run`'s loop; `show_progress`: draw the progress bar and
+    the summary (None: on rank 0 only)."""
+    import torch.distributed as dist
+
+    from meshplan.display import Progress
     from meshplan.runtime.train import train
 
+    if show_progress is None:
+        show_progress = (dist.get_rank() if dist.is_initialized() else 0) == 0
     return train(
         prepared.program,
         prepared.loss_of,
@@ -121,7 +128,7 @@ def train_session(prepared: Session, *, show_progress: bool | None = None):
         train_config(prepared),
         axes=prepared.axes,
         sync=prepared.dp,
-        show_progress=show_progress,
+        display=Progress() if show_progress else None,
         forward_backward=prepared.forward_backward,
         step_metrics=prepared.step_metrics,
         after_backward=prepared.after_backward,

@@ -100,7 +100,6 @@ def data_parallel_run(
         cfg,
         axes=Axes(groups={"dp": dist.group.WORLD}, data=("dp",)),
         sync=dp,
-        show_progress=False,
     )
     params, launches = arrays(model), list(dp.launches)
     dp(*batches(0)).backward()  # one more backward: where do the gradients live?

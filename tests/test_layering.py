@@ -197,6 +197,20 @@ def package_imports() -> nx.DiGraph:
     return graph
 
 
+MAX_LINES = 700  # a module past this holds more than one idea: split it by idea, not by count
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    sizes = {
+        path.relative_to(REPO): len(path.read_text(encoding="utf-8").splitlines())
+        for folder in FOLDERS
+        for path in (REPO / folder).rglob("*.py")
+    }
+    assert len(sizes) > 50, "found almost no modules: the check would prove nothing"
+    over = sorted(f"{path}: {n} lines" for path, n in sizes.items() if n > MAX_LINES)
+    assert not over, f"modules over {MAX_LINES} lines:\n" + "\n".join(over)
+
+
 def test_no_module_is_in_an_import_cycle() -> None:
     graph = package_imports()
     assert graph.number_of_edges() > 100, "the scanner found almost no imports: the check would prove nothing"

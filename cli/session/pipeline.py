@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -13,9 +13,7 @@ if TYPE_CHECKING:
 
     from meshplan.compiler.lower import Program, RankStages
     from meshplan.dsl.check import Plan
-    from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.mesh import MeshLayout
-    from meshplan.runtime.zero import Zero
 
 
 def pipeline_microbatches(plan: Plan, layout: MeshLayout) -> int:
@@ -45,6 +43,14 @@ def pipeline_rank(
     return PipelineRank(rank_stages(program, rank_program, rank, mesh, axis=spec.axis, schedule=schedule))
 
 
+class ZeroShards(Protocol):
+    """What summing a tied weight's gradient needs of a ZeRO engine (`Zero`, `ExpertZero`)."""
+
+    def own_grad_of(self, name: str) -> torch.Tensor | None: ...
+
+    def shard_numel(self, numel: int) -> int: ...
+
+
 @dataclass
 class PipelineRank:
     """This rank's stages (`parts`), the ZeRO engine of their parameters if any, and the
@@ -52,7 +58,7 @@ class PipelineRank:
 
     parts: RankStages
     step: Any = None  # runtime.pipeline.PipelineStep
-    zero: Zero | ExpertZero | None = None
+    zero: ZeroShards | None = None  # the engine, when it shards gradients (ZeRO)
 
     @property
     def copies(self) -> frozenset[str]:

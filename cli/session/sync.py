@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from meshplan.dsl.axes import axes_of
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.zero import Zero, ZeroOptions
 
-    from .pipeline import PipelineRank
+    from .pipeline import PipelineRank, ZeroShards
 
     Engine: TypeAlias = DataParallel | ExpertDataParallel | Zero | ExpertZero
 
@@ -60,8 +60,6 @@ def gradient_sync(
         dp_group = mesh.get_group(dp_axis)
         if dp_spec.zero > 0:
             engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline)
-            if pipeline is not None:
-                pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
         else:
             from meshplan.runtime.data_parallel import DataParallel
 
@@ -77,12 +75,10 @@ def gradient_sync(
     if experts or program.grad_sums:
         # the expert axes split the batch too: data parallel for all but the experts; a weight
         # gradient partial over an axis is summed over it with the data axes' average
-        from meshplan.runtime.expert_zero import ExpertZero
-
         axes = dataclasses.replace(axes, data=plan.batch_axes)
         engine = _per_axes(rank_program, axes, mesh, program, plan, pipeline)
-        if pipeline is not None and isinstance(engine, ExpertZero):
-            pipeline.zero = engine  # a tied weight's gradient is summed piece by piece
+    if pipeline is not None and engine is not None and dp_spec is not None and dp_spec.zero > 0:
+        pipeline.zero = cast("ZeroShards", engine)  # a tied weight's gradient is summed piece by piece
     return Sync(engine, axes, experts)
 
 

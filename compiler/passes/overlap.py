@@ -26,6 +26,9 @@ dtype at its use) is moved before it when it depends on no linear of the group a
 side effects; otherwise the entry is left as it was. The ledger is unchanged: the entry's
 backward collective is the same collective, issued earlier. Runs last, on the graph and on
 each checkpointed region (a recomputed region issues in its own backward likewise).
+
+Golden: `tests/compiler/golden/passes/overlap.diff`, this pass's before/after on a tiny model,
+kept equal by `tests/compiler/test_pass_golden.py`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Ensures: `gm.meta["meshplan.stages"]` holds the cuts as module paths (`("before"
 each with at least one operation; every op node that runs in one stage has
 `meta["meshplan.stage"]`. The graph itself is not changed: every rank compiles the same
 program, and a pipeline rank builds its stage programs from it (`compiler/stages.py`).
+
+Golden: `tests/compiler/golden/passes/pipeline.diff`, this pass's before/after on a tiny model,
+kept equal by `tests/compiler/test_pass_golden.py`.
 """
 
 from __future__ import annotations

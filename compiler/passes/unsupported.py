@@ -19,6 +19,9 @@ sizes (microbatches vs stages) are `dsl.check`'s.
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
 size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
 the experts an expert axis splits: the experts pass).
+
+Golden: `tests/compiler/golden/passes/unsupported.diff`, this pass's before/after (empty: a check changes nothing),
+kept equal by `tests/compiler/test_pass_golden.py`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,6 +166,13 @@ def test_pass_golden(name: str) -> None:
     else:
         assert changed, f"the {name} pass changed nothing under its case: pick a plan it rewrites"
     expect(text, GOLDEN / f"{name}.diff")
+
+
+@pytest.mark.parametrize("step", PASSES, ids=lambda p: p.name)
+def test_each_pass_docstring_names_its_golden(step) -> None:
+    """A reader of a pass finds its effect pinned: its module's docstring names the golden file."""
+    module = sys.modules[step.run.__module__]
+    assert f"golden/passes/{step.name}.diff" in (module.__doc__ or ""), module.__name__
 
 
 def test_expect_fails_on_a_difference_and_on_a_missing_file(tmp_path: Path, monkeypatch) -> None:

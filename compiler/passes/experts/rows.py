@@ -45,6 +45,9 @@ no top-k, cannot say which pairs to drop: a located error.
 
 Requires: a graph captured under `experts_as_units`. Ensures: no `meshplan.expert_rows` node
 is left; each list's calls are one `meshplan.experts` node.
+
+Golden: `tests/compiler/golden/passes/expert-rows.diff`, this pass's before/after on a tiny model,
+kept equal by `tests/compiler/test_pass_golden.py`.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ After (tp=2):
 Placements are decided in one walk in graph order. A `Partial` is reduced right where
 it is made: all-reduce to `Replicate`, or under sequence parallelism reduce-scatter to
 `Shard(seq_dim)`, which is Megatron's choice and the analytical minimum.
+
+Golden: `tests/compiler/golden/passes/tensor-parallel.diff`, this pass's before/after on a tiny model,
+kept equal by `tests/compiler/test_pass_golden.py`.
 """
 
 from __future__ import annotations

@@ -301,17 +301,3 @@ def test_the_compiler_may_use_the_program_library_but_not_the_engines() -> None:
         "meshplan.runtime.train.make_optimizer",
         "meshplan.runtime.zero",
     ]
-
-
-def test_the_architecture_lists_the_passes_in_order() -> None:
-    """docs/ARCHITECTURE.md's table of passes is `compiler.compile.PASSES`, in order."""
-    from meshplan.compiler.compile import PASSES
-
-    doc = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
-    table = doc.split("### The passes", 1)[1].split("###", 1)[0]
-    listed = [
-        line.split("|")[2].strip().strip("`")
-        for line in table.splitlines()
-        if line.startswith("| ") and line[2].isdigit()
-    ]
-    assert listed == [p.name for p in PASSES]

@@ -216,8 +216,10 @@ def torchrun_command(options: RunOptions, world_size: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if options.rdzv_endpoint is None and nnodes == "1":
         cmd.append("--standalone")  # a free local port: runs side by side never collide
-    for dest in TORCHRUN_FLAGS[1:]:
+    for dest in TORCHRUN_FLAGS:
         value = getattr(options, dest)
+        if dest in ("nproc_per_node", "nnodes"):  # given above
+            continue
         if value is not None:
             cmd.append(f"--{dest.replace('_', '-')}={value}")
     return [*cmd, "-m", "meshplan.run", *options.worker_argv()]

@@ -329,6 +329,20 @@ def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, e
     return p
 
 
+def _add_plan_for_model(p: argparse.ArgumentParser, *, shapes: bool = True) -> None:
+    """A plan, the model it is compiled for, and (with `shapes`) the shapes to compile for."""
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="SPEC",
+        help="the model: path/to/file.py:factory or package.module:factory",
+    )
+    p.add_argument("--world-size", type=positive_int, metavar="N", help="size a `*` mesh axis")
+    if shapes:
+        _add_shape_arguments(p)
+
+
 def _add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch",
@@ -374,7 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shape_arguments(p)
 
-    model_help = "the model: path/to/file.py:factory or package.module:factory"
     p = _add(
         sub,
         "explain",
@@ -384,10 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan explain examples/llama_tp.plan --model examples/models/llama.py:build
              """,
     )
-    p.add_argument("plan", metavar="PLAN")
-    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
-    p.add_argument("--world-size", type=positive_int, metavar="N")
-    _add_shape_arguments(p)
+    _add_plan_for_model(p)
 
     p = _add(
         sub,
@@ -399,11 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan inspect build/llama_tp --rank 1
              """,
     )
-    p.add_argument("plan", metavar="PLAN")
-    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
+    _add_plan_for_model(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write the artifact to")
-    p.add_argument("--world-size", type=positive_int, metavar="N")
-    _add_shape_arguments(p)
 
     p = _add(
         sub,
@@ -438,9 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan verify my.plan --model hf.py:build --steps 3 --batch 2 --seq 32
              """,
     )
-    p.add_argument("plan", metavar="PLAN")
-    p.add_argument("--model", required=True, metavar="SPEC", help=model_help)
-    p.add_argument("--world-size", type=positive_int, metavar="N", help="size a `*` mesh axis")
+    _add_plan_for_model(p, shapes=False)  # verify's own --batch and --seq below
     p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
     p.add_argument(
         "--batch",
@@ -484,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "run",
         cmd_run,
-        "train a model under a plan on torchrun (data parallel, tensor parallel), with checkpoints",
+        "train a model under a plan on torchrun, every axis the plan names, with checkpoints",
         """
              meshplan run examples/tiny_dp.plan
              meshplan run examples/tiny_dp.plan --steps 500 --save-every 100 --out runs/demo --resume

@@ -2,9 +2,9 @@
 pipeline, one rank's stages under a schedule, and a clock on a `PipelineStep`'s actions.
 
 Not a benchmark itself; the `pp_*` scripts import it (run as `python bench/NAME.py`, so this
-folder is on `sys.path`). Stages are made as `meshplan run` makes them (`cli/session.py`,
-`_pipeline`): the compiled graph cut by `compiler/stages.py`, the cuts applied to this rank's
-program, and the stages the schedule gives this rank kept.
+folder is on `sys.path`). Stages are made as `meshplan run` makes them
+(`compiler/lower.py`, `rank_stages`): the compiled graph cut by `compiler/stages.py`, the cuts
+applied to this rank's program, and the stages the schedule gives this rank kept.
 """
 
 from __future__ import annotations

@@ -49,8 +49,7 @@ for reporting next to the compiler's collective ledger.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +58,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .buckets import dp_buckets
-from .grad_sync import WholeParams, param_grad_squares, scale_param_grads_
+from .grad_sync import Accumulates, WholeParams, param_grad_squares, scale_param_grads_
 
 
 @dataclass
@@ -85,7 +84,7 @@ class Launch:
     during_backward: bool  # launched from a backward hook (overlapping compute), not from finish()
 
 
-class DataParallel(nn.Module, WholeParams):
+class DataParallel(nn.Module, WholeParams, Accumulates):
     """Wraps a module so its gradients are averaged over `group` (see the module docstring);
     its optimizer is `WholeParams`' AdamW over `module`."""
 
@@ -139,15 +138,6 @@ class DataParallel(nn.Module, WholeParams):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside accumulates local gradients only (gradient accumulation's early micro-steps)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     def ledger(self) -> list[tuple[int, int]]:
         """(bytes, all-reduces per optimizer step) for each bucket, in launch order."""

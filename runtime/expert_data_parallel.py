@@ -8,7 +8,7 @@ expert axes included, and each parameter is averaged over the data axes that do 
 the dense parameters are averaged over all four ranks (one `DataParallel` over dp x ep), an
 expert's over the ranks holding the same experts, {0, 2} and {1, 3} (over dp). `mesh dp=2`
 with `experts over dp`: the dense ones over dp, the experts over nothing (each rank holds
-others; `LocalParams`). The all-to-all's backward already summed an expert's gradient over
+others; `grad_sync.LocalParams`). The all-to-all's backward already summed an expert's gradient over
 the ranks of its axis, and the experts unit divided it by their number
 (`runtime/experts.py`), so averaging it over the other data axes gives the global mean.
 """
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .axes import Axes
 from .data_parallel import DataParallel
-from .grad_sync import WholeParams, param_grad_squares, scale_param_grads_
+from .grad_sync import LocalParams, WholeParams
 
 
 class _Engine(Protocol):
@@ -50,12 +50,8 @@ class PerGroup(Generic[E]):
     def __init__(self, module: nn.Module, engines: Sequence[E]) -> None:
         self.module, self.engines = module, list(engines)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for engine in self.engines:
-                stack.enter_context(engine.no_sync())
-            yield
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self._in_each(lambda engine: engine.no_sync())
 
     def finish(self) -> None:
         for engine in self.engines:
@@ -67,6 +63,14 @@ class PerGroup(Generic[E]):
     def scale_grads_(self, factor: Tensor | float) -> None:
         for engine in self.engines:
             engine.scale_grads_(factor)
+
+    @contextlib.contextmanager
+    def _in_each(self, context: Callable[[E], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """Inside `context(engine)` of every engine at once (entered in order, left in reverse)."""
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(context(engine))
+            yield
 
 
 class ExpertDataParallel(PerGroup["DataParallel | LocalParams"], WholeParams):
@@ -89,27 +93,6 @@ class ExpertDataParallel(PerGroup["DataParallel | LocalParams"], WholeParams):
             if isinstance(engine, DataParallel)
             for nbytes, count in engine.ledger()
         ]
-
-
-class LocalParams:
-    """`GradSync` of parameters no other rank shares: their gradient is already the average."""
-
-    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
-        self.module, self.params = module, list(params)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        yield
-
-    def finish(self) -> None:
-        pass
-
-    def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
-        mine = {id(p) for p in self.params}
-        return param_grad_squares(((n, p) for n, p in self.module.named_parameters() if id(p) in mine), kinds)
-
-    def scale_grads_(self, factor: Tensor | float) -> None:
-        scale_param_grads_(self.params, factor)
 
 
 def averaged_over(module: nn.Module, axes: Axes) -> dict[tuple[str, ...], list[nn.Parameter]]:

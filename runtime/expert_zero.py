@@ -59,12 +59,8 @@ class ExpertZero(PerGroup[Zero]):
         for e in self.engines:
             e.zero_grad()
 
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for e in self.engines:
-                stack.enter_context(e.gathered())
-            yield
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return self._in_each(lambda e: e.gathered())
 
     def memory(self) -> dict[str, int]:
         total: dict[str, int] = {}

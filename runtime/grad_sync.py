@@ -191,11 +191,29 @@ class WholeParams:
         return self._adamw
 
 
-class Local(WholeParams):
-    """One replica: the gradient in `.grad` is already the average."""
+class Accumulates:
+    """`GradSync.no_sync` of an engine whose gradient hooks reduce only while `_sync` is True
+    (`DataParallel`, `Zero`)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    _sync: bool
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates local gradients only (gradient accumulation's early
+        micro-steps); the next synced backward reduces them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+
+class LocalParams:
+    """`GradSync` of parameters no other rank shares: their gradient is already the average
+    (all of `Local`'s; under expert parallelism, experts no other rank holds)."""
+
+    def __init__(self, module: nn.Module, params: Iterable[nn.Parameter]) -> None:
+        self.module, self.params = module, list(params)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -205,14 +223,22 @@ class Local(WholeParams):
         pass
 
     def grad_squares(self, kinds: Sequence[Collection[str]]) -> Tensor:
-        return param_grad_squares(self.module.named_parameters(), kinds)
+        mine = {id(p) for p in self.params}
+        return param_grad_squares(((n, p) for n, p in self.module.named_parameters() if id(p) in mine), kinds)
 
     def scale_grads_(self, factor: Tensor | float) -> None:
-        scale_param_grads_(self.module.parameters(), factor)
+        scale_param_grads_(self.params, factor)
+
+
+class Local(LocalParams, WholeParams):
+    """One replica: the gradient in `.grad` is already the average, of every parameter."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module, module.parameters())
 
 
 def param_grad_squares(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequence[Collection[str]]) -> Tensor:
-    """`GradSync.grad_squares` of gradients held whole in `.grad` (Local, DataParallel)."""
+    """`GradSync.grad_squares` of gradients held whole in `.grad` (LocalParams, DataParallel)."""
     squares = torch.zeros(len(kinds) + 1, dtype=torch.float64)
     for name, p in named:
         if p.grad is not None:

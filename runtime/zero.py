@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from . import watchdog
-from .grad_sync import AdamWSettings, TrainingState
+from .grad_sync import Accumulates, AdamWSettings, TrainingState
 from .zero_flats import Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
@@ -93,7 +93,7 @@ class Collective(NamedTuple):
     count: int  # type: ignore[assignment]  # the ledger's name for it; shadows tuple.count
 
 
-class Zero:
+class Zero(Accumulates):
     """Sharded AdamW plus gradient (and, for stage 3, parameter) sharding for one module.
 
     Build it with `shard_for_zero`. It registers hooks on the module and its parameters:
@@ -169,7 +169,7 @@ class Zero:
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
         self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
         self._adam: ShardedAdamW | None = None  # `optimizer()` builds it
-        self._sync = True
+        self._sync = True  # False inside `no_sync`: gradients accumulate full size, at every stage
         self._grads = ShardedGrads(
             self.flats,
             group,
@@ -243,15 +243,6 @@ class Zero:
     def zero_grad(self) -> None:
         """Drop every gradient: the params' full grads, the reduced ones and the shards."""
         self._grads.drop()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (full size, every stage); the next synced backward reduces them."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     def finish(self) -> None:
         """Wait until this step's gradients are reduced (`step()` and the methods below do it too)."""

@@ -2,7 +2,7 @@
 the axes the batch is split over, and how each parameter is cut over the axes that shard it.
 
 Nothing in the runtime knows an axis by its name or its place in the mesh: the session
-(`cli/session.py`) reads the roles from the plan, so `mesh tp=2, dp=2`, `mesh dp=2, tp=2`
+(`meshplan.session`) reads the roles from the plan, so `mesh tp=2, dp=2`, `mesh dp=2, tp=2`
 and `mesh dp=2, cp=1, tp=2` train the same model.
 
     axes = Axes(groups={"dp": dp_group, "tp": tp_group}, data=("dp",),

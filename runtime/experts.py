@@ -2,7 +2,7 @@
 token sent to the ranks holding its experts and its outputs sent back, by explicit all-to-all.
 
 A compiled program calls one `ExpertParallel` node where the model called its experts
-module (`compiler/passes/experts.py` puts it there):
+module (`compiler/passes/experts/` puts it there):
 
     experts_ep = self.experts_ep(tokens, top_k_index, top_k_weights, gate_up_proj, down_proj)
 

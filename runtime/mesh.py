@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # a group of axes acting as one, as an experts rule names it (`experts over dp x tp`): its ranks
-# are those sharing every other coordinate, numbered in mesh order (dsl/check.py writes it alike)
+# are those sharing every other coordinate, numbered in mesh order (dsl/axes.py writes it alike)
 GROUP = " x "
 
 

@@ -14,7 +14,7 @@ Before that, the sizes the constructs need are checked against the model, becaus
 that can never work is the more useful message (and stays true once they are lowered): no
 more pipeline stages than layers. A size error and the refusal of the same construct are
 two problems and are both reported; the size error comes first in the file. Model-free
-sizes (microbatches vs stages) are `dsl.check`'s.
+sizes (microbatches vs stages) are `dsl.settings`'s.
 
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
 size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
@@ -92,7 +92,7 @@ def _pipeline_sizes(plan: Plan, model: nn.Module) -> list[Diagnostic]:
     """Stages balanced automatically are cut between layers: each needs at least one."""
     p = plan.pipeline
     if p is None or p.cuts:
-        return []  # explicit cuts are counted against the stages by dsl.check
+        return []  # explicit cuts are counted against the stages by dsl.settings
     ranks = plan.mesh.size(p.axis)
     layers = _num_layers(model)
     if ranks is None or layers is None:

@@ -40,9 +40,7 @@ from torch.export import ExportedProgram
 
 from .errors import CaptureError, ModelLoadError
 from .load import ModelSource, _describe, _display, max_positions
-
-# node.meta key holding the path of the innermost module that produced the node.
-from .meta import MODULE as MODULE_PATH_KEY
+from .meta import module_tag, set_module_tag
 from .passes.experts.units import experts_pattern
 
 
@@ -381,13 +379,13 @@ def _mangle(path: str) -> str:
 
 
 def _tag_nodes(gm: fx.GraphModule, paths: _ModulePaths) -> dict[str, str]:
-    """Set `MODULE_PATH_KEY` on call_function nodes, nested graphs included; map the top-level ones."""
+    """Tag call_function nodes with their module path, nested graphs included; map the top-level ones."""
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule):
             for node in sub.graph.nodes:
                 if node.op == "call_function":
-                    node.meta[MODULE_PATH_KEY] = _innermost_module(node, paths)
-    return {node.name: node.meta[MODULE_PATH_KEY] for node in gm.graph.nodes if node.op == "call_function"}
+                    set_module_tag(node, _innermost_module(node, paths))
+    return {node.name: module_tag(node) or "" for node in gm.graph.nodes if node.op == "call_function"}
 
 
 def _innermost_module(node: fx.Node, paths: _ModulePaths) -> str:

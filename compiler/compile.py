@@ -54,13 +54,13 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic, PlanValidationError
 from meshplan.runtime.mesh import MeshLayout, axes_of
 
+from . import meta
 from .capture import BATCH, SEQ, Captured, Divisibility, TokenShapes, capture, token_tensors
 from .graph import ShapeGuardError, keep_loss_output, no_new_guards, normalize
 from .ledger import Ledger, build_ledger, data_parallel_facts, expert_data_facts
 from .lint import lint
 from .load import ModelSource
 from .match import Resolution, resolve
-from .meta import STAGES
 from .passes import (
     Context,
     Pass,
@@ -105,7 +105,7 @@ class Compiled:
     @property
     def stage_cuts(self) -> tuple[tuple[str, str], ...]:
         """The pipeline's cuts the pipeline pass chose: (side, module path); () without a pipeline."""
-        return tuple(self.graph.meta.get(STAGES, ()))
+        return meta.stage_cuts(self.graph) or ()
 
 
 # Sees the graph after capture ("capture") and after each pass that ran (the pass's name),

@@ -39,16 +39,14 @@ from meshplan.runtime.mesh import MeshLayout
 
 from .capture import TokenShapes
 from .load import ModelSource
-from .meta import CHECKPOINT, COLLECTIVE, MODULE
+from .meta import RUNTIME_FACTS
 from .placement import Placement
 
 if TYPE_CHECKING:
     from .compile import Compiled
 
-FORMAT = 1
+FORMAT = 2  # 2: a checkpoint region's node fact is a `meta.CheckpointRegion`, not a dict
 PROGRAM = "program.pt"  # its name in a compile folder and in a run folder
-# node facts a rank program needs: the rest (export's fake tensors, stack traces) are compile-time
-_RUNTIME_META = (CHECKPOINT, COLLECTIVE, MODULE)
 
 
 class ExecutableError(ValueError):
@@ -218,8 +216,9 @@ def _flat_graph(gm: fx.GraphModule) -> list[tuple]:
     for node in gm.graph.nodes:
         args = fx.node.map_arg(node.args, lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
         kwargs = fx.node.map_arg(node.kwargs, lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
-        meta = {k: v for k, v in node.meta.items() if k in _RUNTIME_META}
-        records.append((node.op, node.name, node.target, args, kwargs, meta))
+        # the facts a rank program reads: export's fake tensors and stack traces are compile-time
+        facts = {k: v for k, v in node.meta.items() if k in RUNTIME_FACTS}
+        records.append((node.op, node.name, node.target, args, kwargs, facts))
     return records
 
 
@@ -238,9 +237,9 @@ def _rebuild(attrs: dict[str, Any], records: list[tuple], class_name: str) -> fx
             return slice(resolve(a.start), resolve(a.stop), resolve(a.step))
         return a
 
-    for op, name, target, args, kwargs, meta in records:
+    for op, name, target, args, kwargs, facts in records:
         node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
-        node.meta.update(meta)
+        node.meta.update(facts)
         nodes.append(node)
     return fx.GraphModule(attrs, graph, class_name=class_name)
 

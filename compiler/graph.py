@@ -20,7 +20,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
 from torch.fx.node import Argument
 
-from .meta import COLLECTIVE, MODULE, PLACEMENT, REQUIRES_GRAD, RULE  # noqa: F401  (the schema: meta.py)
+from .meta import module_tag
 
 _NOISE = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -91,8 +91,9 @@ def _repeats_as_repeat_interleave(graph: fx.Graph) -> None:
 
 def module_path(node: fx.Node) -> str:
     """The dotted path of the innermost module the node was traced in ('' for the root)."""
-    if MODULE in node.meta:  # tagged by capture, normalized to named_modules() spelling
-        return node.meta[MODULE]
+    tag = module_tag(node)
+    if tag is not None:  # tagged by capture, normalized to named_modules() spelling
+        return tag
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""

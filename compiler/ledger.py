@@ -53,7 +53,9 @@ from meshplan.runtime.experts import expert_capacity
 from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from .graph import COLLECTIVE, PLACEMENT, arg_node, hint, shape, value
+from . import meta
+from .graph import arg_node, hint, shape, value
+from .meta import Collective
 from .passes.checkpoint import collective_nodes
 from .passes.zero import reduce_axes
 from .placement import Placement, Shard
@@ -293,7 +295,7 @@ def held_shape(
     shards it (a tensor on sequence shards over `tp` is all-reduced over `tq` a shard at a time).
     Sizes that follow from the token shape are the example's: the ledger is of the example run."""
     held = [s if (h := hint(s)) is None else h for s in full]
-    for other, p in node.meta.get(PLACEMENT, {}).items():
+    for other, p in meta.placement(node).items():
         if other != axis and isinstance(p, Shard) and p.dim < len(held) and isinstance(held[p.dim], int):
             held[p.dim] = p.chunk(int(held[p.dim]), layout.size(other))
     return tuple(held)
@@ -305,12 +307,12 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
     # count is the example's routed pairs wherever it appears (a row split inside the experts
     # reduces them over tp)
     routed = {
-        str(shape(arg_node(node, 0))[0]): info["routed_pairs"]
+        str(shape(arg_node(node, 0))[0]): pairs
         for node, _ in collective_nodes(gm)
-        if (info := node.meta[COLLECTIVE]).get("routed_pairs") is not None
+        if (pairs := meta.collective_of(node).get("routed_pairs")) is not None
     }
     for node, recomputed in collective_nodes(gm):
-        info = node.meta[COLLECTIVE]
+        info = meta.collective_of(node)
         if info["kind"] in ("zero_gather", "zero_release"):
             continue  # listed with the data-parallel rows
         if info["kind"] == "experts":  # over one rank it sends nothing
@@ -356,13 +358,13 @@ def unit_tokens(node: fx.Node, layout: MeshLayout) -> tuple[tuple, int | torch.S
     them, the unit's own included: experts borrowing a tensor axis route their rank's rows), and
     the experts each routes a token to, k (a list's rows are pairs already: k = 1)."""
     tokens, index = arg_node(node, 0), arg_node(node, 1)
-    routed = node.meta[COLLECTIVE].get("routed_pairs")
+    routed = meta.collective_of(node).get("routed_pairs")
     if routed is not None:  # a list's rows, one per pair: as many as its routing makes
         return held_shape(tokens, (routed, *shape(tokens)[1:]), "", layout), 1
     return held_shape(tokens, shape(tokens), "", layout), held_shape(index, shape(index), "", layout)[-1]
 
 
-def shared_axis(info: dict) -> str:
+def shared_axis(info: Collective) -> str:
     """The axis whose ranks queue their tokens together under a capacity ("": none)."""
     shared = info.get("shared") or ""
     return info["axis"] if shared is True else shared  # (True: compiled before groups of axes)
@@ -371,14 +373,14 @@ def shared_axis(info: dict) -> str:
 def unit_capacity(node: fx.Node, layout: MeshLayout) -> int:
     """C, the pairs each expert of a unit with a `capacity_factor` takes per call: of the
     tokens its rank routes, or those the ranks of its shared axis route together."""
-    info = node.meta[COLLECTIVE]
+    info = meta.collective_of(node)
     held, k = unit_tokens(node, layout)
     shared = shared_axis(info)
     routed = held[0] * (layout.size(shared) if shared else 1)  # the tokens it queues
     return expert_capacity(int(routed), int(k), int(info["experts"]), info["capacity_factor"])
 
 
-def _expert_rows(node: fx.Node, info: dict, layout: MeshLayout, recomputed: bool) -> list[LedgerRow]:
+def _expert_rows(node: fx.Node, info: Collective, layout: MeshLayout, recomputed: bool) -> list[LedgerRow]:
     """An experts unit's all-to-alls (see the module docstring): the counts, then each pair's
     row dispatched and combined in forward, and both again, reversed, in backward."""
     axis, rule = info["axis"], info.get("rule")

@@ -29,8 +29,8 @@ from meshplan.runtime.collectives import AxisCollective, CopyToAxis, KeyValueGro
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from .graph import PLACEMENT, describe, is_tensor_node, shape
-from .meta import stage
+from . import meta
+from .graph import describe, is_tensor_node, shape
 from .placement import Shard
 from .stages import stages_reading
 
@@ -75,7 +75,7 @@ def _collectives(gm: fx.GraphModule, layout: MeshLayout) -> list[str]:
 def _placements(gm: fx.GraphModule, layout: MeshLayout) -> list[str]:
     out = []
     for node in gm.graph.nodes:
-        for axis, p in node.meta.get(PLACEMENT, {}).items():
+        for axis, p in meta.placement(node).items():
             if axis not in layout.names:
                 out.append(f"{describe(node)} is placed over `{axis}`, which is not a mesh axis")
                 continue
@@ -120,7 +120,7 @@ def _zero_spans(gm: fx.GraphModule) -> list[str]:
             continue
         gather, module = gathers[unit]
         sharing = _sharing_storage(gm, [reads[p] for p in module.params if p in reads])
-        in_stage = stage(gather)  # under a pipeline: other stages' reads of a tied weight are theirs
+        in_stage = meta.stage(gather)  # under a pipeline: other stages' reads of a tied weight are theirs
         for value in sharing:
             for user in value.users:
                 if in_stage is not None and in_stage not in stages_reading(user):

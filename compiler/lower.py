@@ -24,7 +24,7 @@ from torch import fx, nn
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
-from .meta import CHECKPOINT
+from . import meta
 from .passes.checkpoint import region_modules
 from .placement import Placement, Shard
 from .stages import compiled_cuts, cut_stages
@@ -154,7 +154,9 @@ def bind_regions(program: fx.GraphModule, mesh=None, model: nn.Module | None = N
             continue
         modules = {t: collective(region, t) for t in sorted(targets)}
         rebound = fx.GraphModule(modules, region.graph, class_name=type(region).__name__)
-        setattr(program, node.meta[CHECKPOINT]["target"], rebound)
+        region_info = meta.checkpoint_region(node)
+        assert region_info is not None, "region_modules yields checkpoint call nodes"
+        setattr(program, region_info.target, rebound)
     return program
 
 

@@ -21,18 +21,16 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from . import meta
 from .graph import module_path
-from .meta import COLLECTIVE, MODULE
 
 OPS = ("call_function", "call_module", "call_method")
 
 # meta that describes the op that made a value, not the value: a placeholder or a call
-# node standing for it is not that op
-NOT_INHERITED = frozenset(
+# node standing for it is not that op (export's keys, and meshplan's `meta.OP_FACTS`)
+NOT_INHERITED = meta.OP_FACTS | frozenset(
     {
         "nn_module_stack",
-        MODULE,
-        COLLECTIVE,
         "stack_trace",
         "source_fn_stack",
         "torch_fn",
@@ -163,7 +161,7 @@ def replace_outputs(
     """Make the rest of `graph` read `piece`'s outputs from `call` (one value, or a tuple
     unpacked with getitem nodes right after it), then erase the piece's nodes.
 
-    `tag` becomes `meta["meshplan.module"]` of the new nodes (the piece's module path).
+    `tag` becomes the module tag (`meta.set_module_tag`) of the new nodes (the piece's module path).
     """
     skip = set(piece.nodes) | set(inside)
     if piece.single_output:
@@ -176,7 +174,7 @@ def replace_outputs(
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (call, i))
             anchor.meta.update(value_meta(out))
-            anchor.meta[MODULE] = tag
+            meta.set_module_tag(anchor, tag)
             out.replace_all_uses_with(anchor, delete_user_cb=lambda u: u not in skip)
     for n in reversed(piece.nodes):
         graph.erase_node(n)

@@ -19,10 +19,10 @@ from meshplan.runtime.collectives import AxisCollective
 from meshplan.runtime.mesh import axes_of
 from meshplan.runtime.zero_nodes import ZeroGather
 
+from . import meta
 from .compile import Compiled
-from .graph import COLLECTIVE, module_path, shape, value
+from .graph import module_path, shape, value
 from .ledger import PHASES, held_shape, unit_capacity
-from .meta import RULE
 from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
 from .passes.zero import reduce_axes
@@ -161,9 +161,9 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         f"    each rank keeps {keeps}",
     ]
     units = [
-        str(n.meta[COLLECTIVE]["unit"]) or "root"
+        str(info["unit"]) or "root"
         for n in compiled.graph.graph.nodes
-        if n.meta.get(COLLECTIVE, {}).get("kind") == "zero_gather"
+        if (info := meta.collective(n)) is not None and info["kind"] == "zero_gather"
     ]
     if dp.zero == 3 and units:
         lines.append(f"    units, in forward order: {', '.join(compress_paths(units))}")
@@ -273,16 +273,16 @@ def _expert_lines(compiled: Compiled) -> list[str]:
     """Expert parallelism: the experts each rank holds, how the batch and the gradients are
     split, and each unit's all-to-all bytes per step."""
     # checkpointed layers' units are in their regions
-    units = [n for n, _ in collective_nodes(compiled.graph) if n.meta[COLLECTIVE]["kind"] == "experts"]
-    axes = list(dict.fromkeys(n.meta[COLLECTIVE]["axis"] for n in units))  # an axis or a group (`dp x tp`)
+    units = [n for n, _ in collective_nodes(compiled.graph) if meta.collective_of(n)["kind"] == "experts"]
+    axes = list(dict.fromkeys(meta.collective_of(n)["axis"] for n in units))  # an axis or a group (`dp x tp`)
     if not units:
         return []
     layout = compiled.layout
     data = [a for a in layout.names if a in compiled.plan.batch_axes and layout.size(a) > 1]
     lines = []
     for axis in axes:
-        mine = [n for n in units if n.meta[COLLECTIVE]["axis"] == axis]
-        total = mine[0].meta[COLLECTIVE]["experts"]
+        mine = [n for n in units if meta.collective_of(n)["axis"] == axis]
+        total = meta.collective_of(mine[0])["experts"]
         n = layout.size(axis)
         paths = compress_paths(module_path(u) for u in mine)
         lines.append(
@@ -302,10 +302,10 @@ def _expert_lines(compiled: Compiled) -> list[str]:
         f"data ranks); gradients are averaged over them, an expert's over "
         + (" x ".join(others) if others else "none (its ranks hold other experts)")
     )
-    z_losses = [u for u in units if u.meta[COLLECTIVE].get("z_loss") is not None]
+    z_losses = [meta.collective_of(u) for u in units if meta.collective_of(u).get("z_loss") is not None]
     if z_losses:
-        routers = compress_paths(u.meta[COLLECTIVE]["router"] for u in z_losses)
-        coefficients = sorted({u.meta[COLLECTIVE]["z_loss"] for u in z_losses})
+        routers = compress_paths(info["router"] for info in z_losses)
+        coefficients = sorted({info["z_loss"] for info in z_losses})
         lines.append(
             f"    router z-loss {', '.join(f'{c:g}' for c in coefficients)} x mean(logsumexp(logits)^2) "
             f"of {', '.join(routers)} added to the loss, each rank's over its tokens"
@@ -314,7 +314,7 @@ def _expert_lines(compiled: Compiled) -> list[str]:
     if rows:
         first = [r for r in rows if r.node == rows[0].node and r.op == "all_to_all"]
         text = ", ".join(f"{r.count} x {r.bytes:,} B {r.phase}" for r in first if not r.recompute)
-        info = next(u for u in units if u.name == rows[0].node).meta[COLLECTIVE]
+        info = meta.collective_of(next(u for u in units if u.name == rows[0].node))
         if info.get("capacity_factor") is None:
             lines.append(f"    all_to_all per unit and step: {text} (token counts, dispatch and combine)")
         elif not info.get("shared"):  # fixed buffers: E C rows each way, whatever the routing
@@ -361,7 +361,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
                 n.target is torch.ops.aten.scaled_dot_product_attention.default
                 or str(n.target).startswith("ring_attention")
             )
-            and n.meta.get(RULE) is rule
+            and meta.rule(n) is rule
         ),
         None,
     )

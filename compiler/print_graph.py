@@ -4,17 +4,17 @@ placement, collective and rule), and `inspect` draws them without compiling agai
 
 from __future__ import annotations
 
+from . import meta
 from .compile import Compiled
-from .graph import COLLECTIVE, PLACEMENT, module_path
-from .meta import RULE
+from .graph import module_path
 
 
 def graph_records(compiled: Compiled) -> list[dict]:
     """The graph as JSON-friendly records, for `inspect` to draw without recompiling."""
     out = []
     for node in compiled.graph.graph.nodes:
-        info = node.meta.get(COLLECTIVE)
-        rule = (info or {}).get("rule") or node.meta.get(RULE)
+        info = meta.collective(node)
+        rule = (info or {}).get("rule") or meta.rule(node)
         out.append(
             {
                 "name": node.name,
@@ -22,7 +22,7 @@ def graph_records(compiled: Compiled) -> list[dict]:
                 "target": getattr(node.target, "__name__", str(node.target)),
                 "inputs": [a.name for a in node.all_input_nodes],
                 "module": module_path(node),
-                "placement": {k: str(v) for k, v in node.meta.get(PLACEMENT, {}).items()},
+                "placement": {k: str(v) for k, v in meta.placement(node).items()},
                 "collective": {k: v for k, v in (info or {}).items() if k != "rule"} or None,
                 "rule": f"{rule.span.path}:{rule.span.line}" if rule is not None else None,
             }

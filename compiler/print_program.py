@@ -11,11 +11,13 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from meshplan.dsl.check import PlanRule
 from meshplan.runtime.mesh import MeshLayout
 
+from . import meta
 from .compile import Compiled
-from .graph import COLLECTIVE, shape_text
-from .meta import CHECKPOINT, collective
+from .graph import shape_text
+from .meta import Collective
 from .passes import overlap
 from .passes.checkpoint import region_modules
 
@@ -41,9 +43,10 @@ def annotated_code(compiled: Compiled) -> str:
     sums = getattr(compiled, "grad_sums", {})
     sections = [_annotated(compiled.graph, compiled.ledger, sums)]
     for call, region in region_modules(compiled.graph):
-        info = call.meta[CHECKPOINT]
+        info = meta.checkpoint_region(call)
+        assert info is not None, "a region's call node carries its region"
         sections.append(
-            f"# checkpointed region {info['path']} ({info['mode']}): {info['target']}, run again in backward\n"
+            f"# checkpointed region {info.path} ({info.mode}): {info.target}, run again in backward\n"
             + _annotated(region, compiled.ledger, sums)
         )
     return "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n"
@@ -52,7 +55,7 @@ def annotated_code(compiled: Compiled) -> str:
 def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
     notes = {}
     for node in gm.graph.nodes:
-        info, region = node.meta.get(COLLECTIVE), node.meta.get(CHECKPOINT)
+        info, region = meta.collective(node), meta.checkpoint_region(node)
         if node.op == "get_attr" and str(node.target) in sums:
             axes = " x ".join(sums[str(node.target)])
             notes[node.name] = (
@@ -73,14 +76,14 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
                 )
         elif node.op == "call_module" and node.target == overlap.TARGET:
             entry = node.args[0]
-            op = overlap.issued_reduction(collective(entry)["kind"])  # type: ignore[index,arg-type]
+            op = overlap.issued_reduction(meta.collective(entry)["kind"])  # type: ignore[index,arg-type]
             n = len(node.meta["val"])
             notes[node.name] = (
                 f"  # {n} linear{'s' if n > 1 else ''} on {entry}: backward issues its {op} "
                 "of the input gradient, then computes the weight gradients"
             )
         elif region:
-            notes[node.name] = f"  # checkpoint {region['mode']}: {region['path']}{_where(region)}"
+            notes[node.name] = f"  # checkpoint {region.mode}: {region.path}{_line(region.rule)}"
     body = []
     for line in gm.code.strip("\n").splitlines():
         m = re.match(r"\s+(\w+) = ", line)
@@ -88,14 +91,19 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
     return "\n".join(body)
 
 
-def _where(info: dict) -> str:
+def _where(info: Collective) -> str:
     rule = info.get("rule")
     if rule is not None:
-        return f" <- {rule.span.path}:{rule.span.line}"
+        return _line(rule)
     return f" <- {info['where']}" if info.get("where") else ""
 
 
-def _zero_note(node, info: dict, ledger) -> str:
+def _line(rule: PlanRule | None) -> str:
+    """` <- llama.plan:7`: the plan line behind a note."""
+    return f" <- {rule.span.path}:{rule.span.line}" if rule is not None else ""
+
+
+def _zero_note(node, info: Collective, ledger) -> str:
     """`# ZeRO gather over dp: layers.0, all_gather 0.135 MB` (the bytes its unit's flats move)."""
     unit = info["unit"] or "root"
     if info["kind"] == "zero_release":

@@ -46,8 +46,8 @@ from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
 
+from . import meta
 from .graph import module_path, shape, shape_text
-from .meta import CHECKPOINT, STAGES, stage
 from .outline import OPS, cut, within
 
 aten = torch.ops.aten
@@ -192,7 +192,7 @@ def stages_reading(node: fx.Node) -> set[int]:
     """The pipeline stages of the activations that read `node` (a parameter, or a node made
     from parameters alone), directly or through nodes made from parameters alone, which have no
     stage of their own; for a node with a stage, that stage."""
-    own = stage(node)
+    own = meta.stage(node)
     if own is not None:
         return {own}
     stages: set[int] = set()
@@ -203,7 +203,7 @@ def stages_reading(node: fx.Node) -> set[int]:
             if user in seen:
                 continue
             seen.add(user)
-            s = stage(user)
+            s = meta.stage(user)
             if s is not None:
                 stages.add(s)
             elif user.op != "output":
@@ -266,11 +266,11 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.d
 def flops(node: fx.Node) -> float:
     """A rough FLOP count of one op: 2mnk for a matmul, 4*B*H*T*S*D for attention, else the
     output's element count. Enough to balance stages, not to report."""
-    region = node.meta.get(CHECKPOINT)
+    region = meta.checkpoint_region(node)
     if region is not None:  # an outlined checkpoint region: the ops inside it
         owner = node.graph.owning_module
         assert owner is not None, "a checkpoint call node belongs to its graph module"
-        inner = owner.get_submodule(region["target"])
+        inner = owner.get_submodule(region.target)
         assert isinstance(inner, fx.GraphModule)
         return sum(flops(n) for n in inner.graph.nodes if n.op in OPS)
     val = node.meta.get("val")
@@ -384,7 +384,7 @@ def layer_list(model: nn.Module) -> tuple[str, int] | None:
 
 def compiled_cuts(graph: fx.GraphModule, saved: Sequence[tuple[str, str]] = ()) -> list[Cut]:
     """The cuts the pipeline pass chose, from the compiled graph or a loaded program's record."""
-    return [Cut(side, path) for side, path in (saved or graph.meta.get(STAGES, ()))]
+    return [Cut(side, path) for side, path in (saved or meta.stage_cuts(graph) or ())]
 
 
 def cuts_from(plan: Plan, model: nn.Module, gm: fx.GraphModule, *, ranks: int) -> list[Cut]:

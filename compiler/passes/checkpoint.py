@@ -58,10 +58,10 @@ from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import COLLECTIVES
 
-from .. import outline
-from ..graph import COLLECTIVE, written_buffer
+from .. import meta, outline
+from ..graph import written_buffer
 from ..match import Resolution
-from ..meta import CHECKPOINT, MODULE
+from ..meta import CheckpointRegion
 from . import Context, Pass
 
 aten = torch.ops.aten
@@ -204,13 +204,8 @@ def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
             kwargs,
             name=region.path.replace(".", "_"),
         )
-    call.meta[CHECKPOINT] = {
-        "path": region.path,
-        "mode": region.mode,
-        "rule": region.rule,
-        "target": region.target,
-    }
-    call.meta[MODULE] = region.path
+    meta.set_checkpoint_region(call, CheckpointRegion(region.path, region.mode, region.rule, region.target))
+    meta.set_module_tag(call, region.path)
     outline.replace_outputs(gm.graph, piece, call, tag=region.path)
 
 
@@ -243,9 +238,9 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.Checkpoint
 def region_modules(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule]]:
     """Each checkpoint call node of `gm` with its outlined submodule."""
     for node in gm.graph.nodes:
-        info = node.meta.get(CHECKPOINT)
+        info = meta.checkpoint_region(node)
         if info is not None:
-            yield node, _region(gm, info["target"])
+            yield node, _region(gm, info.target)
 
 
 def _region(gm: fx.GraphModule, target: str) -> fx.GraphModule:
@@ -263,15 +258,15 @@ def collective_nodes(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, bool]]:
     forward's autograd graph is thrown away).
     """
     for node in gm.graph.nodes:
-        info = node.meta.get(CHECKPOINT)
+        info = meta.checkpoint_region(node)
         if info is None:
-            if COLLECTIVE in node.meta:
+            if meta.collective(node) is not None:
                 yield node, False
             continue
-        region = _region(gm, info["target"])
+        region = _region(gm, info.target)
         again = set(recomputed_collectives(region))
         for inner in region.graph.nodes:
-            if COLLECTIVE in inner.meta:
+            if meta.collective(inner) is not None:
                 yield inner, inner in again
 
 
@@ -287,7 +282,7 @@ def recomputed_collectives(region: fx.GraphModule) -> list[fx.Node]:
     """
     nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_module")]
     last = max((i for i, n in enumerate(nodes) if _saves_tensors(n)), default=-1)
-    return [n for n in nodes[:last] if COLLECTIVE in n.meta]
+    return [n for n in nodes[:last] if meta.collective(n) is not None]
 
 
 # Ops whose backward needs no saved tensor (only shapes, or nothing).
@@ -323,6 +318,7 @@ _SAVES_NOTHING = frozenset(
 # The collectives whose autograd functions save no tensor (their backward is a collective).
 def _saves_tensors(node: fx.Node) -> bool:
     if node.op == "call_module":  # a collective says so itself (`runtime.collectives`)
-        declared = COLLECTIVES.get(node.meta.get(COLLECTIVE, {}).get("kind"))
+        info = meta.collective(node)
+        declared = COLLECTIVES.get(info["kind"]) if info is not None else None
         return declared is None or declared.saves_tensors
     return node.target not in _SAVES_NOTHING

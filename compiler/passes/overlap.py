@@ -41,8 +41,8 @@ from torch import fx
 from meshplan.runtime.collectives import COLLECTIVES
 from meshplan.runtime.linears import Linears
 
+from .. import meta
 from ..graph import shape
-from ..meta import MODULE, REQUIRES_GRAD, STAGE, collective
 from . import Context, Pass
 from .checkpoint import region_modules
 
@@ -70,7 +70,7 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
     """Replace the linears reading `entry` by one `Linears` node, if `entry` is an entry
     collective read only by linears; whether it did."""
-    info = collective(entry)
+    info = meta.collective(entry)
     if info is None or not is_entry(info["kind"]) or _in_blocks(entry):
         return False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -78,7 +78,7 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
     found = [_weight_and_bias(u, entry) for u in users]
     if not users or any(f is None for f in found):
         return False
-    if len({u.meta.get(STAGE) for u in users}) > 1:
+    if len({meta.stage(u) for u in users}) > 1:
         return False
     first = users[0]
     sides = [f for f in found if f is not None]
@@ -97,10 +97,9 @@ def group_linears(gm: fx.GraphModule, entry: fx.Node) -> bool:
             params += [w, b]
         node = graph.call_module(TARGET, (entry, *params))
     node.meta["val"] = tuple(u.meta.get("val") for u in users)
-    node.meta[MODULE] = _common_path([u.meta.get(MODULE, "") for u in users])
-    node.meta[REQUIRES_GRAD] = True
-    if STAGE in first.meta:
-        node.meta[STAGE] = first.meta[STAGE]
+    meta.set_module_tag(node, _common_path([meta.module_tag(u) or "" for u in users]))
+    meta.set_requires_grad(node, True)
+    meta.copy_facts(first, node, meta.STAGE)
     at = node
     for i, u in enumerate(users):  # each linear becomes its output of the group, name and facts kept
         u.target, u.args, u.kwargs = operator.getitem, (node, i), {}
@@ -161,7 +160,7 @@ def _hoist(needed: list[fx.Node], before: fx.Node, group: set[fx.Node], order: d
         n = stack.pop()
         if n in moving:
             continue
-        if n in group or n.op not in ("call_function", "get_attr") or n.is_impure() or collective(n):
+        if n in group or n.op not in ("call_function", "get_attr") or n.is_impure() or meta.collective(n):
             return False
         moving.add(n)
         stack += [a for a in n.all_input_nodes if order[a] >= start]

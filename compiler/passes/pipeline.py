@@ -21,7 +21,7 @@ from torch import fx
 
 from meshplan.dsl.errors import Diagnostic, Span
 
-from ..meta import STAGE, STAGES
+from .. import meta
 from ..stages import StageError, cut_stages, cuts_from
 from . import Context, Pass
 
@@ -37,8 +37,8 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         ctx.diagnostics.append(Diagnostic(e.span or _keyword(spec.span), str(e), e.hint))
         return gm
     for node, s in stages.stage_of.items():
-        node.meta[STAGE] = s
-    gm.meta[STAGES] = tuple((c.side, c.path) for c in cuts)
+        meta.set_stage(node, s)
+    meta.set_stage_cuts(gm, tuple((c.side, c.path) for c in cuts))
     return gm
 
 

@@ -42,9 +42,9 @@ from torch import fx, nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 
+from .. import meta
 from ..graph import arg_node, module_path
 from ..match import Resolution
-from ..meta import MODULE
 from . import Context, Pass
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,7 +110,8 @@ def mixed_precision(gm: fx.GraphModule, spec: PrecisionSpec) -> fx.GraphModule:
                     {"dtype": dtype},
                     name=f"{node.name}_{_SHORT[dtype]}",
                 )
-            new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", MODULE)})
+            new.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+            meta.copy_facts(node, new, meta.MODULE)
             new.meta["val"] = node.meta["val"].to(dtype)
             casts[key] = new
         return casts[key]

@@ -66,8 +66,8 @@ from torch import fx
 from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
-from ..graph import COLLECTIVE, is_tensor_node, module_path
-from ..meta import MODULE, PLACEMENT, STAGE, STAGES, stage
+from .. import meta
+from ..graph import is_tensor_node, module_path
 from ..stages import stages_reading
 from . import Context, Pass
 
@@ -163,7 +163,7 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
     graph = gm.graph
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
-    pipeline = STAGES in gm.meta
+    pipeline = meta.stage_cuts(gm) is not None
     _hoist(graph, reads)
     if pipeline:
         _copy_per_stage(graph, reads)
@@ -197,10 +197,10 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
         with graph.inserting_before(first):
             gather = graph.call_module(name, tuple(params))
         _read_from(graph, gather, params, dtypes, in_stage)
-        gather.meta[COLLECTIVE] = {"kind": "zero_gather", "axis": axis, "unit": unit, "where": spec.where}
-        gather.meta[MODULE] = unit_of(str(params[0].target))  # `root@stage0` is the root's
-        if unit_stage[unit] is not None:
-            gather.meta[STAGE] = unit_stage[unit]
+        meta.set_collective(gather, {"kind": "zero_gather", "axis": axis, "unit": unit, "where": spec.where})
+        meta.set_module_tag(gather, unit_of(str(params[0].target)))  # `root@stage0` is the root's
+        if in_stage is not None:
+            meta.set_stage(gather, in_stage)
         # Under a pipeline every unit is released: the microbatches' forwards and backwards
         # interleave (GPipe runs every forward first), so no unit can stay gathered from its
         # forward to its backward; the release's backward gathers it for each microbatch.
@@ -256,7 +256,7 @@ def _read_from(
             anchor = graph.call_function(operator.getitem, (gather, i))
         anchor.meta = dict(casts[0].meta)
         if in_stage is not None:
-            anchor.meta[STAGE] = in_stage  # runs in its unit's stage program, after the gather
+            meta.set_stage(anchor, in_stage)  # runs in its unit's stage program, after the gather
         for cast in casts:
             cast.replace_all_uses_with(anchor)
             graph.erase_node(cast)
@@ -295,7 +295,7 @@ def _copy_per_stage(graph: fx.Graph, reads: list[fx.Node]) -> None:
     for node in reversed(derived):  # users first
         serves[node] = set()
         for user in node.users:
-            s = stage(user)
+            s = meta.stage(user)
             serves[node] |= serves.get(user, set()) if s is None else {s}
     copies: dict[tuple[fx.Node, int], fx.Node] = {}
 
@@ -310,7 +310,7 @@ def _copy_per_stage(graph: fx.Graph, reads: list[fx.Node]) -> None:
         for user in list(node.users):
             # an activation of stage s, or the original of a derived node whose first stage is s
             # (copies already read their stage's copies)
-            reader = stage(user) if user not in serves else min(serves[user], default=None)
+            reader = meta.stage(user) if user not in serves else min(serves[user], default=None)
             if reader == s:
                 user.replace_input_with(node, copy)
 
@@ -418,10 +418,10 @@ def _release(
     with graph.inserting_after(last):
         release = graph.call_module(name, tuple(leaving))
     module = module_path(last) if in_stage is not None else unit
-    release.meta[MODULE] = module
+    meta.set_module_tag(release, module)
     if in_stage is not None:
-        release.meta[STAGE] = in_stage
-    release.meta[COLLECTIVE] = {"kind": "zero_release", "axis": axis, "unit": unit, "where": spec.where}
+        meta.set_stage(release, in_stage)
+    meta.set_collective(release, {"kind": "zero_release", "axis": axis, "unit": unit, "where": spec.where})
     if len(leaving) == 1:
         release.meta["val"] = leaving[0].meta.get("val")
         outs = [release]
@@ -433,11 +433,11 @@ def _release(
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(operator.getitem, (release, i))
             anchor.meta["val"] = n.meta.get("val")
-            anchor.meta[MODULE] = module
+            meta.set_module_tag(anchor, module)
             outs.append(anchor)
     for n, out in zip(leaving, outs, strict=True):
-        if PLACEMENT in n.meta:  # the same value, as the ranks hold it (the ledger reads its shards)
-            out.meta[PLACEMENT] = n.meta[PLACEMENT]
+        # the same value, as the ranks hold it (the ledger reads its shards)
+        meta.copy_facts(n, out, meta.PLACEMENT)
         n.replace_all_uses_with(out, delete_user_cb=lambda u: u not in members and u is not release)
 
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import meshplan.examples
-from meshplan.compiler.capture import MODULE_PATH_KEY, Captured, capture, dotted_module_path
+from meshplan.compiler.capture import Captured, capture, dotted_module_path
 from meshplan.compiler.errors import CaptureError, ModelLoadError
 from meshplan.compiler.load import load_model
+from meshplan.compiler.meta import module_tag
 from meshplan.examples.models import gpt, llama
 
 MODELS_DIR = Path(meshplan.examples.__file__).parent / "models"
@@ -61,7 +62,7 @@ def test_paths_are_named_module_paths(example: tuple[ModuleType, Captured]) -> N
     assert set(captured.node_modules.values()) <= set(captured.modules)
     for node in captured.graph_module.graph.nodes:
         if node.op == "call_function":
-            assert node.meta[MODULE_PATH_KEY] == captured.node_modules[node.name]
+            assert module_tag(node) == captured.node_modules[node.name]
 
 
 def test_parameters_match_the_model(example: tuple[ModuleType, Captured]) -> None:

@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_leaves
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.load import ModelSource
 from meshplan.compiler.lower import build_rank_program
+from meshplan.compiler.meta import CheckpointRegion, checkpoint_region
 from meshplan.compiler.passes.checkpoint import (
-    CHECKPOINT,
     CheckpointError,
     Region,
     checkpoint_regions,
@@ -88,8 +88,8 @@ def eager(source):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def regions_of(gm: fx.GraphModule) -> dict[str, dict]:
-    return {n.meta[CHECKPOINT]["path"]: n.meta[CHECKPOINT] for n in gm.graph.nodes if CHECKPOINT in n.meta}
+def regions_of(gm: fx.GraphModule) -> dict[str, CheckpointRegion]:
+    return {r.path: r for n in gm.graph.nodes if (r := checkpoint_region(n)) is not None}
 
 
 # ---------------------------------------------------------------------------- what the pass builds
@@ -106,9 +106,9 @@ def test_modes_and_rules_are_on_the_call_node(programs):
     selective, _ = programs["checkpoint selective"]
     assert list(regions_of(full.graph)) == [f"layers.{i}" for i in range(4)]
     info = regions_of(selective.graph)["layers.1"]
-    assert info["mode"] == "selective" and info["target"] == "checkpoint_layers_1"
-    assert info["rule"].span.line == 4 and info["rule"].pattern == "layers.*"
-    assert {i["mode"] for i in regions_of(full.graph).values()} == {"full"}
+    assert info.mode == "selective" and info.target == "checkpoint_layers_1"
+    assert info.rule is not None and info.rule.span.line == 4 and info.rule.pattern == "layers.*"
+    assert {i.mode for i in regions_of(full.graph).values()} == {"full"}
 
 
 def test_nested_regions_keep_the_outermost(source):

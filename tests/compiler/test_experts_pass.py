@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.compiler.compile import Compiled, compile_plan
-from meshplan.compiler.graph import COLLECTIVE
 from meshplan.compiler.load import ModelSource, load_model
+from meshplan.compiler.meta import COLLECTIVE
 from meshplan.compiler.placement import Shard
 from meshplan.compiler.print_explain import explain
 from meshplan.compiler.print_program import annotated_code

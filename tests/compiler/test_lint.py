@@ -11,9 +11,9 @@ from torch import fx
 
 from meshplan.compiler.capture import with_token_shape
 from meshplan.compiler.compile import compile_plan
-from meshplan.compiler.graph import PLACEMENT
 from meshplan.compiler.lint import GraphLintError, lint
 from meshplan.compiler.load import load_model
+from meshplan.compiler.meta import PLACEMENT
 from meshplan.compiler.placement import Shard
 from meshplan.dsl.check import check_text
 from meshplan.runtime.mesh import MeshLayout

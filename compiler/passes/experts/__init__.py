@@ -79,8 +79,9 @@ from meshplan.runtime.expert_list import ExpertList
 from meshplan.runtime.experts import ExpertParallel
 from meshplan.runtime.mesh import axes_of
 
-from ...graph import COLLECTIVE, PLACEMENT, arg_node, shape
-from ...meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
+from ... import meta
+from ...graph import arg_node, shape
+from ...meta import Collective
 from ...placement import Shard
 from .. import Context, Pass
 from .capacity import capacity_factor
@@ -155,7 +156,8 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             z_losses.append((index, coefficient, governed[path]))
             logits = router_logits(index)
             assert isinstance(logits, fx.Node)
-            call.meta[COLLECTIVE].update(z_loss=coefficient, router=router_path(logits), path=path)
+            z_loss: Collective = {"z_loss": coefficient, "router": router_path(logits), "path": path}
+            meta.set_collective(call, {**meta.collective_of(call), **z_loss})
     add_z_loss(gm, z_losses, ctx.layout) if z_losses else None
     gm.graph.lint()
     gm.recompile()
@@ -183,7 +185,7 @@ def _lower(
     # the axes that cut its tokens by rows, each rank routing its own (`ROWS_CUT`); the axis whose
     # ranks queue their tokens together under a capacity (a tensor axis the experts borrow, or
     # that one), or ""
-    rows_cut = tuple(node.meta.get(ROWS_CUT, ()))
+    rows_cut = meta.rows_cut(node)
     shared = " x ".join(a for a in group if a not in ctx.plan.batch_axes) or (
         rows_cut[0] if factor is not None and rows_cut else ""
     )
@@ -195,7 +197,7 @@ def _lower(
         param_names=relative,
         capacity_factor=factor,
         splits_batch=all(a in ctx.plan.batch_axes for a in group),
-        token_chunks=node.meta.get(TOKEN_CHUNKS, 1),
+        token_chunks=meta.token_chunks(node),
         shared=shared,
         rows_cut=rows_cut,
         # a group of axes: the mean over those of its axes that split the batch
@@ -207,7 +209,7 @@ def _lower(
     with gm.graph.inserting_before(node):
         call = gm.graph.call_module(target, (tokens, top_k_index, top_k_weights, *params))
     call.meta.update(node.meta)
-    call.meta[COLLECTIVE] = {
+    info: Collective = {
         "kind": "experts",
         "axis": rule.axis,
         "dim": 0,
@@ -219,13 +221,14 @@ def _lower(
         "shared": shared,
     }
     if isinstance(module, ExpertList):  # its rows are pairs: as many as its routing makes
-        call.meta[COLLECTIVE]["routed_pairs"] = node.meta[ROUTING]["pairs"] if ROUTING in node.meta else None
+        info["routed_pairs"] = routing.pairs if (routing := meta.routing(node)) is not None else None
+    meta.set_collective(call, info)
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
     for get_attr in gm.graph.nodes:
         if get_attr.op == "get_attr" and get_attr.target in names:
             for axis in group:
-                get_attr.meta.setdefault(PLACEMENT, {})[axis] = Shard(0)
+                meta.set_axis_placement(get_attr, axis, Shard(0))
     for name in names:
         ctx.experts[name] = ExpertParams(rule.axis, rule)
     return call
@@ -316,17 +319,17 @@ def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
     list's joined calls the top-k `rows.py` found (or why there is none)."""
     if not isinstance(module, ExpertList):
         return arg_node(marker, 1)
-    routing = marker.meta.get(ROUTING)
-    if routing is None or routing["index"] is None:
+    routing = meta.routing(marker)
+    if routing is None or routing.index is None:
         return "its parent routes its tokens with no top-k the graph shows"
-    return routing["index"]
+    return routing.index
 
 
 def _routed_k(marker: fx.Node, module: nn.Module) -> int | torch.SymInt | None:
     """How many experts the model routes each token to: top_k_index's (N, k), or for a list's
     joined calls (rows one per pair) its routing's k, if `rows.py` found it."""
     if isinstance(module, ExpertList):
-        return marker.meta[ROUTING]["k"] if ROUTING in marker.meta else None
+        return routing.k if (routing := meta.routing(marker)) is not None else None
     return shape(arg_node(marker, 1))[-1]
 
 

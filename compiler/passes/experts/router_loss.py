@@ -51,7 +51,8 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import COLLECTIVES
 from meshplan.runtime.mesh import MeshLayout
 
-from ...graph import COLLECTIVE, PLACEMENT, arg_node, is_loss, is_tensor_node, value
+from ... import meta
+from ...graph import arg_node, is_loss, is_tensor_node, value
 from ...placement import Shard
 
 aten = torch.ops.aten
@@ -80,9 +81,7 @@ def router_logits(top_k_index: fx.Node) -> fx.Node | str:
     if node.target not in _SOFTMAX:
         return f"its top-k is taken over `{node.name}`, not over a softmax of the router's logits"
     logits = _uncast(arg_node(node, 0))
-    uneven = [
-        a for a, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard) and not _even(p, logits)
-    ]
+    uneven = [a for a, p in meta.placement(logits).items() if isinstance(p, Shard) and not _even(p, logits)]
     if uneven:
         return f"its router's logits `{logits.name}` are cut unevenly over `{uneven[0]}`"
     if not router_path(logits):
@@ -99,7 +98,7 @@ def _even(p: Shard, logits: fx.Node) -> bool:
 def _cut_over(logits: fx.Node) -> list[str]:
     """The axes the router's tokens are cut over (sequence or context parallelism, experts
     borrowing a tensor axis): each rank's logits are its share of the tokens."""
-    return [a for a, p in logits.meta.get(PLACEMENT, {}).items() if isinstance(p, Shard)]
+    return [a for a, p in meta.placement(logits).items() if isinstance(p, Shard)]
 
 
 def _uncast(node: fx.Node) -> fx.Node:
@@ -172,17 +171,19 @@ def _z_term(
             gm.add_submodule(name, COLLECTIVES["all_reduce"](None, axis))
         summed = graph.call_module(name, (mean,))
         summed.meta.update({"val": value(mean), **stack})
-        summed.meta[COLLECTIVE] = {"kind": "all_reduce", "axis": axis, "dim": None, "rule": rule}
+        meta.set_collective(summed, {"kind": "all_reduce", "axis": axis, "dim": None, "rule": rule})
         mean, ranks = summed, ranks * layout.size(axis)
     return _node(graph, aten.mul.Tensor, (mean, coefficient / ranks), {}, "z_loss", stack)
 
 
-def _node(graph: fx.Graph, target, args: tuple, kwargs: dict, name: str, meta: dict | None = None) -> fx.Node:
+def _node(
+    graph: fx.Graph, target, args: tuple, kwargs: dict, name: str, stack: dict | None = None
+) -> fx.Node:
     node = graph.call_function(target, args, kwargs)
     node.name = graph._graph_namespace.create_name(name, None)
     vals = [value(a) if isinstance(a, fx.Node) else a for a in args]
     node.meta["val"] = target(*vals, **kwargs)  # the inputs' fake tensors give the output's
-    node.meta.update(meta or {})
+    node.meta.update(stack or {})
     return node
 
 
@@ -192,13 +193,12 @@ def _node(graph: fx.Graph, target, args: tuple, kwargs: dict, name: str, meta: d
 def z_loss_units(gm: fx.GraphModule) -> dict[str, tuple[str, int, float]]:
     """Experts path -> (router module path, number of experts, z-loss coefficient), for every
     experts unit of a compiled graph that adds a z-loss: what `z_loss_applied` takes."""
-    from ...graph import COLLECTIVE
     from ..checkpoint import collective_nodes  # a checkpointed layer's unit is in its region
 
     return {
         info["path"]: (info["router"], int(info["experts"]), float(info["z_loss"]))
         for n, _ in collective_nodes(gm)
-        if (info := n.meta[COLLECTIVE]).get("z_loss") is not None
+        if (info := meta.collective_of(n)).get("z_loss") is not None
     }
 
 

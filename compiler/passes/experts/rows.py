@@ -64,8 +64,9 @@ from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
 
+from ... import meta
 from ...graph import arg_node, hint, shape
-from ...meta import MODULE, REQUIRES_GRAD, ROUTING, Routing
+from ...meta import Routing
 from .. import Context, Pass
 from .capacity import capacity_factor
 from .units import MARKER, ROWS_MARKER, expert_modules
@@ -155,7 +156,7 @@ def _queue(calls: list[fx.Node]) -> Queue | str:
     routing = _routing([arg_node(n, 0) for n in calls])
     if routing is None:
         return "its parent routes its tokens with no top-k the graph shows"
-    index = routing["index"]
+    index = routing.index
     routed = shape(index)[0] if index is not None else None
     tokens = []
     for call in calls:
@@ -213,8 +214,8 @@ def _join(graph: fx.Graph, calls: list[fx.Node], queue: Queue | None) -> bool:
     def add(target, args, val):
         node = graph.call_function(target, args)
         node.meta.update(val=val, nn_module_stack=stack, stack_trace=first.meta.get("stack_trace"))
-        node.meta[MODULE] = path
-        node.meta[REQUIRES_GRAD] = isinstance(val, torch.Tensor) and val.requires_grad
+        meta.set_module_tag(node, path)
+        meta.set_requires_grad(node, isinstance(val, torch.Tensor) and val.requires_grad)
         return node
 
     with graph.inserting_before(first), fake.fake_mode:
@@ -254,7 +255,7 @@ def _join(graph: fx.Graph, calls: list[fx.Node], queue: Queue | None) -> bool:
             call.replace_all_uses_with(piece)
     routing = _routing(rows)
     if routing is not None:
-        unit.meta[ROUTING] = routing
+        meta.set_routing(unit, routing)
     for call in calls:
         graph.erase_node(call)
     return routing is not None

@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ... import meta
 from ...graph import (
-    COLLECTIVE,
-    PLACEMENT,
-    REQUIRES_GRAD,
-    RULE,
     arg_node,
     describe,
     known_equal,
@@ -169,8 +166,9 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
     whole = w.convert(t, REPLICATE, into_sharded=True, because=rule)
     with w.graph.inserting_after(whole):
         group = w.graph.call_module(w.module_for("kv_group"), (whole, 1, replicas))
-    group.meta.update({k: a for k, a in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)})
-    group.meta[PLACEMENT] = w.other_axes(whole)
+    group.meta.update({k: a for k, a in whole.meta.items() if k in ("val", "nn_module_stack")})
+    meta.copy_facts(whole, group, meta.REQUIRES_GRAD)
+    meta.set_placement(group, w.other_axes(whole))
     w.set(group, Shard(1, (), replicas), rule)
     w.use(node, t, group)
 
@@ -204,7 +202,7 @@ def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
     with w.graph.inserting_before(node):
         ring = w.graph.call_module(w.module_for("ring_attention"), args)
     ring.meta.update(node.meta)
-    ring.meta[COLLECTIVE] = {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule}
+    meta.set_collective(ring, {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule})
     node.replace_all_uses_with(ring)
     w.graph.erase_node(node)
     for t in repeats:
@@ -236,7 +234,7 @@ def _causal_rows(w: Walk, node: fx.Node, keys: fx.Node, rule) -> fx.Node:
         positions.meta["val"] = torch.arange(fake.shape[SEQ], device=fake.device)
     for n in (length, positions):
         n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        n.meta[PLACEMENT] = {}
+        meta.set_placement(n, {})
     w.set(length, REPLICATE)
     w.set(positions, REPLICATE)
     mine = w.convert(positions, Shard(0), because=rule)
@@ -248,7 +246,7 @@ def _causal_rows(w: Walk, node: fx.Node, keys: fx.Node, rule) -> fx.Node:
         mask.meta["val"] = column.meta["val"] >= positions.meta["val"]
     for n in (column, mask):
         n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        n.meta[PLACEMENT] = w.other_axes(mine)
+        meta.set_placement(n, w.other_axes(mine))
     w.set(column, Shard(0), rule)
     w.set(mask, Shard(0), rule)
     return mask
@@ -375,7 +373,7 @@ def _matmul_2d(w: Walk, node: fx.Node) -> None:
     bias = arg_node(node, 0) if has_bias else None
     x, weight = (arg_node(node, 1), arg_node(node, 2)) if has_bias else (arg_node(node, 0), arg_node(node, 1))
     wp = w.placement(weight)
-    rule = weight.meta.get(RULE)
+    rule = meta.rule(weight)
     if isinstance(wp, Shard) and wp.dim == 1:  # column
         w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
         blocks = w.fuse_blocks(node, 1, (weight, bias), weight_dim=1)

@@ -17,11 +17,8 @@ from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import COLLECTIVES
 
+from ... import meta
 from ...graph import (
-    COLLECTIVE,
-    PLACEMENT,
-    REQUIRES_GRAD,
-    RULE,
     as_int,
     as_list,
     describe,
@@ -54,7 +51,7 @@ class Conversions:
     def placement(self, node: Argument) -> Placement:
         if not isinstance(node, fx.Node):
             return REPLICATE
-        return node.meta.get(PLACEMENT, {}).get(self.axis, REPLICATE)
+        return meta.placement(node).get(self.axis, REPLICATE)
 
     def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
         if isinstance(placement, Shard):
@@ -69,9 +66,9 @@ class Conversions:
                     hint="split each dim over one axis (e.g. keep `sequence` rules on one tensor axis)",
                     rule=rule,
                 )
-        node.meta.setdefault(PLACEMENT, {})[self.axis] = placement
+        meta.set_axis_placement(node, self.axis, placement)
         if rule is not None:
-            node.meta[RULE] = rule
+            meta.set_rule(node, rule)
         if isinstance(placement, Shard) and is_tensor_node(node):
             self.cut(node, placement, rule)
 
@@ -111,10 +108,10 @@ class Conversions:
 
     def other_axes(self, node: fx.Node) -> dict[str, Placement]:
         """`node`'s placements over the other axes: what a node this walk derives from it keeps."""
-        return {k: v for k, v in node.meta.get(PLACEMENT, {}).items() if k != self.axis}
+        return {k: v for k, v in meta.placement(node).items() if k != self.axis}
 
     def requires_grad(self, node: Argument) -> bool:
-        return isinstance(node, fx.Node) and bool(node.meta.get(REQUIRES_GRAD))
+        return isinstance(node, fx.Node) and bool(meta.requires_grad(node))
 
     def error(
         self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
@@ -125,7 +122,7 @@ class Conversions:
 
     def rule_near(self, node: fx.Node) -> PlanRule | None:
         for arg in node.all_input_nodes:
-            rule = arg.meta.get(RULE)
+            rule = meta.rule(arg)
             if rule is not None:
                 return rule
         return None
@@ -218,17 +215,16 @@ class Conversions:
         if key not in self.converted:
             with self.graph.inserting_after(whole):
                 node = self.graph.call_function(aten.slice.Tensor, (whole, was.dim, 0, was.padded))
-            node.meta.update(
-                {k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-            )
-            node.meta[PLACEMENT] = self.other_axes(whole)
-            self.set(node, REPLICATE, whole.meta.get(RULE))
+            node.meta.update({k: v for k, v in whole.meta.items() if k in ("val", "nn_module_stack")})
+            meta.copy_facts(whole, node, meta.REQUIRES_GRAD)
+            meta.set_placement(node, self.other_axes(whole))
+            self.set(node, REPLICATE, meta.rule(whole))
             self.converted[key] = node
         return self.converted[key]
 
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
         """Sum a partial result right where it is made (the rule behind it made it partial)."""
-        because = arg.meta.get(RULE)
+        because = meta.rule(arg)
         rows = shape(arg)[:1]
         if (
             self.spec.sequence_parallel
@@ -269,13 +265,12 @@ class Conversions:
             args = (arg, dim, to)
         with self.graph.inserting_after(arg):
             node = self.graph.call_module(name, args)
-        node.meta.update(
-            {k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-        )
-        node.meta[PLACEMENT] = self.other_axes(arg)
-        node.meta[COLLECTIVE] = {"kind": kind, "axis": self.axis, "dim": dim, "rule": because}
+        node.meta.update({k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack")})
+        meta.copy_facts(arg, node, meta.REQUIRES_GRAD)
+        meta.set_placement(node, self.other_axes(arg))
+        meta.set_collective(node, {"kind": kind, "axis": self.axis, "dim": dim, "rule": because})
         sequence = self.spec.sequence_parallel and isinstance(out, Shard) and kind == "reduce_scatter"
-        self.set(node, out, self.sequence_rule_near(arg) if sequence else arg.meta.get(RULE))
+        self.set(node, out, self.sequence_rule_near(arg) if sequence else meta.rule(arg))
         self.converted[key] = node
         return node
 

@@ -30,8 +30,8 @@ from torch import fx
 from meshplan.dsl.axes import axes_of
 from meshplan.dsl.check import PlanRule
 
-from ...graph import REQUIRES_GRAD, RULE, arg_node, divides, hint, shape
-from ...meta import ROUTING, ROWS_CUT, TOKEN_CHUNKS
+from ... import meta
+from ...graph import arg_node, divides, hint, shape
 from ...placement import PARTIAL, REPLICATE, Replicate, Shard
 from ..experts.units import MARKER
 from .walk import Walk, register
@@ -61,7 +61,7 @@ def _whole_over_the_axis(
     )
     # a capacity queues the rows of every rank of one axis together: of one axis only, and not
     # in the load-balanced layout (its chunks are not in the tokens' order)
-    queues = not capacity or (ROWS_CUT not in node.meta and not w.spec.balanced)
+    queues = not capacity or (not meta.rows_cut(node) and not w.spec.balanced)
     whole = queues and isinstance(have, Replicate) and _rows_divide(w, node, tokens, rule)
     if not queues or not (whole or (isinstance(have, Shard) and have.dim == 0)):
         w.default(node)  # the unit's inputs gathered if they are not whole
@@ -73,9 +73,9 @@ def _whole_over_the_axis(
     for p in params:
         w.use(node, p, w.convert(p, REPLICATE, into_sharded=True, because=rule))
     w.set(node, rows, rule)
-    node.meta.setdefault(ROWS_CUT, []).append(w.axis)
+    meta.add_rows_cut(node, w.axis)
     if capacity:  # the ranks of this axis queue their rows together, as one device's tokens
-        node.meta[TOKEN_CHUNKS] = len(rows.blocks) or 1
+        meta.set_token_chunks(node, len(rows.blocks) or 1)
     if whole:
         _gathered_for_users(w, node, rule)
 
@@ -99,7 +99,7 @@ def _split_over_experts(
     w.set(node, rows, rule)
     # a capacity counts the tokens its ranks share: each rank's rows are chunks of them, in
     # order (one chunk of whole tokens, or under sequence parallelism one per sequence)
-    node.meta[TOKEN_CHUNKS] = len(rows.blocks) or 1
+    meta.set_token_chunks(node, len(rows.blocks) or 1)
     if whole:
         _gathered_for_users(w, node, rule)
 
@@ -109,9 +109,9 @@ def _rows_divide(w: Walk, node: fx.Node, tokens: fx.Node, rule: PlanRule | None)
     (noted for the run to check, as a sequence cut is) at the shapes the program serves. A list's
     rows are one per routed (token, slot) pair: N k, N the routing's tokens (`ROUTING`)."""
     size = shape(tokens)[0]
-    routing = node.meta.get(ROUTING)
-    if hint(size) is None and routing is not None and routing["index"] is not None:
-        size = shape(routing["index"])[0] * routing["k"]
+    routing = meta.routing(node)
+    if hint(size) is None and routing is not None and routing.index is not None:
+        size = shape(routing.index)[0] * routing.k
     example = hint(size)
     if example is None or example % w.n:
         return False  # the rows stay whole: every rank computes them (correct, the work repeated)
@@ -148,11 +148,11 @@ def _experts(w: Walk, node: fx.Node) -> None:
     if not split:
         _whole_over_the_axis(w, node, tokens, index, weights, params)
         return
-    rules = [r for p in split if (r := p.meta.get(RULE)) is not None]
+    rules = [r for p in split if (r := meta.rule(p)) is not None]
     # the reduction is the row split's: the ledger names its rule
     rule = next((r for r in rules if getattr(r.action, "style", None) == "row"), rules[0] if rules else None)
     w.use(node, tokens, w.convert(tokens, REPLICATE, into_sharded=True, because=rule))
-    if weights.meta.get(REQUIRES_GRAD) is not False:  # a list's rows are weighed after, by the model
+    if meta.requires_grad(weights) is not False:  # a list's rows are weighed after, by the model
         w.use(node, weights, w.convert(weights, REPLICATE, into_sharded=True, because=rule))
     if not isinstance(w.placement(index), Replicate):
         w.use(node, index, w.convert(index, REPLICATE, because=rule))

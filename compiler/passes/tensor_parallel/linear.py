@@ -9,10 +9,8 @@ from torch import fx
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 
+from ... import meta
 from ...graph import (
-    COLLECTIVE,
-    REQUIRES_GRAD,
-    RULE,
     arg_node,
     as_node,
     describe,
@@ -49,7 +47,8 @@ def _kv_group(
     name = w.module_for("kv_group")
     with w.graph.inserting_after(node):
         group = w.graph.call_module(name, (node, last, replicas))
-    group.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)})
+    group.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack")})
+    meta.copy_facts(node, group, meta.REQUIRES_GRAD)
     node.replace_all_uses_with(group, delete_user_cb=lambda u: u is not group)
     w.set(group, Shard(last, (), replicas), rule)
 
@@ -59,7 +58,7 @@ def _linear(w: Walk, node: fx.Node) -> None:
     x, weight = arg_node(node, 0), arg_node(node, 1)
     bias = optional_arg_node(node, 2)
     wp = w.placement(weight)
-    rule = weight.meta.get(RULE)
+    rule = meta.rule(weight)
     last = len(shape(node)) - 1
     replicas = w.spec.kv_replicas.get(str(_through_casts(weight).target))
     if replicas:
@@ -121,14 +120,14 @@ def _linear(w: Walk, node: fx.Node) -> None:
 def _embedding(w: Walk, node: fx.Node) -> None:
     weight, ids = arg_node(node, 0), node.args[1]
     wp = w.placement(weight)
-    rule = weight.meta.get(RULE)
+    rule = meta.rule(weight)
     if isinstance(wp, Shard) and wp.dim == 0:
         padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         args = (weight, ids) if padding_idx in (-1, None) else (weight, ids, padding_idx)
         with w.graph.inserting_before(node):
             vocab = w.graph.call_module(w.module_for("vocab_embedding"), args)
         vocab.meta.update(node.meta)
-        vocab.meta[COLLECTIVE] = {"kind": "vocab_embedding", "axis": w.axis, "dim": None, "rule": rule}
+        meta.set_collective(vocab, {"kind": "vocab_embedding", "axis": w.axis, "dim": None, "rule": rule})
         node.replace_all_uses_with(vocab)
         w.graph.erase_node(node)
         w.set(vocab, PARTIAL, rule)
@@ -167,7 +166,7 @@ def _cross_entropy(w: Walk, node: fx.Node) -> None:
                 node,
                 "vocab-parallel cross-entropy takes no class weights",
                 hint="replicate the LM head instead",
-                rule=logits.meta.get(RULE),
+                rule=meta.rule(logits),
             )
         with w.graph.inserting_before(node):
             ce = w.graph.call_module(
@@ -178,15 +177,12 @@ def _cross_entropy(w: Walk, node: fx.Node) -> None:
                 + ((lp.padded,) if lp.padded else ()),
             )
         ce.meta.update(node.meta)
-        ce.meta[COLLECTIVE] = {
-            "kind": "vocab_cross_entropy",
-            "axis": w.axis,
-            "dim": None,
-            "rule": logits.meta.get(RULE),
-        }
+        meta.set_collective(
+            ce, {"kind": "vocab_cross_entropy", "axis": w.axis, "dim": None, "rule": meta.rule(logits)}
+        )
         node.replace_all_uses_with(ce)
         w.graph.erase_node(node)
-        w.set(ce, REPLICATE, logits.meta.get(RULE))
+        w.set(ce, REPLICATE, meta.rule(logits))
         return
     w.default(node)
 
@@ -252,7 +248,7 @@ def _call(w: Walk, op, args: tuple, after: fx.Node) -> fx.Node:
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     new.meta["val"] = op(*vals)
     new.meta["nn_module_stack"] = after.meta.get("nn_module_stack", {})
-    new.meta[REQUIRES_GRAD] = any(w.requires_grad(a) for a in args if isinstance(a, fx.Node))
+    meta.set_requires_grad(new, any(w.requires_grad(a) for a in args if isinstance(a, fx.Node)))
     return new
 
 
@@ -270,9 +266,8 @@ def _reduce_row_output(w: Walk, node: fx.Node, bias: fx.Node | None, rule: PlanR
     if bias is not None:
         with w.graph.inserting_after(reduced):
             result = w.graph.call_function(aten.add.Tensor, (reduced, bias))
-        result.meta.update(
-            {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", REQUIRES_GRAD)}
-        )
+        result.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack")})
+        meta.copy_facts(node, result, meta.REQUIRES_GRAD)
         _elementwise(w, result)
     for user in list(node.users):
         if user is not reduced:

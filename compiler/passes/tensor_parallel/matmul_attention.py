@@ -26,7 +26,8 @@ from torch import fx
 
 from meshplan.dsl.check import PlanRule
 
-from ...graph import REQUIRES_GRAD, arg_node, module_path, shape
+from ... import meta
+from ...graph import arg_node, module_path, shape
 
 aten = torch.ops.aten
 
@@ -133,7 +134,7 @@ def _rewrite(graph: fx.Graph, out: fx.Node, a: _Attention) -> None:
     with fake.fake_mode:
         vals = [t.meta["val"] if t is not None else None for t in (a.q, a.k, a.v, mask)]
         sdpa.meta["val"] = aten.scaled_dot_product_attention.default(*vals, 0.0, False, scale=a.scale)
-    _like(sdpa, out, requires_grad=out.meta.get(REQUIRES_GRAD))
+    _like(sdpa, out, requires_grad=meta.requires_grad(out))
     out.replace_all_uses_with(sdpa)
     for node in a.chain:  # output first: each one's reader is gone when it goes
         graph.erase_node(node)
@@ -145,4 +146,4 @@ def _like(node: fx.Node, model: fx.Node, *, requires_grad) -> None:
         if key in model.meta:
             node.meta[key] = model.meta[key]
     if requires_grad is not None:
-        node.meta[REQUIRES_GRAD] = requires_grad
+        meta.set_requires_grad(node, requires_grad)

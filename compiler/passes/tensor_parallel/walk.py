@@ -27,9 +27,8 @@ from meshplan.runtime.collectives import (
 )
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
 
+from ... import meta
 from ...graph import (
-    REQUIRES_GRAD,
-    RULE,
     arg_node,
     as_int,
     as_list,
@@ -164,7 +163,7 @@ class Walk(Conversions):
         if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
             # and the rule behind the input's placement here (a split weight's, read through the
             # f of a context axis walked before this one)
-            self.set(node, self.placement(inputs[0]), inputs[0].meta.get(RULE))
+            self.set(node, self.placement(inputs[0]), meta.rule(inputs[0]))
         elif isinstance(module, RingAttention) and _heads_alike(*(self.placement(a) for a in node.args[:3])):
             # attention is independent per head: q, k, v split alike by heads stay so
             self.set(node, self.placement(node.args[0]))
@@ -176,14 +175,14 @@ class Walk(Conversions):
     def mark_requires_grad(self, node: fx.Node) -> None:
         if node.op == "get_attr":
             attr = _get_attr(self.gm, str(node.target))
-            node.meta[REQUIRES_GRAD] = isinstance(attr, torch.nn.Parameter) and attr.requires_grad
+            meta.set_requires_grad(node, isinstance(attr, torch.nn.Parameter) and attr.requires_grad)
         elif node.op == "call_function":
             val = node.meta.get("val")
             constant = node.target in _FRESH or (
                 isinstance(val, torch.Tensor) and not val.is_floating_point()
             )
-            node.meta[REQUIRES_GRAD] = not constant and any(
-                self.requires_grad(a) for a in node.all_input_nodes
+            meta.set_requires_grad(
+                node, not constant and any(self.requires_grad(a) for a in node.all_input_nodes)
             )
 
     def reads_padding(self, node: fx.Node) -> bool:

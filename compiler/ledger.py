@@ -47,6 +47,7 @@ import torch
 from torch import fx, nn
 
 from meshplan.dsl.check import Plan
+from meshplan.dsl.errors import Span
 from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.collectives import COLLECTIVES, Wire
 from meshplan.runtime.experts import expert_capacity
@@ -74,7 +75,7 @@ class LedgerRow:
     bytes: int
     count: int
     group_size: int
-    rule: str  # `file:line` of the plan rule behind it, or ""
+    rule: Span | None  # where the plan rule (or block) behind it is
     recompute: bool = False  # re-issued in backward by activation checkpointing's recomputation
 
     @property
@@ -82,6 +83,12 @@ class LedgerRow:
         n = self.group_size
         factor = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
         return factor * self.bytes * self.count
+
+
+def plan_line(span: Span | None) -> str:
+    """`llama.plan:7`: the plan line a row comes from, as the table and `ledger.json` print it
+    ("" for none)."""
+    return f"{span.path}:{span.line}" if span is not None else ""
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,7 @@ class Ledger:
                 "bytes": r.bytes,
                 "count": r.count,
                 "group_size": r.group_size,
-                "rule": r.rule,
+                "rule": plan_line(r.rule),
             }
             for r in self.rows
         ]
@@ -136,7 +143,7 @@ class DataParallelFacts:
     params: Sequence[tuple[str, torch.Tensor]]  # this rank's trainable params (meta tensors), program order
     aliases: dict[str, str]  # every name a param has in the graph -> its name in `params` (ties)
     decay: Callable[[str, torch.Tensor], bool]  # which params AdamW decays (they get their own flats)
-    where: str  # `file:line` of the plan's data_parallel block
+    where: Span  # the plan's data_parallel block
     norm_sums: int = (
         2  # float64 sums the gradient norm all-reduces: one per set of sharding axes, one for the rest
     )
@@ -151,7 +158,7 @@ class ExpertDataFacts:
     groups: Sequence[tuple[tuple[str, ...], int, Sequence[tuple[str, torch.Tensor]]]]  # (axes, ranks, params)
     bucket_bytes: int
     reduce_dtype: torch.dtype | None
-    where: str  # `file:line` of the data_parallel block, or of the first experts rule
+    where: Span  # the data_parallel block, or the first experts rule
     zero: int = 0  # ZeRO: each group's state sharded over its ranks (`runtime/expert_zero.py`)
     decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
     aliases: dict[str, str] = field(default_factory=dict)  # a param's graph names -> its name (ties)
@@ -173,7 +180,7 @@ def data_parallel_facts(
 
     params, aliases = _local_params(gm, model, placements, layout)
     reduce = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.precision.reduce]
-    where = f"{dp.span.path}:{dp.span.line}"
+    where = dp.span
     # the gradient norm sums squares per set of axes that shard a parameter, and one for the rest
     kinds = {
         tuple(a for a, p in placements.get(name, {}).items() if isinstance(p, Shard) and layout.size(a) > 1)
@@ -249,7 +256,7 @@ def expert_data_facts(
         ),
         dp.bucket_bytes if dp is not None else 25_000_000,
         reduce,
-        f"{span.path}:{span.line}",
+        span,
         zero,
         decays,
         aliases,
@@ -335,7 +342,7 @@ def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
             full = held_shape(logits, shape(logits), axis, layout)[:-1]
             nbytes = math.prod(full) * 4
         rule = info.get("rule")
-        where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
+        where = rule.span if rule is not None else None
         declared = COLLECTIVES[kind]  # the ops it issues per call, as its module class declares them
         forward, backward = declared.forward_wire, declared.backward_wire
         if kind == "vocab_cross_entropy" and len(node.args) > 4 and node.args[4]:
@@ -384,7 +391,7 @@ def _expert_rows(node: fx.Node, info: Collective, layout: MeshLayout, recomputed
     """An experts unit's all-to-alls (see the module docstring): the counts, then each pair's
     row dispatched and combined in forward, and both again, reversed, in backward."""
     axis, rule = info["axis"], info.get("rule")
-    where = f"{rule.span.path}:{rule.span.line}" if rule is not None else ""
+    where = rule.span if rule is not None else None
     tokens = arg_node(node, 0)
     held, k = unit_tokens(node, layout)
     factor, experts, shared = info.get("capacity_factor"), int(info["experts"]), shared_axis(info)
@@ -467,7 +474,7 @@ def _zero_bucket_rows(
     bucket_bytes: int,
     reduce_dtype: torch.dtype | None,
     decay: Callable[[str, torch.Tensor], bool],
-    where: str,
+    where: Span,
 ) -> list[LedgerRow]:
     """ZeRO-1/2's flats: each gradient flat reduced in backward (all-reduce for stage 1,
     reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards."""
@@ -497,7 +504,7 @@ def _zero_unit_rows(
     n: int,
     decay: Callable[[str, torch.Tensor], bool],
     reduce_dtype: torch.dtype | None,
-    where: str,
+    where: Span,
     accumulation: int,
 ) -> list[LedgerRow]:
     """ZeRO-3's units, from the graph's `ZeroGather` nodes over `axis` (under expert

@@ -64,8 +64,8 @@ def explain(compiled: Compiled) -> str:
     params = dict(compiled.captured.model.named_parameters())
     by_rule_line: dict[int, list] = defaultdict(list)
     for row in compiled.ledger.rows:
-        if row.rule:
-            by_rule_line[int(row.rule.rsplit(":", 1)[1])].append(row)
+        if row.rule is not None:
+            by_rule_line[row.rule.line].append(row)
     issued_early = {  # entries whose backward reduction a `linears` group issues early
         n.name
         for gm in (compiled.graph, *(region for _, region in region_modules(compiled.graph)))

@@ -4,14 +4,14 @@ writes it as `ledger.txt`, and `inspect` shows that file beside the program."""
 from __future__ import annotations
 
 from .compile import Compiled
-from .ledger import PHASES
+from .ledger import PHASES, plan_line
 
 
 def ledger_table(compiled: Compiled) -> str:
     """The collective ledger as a table, one line per (op, phase, axis, shape, rule)."""
     agg: dict[tuple, list[int]] = {}
     for r in compiled.ledger.rows:
-        key = (r.phase, r.op, r.axis, r.shape, r.rule)
+        key = (r.phase, r.op, r.axis, r.shape, plan_line(r.rule))
         entry = agg.setdefault(key, [0, r.bytes])
         entry[0] += r.count
     width = max([5, *(len(key[2]) for key in agg)])  # `dp x ep` under expert parallelism

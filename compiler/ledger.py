@@ -310,7 +310,7 @@ def held_shape(
 
 def _graph_rows(gm: fx.GraphModule, layout: MeshLayout) -> list[LedgerRow]:
     rows = []
-    # a list of experts' rows, one per routed pair (`passes/expert_rows.py`): their data-dependent
+    # a list of experts' rows, one per routed pair (`passes/experts/rows.py`): their data-dependent
     # count is the example's routed pairs wherever it appears (a row split inside the experts
     # reduces them over tp)
     routed = {

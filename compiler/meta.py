@@ -45,7 +45,7 @@ COLLECTIVE = "meshplan.collective"
 CHECKPOINT = "meshplan.checkpoint"
 STAGE = "meshplan.stage"
 STAGES = "meshplan.stages"  # on GraphModule.meta
-# on an experts unit joined from a list's calls (`passes/expert_rows.py`): its routing's `Routing`
+# on an experts unit joined from a list's calls (`passes/experts/rows.py`): its routing's `Routing`
 # (the example's (token, slot) pairs and k), which the graph's data-dependent sizes cannot say
 ROUTING = "meshplan.routing"
 # on an experts unit borrowing a tensor axis (`experts over tp`): how many chunks of the tokens

@@ -138,17 +138,19 @@ def _run_file(target: str) -> ModuleType:
     file_spec = importlib.util.spec_from_file_location(name, resolved)
     if file_spec is None or file_spec.loader is None:
         raise ModelLoadError(f"cannot load {target!r} as Python", hint=_SPEC_HINT)
-    module = importlib.util.module_from_spec(file_spec)
+    module, loader = importlib.util.module_from_spec(file_spec), file_spec.loader
     # Registered while it runs: dataclasses and pickling look the module up by name.
     sys.modules[name] = module
     try:
-        file_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        del sys.modules[name]
-        raise ModelLoadError(
-            f"running {target!r} raised {_describe(exc)}{_location(exc, str(resolved))}",
+        _call_user(
+            lambda: loader.exec_module(module),
+            f"running {target!r}",
+            str(resolved),
             hint=f"run `python {target}` to see the full traceback",
-        ) from exc
+        )
+    except ModelLoadError:
+        del sys.modules[name]
+        raise
     _importable_by_its_name(module, resolved)
     return module
 
@@ -226,14 +228,22 @@ def _factory_hint(module: ModuleType, factory_name: str, target: str) -> str:
     return prefix + "functions defined there: " + ", ".join(defined)
 
 
-def _call_factory(factory: Callable[[], Any], spec: str, origin: str) -> nn.Module:
+def _call_user(fn: Callable[[], Any], what: str, origin: str, hint: str) -> Any:
+    """`fn()`, the user's code in `origin`: whatever it raises (an exit too) is a ModelLoadError
+    saying that `what` raised it, and where in that file."""
     try:
-        model = factory()
+        return fn()
     except (Exception, SystemExit) as exc:
-        raise ModelLoadError(
-            f"factory {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
-            hint="the factory is called with no arguments and must return a torch.nn.Module",
-        ) from exc
+        raise ModelLoadError(f"{what} raised {describe_error(exc, origin)}", hint=hint) from exc
+
+
+def _call_factory(factory: Callable[[], Any], spec: str, origin: str) -> nn.Module:
+    model = _call_user(
+        factory,
+        f"factory {spec!r}",
+        origin,
+        hint="the factory is called with no arguments and must return a torch.nn.Module",
+    )
     if not isinstance(model, nn.Module):
         raise ModelLoadError(
             f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module",
@@ -247,13 +257,9 @@ def _make_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     make = getattr(module, "example_inputs", None)
     if callable(make):
-        try:
-            inputs = make()
-        except (Exception, SystemExit) as exc:
-            raise ModelLoadError(
-                f"example_inputs() of {spec!r} raised {_describe(exc)}{_location(exc, origin)}",
-                hint="example_inputs is called with no arguments",
-            ) from exc
+        inputs = _call_user(
+            make, f"example_inputs() of {spec!r}", origin, hint="example_inputs is called with no arguments"
+        )
         return _as_call_inputs(inputs, spec)
     inputs = token_inputs(model)
     if inputs is None:

@@ -13,7 +13,7 @@ from ...graph import (
     module_path,
     shape,
 )
-from ...placement import REPLICATE, Partial, Shard
+from ...placement import REPLICATE, Shard
 from .linear import _reduce_row_output
 from .walk import _RULES, Walk, _norm_dim, register
 
@@ -388,9 +388,7 @@ def _matmul_2d(w: Walk, node: fx.Node) -> None:
             node.args = (node.args[1], node.args[2])  # the bias is added once, after the reduction
         _reduce_row_output(w, node, bias, rule)
         return
-    xp = w.placement(x)
-    if isinstance(xp, Partial):
-        xp = w.placement(w.use(node, x, w.reduce_partial(x)))
+    xp = w.placement(w.summed(node, x))
     if isinstance(xp, Shard) and xp.dim == 1:
         xp = w.placement(w.use(node, x, w.convert(x, REPLICATE)))
     if isinstance(xp, Shard):

@@ -222,6 +222,13 @@ class Conversions:
             self.converted[key] = node
         return self.converted[key]
 
+    def summed(self, node: fx.Node, arg: fx.Node) -> fx.Node:
+        """What `node` reads for `arg`: a partial `arg` summed first (`reduce_partial`), for the
+        ops a partial sum cannot pass through; `arg` itself otherwise."""
+        if isinstance(self.placement(arg), Partial):
+            return self.use(node, arg, self.reduce_partial(arg))
+        return arg
+
     def reduce_partial(self, arg: fx.Node) -> fx.Node:
         """Sum a partial result right where it is made (the rule behind it made it partial)."""
         because = meta.rule(arg)

@@ -112,11 +112,8 @@ def _type_as(w: Walk, node: fx.Node) -> None:
 
 @register(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
 def _reduce(w: Walk, node: fx.Node) -> None:
-    x = arg_node(node, 0)
+    x = w.summed(node, arg_node(node, 0))
     p = w.placement(x)
-    if isinstance(p, Partial):
-        x = w.use(node, x, w.reduce_partial(x))
-        p = w.placement(x)
     ndim = len(shape(x))
     requested = node.args[1] if len(node.args) > 1 else None
     dims = (
@@ -140,13 +137,10 @@ def _reduce(w: Walk, node: fx.Node) -> None:
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 def _softmax(w: Walk, node: fx.Node) -> None:
-    x = arg_node(node, 0)
+    x = w.summed(node, arg_node(node, 0))
     p = w.placement(x)
-    if isinstance(p, Partial):
-        p = w.placement(w.use(node, x, w.reduce_partial(x)))
     dim = _norm_dim(node.args[1], len(shape(x)))
     if isinstance(p, Shard) and p.dim == dim:  # move the shard to another dim: one all-to-all
-        x = arg_node(node, 0)  # the reduced partial sums, if they were partial
         other = _another_dim(w, x, p, dim)
         if other is None:
             w.error(node, f"{describe(node)} normalizes over dim {dim}, which is sharded over `{w.axis}`")
@@ -174,10 +168,7 @@ def _another_dim(w: Walk, x: fx.Node, p: Shard, busy: int) -> int | None:
 
 @register(aten.layer_norm.default)
 def _layer_norm(w: Walk, node: fx.Node) -> None:
-    x, normalized = arg_node(node, 0), node.args[1]
-    p = w.placement(x)
-    if isinstance(p, Partial):
-        p = w.placement(w.use(node, x, w.reduce_partial(x)))
+    p, normalized = w.placement(w.summed(node, arg_node(node, 0))), node.args[1]
     ndim = len(shape(node))
     if isinstance(p, Shard) and p.dim >= ndim - len(as_list(normalized, of=node)):
         w.error(node, f"{describe(node)} normalizes over a dim sharded over `{w.axis}`")

@@ -18,7 +18,7 @@ from ...graph import (
     known_equal,
     shape,
 )
-from ...placement import REPLICATE, Partial, Replicate, Shard
+from ...placement import REPLICATE, Replicate, Shard
 from .conversions import _uneven
 from .walk import Walk, _norm_dim, register
 
@@ -67,11 +67,8 @@ def _view_dim(in_shape, out_shape, dim: int) -> int | None:
 
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _view(w: Walk, node: fx.Node) -> None:
-    x = arg_node(node, 0)
+    x = w.summed(node, arg_node(node, 0))
     p = w.placement(x)
-    if isinstance(p, Partial):
-        x = w.use(node, x, w.reduce_partial(x))
-        p = w.placement(x)
     if not isinstance(p, Shard):
         w.set(node, REPLICATE)
         return
@@ -257,10 +254,8 @@ def _expand(w: Walk, node: fx.Node) -> None:
     aten.unbind.int,
 )
 def _slice_like(w: Walk, node: fx.Node) -> None:
-    x = arg_node(node, 0)
+    x = w.summed(node, arg_node(node, 0))
     p = w.placement(x)
-    if isinstance(p, Partial):
-        p = w.placement(w.use(node, x, w.reduce_partial(x)))
     if not isinstance(p, Shard):
         w.set(node, p)
         return

@@ -110,6 +110,10 @@ class ExpertParallel:
     def axes(self) -> tuple[Name, ...]:
         return (self.axis, *self.more)
 
+    def arg(self, name: str) -> ExpertArg | None:
+        """The argument called `name` (`capacity_factor`, `z_loss`), or None where the rule has none."""
+        return next((a for a in self.args if a.name.text == name), None)
+
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:

@@ -22,7 +22,8 @@ from .units import expert_modules, num_experts
 def capacity_factor(rule: PlanRule) -> float | None:
     """The rule's `capacity_factor`, or None: dropless."""
     assert isinstance(rule.action, ast.ExpertParallel)
-    return next((float(a.value) for a in rule.action.args if a.name.text == "capacity_factor"), None)
+    arg = rule.action.arg("capacity_factor")
+    return None if arg is None else float(arg.value)
 
 
 def capacity_lists(plan: Plan, model: nn.Module) -> list[str]:

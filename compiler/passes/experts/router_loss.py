@@ -54,6 +54,7 @@ from meshplan.runtime.mesh import MeshLayout
 from ... import meta
 from ...graph import arg_node, is_loss, is_tensor_node, value
 from ...placement import Shard
+from .units import argument_error
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
@@ -63,7 +64,8 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default}
 def z_loss_of(rule: PlanRule) -> float | None:
     """The rule's `z_loss` coefficient, or None."""
     assert isinstance(rule.action, ast.ExpertParallel)
-    return next((float(a.value) for a in rule.action.args if a.name.text == "z_loss"), None)
+    arg = rule.action.arg("z_loss")
+    return None if arg is None else float(arg.value)
 
 
 def router_path(logits: fx.Node) -> str:
@@ -109,10 +111,9 @@ def _uncast(node: fx.Node) -> fx.Node:
 
 def z_loss_problem(rule: PlanRule, modules: str, why: str) -> Diagnostic:
     """The located error of a rule whose `z_loss` finds no router logits (`router_logits`'s why)."""
-    assert isinstance(rule.action, ast.ExpertParallel)
-    arg = next(a for a in rule.action.args if a.name.text == "z_loss")
-    return Diagnostic(
-        arg.span,
+    return argument_error(
+        rule,
+        "z_loss",
         f"`z_loss` needs the router logits of {modules}: {why}",
         hint="the z-loss is taken over the logits whose softmax's top-k routes the tokens "
         "(Hugging Face's routers); remove `z_loss` or compute it in the model",

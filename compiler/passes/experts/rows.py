@@ -59,7 +59,6 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
-from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
@@ -69,7 +68,7 @@ from ...graph import arg_node, hint, shape
 from ...meta import Routing
 from .. import Context, Pass
 from .capacity import capacity_factor
-from .units import MARKER, ROWS_MARKER, expert_modules
+from .units import MARKER, ROWS_MARKER, argument_error, expert_modules
 
 aten = torch.ops.aten
 
@@ -314,10 +313,9 @@ def _routing(rows: list[fx.Node]) -> Routing | None:
 
 
 def _capacity_error(rule: PlanRule, path: str, why: str) -> Diagnostic:
-    assert isinstance(rule.action, ast.ExpertParallel)
-    arg = next(a for a in rule.action.args if a.name.text == "capacity_factor")
-    return Diagnostic(
-        arg.span,
+    return argument_error(
+        rule,
+        "capacity_factor",
         f"expert capacity (`capacity_factor`) for `{path}` needs each row's (token, slot) pair: {why}",
         hint="take each expert's rows as `tokens[token]` with `token, slot = torch.where(index == e)` "
         "from a torch.topk routing, or remove `capacity_factor` to train dropless",

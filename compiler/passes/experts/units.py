@@ -20,7 +20,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
+from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList, problem
 from meshplan.runtime.experts import EXPERT_COUNTS
 
@@ -83,6 +85,14 @@ def expert_parameters(plan: Plan, model: nn.Module) -> list[str]:
         if rule.axis is not None and not_a_unit(modules[path], model) is None
         for name, _ in modules[path].named_parameters()
     ]
+
+
+def argument_error(rule: PlanRule, name: str, message: str, hint: str) -> Diagnostic:
+    """An error located at the experts rule's argument `name` (`capacity_factor=1.25`)."""
+    assert isinstance(rule.action, ast.ExpertParallel)
+    arg = rule.action.arg(name)
+    assert arg is not None
+    return Diagnostic(arg.span, message, hint=hint)
 
 
 @contextlib.contextmanager

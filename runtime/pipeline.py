@@ -38,8 +38,9 @@ bubble, plus transfer time, plus whatever a slower neighbour adds).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -89,6 +90,8 @@ class PipelineStep:
         its last backward of the step, not once per microbatch."""
         self.stages = dict(stages)
         self.schedule = schedule
+        # where messages are received (NCCL sends and receives device memory only)
+        self.device = _device_of(self.stages.values())
         # what each (direction, stage) message holds, learnt from the header its first
         # microbatch carries: shapes depend on the run's batch and sequence and on the
         # sharding of the other axes, which the compiled graph keeps symbolic
@@ -123,7 +126,7 @@ class PipelineStep:
         started = time.perf_counter()
         saved: dict[tuple[int, int], tuple[list[Tensor], tuple[Tensor, ...]]] = {}
         pending: dict[tuple[int, int], Pending] = {}  # after I, what W needs
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, by the caller
         for at, action in enumerate(self.actions):
             s, i = action.stage, action.microbatch
             if action.kind == "F":
@@ -135,7 +138,7 @@ class PipelineStep:
                 outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
                 if s == self.last:
                     loss = _loss(outs) / m
-                    total += loss.detach().double().cpu()
+                    total += loss.detach().double()
                     saved[(s, i)] = (received, (loss * scale if scale != 1.0 else loss,))
                 else:
                     saved[(s, i)] = (received, outs)
@@ -180,7 +183,7 @@ class PipelineStep:
             self._local[(direction, stage, i)] = values
             return
         if i == 0:
-            self._send(_header(values), dst, self._tag(direction, stage, i, _MAX_VALUES - 1))
+            self._send(_header(values).to(self.device), dst, self._tag(direction, stage, i, _MAX_VALUES - 1))
         for j, v in enumerate(values):
             self._send(v.contiguous(), dst, self._tag(direction, stage, i, j))
 
@@ -201,12 +204,12 @@ class PipelineStep:
         watchdog.note("pipeline recv", self.axis, f"{direction}{stage}.{i}", self.group)
         t0 = time.perf_counter()
         if i == 0:
-            header = torch.empty(1 + (_MAX_VALUES - 1) * _DESC, dtype=torch.int64)
+            header = torch.empty(1 + (_MAX_VALUES - 1) * _DESC, dtype=torch.int64, device=self.device)
             dist.recv(header, src, group=self.group, tag=self._tag(direction, stage, i, _MAX_VALUES - 1))
             self._shapes[(direction, stage)] = _described(header)
         out = []
         for j, (shape, dtype) in enumerate(self._shapes[(direction, stage)]):
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, src, group=self.group, tag=self._tag(direction, stage, i, j))
             out.append(t)
         self._waited += time.perf_counter() - t0
@@ -232,14 +235,21 @@ def _header(values: Sequence[Tensor]) -> Tensor:
 
 
 def _described(header: Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    values = header.tolist()  # one read of the device's memory, not one per number
     out = []
-    for j in range(int(header[0])):
+    for j in range(values[0]):
         at = 1 + j * _DESC
-        ndim = int(header[at])
-        out.append(
-            (tuple(int(d) for d in header[at + 1 : at + 1 + ndim]), _DTYPES[int(header[at + _DESC - 1])])
-        )
+        ndim = values[at]
+        out.append((tuple(values[at + 1 : at + 1 + ndim]), _DTYPES[values[at + _DESC - 1]]))
     return out
+
+
+def _device_of(stages: Iterable[nn.Module]) -> torch.device:
+    """Where the stages' weights live: the device their messages are received on."""
+    for stage in stages:
+        for t in itertools.chain(stage.parameters(), stage.buffers()):
+            return t.device
+    return torch.device("cpu")
 
 
 def _loss(outs: tuple[Tensor, ...]) -> Tensor:

@@ -78,13 +78,14 @@ class PipelineRank:
         import torch.distributed as dist
 
         parts = self.parts
+        device = next(parts.held.parameters()).device  # NCCL reduces device memory only
         for name, (shape, holders) in sorted(parts.tied.items()):
             if self.zero is not None:
                 piece = self.zero.own_grad_of(name) if parts.position in holders else None
                 total = (
                     piece.float()
                     if piece is not None
-                    else torch.zeros(self.zero.shard_numel(math.prod(shape)))
+                    else torch.zeros(self.zero.shard_numel(math.prod(shape)), device=device)
                 )
                 total = total.clone()
                 dist.all_reduce(total, group=parts.group)
@@ -93,7 +94,7 @@ class PipelineRank:
                 continue
             param = parts.held.get_parameter(name) if parts.position in holders else None
             grad = param.grad if param is not None and param.grad is not None else None
-            total = grad.clone() if grad is not None else torch.zeros(shape)
+            total = grad.clone() if grad is not None else torch.zeros(shape, device=device)
             dist.all_reduce(total, group=parts.group)
             if param is not None:
                 param.grad = total

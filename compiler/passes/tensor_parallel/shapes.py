@@ -4,9 +4,11 @@ sequence shards), flatten, transpose, permute, (un)squeeze, expand, slices, geti
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import fx
+from torch.fx.node import Argument
 
 from ...graph import (
     arg_node,
@@ -161,16 +163,21 @@ def _flatten(w: Walk, node: fx.Node) -> None:
         w.set(node, p)
 
 
+def _move_shard(w: Walk, node: fx.Node, x: Argument, moved: Callable[[int], int]) -> None:
+    """Place `node`, an op that reorders the dims of its input `x` or adds or drops dims of
+    size 1, as `x` is placed, a shard's dim `d` moved to `moved(d)`."""
+    p = w.placement(x)
+    if isinstance(p, Shard):
+        w.set(node, p.at(moved(p.dim)), w.rule_near(node))
+    else:
+        w.set(node, p)
+
+
 @register(aten.transpose.int)
 def _transpose(w: Walk, node: fx.Node) -> None:
     x = arg_node(node, 0)
-    p = w.placement(x)
-    if isinstance(p, Shard):
-        ndim = len(shape(x))
-        a, b = _norm_dim(node.args[1], ndim), _norm_dim(node.args[2], ndim)
-        w.set(node, p.at(b if p.dim == a else a if p.dim == b else p.dim), w.rule_near(node))
-    else:
-        w.set(node, p)
+    a, b = (_norm_dim(d, len(shape(x))) for d in node.args[1:3])
+    _move_shard(w, node, x, lambda d: b if d == a else a if d == b else d)
 
 
 @register(aten.t.default)
@@ -181,39 +188,23 @@ def _t(w: Walk, node: fx.Node) -> None:
 
 @register(aten.permute.default)
 def _permute(w: Walk, node: fx.Node) -> None:
-    x, dims = arg_node(node, 0), as_list(node.args[1], of=node)
-    p = w.placement(x)
-    if isinstance(p, Shard):
-        order = [_norm_dim(d, len(dims)) for d in dims]
-        w.set(node, p.at(order.index(p.dim)), w.rule_near(node))
-    else:
-        w.set(node, p)
+    dims = as_list(node.args[1], of=node)
+    _move_shard(w, node, arg_node(node, 0), [_norm_dim(d, len(dims)) for d in dims].index)
 
 
 @register(aten.unsqueeze.default)
 def _unsqueeze(w: Walk, node: fx.Node) -> None:
-    p = w.placement(node.args[0])
-    if isinstance(p, Shard):
-        d = _norm_dim(node.args[1], len(shape(node)))
-        w.set(node, p.at(p.dim + (d <= p.dim)), w.rule_near(node))
-    else:
-        w.set(node, p)
+    added = _norm_dim(node.args[1], len(shape(node)))
+    _move_shard(w, node, node.args[0], lambda d: d + (added <= d))
 
 
 @register(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(w: Walk, node: fx.Node) -> None:
     x = arg_node(node, 0)
-    p = w.placement(x)
-    if isinstance(p, Shard):
-        requested = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = [
-            _norm_dim(d, len(shape(x)))
-            for d in requested
-            if known_equal(shape(x)[_norm_dim(d, len(shape(x)))], 1)
-        ]
-        w.set(node, p.at(p.dim - sum(d < p.dim for d in dims)), w.rule_near(node))
-    else:
-        w.set(node, p)
+    requested = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    ndim = len(shape(x))
+    dropped = [_norm_dim(r, ndim) for r in requested if known_equal(shape(x)[_norm_dim(r, ndim)], 1)]
+    _move_shard(w, node, x, lambda d: d - sum(r < d for r in dropped))
 
 
 @register(aten.expand.default)
@@ -254,8 +245,8 @@ def _expand(w: Walk, node: fx.Node) -> None:
     aten.unbind.int,
 )
 def _slice_like(w: Walk, node: fx.Node) -> None:
-    x = w.summed(node, arg_node(node, 0))
-    p = w.placement(x)
+    x = arg_node(node, 0)
+    p = w.placement(w.summed(node, x))
     if not isinstance(p, Shard):
         w.set(node, p)
         return

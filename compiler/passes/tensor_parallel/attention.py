@@ -199,12 +199,7 @@ def _ring(w: Walk, node: fx.Node, rule, mask, causal) -> None:
         if not known_equal(shape(mask)[rows], 1) and w.placement(mask) != Shard(rows):
             mask = w.convert(mask, Shard(rows), because=rule)
         args += (mask,)
-    with w.graph.inserting_before(node):
-        ring = w.graph.call_module(w.module_for("ring_attention"), args)
-    ring.meta.update(node.meta)
-    meta.set_collective(ring, {"kind": "ring_attention", "axis": w.axis, "dim": SEQ, "rule": rule})
-    node.replace_all_uses_with(ring)
-    w.graph.erase_node(node)
+    ring = w.replace_by_module(node, "ring_attention", args, rule, dim=SEQ)
     for t in repeats:
         w.graph.erase_node(t)
     w.set(ring, Shard(SEQ), rule)

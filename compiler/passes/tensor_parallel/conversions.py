@@ -281,6 +281,24 @@ class Conversions:
         self.converted[key] = node
         return node
 
+    def replace_by_module(
+        self,
+        node: fx.Node,
+        kind: str,
+        args: tuple[Argument, ...],
+        rule: PlanRule | None,
+        dim: int | None = None,
+    ) -> fx.Node:
+        """Replace `node` by a call of the axis's `kind` module on `args`: an op that runs over
+        the axis as a whole (the vocabulary-parallel embedding, ring attention)."""
+        with self.graph.inserting_before(node):
+            call = self.graph.call_module(self.module_for(kind), args)
+        call.meta.update(node.meta)
+        meta.set_collective(call, {"kind": kind, "axis": self.axis, "dim": dim, "rule": rule})
+        node.replace_all_uses_with(call)
+        self.graph.erase_node(node)
+        return call
+
     def module_for(self, kind: str) -> str:
         """The name of the graph's submodule for collective `kind` on this axis, created on first use.
 

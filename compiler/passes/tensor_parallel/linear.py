@@ -124,12 +124,7 @@ def _embedding(w: Walk, node: fx.Node) -> None:
     if isinstance(wp, Shard) and wp.dim == 0:
         padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         args = (weight, ids) if padding_idx in (-1, None) else (weight, ids, padding_idx)
-        with w.graph.inserting_before(node):
-            vocab = w.graph.call_module(w.module_for("vocab_embedding"), args)
-        vocab.meta.update(node.meta)
-        meta.set_collective(vocab, {"kind": "vocab_embedding", "axis": w.axis, "dim": None, "rule": rule})
-        node.replace_all_uses_with(vocab)
-        w.graph.erase_node(node)
+        vocab = w.replace_by_module(node, "vocab_embedding", args, rule)
         w.set(vocab, PARTIAL, rule)
         reduced = w.reduce_partial(vocab)
         for user in list(vocab.users):

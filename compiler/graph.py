@@ -17,7 +17,16 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, _ShapeEnvGuardError, statically_known_true
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
+
+try:
+    from torch.fx.experimental.symbolic_shapes import _ShapeEnvGuardError
+except ImportError:  # torch before `ShapeEnv.error_on_new_guards`: `_error_on_new_guards` below raises it
+
+    class _ShapeEnvGuardError(RuntimeError):  # type: ignore[no-redef]
+        pass
+
+
 from torch.fx.node import Argument
 
 from .meta import module_tag
@@ -244,10 +253,33 @@ def no_new_guards(gm: fx.GraphModule) -> Iterator[None]:
         yield
         return
     try:
-        with env.error_on_new_guards():
+        with _error_on_new_guards(env):
             yield
     except _ShapeEnvGuardError as e:
         raise ShapeGuardError("a pass", _guard_text(e)) from e
+
+
+@contextlib.contextmanager
+def _error_on_new_guards(env: ShapeEnv) -> Iterator[None]:
+    """`env.error_on_new_guards()`, or on a torch without it the same through the hook a frozen
+    ShapeEnv calls on each new guard (`_check_frozen`, which there only counts it)."""
+    if hasattr(env, "error_on_new_guards"):
+        with env.error_on_new_guards():
+            yield
+        return
+
+    def refuse(expr, concrete_val) -> None:
+        raise _ShapeEnvGuardError(
+            f"Guard attempted while ShapeEnv guards are frozen: {expr} == {concrete_val}"
+        )
+
+    frozen = env.frozen
+    env.frozen, env._check_frozen = True, refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        env.frozen = frozen
+        del env._check_frozen
 
 
 def _guard_text(e: Exception) -> str:

@@ -92,6 +92,42 @@ def build_rank_program(program: Program, model: nn.Module, rank: int, mesh=None)
     return bind_regions(fx.GraphModule(root, graph), mesh, model)
 
 
+def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
+    """`program` (a rank's, from `build_rank_program`) on `device`: its parameters and buffers
+    moved, and every device its graphs name made `device`. A capture runs on the host and bakes
+    the host into the graph (`arange(..., device=cpu)` for positions and masks, a buffer's
+    `.to(cpu)`), so a program moved as modules alone would compute those on the host and mix
+    devices. Each graph is copied before it is changed: the compiled program is left as it was."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        for module in list(program.modules()):
+            if not isinstance(module, fx.GraphModule):
+                continue
+            graph, changed = copy.deepcopy(module.graph), False
+            for node in graph.nodes:
+                args, kwargs = _on(node.args, device), _on(node.kwargs, device)
+                if args is not node.args or kwargs is not node.kwargs:
+                    node.args, node.kwargs, changed = args, kwargs, True
+            if changed:
+                module.graph = graph
+                module.recompile()
+    return program.to(device)
+
+
+def _on(value, device: torch.device):
+    """`value` (a node's args or kwargs) with each host device in it replaced by `device`; the
+    same object where it names none."""
+    if isinstance(value, torch.device):
+        return device if value.type == "cpu" and value != device else value
+    if isinstance(value, (tuple, list)):
+        items = [_on(v, device) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+    if isinstance(value, dict):
+        pairs = {k: _on(v, device) for k, v in value.items()}
+        return value if all(pairs[k] is v for k, v in value.items()) else type(value)(pairs)
+    return value
+
+
 def _get_attr(module: nn.Module, target: str):
     for part in target.split("."):
         module = getattr(module, part)

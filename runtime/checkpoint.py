@@ -234,6 +234,11 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
     folder (trusted input)."""
     _verified_once(Path(path))
     state, own = _state(sync, 0, axes)
+    # a checkpoint written where there was no GPU holds no CUDA generator state: this run keeps
+    # its seeded one (and one written on a GPU resumes on a CPU, which ignores it)
+    cuda_key = "cuda_" + _rng_key()
+    if cuda_key in state["rng"] and f"rng.{cuda_key}" not in _saved_keys(Path(path)):
+        del state["rng"][cuda_key]
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner(), no_dist=not _distributed())
@@ -271,12 +276,20 @@ def _first_cause(error: BaseException, path: Path) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+def _saved_keys(path: Path) -> set[str]:
+    """The flattened keys the checkpoint at `path` holds (`rng.rank0`, ...); empty where its
+    metadata cannot be read (DCP's load then says why)."""
+    try:
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:
+        return set()
+
+
 def _stacked_experts(key: str, path: Path) -> str | None:
     """Why `key` is missing when the checkpoint holds a list of experts stacked and this run
     holds it as a list (`runtime.expert_list`), or the other way round; None otherwise."""
-    try:
-        saved = {_key(k) for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
-    except Exception:  # unreadable metadata: DCP's own message stands
+    saved = {_key(k) for k in _saved_keys(path)}
+    if not saved:  # unreadable metadata: DCP's own message stands
         return None
     listed = re.fullmatch(r"(.+)\.\d+\.(.+)", key)
     if listed and f"{listed[1]}.{listed[2]}" in saved:

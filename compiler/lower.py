@@ -25,6 +25,7 @@ from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
 from . import meta
+from .materialize import MetaWeights, is_meta
 from .passes.checkpoint import region_modules
 from .placement import Placement, Shard
 from .stages import compiled_cuts, cut_stages
@@ -58,35 +59,39 @@ class Program(Protocol):
     def expert_lists(self) -> tuple[str, ...]: ...  # lists of experts held stacked, by path
 
 
-def build_rank_program(program: Program, model: nn.Module, rank: int, mesh=None) -> fx.GraphModule:
+def build_rank_program(
+    program: Program, model: nn.Module, rank: int, mesh=None, *, seed: int = 0
+) -> fx.GraphModule:
     """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
 
-    `model` holds the full (unpartitioned) parameters and buffers; `mesh` is the DeviceMesh
-    (None for an axis-free plan). Tied parameters stay tied.
+    `model` holds the full (unpartitioned) parameters and buffers, or is built on the meta
+    device: then each tensor is initialized by the model's own code under `seed`, one module at
+    a time, and only this rank's piece of it is kept (`materialize.py`). `mesh` is the
+    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     coords = program.layout.coords(rank)
     graph = program.graph.graph
+    names = [str(n.target) for n in graph.nodes if n.op == "get_attr" and str(n.target) in state]
+    weights = MetaWeights(model, seed) if is_meta(model) else None
+    # this rank's copy of each tensor, made as soon as its full value is at hand (a meta model's
+    # modules are initialized one at a time: a view would keep every one of them alive)
+    local_of: dict[int, torch.Tensor] = {}  # id(full tensor) -> its local copy, keeps ties
+    for name in weights.grouped(names) if weights is not None else names:
+        if id(state[name]) not in local_of:
+            full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
+            local = local_shard(full, program.param_placements.get(name, {}), coords, program.layout)
+            local = local.detach().clone()
+            if isinstance(state[name], nn.Parameter):
+                local = nn.Parameter(local, requires_grad=state[name].requires_grad)
+            local_of[id(state[name])] = local
     root: dict[str, object] = {}
-    local_of: dict[int, nn.Parameter] = {}  # id(full tensor) -> its local parameter, keeps ties
     for node in graph.nodes:
         if node.op == "get_attr":
             name = str(node.target)
-            if name not in state:  # a nested graph (e.g. a set_grad_enabled region): shared as is
-                root[name] = _get_attr(program.graph, name)
-                continue
-            full = state[name]
-            placement = program.param_placements.get(name, {})
-            local = local_shard(full, placement, coords, program.layout)
-            if isinstance(full, nn.Parameter):
-                if id(full) not in local_of:
-                    local_of[id(full)] = nn.Parameter(
-                        local.detach().clone(), requires_grad=full.requires_grad
-                    )
-                root[name] = local_of[id(full)]
-            else:
-                root[name] = local.detach().clone()
+            # a nested graph (e.g. a set_grad_enabled region) is shared as is
+            root[name] = local_of[id(state[name])] if name in state else _get_attr(program.graph, name)
         elif node.op == "call_module":
             root[str(node.target)] = for_rank(program.graph.get_submodule(str(node.target)), mesh, model)
     return bind_regions(fx.GraphModule(root, graph), mesh, model)
@@ -94,31 +99,31 @@ def build_rank_program(program: Program, model: nn.Module, rank: int, mesh=None)
 
 def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
     """`program` (a rank's, from `build_rank_program`) on `device`: its parameters and buffers
-    moved, and every device its graphs name made `device`. A capture runs on the host and bakes
-    the host into the graph (`arange(..., device=cpu)` for positions and masks, a buffer's
-    `.to(cpu)`), so a program moved as modules alone would compute those on the host and mix
-    devices. Each graph is copied before it is changed: the compiled program is left as it was."""
+    moved, and every device its graphs name made `device`. A capture bakes the device it ran on
+    into the graph (`arange(..., device=cpu)` for positions and masks, a buffer's `.to(cpu)`; the
+    meta device for a model built on it), so a program moved as modules alone would compute
+    those elsewhere and mix devices. Each graph is copied before it is changed: the compiled
+    program is left as it was."""
     device = torch.device(device)
-    if device.type != "cpu":
-        for module in list(program.modules()):
-            if not isinstance(module, fx.GraphModule):
-                continue
-            graph, changed = copy.deepcopy(module.graph), False
-            for node in graph.nodes:
-                args, kwargs = _on(node.args, device), _on(node.kwargs, device)
-                if args is not node.args or kwargs is not node.kwargs:
-                    node.args, node.kwargs, changed = args, kwargs, True
-            if changed:
-                module.graph = graph
-                module.recompile()
+    for module in list(program.modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph, changed = copy.deepcopy(module.graph), False
+        for node in graph.nodes:
+            args, kwargs = _on(node.args, device), _on(node.kwargs, device)
+            if args is not node.args or kwargs is not node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            module.graph = graph
+            module.recompile()
     return program.to(device)
 
 
 def _on(value, device: torch.device):
-    """`value` (a node's args or kwargs) with each host device in it replaced by `device`; the
-    same object where it names none."""
+    """`value` (a node's args or kwargs) with each capture device in it (the host, meta)
+    replaced by `device`; the same object where it names none."""
     if isinstance(value, torch.device):
-        return device if value.type == "cpu" and value != device else value
+        return device if value.type in ("cpu", "meta") and value != device else value
     if isinstance(value, (tuple, list)):
         items = [_on(v, device) for v in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)

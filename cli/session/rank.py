@@ -72,7 +72,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     program, plan = program_for(options, source, world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_mesh(program.layout, device)
-    rank_program = place(build_rank_program(program, source.model, rank, mesh), device)
+    rank_program = place(build_rank_program(program, source.model, rank, mesh, seed=options.seed), device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
     sync = gradient_sync(plan, program, held, mesh, pipeline)

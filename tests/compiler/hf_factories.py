@@ -185,3 +185,10 @@ def hf_bert_mlm():
     )
     torch.manual_seed(0)
     return BertForMaskedLM(config)
+
+
+def hf_llama_meta():
+    """`hf_llama` built on the meta device: shapes, no values (meshplan initializes each rank's
+    pieces with the model's own `_init_weights`)."""
+    with torch.device("meta"):
+        return hf_llama()

@@ -390,6 +390,7 @@ def verify(
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
     from meshplan.compiler.load import load_function, load_model
+    from meshplan.compiler.materialize import is_meta, materialize_model
     from meshplan.compiler.passes.experts.capacity import capacity_applied, capacity_lists
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating
@@ -411,6 +412,8 @@ def verify(
     check_supported(plan)
     torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
     source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
+    if is_meta(source.model):  # the whole model for the reference: what every rank takes its pieces of
+        materialize_model(source.model, seed)
     if between_steps:  # said before any process starts: a pipeline, a missing function
         if plan.pipeline is not None:
             raise RunError(PIPELINE_BETWEEN_STEPS)

@@ -118,6 +118,25 @@ class MetaWeights:
         return made
 
 
+def materialize_model(model: nn.Module, seed: int) -> nn.Module:
+    """`model` made whole on the host, in place, each tensor as `MetaWeights` gives it (what
+    every layout's ranks take their pieces of): `verify`'s unpartitioned reference. Ties stay."""
+    weights = MetaWeights(model, seed)
+    made: dict[int, Tensor] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for attr, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    value = weights.full(f"{path}.{attr}" if path else attr).clone()
+                    made[id(t)] = (
+                        nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+                    )
+                table[attr] = made[id(t)]  # type: ignore[assignment]
+    return model
+
+
 def is_meta(model: nn.Module) -> bool:
     """Whether any of `model`'s parameters or buffers is on the meta device."""
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))

@@ -120,3 +120,18 @@ def test_a_meta_built_llama_starts_from_the_same_loss_under_every_layout(tmp_pat
     one = first_loss("dp=1", "mesh dp=1\n", 4)
     for (name, text), batch in zip(LAYOUTS.items(), (4, 2, 2), strict=True):
         assert first_loss(name, text, batch) == pytest.approx(one, rel=1e-5), name
+
+
+def test_a_whole_model_materialized_for_verify_has_the_ranks_values_and_keeps_its_ties():
+    from meshplan.compiler.materialize import materialize_model
+
+    model = materialize_model(hf_llama_meta(), seed=5)
+    weights = MetaWeights(hf_llama_meta(), seed=5)
+    assert not is_meta(model)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights.full(name)), name
+    tied = hf_llama_meta()
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    materialize_model(tied, seed=5)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight

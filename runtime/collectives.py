@@ -526,19 +526,20 @@ def label_collectives(root: nn.Module) -> None:
             module.label = name
 
 
+# the collectives that move data over their own axis only: a tensor's layout over every other
+# axis passes through them (a vocab-parallel embedding or loss sees whole tensors over those)
+LAYOUT_KEEPING: tuple[type[AxisCollective], ...] = (
+    CopyToAxis,
+    AllReduce,
+    AllGather,
+    GatherReplicated,
+    ReduceScatter,
+    Split,
+    AllToAll,
+    KeyValueGroup,
+)
+
 # kind -> its module class (`ring_attention.py` adds its own)
 COLLECTIVES: dict[str, type[AxisCollective]] = {
-    c.kind: c
-    for c in (
-        CopyToAxis,
-        AllReduce,
-        AllGather,
-        GatherReplicated,
-        ReduceScatter,
-        Split,
-        AllToAll,
-        KeyValueGroup,
-        VocabParallelEmbedding,
-        VocabParallelCrossEntropy,
-    )
+    c.kind: c for c in LAYOUT_KEEPING + (VocabParallelEmbedding, VocabParallelCrossEntropy)
 }

@@ -15,16 +15,7 @@ from torch.fx.node import Argument, Target
 
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
-from meshplan.runtime.collectives import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    CopyToAxis,
-    GatherReplicated,
-    KeyValueGroup,
-    ReduceScatter,
-    Split,
-)
+from meshplan.runtime.collectives import LAYOUT_KEEPING, CopyToAxis
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
 
 from ... import meta
@@ -61,18 +52,6 @@ _FRESH = frozenset(
         aten.full_like.default,
         aten.empty_like.default,
     }
-)
-
-# collectives that move data over their own axis only: every other axis's layout passes through
-_LAYOUT_KEEPING = (
-    CopyToAxis,
-    AllReduce,
-    AllGather,
-    GatherReplicated,
-    ReduceScatter,
-    Split,
-    AllToAll,
-    KeyValueGroup,
 )
 
 
@@ -160,7 +139,7 @@ class Walk(Conversions):
         embedding or loss) sees whole tensors over this axis."""
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
-        if isinstance(module, _LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+        if isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs:
             # and the rule behind the input's placement here (a split weight's, read through the
             # f of a context axis walked before this one)
             self.set(node, self.placement(inputs[0]), meta.rule(inputs[0]))

@@ -52,7 +52,7 @@ from torch import Tensor, fx, nn
 
 from . import watchdog
 from .grad_sync import Accumulates, AdamWSettings, TrainingState
-from .zero_flats import Unit, bucket_flats, build_units, unique, units_from_nodes
+from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
 from .zero_nodes import ZeroGather, ZeroRelease, graph_units
@@ -133,7 +133,8 @@ class Zero(Accumulates):
         shard_device = torch.device("cpu") if options.offload_params else self.device
         # A flat holds only decayed or only undecayed params, so each master sits in one param group.
         decay = options.decay
-        self._decays = decays = {id(p): decay is None or decay(n, p) for n, p in params}
+        self._decays = {id(p): decay is None or decay(n, p) for n, p in params}
+        sharding = Sharding(group, axis, shard_device, self._decays)
         # the compiled graph's ZeroGather nodes, in program order (none on other modules), and
         # the program each is in: a pipeline rank runs several (its stages), each on its own
         programs = list(programs) or [module]
@@ -150,10 +151,10 @@ class Zero(Accumulates):
         shared = _read_by_several(params, programs, aliases)
         self.units: list[Unit]
         if options.stage == 3 and nodes:
-            self.units = units_from_nodes(nodes, params, aliases, group, shard_device, decays, axis, alone)
+            self.units = units_from_nodes(nodes, params, aliases, sharding, alone)
             self.flats = unique(f for u in self.units for f in u.flats)
         elif options.stage == 3:
-            self.units = build_units(module, params, group, shard_device, units, decays, axis)
+            self.units = build_units(module, params, sharding, units)
             self.flats = [f for u in self.units for f in u.flats]
         else:
             self.units = []
@@ -161,9 +162,7 @@ class Zero(Accumulates):
             self.flats = [
                 f
                 for part in _by_program(params, programs, aliases)
-                for f in bucket_flats(
-                    part, options.bucket_bytes, group, shard_device, decays, axis, [*alone, *shared]
-                )
+                for f in bucket_flats(part, options.bucket_bytes, sharding, [*alone, *shared])
             ]
         # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -223,6 +223,36 @@ class Unit:
             f.free_full()
 
 
+class Sharding(NamedTuple):
+    """How one engine cuts its params into flats: over `group` (the mesh axis `axis`), each
+    rank's shard kept on `shard_device`, and a flat holding params of one decay class only
+    (`decays`, by param id: each flat's master then sits in one param group)."""
+
+    group: dist.ProcessGroup
+    axis: str
+    shard_device: torch.device
+    decays: dict[int, bool]
+
+    def flat(
+        self,
+        names: list[str],
+        params: Sequence[Tensor],
+        *,
+        sharded: bool,
+        gather_dtype: torch.dtype | None = None,
+    ) -> Flat:
+        """The flat of `params` (named `names`): sharded (stage 3) or kept whole (stages 1/2)."""
+        return Flat(
+            names,
+            params,
+            self.group,
+            sharded_params=sharded,
+            shard_device=self.shard_device,
+            axis=self.axis,
+            gather_dtype=gather_dtype,
+        )
+
+
 def unique(flats: Iterable[Flat]) -> list[Flat]:
     """`flats` in order, each once (a flat of a tied weight is in several units)."""
     return list({id(f): f for f in flats}.values())
@@ -234,24 +264,17 @@ def unique(flats: Iterable[Flat]) -> list[Flat]:
 def bucket_flats(
     params: list[tuple[str, nn.Parameter]],
     bucket_bytes: int,
-    group: dist.ProcessGroup,
-    shard_device: torch.device,
-    decays: dict[int, bool],
-    axis: str,
+    sharding: Sharding,
     alone: Collection[str] = (),
 ) -> list[Flat]:
     """Stages 1/2: the params as unsharded flats, one per gradient bucket (`bucket_params`),
     and one of its own for each param named in `alone` (see `Zero`)."""
     rest = [(n, p) for n, p in params if n not in alone]
     return [
+        *(sharding.flat([n], [p], sharded=False) for n, p in params if n in alone),
         *(
-            Flat([n], [p], group, sharded_params=False, shard_device=shard_device, axis=axis)
-            for n, p in params
-            if n in alone
-        ),
-        *(
-            Flat(names, ps, group, sharded_params=False, shard_device=shard_device, axis=axis)
-            for names, ps in bucket_params(rest, bucket_bytes, decays)
+            sharding.flat(names, ps, sharded=False)
+            for names, ps in bucket_params(rest, bucket_bytes, sharding.decays)
         ),
     ]
 
@@ -285,11 +308,8 @@ def unit_modules(module: nn.Module, names: Sequence[str] | None) -> list[tuple[s
 def build_units(
     module: nn.Module,
     params: list[tuple[str, nn.Parameter]],
-    group: dist.ProcessGroup,
-    shard_device: torch.device,
+    sharding: Sharding,
     names: Sequence[str] | None,
-    decays: dict[int, bool],
-    axis: str,
 ) -> list[Unit]:
     """Stage 3: each param goes to the unit that owns its name; a param tied across units to the root."""
     units = unit_modules(module, names)
@@ -302,7 +322,7 @@ def build_units(
         by_unit[unit_names.pop() if len(unit_names) == 1 else ""].append((name, p))
     built = []
     for name, child in units:
-        flats = sharded_flats(by_unit[name], group, shard_device, decays, axis)
+        flats = sharded_flats(by_unit[name], sharding)
         if flats:
             built.append(Unit(name, child, flats, refetch=name != ""))
     return built
@@ -312,10 +332,7 @@ def units_from_nodes(
     nodes: list[tuple[ZeroGather, ZeroRelease | None]],
     params: list[tuple[str, nn.Parameter]],
     aliases: dict[str, nn.Parameter],
-    group: dist.ProcessGroup,
-    shard_device: torch.device,
-    decays: dict[int, bool],
-    axis: str,
+    sharding: Sharding,
     alone: Collection[str] = (),
 ) -> list[Unit]:
     """Stage 3 on a compiled graph: one unit per `ZeroGather` node, in its order. Params no
@@ -334,7 +351,7 @@ def units_from_nodes(
     gather_dtypes = {i: d for i, ds in read_as.items() if len(ds) == 1 and (d := next(iter(ds))) is not None}
     left = {id(p): (n, p) for n, p in params}  # not yet in a unit
     shared = {
-        i: sharded_flats([left.pop(i)], group, shard_device, decays, axis, gather_dtypes=gather_dtypes)[0]
+        i: sharded_flats([left.pop(i)], sharding, gather_dtypes=gather_dtypes)[0]
         for i, count in named_by.items()
         if count > 1 and i in left
     }
@@ -347,13 +364,13 @@ def units_from_nodes(
                 gather.unit,
                 None,
                 [
-                    *sharded_flats(named, group, shard_device, decays, axis, alone, gather_dtypes),
+                    *sharded_flats(named, sharding, alone, gather_dtypes),
                     *(shared[i] for i in ids if i in shared),
                 ],
                 refetch=release is not None,
             )
         )
-    rest = sharded_flats(list(left.values()), group, shard_device, decays, axis, alone)
+    rest = sharded_flats(list(left.values()), sharding, alone)
     if rest:
         units.append(Unit("", None, rest, refetch=False))
     return units
@@ -361,10 +378,7 @@ def units_from_nodes(
 
 def sharded_flats(
     params: list[tuple[str, nn.Parameter]],
-    group: dist.ProcessGroup,
-    shard_device: torch.device,
-    decays: dict[int, bool],
-    axis: str,
+    sharding: Sharding,
     alone: Collection[str] = (),
     gather_dtypes: dict[int, torch.dtype] | None = None,
 ) -> list[Flat]:
@@ -374,16 +388,10 @@ def sharded_flats(
     gather_dtypes = gather_dtypes or {}
     rest = [(n, p) for n, p in params if n not in alone]
     groups: list[list[tuple[str, Tensor]]] = [[(n, p)] for n, p in params if n in alone]
-    groups += group_by_kind(rest, decays, gather_dtypes)
+    groups += group_by_kind(rest, sharding.decays, gather_dtypes)
     return [
-        Flat(
-            [n for n, _ in ps],
-            [p for _, p in ps],
-            group,
-            sharded_params=True,
-            shard_device=shard_device,
-            axis=axis,
-            gather_dtype=gather_dtypes.get(id(ps[0][1])),
+        sharding.flat(
+            [n for n, _ in ps], [p for _, p in ps], sharded=True, gather_dtype=gather_dtypes.get(id(ps[0][1]))
         )
         for ps in groups
     ]

@@ -115,12 +115,26 @@ class Zero(Accumulates):
         node_axis: str | None = None,
         divisor: int | None = None,
     ) -> None:
-        """`shard_for_zero`'s arguments, and for one of several engines over one module, each
-        over its own group (`runtime/expert_zero.py`): `only` the names of the params this
-        engine shards (default: every trainable one), `node_axis` the group whose ZeRO nodes it
-        binds (the compiler names each node's group: `dp x ep` for a layer's dense params, `dp`
-        for its experts'; None binds them all), and `divisor` what a summed gradient is
-        divided by (default: the group's size; `expert_data_parallel.data_ranks`)."""
+        """Shard `module`'s training state over `group` (the mesh axis `axis`) as `options` say;
+        every rank calls it (as `shard_for_zero`). Then `optimizer(config)` builds its AdamW.
+
+        `units` (stage 3) names the modules whose forward gathers their params, e.g. the
+        plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
+        `programs`: the compiled programs that run `module`'s parameters, when it does not run
+        them itself (a pipeline rank's stages); `alone`: params that get a flat of their own (a
+        weight tied across pipeline ranks, whose gradient pieces `own_grad_of` gives, the same
+        elements on every rank holding a copy).
+
+        For one of several engines over one module, each over its own group
+        (`runtime/expert_zero.py`): `only` the names of the params this engine shards (default:
+        every trainable one), `node_axis` the group whose ZeRO nodes it binds (the compiler
+        names each node's group: `dp x ep` for a layer's dense params, `dp` for its experts';
+        None binds them all), and `divisor` what a summed gradient is divided by (default: the
+        group's size; `expert_data_parallel.data_ranks`).
+
+        The ranks must start from the same parameters (same seed, or a checkpoint): only each
+        rank's own shard survives, so a difference would not be noticed.
+        """
         self.module, self.group, self.options, self.axis = module, group, options, axis
         self.world = dist.get_world_size(group)
         mine = None if only is None else set(only)
@@ -449,30 +463,8 @@ class Zero(Accumulates):
             self.wait_params()
 
 
-def shard_for_zero(
-    module: nn.Module,
-    group: dist.ProcessGroup,
-    options: ZeroOptions,
-    *,
-    axis: str = "dp",
-    units: Sequence[str] | None = None,
-    programs: Sequence[nn.Module] = (),
-    alone: Collection[str] = (),
-) -> Zero:
-    """Shard `module`'s training state over `group` (the mesh axis `axis`) as `options` say;
-    every rank calls it. Then `optimizer(config)` builds its AdamW.
-
-    `units` (stage 3) names the modules whose forward gathers their params, e.g. the
-    plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
-    `programs`: the compiled programs that run `module`'s parameters, when it does not run
-    them itself (a pipeline rank's stages); `alone`: params that get a flat of their own (a
-    weight tied across pipeline ranks, whose gradient pieces `own_grad_of` gives, the same
-    elements on every rank holding a copy).
-
-    The ranks must start from the same parameters (same seed, or a checkpoint): only each
-    rank's own shard survives, so a difference would not be noticed.
-    """
-    return Zero(module, group, options, axis=axis, units=units, programs=programs, alone=alone)
+# what a rank calls to shard its module's training state: the engine itself (`Zero.__init__`)
+shard_for_zero = Zero
 
 
 # ---------------------------------------------------------------------- helpers

@@ -75,6 +75,16 @@ class Job:
     between_steps: str = ""  # `run --between-steps`: the model's update after each step
 
 
+# what `meshplan verify` takes from its command line and every rank's `meshplan run` options
+# get from the job: the training settings, under the same names all the way
+_TRAINING_SETTINGS = ("steps", "batch", "seq", "lr", "grad_clip", "seed")
+
+
+def _training_settings(source: Any) -> dict[str, Any]:
+    """The training settings of `source` (parsed arguments, a `Job`), by name."""
+    return {name: getattr(source, name) for name in _TRAINING_SETTINGS}
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """One training: the mean loss and gradient norm (before clipping) of each step, the final weights."""
@@ -164,16 +174,11 @@ def _rank(rank: int, world_size: int, job: Job):
     options = RunOptions(
         job.plan,
         model=job.model,
-        steps=job.steps,
-        batch=job.batch,
-        seq=job.seq,
-        lr=job.lr,
-        grad_clip=job.grad_clip,
         warmup=1,
-        seed=job.seed,
         out=str(Path(job.out) / "partitioned"),
         program=job.program or None,
         between_steps=job.between_steps or None,
+        **_training_settings(job),
     )
     prepared = open_session(options, rank, world_size)
     dp_rank, dp_size = prepared.axes.data_rank, prepared.axes.data_size
@@ -619,14 +624,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.plan,
         args.model,
         world_size=args.world_size,
-        steps=args.steps,
-        batch=args.batch,
-        seq=args.seq,
-        lr=args.lr,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
         tolerance=args.tolerance,
         between_steps=args.between_steps or "",
+        **_training_settings(args),
     )
     print(render(report))
     return EXIT_OK if report.ok else EXIT_MISMATCH

@@ -539,7 +539,12 @@ LAYOUT_KEEPING: tuple[type[AxisCollective], ...] = (
     KeyValueGroup,
 )
 
+# every collective this module declares
+_DECLARED: tuple[type[AxisCollective], ...] = (
+    *LAYOUT_KEEPING,
+    VocabParallelEmbedding,
+    VocabParallelCrossEntropy,
+)
+
 # kind -> its module class (`ring_attention.py` adds its own)
-COLLECTIVES: dict[str, type[AxisCollective]] = {
-    c.kind: c for c in LAYOUT_KEEPING + (VocabParallelEmbedding, VocabParallelCrossEntropy)
-}
+COLLECTIVES: dict[str, type[AxisCollective]] = {c.kind: c for c in _DECLARED}

@@ -215,29 +215,29 @@ class _Gather(torch.autograd.Function):
         return local_chunk(grad, ctx.dim, site.group, site.balanced), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ToChunk(torch.autograd.Function):
+    """Base: a forward `(x, dim, site)` that leaves this rank's chunk of `dim`; backward
+    all-gathers the chunk's gradient into the whole dim's."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.site.note("all_gather", "backward")
+        return all_gather(grad, ctx.dim, ctx.site.group, ctx.site.balanced), None, None
+
+
+class _ReduceScatter(_ToChunk):
     @staticmethod
     def forward(ctx, x, dim, site):
         ctx.dim, ctx.site = dim, site
         site.note("reduce_scatter")
         return reduce_scatter(x, dim, site.group, site.balanced)
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.site.note("all_gather", "backward")
-        return all_gather(grad, ctx.dim, ctx.site.group, ctx.site.balanced), None, None
 
-
-class _Split(torch.autograd.Function):
+class _Split(_ToChunk):
     @staticmethod
     def forward(ctx, x, dim, site):
         ctx.dim, ctx.site = dim, site
         return local_chunk(x, dim, site.group, site.balanced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.site.note("all_gather", "backward")
-        return all_gather(grad, ctx.dim, ctx.site.group, ctx.site.balanced), None, None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -47,6 +47,13 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     world_size = plan.mesh.world_size
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
     source = _model_source(options)
+    if options.init:  # every key and shape from the files' headers, before any worker starts
+        from meshplan.compiler.pretrained import InitError, Pretrained
+
+        try:
+            Pretrained.open(options.init).check(source.model)
+        except InitError as e:
+            raise RunError(str(e)) from None
     options = options.replace(vocab_size=_check_data(options, plan, source.model))
     if options.between_steps and plan.pipeline is not None:
         from meshplan.session import PIPELINE_BETWEEN_STEPS
@@ -259,6 +266,10 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
     if options.data is not None and ":" not in options.data and not Path(options.data).is_file():
         raise RunError(
             f"data file {options.data!r} does not exist (hint: pass a text file or FILE.py:factory)"
+        )
+    if options.init and options.resume:
+        raise RunError(
+            "--init and --resume: a resumed run continues from its own checkpoint (hint: drop --init)"
         )
     _check_run_folder(options)
     if os.environ.get("MESHPLAN_FAULT"):

@@ -76,6 +76,11 @@ class RunOptions:
     weight_decay: float = flag(None, default=0.1, type=float)
     grad_clip: float = flag("max global gradient norm, 0 disables (default 1.0)", default=1.0, type=float)
     seed: int = flag(None, default=0, type=int)
+    init: str | None = flag(
+        "start from these weights: a Hugging Face folder (model.safetensors, or shards with their "
+        "index), a .safetensors or a .pt file; each rank reads only its own pieces",
+        metavar="PATH",
+    )
     save_every: int = flag(
         "checkpoint every N steps (and at the end); 0: never", default=0, type=non_negative_int, metavar="N"
     )

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
     from meshplan.runtime.schedules import Schedule
 
+    from .pretrained import Pretrained
+
 
 class Program(Protocol):
     """What lowering and a run read of a compiled program, fresh (`compile.Compiled`) or loaded
@@ -60,14 +62,21 @@ class Program(Protocol):
 
 
 def build_rank_program(
-    program: Program, model: nn.Module, rank: int, mesh=None, *, seed: int = 0
+    program: Program,
+    model: nn.Module,
+    rank: int,
+    mesh=None,
+    *,
+    seed: int = 0,
+    pretrained: Pretrained | None = None,
 ) -> fx.GraphModule:
     """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
 
     `model` holds the full (unpartitioned) parameters and buffers, or is built on the meta
     device: then each tensor is initialized by the model's own code under `seed`, one module at
-    a time, and only this rank's piece of it is kept (`materialize.py`). `mesh` is the
-    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
+    a time, and only this rank's piece of it is kept (`materialize.py`). With `pretrained`, the
+    tensors it holds are read from it instead, this rank's piece alone (`pretrained.py`). `mesh`
+    is the DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -78,11 +87,18 @@ def build_rank_program(
     # this rank's copy of each tensor, made as soon as its full value is at hand (a meta model's
     # modules are initialized one at a time: a view would keep every one of them alive)
     local_of: dict[int, torch.Tensor] = {}  # id(full tensor) -> its local copy, keeps ties
+    names_of: dict[int, list[str]] = {}
+    for name, t in state.items():
+        names_of.setdefault(id(t), []).append(name)
     for name in weights.grouped(names) if weights is not None else names:
         if id(state[name]) not in local_of:
-            full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
-            local = local_shard(full, program.param_placements.get(name, {}), coords, program.layout)
-            local = local.detach().clone()
+            placement = program.param_placements.get(name, {})
+            key = pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
+            if pretrained is not None and key is not None:
+                local = pretrained.piece(key, placement, coords, program.layout, state[name].dtype)
+            else:
+                full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
+                local = local_shard(full, placement, coords, program.layout).detach().clone()
             if isinstance(state[name], nn.Parameter):
                 local = nn.Parameter(local, requires_grad=state[name].requires_grad)
             local_of[id(state[name])] = local

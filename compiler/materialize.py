@@ -57,8 +57,7 @@ class MetaWeights:
         self._initialize = _initializer(model)
         self._held: tuple[str, dict[str, Tensor]] | None = None  # the last module's tensors
         self._whole = self._initialize is None  # only a whole-model init_weights()
-        if self._whole:
-            _whole_model(model, seed)
+        self._whole_done = False
 
     def grouped(self, names: list[str]) -> list[str]:
         """`names` with each module's tensors together (in the order modules are first named):
@@ -71,6 +70,9 @@ class MetaWeights:
     def full(self, name: str) -> Tensor:
         path, attr = self._owner[name]
         if self._whole:
+            if not self._whole_done:  # on the first tensor asked for: none may be needed
+                _whole_model(self.model, self.seed)
+                self._whole_done = True
             module = self.model.get_submodule(path)
             found = module._parameters.get(attr, module._buffers.get(attr))
             assert found is not None, name

@@ -22,9 +22,14 @@ def decays(name: str, param: nn.Parameter) -> bool:
 
 
 def fusable(params: Iterable[Tensor]) -> bool:
-    """Whether AdamW's fused kernel takes these parameters: floating point, on a CPU or a GPU
-    (`make_optimizer` and ZeRO's AdamW use it then: one kernel instead of a dozen ops each)."""
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    """Whether AdamW's fused kernel takes these parameters: floating point, on a CPU or a GPU,
+    contiguous (`make_optimizer` and ZeRO's AdamW use it then: one kernel instead of a dozen ops
+    each). The kernel steps a non-contiguous parameter wrongly and silently (torch 2.13: a
+    column slice of a matrix moved by twice the learning rate in places), so such a parameter
+    takes the per-tensor path."""
+    return all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") and p.is_contiguous() for p in params
+    )
 
 
 def dp_buckets(

@@ -62,6 +62,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, place
+    from meshplan.compiler.pretrained import Pretrained
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.mesh import init_mesh
 
@@ -72,7 +73,11 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     program, plan = program_for(options, source, world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_mesh(program.layout, device)
-    rank_program = place(build_rank_program(program, source.model, rank, mesh, seed=options.seed), device)
+    pretrained = Pretrained.open(options.init) if options.init else None  # checked by the launcher
+    rank_program = build_rank_program(
+        program, source.model, rank, mesh, seed=options.seed, pretrained=pretrained
+    )
+    rank_program = place(rank_program, device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
     sync = gradient_sync(plan, program, held, mesh, pipeline)

@@ -1,0 +1,285 @@
+"""Pretrained weights in (`meshplan run --init PATH`): each rank reads only the bytes of its own
+pieces.
+
+    weights = Pretrained.open("llama-1b/")              # a Hugging Face folder, or one file
+    weights.check(model)                                 # every key and shape, before any rank starts
+    piece = weights.piece("lm_head.weight", placement, coords, layout, torch.float32)
+
+PATH is a Hugging Face folder (`model.safetensors`, or shards listed by
+`model.safetensors.index.json`), a `.safetensors` file, or a `.pt`/`.bin` file of a state dict.
+Names are matched as the model's `state_dict()` spells them; a weight the model ties under
+several names (an embedding and the LM head) is read once, under whichever name the file holds.
+A missing key, a key the model does not have, and a shape that differs are errors naming the key
+and the file (`InitError`), found from the files' headers before anything is read.
+
+A rank reads its piece as boxes of the whole tensor: along each dim, the runs of indices its
+placement keeps (`piece_indices`: one run for a plain split, one per block for a blocked q/k/v,
+padding where a vocabulary does not divide), and safetensors reads exactly those bytes from the
+file's memory map. So a rank reads its own shard bytes, not whole tensors (`bytes_read` counts
+them). A `.pt` file is memory-mapped too (`torch.load(mmap=True)`): only the pages a piece touches
+are read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.shards import Cut, shard_of
+
+from .placement import Placement, Shard
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class InitError(ValueError):
+    """Weights for `--init` that do not fit the model, or cannot be read: one line, located."""
+
+
+class Pretrained:
+    """The tensors of a weights folder or file, by name: shapes from the headers, pieces read on
+    demand."""
+
+    def __init__(self, path: Path, files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.path, self._files, self.shapes = path, files, shapes
+        self.bytes_read = 0
+        self._open: dict[Path, Callable[[str], Any]] = {}
+
+    @classmethod
+    def open(cls, path: str | Path) -> Pretrained:
+        path = Path(path)
+        if not path.exists():
+            raise InitError(f"--init {path}: no such file or folder")
+        if path.is_dir():
+            if (path / ".metadata").is_file():
+                raise InitError(
+                    f"--init {path}: a meshplan checkpoint folder; --init reads weights files "
+                    "(hint: continue the run with --resume, or write its weights with --export FILE.safetensors)"
+                )
+            if (path / INDEX).is_file():
+                try:
+                    weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+                except (ValueError, KeyError) as e:
+                    raise InitError(f"--init {path / INDEX}: not a safetensors index ({e})") from None
+                files = {key: path / name for key, name in weight_map.items()}
+            elif (path / SINGLE).is_file():
+                files = {key: path / SINGLE for key in _safetensors_shapes(path / SINGLE)}
+            else:
+                raise InitError(f"--init {path}: holds neither {SINGLE} nor {INDEX}")
+        elif path.suffix == ".safetensors":
+            files = {key: path for key in _safetensors_shapes(path)}
+        elif path.suffix in (".pt", ".bin", ".pth"):
+            files = {key: path for key in _torch_state(path)}
+        else:
+            raise InitError(f"--init {path}: not a .safetensors, .pt or .bin file, nor a Hugging Face folder")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in dict.fromkeys(files.values()):
+            shapes |= _safetensors_shapes(file) if file.suffix == ".safetensors" else _torch_shapes(file)
+        for key, file in files.items():
+            if key not in shapes:
+                raise InitError(
+                    f"--init {path}: the index names `{key}` in {file.name}, which does not hold it"
+                )
+        return cls(path, files, shapes)
+
+    def check(self, model: nn.Module) -> None:
+        """Every tensor of the model's state dict in the files with its shape, and nothing else;
+        a tied weight under any one of its names."""
+        expected = {}
+        names_of: dict[int, list[str]] = {}
+        for name, t in state_tensors(model):
+            names_of.setdefault(id(t), []).append(name)
+            expected[name] = tuple(t.shape)
+        for names in names_of.values():
+            held = [n for n in names if n in self.shapes]
+            if not held:
+                raise InitError(
+                    f"--init {self.path}: `{names[0]}` is missing (the model has it, the weights do not)"
+                )
+            for name in held:
+                if self.shapes[name] != expected[name]:
+                    raise InitError(
+                        f"--init {self.path}: `{name}` is {_shape(self.shapes[name])} in {self._files[name].name}, "
+                        f"the model's is {_shape(expected[name])}"
+                    )
+        unexpected = sorted(set(self.shapes) - set(expected))
+        if unexpected:
+            more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+            raise InitError(
+                f"--init {self.path}: `{unexpected[0]}`{more} is not in the model "
+                "(hint: the weights were saved from another model, or under other names)"
+            )
+
+    def key(self, names: list[str]) -> str | None:
+        """The name under which the files hold a tensor the model names `names`."""
+        return next((n for n in names if n in self.shapes), None)
+
+    def piece(
+        self, key: str, placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout, dtype
+    ) -> Tensor:
+        """This rank's piece of tensor `key`, read box by box, in `dtype`."""
+        runs = [_runs(ix) for ix in piece_indices(self.shapes[key], placement, coords, layout)]
+        tensor = self._tensor(self._files[key], key)
+
+        def read(box: tuple[Run, ...]) -> Tensor:
+            if any(start < 0 for start, _ in box):  # padding
+                return torch.zeros([n if start < 0 else n - start for start, n in box], dtype=dtype)
+            part = tensor[tuple(slice(a, b) for a, b in box)]
+            self.bytes_read += part.numel() * part.element_size()
+            return part.to(dtype)
+
+        return _assemble(read, runs)
+
+    def _tensor(self, file: Path, key: str):
+        """Tensor `key` of `file`, sliceable without reading it whole."""
+        if file not in self._open:
+            if file.suffix == ".safetensors":
+                self._open[file] = SafetensorsFile(file).array
+            else:
+                state = _torch_state(file)
+                self._open[file] = lambda key: _Copied(state[key])
+        return self._open[file](key)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """A `.safetensors` file read through a memory map: its header (8 bytes of length, then
+    JSON: each tensor's dtype, shape and byte range) and each tensor as a numpy array over the
+    map, so a slice copies only the bytes it covers (a column split of a weight reads a segment
+    of each row, not the rows whole)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > path.stat().st_size - 8:
+                    raise ValueError("its header is longer than the file")
+                header = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error) as e:
+            raise InitError(f"--init {path}: not a safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        self._start = 8 + length
+        self.tensors = header
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(entry["shape"]) for key, entry in self.tensors.items()}
+
+    def array(self, key: str) -> _Sliced:
+        entry = self.tensors[key]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise InitError(f"--init {self.path}: `{key}` is {entry['dtype']}, which meshplan does not read")
+        begin, end = entry["data_offsets"]
+        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._start + begin, shape=(end - begin,))
+        return _Sliced(raw, tuple(entry["shape"]), dtype)
+
+
+class _Copied:
+    """A tensor of a memory-mapped `.pt` file: `[slices]` copies just that box."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __getitem__(self, box: tuple[slice, ...]) -> Tensor:
+        return self.tensor[box].clone(memory_format=torch.contiguous_format)
+
+
+class _Sliced:
+    """A tensor in a file's memory map: `[slices]` copies just that box into a torch tensor."""
+
+    def __init__(self, raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.array = raw.view(f"<u{itemsize}" if dtype is not torch.bool else np.bool_).reshape(shape)
+        self.dtype = dtype
+
+    def __getitem__(self, box: tuple[slice, ...]) -> Tensor:
+        part = torch.from_numpy(np.array(self.array[box], order="C", copy=True))  # off the map
+        return part if self.dtype is torch.bool else part.view(self.dtype)
+
+
+Run = tuple[int, int]  # (start, stop) along a dim of the whole tensor; (-1, n): n entries of padding
+
+
+def piece_indices(
+    shape: tuple[int, ...], placement: dict[str, Placement], coords: dict[str, int], layout: MeshLayout
+) -> list[Tensor]:
+    """For each dim, the indices along it of the whole tensor's entries this rank's piece holds
+    (-1: padding): `lower.local_shard` applied to each dim's index range."""
+    indices = [torch.arange(1, n + 1) for n in shape]  # from 1: padding shows as 0
+    for axis, p in placement.items():
+        if isinstance(p, Shard):
+            indices[p.dim] = shard_of(
+                indices[p.dim], Cut(0, p.blocks, p.padded), coords[axis], layout.size(axis)
+            )
+    return [ix - 1 for ix in indices]
+
+
+def _runs(indices: Tensor) -> list[Run]:
+    """`indices` as runs of consecutive indices, and of padding."""
+    out: list[Run] = []
+    for i in indices.tolist():
+        if i < 0 and out and out[-1][0] < 0:
+            out[-1] = (-1, out[-1][1] + 1)
+        elif i < 0:
+            out.append((-1, 1))
+        elif out and out[-1][0] >= 0 and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _assemble(
+    read: Callable[[tuple[Run, ...]], Tensor], runs: list[list[Run]], box: tuple[Run, ...] = ()
+) -> Tensor:
+    """The piece: the boxes of every combination of runs, concatenated dim by dim."""
+    d = len(box)
+    if d == len(runs):
+        return read(box)
+    parts = [_assemble(read, runs, (*box, run)) for run in runs[d]]
+    return torch.cat(parts, dim=d) if len(parts) > 1 else parts[0]
+
+
+def state_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of the model's state dict (parameters, persistent buffers), each tied name."""
+    persistent = set(model.state_dict(keep_vars=True))
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return ((name, t) for name, t in named if name in persistent)
+
+
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    return SafetensorsFile(file).shapes()
+
+
+def _torch_state(file: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise InitError(f"--init {file}: cannot be read as a state dict ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise InitError(f"--init {file}: holds no state dict of tensors")
+    return state
+
+
+def _torch_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(t.shape) for key, t in _torch_state(file).items()}
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"

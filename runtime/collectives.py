@@ -197,9 +197,12 @@ class _Reduce(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
+    """All-gather forward; backward reduce-scatters a partial gradient or keeps this rank's
+    chunk of a whole one, as the module (`site.grad_is_partial`) says."""
+
     @staticmethod
-    def forward(ctx, x, dim, site, grad_is_partial):
-        ctx.dim, ctx.site, ctx.grad_is_partial = dim, site, grad_is_partial
+    def forward(ctx, x, dim, site):
+        ctx.dim, ctx.site, ctx.grad_is_partial = dim, site, site.grad_is_partial
         site.note("all_gather")
         return all_gather(x, dim, site.group, site.balanced)
 
@@ -208,11 +211,11 @@ class _Gather(torch.autograd.Function):
         site = ctx.site
         reduced = _wait_issued(ctx)
         if reduced is not None:
-            return reduced, None, None, None
+            return reduced, None, None
         if ctx.grad_is_partial:
             site.note("reduce_scatter", "backward")
-            return reduce_scatter(grad, ctx.dim, site.group, site.balanced), None, None, None
-        return local_chunk(grad, ctx.dim, site.group, site.balanced), None, None, None
+            return reduce_scatter(grad, ctx.dim, site.group, site.balanced), None, None
+        return local_chunk(grad, ctx.dim, site.group, site.balanced), None, None
 
 
 class _ToChunk(torch.autograd.Function):
@@ -308,74 +311,79 @@ class AxisCollective(nn.Module):
         watchdog.note(op, self.axis, detail, self.group)
 
 
-class CopyToAxis(AxisCollective):
+class _Whole(AxisCollective):
+    """Base: a collective on its whole input, by its autograd `function` applied as `(x, site)`."""
+
+    function: ClassVar[type[torch.autograd.Function]]
+    saves_tensors = False  # its function keeps only the module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.function.apply(x, self)
+
+
+class _OnDim(AxisCollective):
+    """Base: a collective on one dim of its input, by its autograd `function` applied as
+    `(x, dim, site)` to each of `blocks` equal blocks of the dim at once (`_in_blocks`)."""
+
+    function: ClassVar[type[torch.autograd.Function]]
+    saves_tensors = False  # its function keeps only the dim and the module
+
+    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
+        return _in_blocks(lambda t, d: self.function.apply(t, d, self), x, dim, blocks)
+
+
+class CopyToAxis(_Whole):
     """f: a replicated tensor entering sharded compute; gradients are summed over the axis."""
 
     kind = "copy_to"
+    function = _Copy
     backward_wire = (Wire("all_reduce"),)
-    saves_tensors = False
     overlap_entry = True
 
-    def forward(self, x: Tensor) -> Tensor:
-        return _Copy.apply(x, self)
 
-
-class AllReduce(AxisCollective):
+class AllReduce(_Whole):
     """g: partial sums leaving sharded compute (after a row split)."""
 
     kind = "all_reduce"
+    function = _Reduce
     forward_wire = (Wire("all_reduce"),)
-    saves_tensors = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _Reduce.apply(x, self)
 
 
-class AllGather(AxisCollective):
+class AllGather(_OnDim):
     """Sequence shards -> full sequence before a column split; backward reduce-scatters."""
 
     kind = "all_gather"
+    function = _Gather
+    grad_is_partial = True  # the gradient of the gathered tensor: backward reduce-scatters it
     forward_wire = (Wire("all_gather"),)
     backward_wire = (Wire("reduce_scatter"),)
-    saves_tensors = False
     overlap_entry = True
 
-    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
-        return _in_blocks(lambda t, d: _Gather.apply(t, d, self, True), x, dim, blocks)
 
-
-class GatherReplicated(AxisCollective):
+class GatherReplicated(_OnDim):
     """Shards -> a full tensor used by replicated compute; backward keeps the local chunk."""
 
     kind = "gather_replicated"
+    function = _Gather
+    grad_is_partial = False  # every rank has the whole gradient: backward keeps its chunk
     forward_wire = (Wire("all_gather"),)
-    saves_tensors = False
-
-    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
-        return _in_blocks(lambda t, d: _Gather.apply(t, d, self, False), x, dim, blocks)
 
 
-class ReduceScatter(AxisCollective):
+class ReduceScatter(_OnDim):
     """Partial sums -> sequence shards after a row split (sequence parallelism)."""
 
     kind = "reduce_scatter"
+    function = _ReduceScatter
     forward_wire = (Wire("reduce_scatter"),)
     backward_wire = (Wire("all_gather"),)
-    saves_tensors = False
-
-    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
-        return _in_blocks(lambda t, d: _ReduceScatter.apply(t, d, self), x, dim, blocks)
 
 
-class Split(AxisCollective):
+class Split(_OnDim):
     """A replicated tensor -> this rank's chunk; backward all-gathers."""
 
     kind = "split"
+    function = _Split
     backward_wire = (Wire("all_gather"),)
-    saves_tensors = False
-
-    def forward(self, x: Tensor, dim: int, blocks: int = 1) -> Tensor:
-        return _in_blocks(lambda t, d: _Split.apply(t, d, self), x, dim, blocks)
 
 
 class AllToAll(AxisCollective):

@@ -172,6 +172,10 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
     def scale_grads_(self, factor: Tensor | float) -> None:
         scale_param_grads_(self.params, factor)
 
+    def grad_buffers(self) -> list[Tensor]:
+        """The buckets' buffers, which hold the gradients (`.grad` views them) and outlive `zero_grad`."""
+        return [b.buffer for b in self.buckets if b.buffer is not None]
+
     def _on_grad(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.work is not None and id(param) not in self._late:

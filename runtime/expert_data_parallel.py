@@ -85,6 +85,10 @@ class ExpertDataParallel(PerGroup["DataParallel | LocalParams"], WholeParams):
         mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
     """
 
+    def grad_buffers(self) -> list[Tensor]:
+        """Every `DataParallel` engine's gradient buckets (`WholeParams.memory` counts them)."""
+        return [t for e in self.engines if isinstance(e, DataParallel) for t in e.grad_buffers()]
+
     def ledger(self) -> list[tuple[str, int, int]]:
         """(axes, bytes, all-reduces per optimizer step) for each bucket of each engine."""
         return [

@@ -23,7 +23,7 @@ nor an export ask which engine they have:
     loaded(state)        a checkpoint was read into `own_state()`'s tensors in place
     gathered_by_unit()   groups of parameter names whose values are whole together, for an export:
                          every name at once, or ZeRO-3's units one at a time
-    memory()             bytes of training state held by kind (ZeRO), or None
+    memory()             bytes of training state held now, by kind and in total (`state_bytes`)
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ class GradSync(Protocol):
         axis iterates to the end, in the same order: the gathers are collectives)."""
         ...
 
-    def memory(self) -> dict[str, int] | None:
-        """Bytes of params, grads and optimizer state this rank holds now (and their total),
-        where the engine counts them (ZeRO); None for the others."""
+    def memory(self) -> dict[str, int]:
+        """Bytes of params, grads and optimizer state this rank holds now, and their "total":
+        each live storage once (a tied weight, views of one flat buffer)."""
         ...
 
 
@@ -182,8 +182,22 @@ class WholeParams:
         """Every parameter is whole already: all names at once."""
         yield {name for name, _ in self.module.named_parameters()}
 
-    def memory(self) -> dict[str, int] | None:
-        return None
+    def memory(self) -> dict[str, int]:
+        """`GradSync.memory`: the module's parameters, their gradients (with the buffers that hold
+        them, `grad_buffers`) and AdamW's state, its step counters included."""
+        seen: set[int] = set()
+        params = list(self.module.parameters())  # a tied weight once
+        param_bytes = storage_bytes(params, seen)
+        grads = [*self.grad_buffers(), *(p.grad for p in params if p.grad is not None)]
+        grad_bytes = storage_bytes(grads, seen)
+        state = self._adamw.state.values() if self._adamw is not None else ()
+        optim_bytes = storage_bytes((t for s in state for t in s.values() if isinstance(t, Tensor)), seen)
+        total = param_bytes + grad_bytes + optim_bytes
+        return {"params": param_bytes, "grads": grad_bytes, "optimizer": optim_bytes, "total": total}
+
+    def grad_buffers(self) -> Iterable[Tensor]:
+        """Buffers the engine keeps the gradients in while `.grad` is None (between steps)."""
+        return ()
 
     def _built(self) -> torch.optim.AdamW:
         if self._adamw is None:
@@ -245,6 +259,18 @@ def param_grad_squares(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequenc
             kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
             squares[kind] += p.grad.detach().double().pow(2).sum().cpu()
     return squares
+
+
+def storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
+    """Bytes of the storages under `tensors` not in `seen` (data pointers), each once; adds them."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def scale_param_grads_(params: Iterable[nn.Parameter], factor: Tensor | float) -> None:

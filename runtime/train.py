@@ -32,11 +32,18 @@ Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:
 
     {"step": 12, "loss": 3.41, "lr": 0.0018, "grad_norm": 0.93, "tokens_per_s": 21000.0,
-     "peak_memory": 412000000, "mfu": null, "skipped_steps": 0, "time_s": 0.05}
+     "peak_memory": 412000000, "state_bytes": 3433628, "peak_tensor_bytes": 3712172,
+     "mfu": null, "skipped_steps": 0, "time_s": 0.05}
 
-plus, under ZeRO, `"zero_memory": {"params": ..., "grads": ..., "optimizer": ..., "total": ...}`:
-the bytes of training state this rank holds right after the optimizer step (`GradSync.memory()`),
-and under a pipeline `"pipeline_idle"`: the fraction of the step this rank's stages spent
+`state_bytes` is the training state this rank holds right after the optimizer step:
+parameters, gradients and optimizer state (AdamW's moments and step counters), each storage
+once, as the engine counts it (`GradSync.memory()["total"]`): 16 bytes a parameter for fp32
+AdamW on one replica, less under ZeRO. `peak_tensor_bytes` is the most bytes of tensors live
+at once during the step (forward, backward, optimizer step; `StepPeak`): on a GPU the CUDA
+allocator's peak, reset each step; on a CPU a tracker of the storages the ops create, whose
+cost (a Python call per op) limits it to one step in `log_every` (the others have null).
+Under ZeRO the record adds `"zero_memory": {"params": ..., "grads": ..., "optimizer": ...,
+"total": ...}`, the same count by kind, and under a pipeline `"pipeline_idle"`: the fraction of the step this rank's stages spent
 waiting for their neighbours (the measured bubble; `runtime/pipeline.py`).
 
 `loss` is the mean over the data axes; `tokens_per_s` is for the whole job
@@ -58,11 +65,13 @@ the collective and the ranks that never joined it (`runtime/watchdog.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import resource
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,11 +80,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import checkpoint, watchdog
 from .axes import Axes
 from .collectives import label_collectives
-from .grad_sync import GradSync, Local, Optimizer
+from .grad_sync import GradSync, Local, Optimizer, storage_bytes
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
@@ -160,11 +170,91 @@ def global_grad_norm(sync: GradSync, axes: Axes, names: Iterable[str]) -> Tensor
 
 
 def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+    if torch.cuda.is_available():  # the run's peak: `StepPeak` resets the allocator's every step
+        return max(int(torch.cuda.max_memory_allocated()), StepPeak.earlier_cuda_peak)
     # Linux reports ru_maxrss in KiB (macOS in bytes)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class StepPeak:
+    """`peak_tensor_bytes`: the most bytes of tensors live at once during one optimizer step.
+
+        peak = StepPeak.begin(held_bytes)   # before the step's first forward
+        ...                                 # forward, backward, optimizer step
+        peak.end()                          # -> bytes
+
+    On a GPU it is the CUDA caching allocator's own count (`max_memory_allocated`, reset
+    here every step): every tensor, at no cost. A CPU has no such count in PyTorch (no
+    `torch.cpu` memory stats; the profiler's `profile_memory` has it, but costs as much per
+    op as the tracker below, prints a line per session and misses frees of blocks allocated
+    before it started), so `_LiveTensors` keeps it: a `TorchDispatchMode` that adds each
+    storage an op creates (an output no alias annotation ties to an input) and subtracts it
+    when the storage dies, on top of `held_bytes` (the training state and buffers held when
+    the step starts). It misses temporaries inside one kernel and storages resized outside an
+    op (ZeRO-3's gathers on a CPU), and the mode's Python call per op costs a small model's
+    step over half its time: on a CPU the loop measures one step in `log_every` (`_sampled`)."""
+
+    earlier_cuda_peak = 0  # the allocator's peaks before its latest reset (the run's `peak_memory`)
+
+    def __init__(self, tracker: _LiveTensors | None) -> None:
+        self._tracker = tracker
+
+    @classmethod
+    def begin(cls, held_bytes: int) -> StepPeak:
+        if torch.cuda.is_available():
+            cls.earlier_cuda_peak = max(cls.earlier_cuda_peak, int(torch.cuda.max_memory_allocated()))
+            torch.cuda.reset_peak_memory_stats()
+            return cls(None)
+        tracker = _LiveTensors(held_bytes)
+        tracker.__enter__()
+        return cls(tracker)
+
+    def end(self) -> int:
+        if self._tracker is None:
+            return int(torch.cuda.max_memory_allocated())
+        self._tracker.__exit__(None, None, None)
+        return self._tracker.peak
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Bytes of the storages the ops run inside create, while they live, and their peak."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.live = self.peak = start
+        self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data pointer -> (bytes, ref)
+        self._fresh: dict[Any, list[bool]] = {}  # op -> whether each return is a new tensor
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._storages.clear()  # the refs die with it: no callback after the step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            fresh = self._fresh[func] = [r.alias_info is None for r in func._schema.returns]
+        if any(fresh):
+            results = out if isinstance(out, tuple) else (out,)
+            for result, new in zip(results, fresh, strict=False):
+                if new:
+                    for t in result if isinstance(result, list) else (result,):
+                        if isinstance(t, Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                            self._add(t.untyped_storage())
+        return out
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes or key in self._storages:
+            return
+        self._storages[key] = (nbytes, weakref.ref(storage, functools.partial(self._dead, key)))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _dead(self, key: int, _: object) -> None:
+        nbytes, _ = self._storages.pop(key, (0, None))
+        self.live -= nbytes
 
 
 def peak_flops(config: TrainConfig) -> float | None:
@@ -254,12 +344,15 @@ def train(
             # read each step: loading a checkpoint replaces an optimizer's param groups
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            measured = torch.cuda.is_available() or _sampled(step + 1, start, config)
+            peak = StepPeak.begin(_held_bytes(grads, program)) if measured else None
             loss = _accumulate(
                 forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
             )  # () mean loss
             if after_backward is not None:
                 after_backward()
             norm = _optimizer_step(grads, optimizer, axes, names, scale, config.grad_clip)
+            peak_bytes = peak.end() if peak is not None else None
             skipped = not bool(torch.isfinite(norm))
             held = grads.memory()  # before zero_grad: what the step leaves held
             optimizer.zero_grad()
@@ -282,12 +375,14 @@ def train(
                 "grad_norm": float(norm),
                 "tokens_per_s": tokens_per_s,
                 "peak_memory": peak_memory_bytes(),
+                "state_bytes": held["total"],
+                "peak_tensor_bytes": peak_bytes,
                 "mfu": (6 * local_params * tokens_per_s / dp_size / flops) if flops else None,
                 "skipped_steps": summary.skipped_steps,
                 "loss_scale": scale,
                 "time_s": dt,
             }
-            if held is not None:
+            if optimizer is grads:  # ZeRO: the engine steps its own shards
                 record["zero_memory"] = held
             if step_metrics is not None:
                 record.update(step_metrics())
@@ -417,6 +512,18 @@ def _maybe_resume(root: Path, sync: GradSync, config: TrainConfig, axes: Axes) -
         raise checkpoint.CheckpointError(
             f"{e} (hint: move {path.name} out of {root} to resume from {older.name})"
         ) from None
+
+
+def _sampled(done: int, start: int, config: TrainConfig) -> bool:
+    """Whether a CPU measures step `done`'s peak (`StepPeak`): this run's first step and every
+    `log_every`-th after it (1, 11, 21, ...), so the steps the display shows (10, 20, ...)
+    keep their speed."""
+    return (done - start - 1) % max(config.log_every, 1) == 0
+
+
+def _held_bytes(sync: GradSync, module: nn.Module) -> int:
+    """Bytes of tensors live before a step: the training state and the module's buffers."""
+    return sync.memory()["total"] + storage_bytes(module.buffers(), set())
 
 
 def _should_save(done: int, config: TrainConfig) -> bool:

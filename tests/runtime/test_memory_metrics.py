@@ -1,0 +1,63 @@
+"""`state_bytes` and `peak_tensor_bytes` in `meshplan run`'s metrics, on the built-in tiny Llama in
+fp32 (tests/runs.py: the command minus torchrun)."""
+
+from pathlib import Path
+
+import pytest
+from runs import meshplan_run
+
+from meshplan.examples.models.llama import build
+
+pytestmark = pytest.mark.slow
+
+PLAN = """
+mesh dp={dp}
+
+data_parallel over dp {
+    zero = {zero}
+}
+"""
+
+PARAMS = list(build().parameters())
+N = sum(p.numel() for p in PARAMS)  # elements; fp32 AdamW holds 4 + 4 + 8 bytes of each
+
+
+def record(tmp_path: Path, dp: int, zero: int, batch: int = 2) -> dict:
+    """Rank 0's record of a one-step run (the first step is measured on a CPU too)."""
+    plan = tmp_path / f"dp{dp}_zero{zero}_b{batch}.plan"
+    plan.write_text(PLAN.replace("{dp}", str(dp)).replace("{zero}", str(zero)))
+    argv = [
+        str(plan),
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path / plan.stem),
+        "--batch",
+        str(batch),
+        "--seq",
+        "16",
+    ]
+    return meshplan_run(*argv)[0][-1]
+
+
+def test_one_replica_holds_16_bytes_a_parameter_and_its_peak_grows_with_the_batch(tmp_path):
+    small, large = record(tmp_path, 1, 0, batch=2), record(tmp_path, 1, 0, batch=16)
+    # params, grads, both moments, and the fused AdamW's fp32 step counter of each tensor
+    assert small["state_bytes"] == large["state_bytes"] == 16 * N + 4 * len(PARAMS)
+    assert small["state_bytes"] < small["peak_tensor_bytes"] < large["peak_tensor_bytes"]
+    assert "zero_memory" not in small
+
+
+@pytest.mark.parametrize(
+    ("zero", "params", "grads"),
+    [(1, 4 * N, 4 * N), (2, 4 * N, 4 * N // 2), (3, 4 * N // 2, 4 * N // 2)],
+)
+def test_zero_divides_the_state_over_dp(tmp_path, zero, params, grads):
+    got = record(tmp_path, 2, zero)
+    held = got["zero_memory"]
+    # each rank's fp32 shard is its master; moments of half of every flat, a step counter per flat
+    counters = held["optimizer"] - 8 * N // 2
+    assert 0 < counters <= 4 * len(PARAMS) and counters % 4 == 0
+    assert (held["params"], held["grads"]) == (params, grads)
+    assert got["state_bytes"] == held["total"] == params + grads + 8 * N // 2 + counters
+    assert got["peak_tensor_bytes"] >= got["state_bytes"]

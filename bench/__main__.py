@@ -86,6 +86,12 @@ BENCHES = (
         quick=("--world", "2", "--layers", "2", "--hidden", "256"),
         headline=r"worst rank|meshplan / ",
     ),
+    Bench(
+        "start_memory",
+        "meshplan run's peak host memory per rank (start-up + 3 steps) / its training state, CPU- vs meta-built",
+        quick=("--quick",),
+        headline=r" raw \d",
+    ),
     Bench("pp_idle", "pipeline idle per rank, measured vs simulated", quick=("--quick",), headline=r"goal"),
     Bench("pp_step_time", "pipeline step vs torch.distributed.pipelining", quick=("--quick",)),
     Bench("pp_cuts", "balanced cuts vs equal layer counts", quick=("--quick", "--microbatches", "4")),

@@ -285,14 +285,19 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
 
 
 def _model_source(options: RunOptions) -> ModelSource:
-    """The model from its factory, on CPU, with token inputs of the run's micro-batch: a factory
-    that fails, or a `--seq` beyond the positions the model's config allows, is said here."""
+    """The model from its factory (on the meta device where it builds there), with token inputs
+    of the run's micro-batch: a factory that fails, or a `--seq` beyond the positions the model's
+    config allows, is said here."""
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.errors import CompileError
-    from meshplan.compiler.load import load_model
+    from meshplan.compiler.load import load_model, on_meta_inputs
 
     try:
-        return with_token_shape(load_model(options.model), batch=options.batch, seq=options.seq)
+        # the launcher checks and compiles: shapes suffice, the ranks build the weights
+        source = with_token_shape(
+            load_model(options.model, shapes_only=True), batch=options.batch, seq=options.seq
+        )
+        return on_meta_inputs(source)
     except CompileError as e:
         raise RunError(str(e)) from None
 

@@ -14,11 +14,13 @@ traceback is needed; `load_function` loads another function of theirs the same w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -49,13 +51,18 @@ class ModelSource:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def load_model(spec: str) -> ModelSource:
+def load_model(spec: str, *, shapes_only: bool = False) -> ModelSource:
     """Build the model a `--model` spec names and make example inputs for it.
 
     `spec` is `path/to/file.py:factory` or `package.module:factory`. The factory is
     called with no arguments and must return an `nn.Module`. Inputs come from the
     module's `example_inputs()` if it defines one, else are random token ids when the
     model has a `config.vocab_size` (Hugging Face models and the examples have one).
+
+    `shapes_only`: the caller needs no weights (checking, compiling): the factory runs under
+    the meta device, so nothing the size of the model is allocated. A factory that cannot
+    build on meta, or keeps tensors outside its parameters and buffers (which a program would
+    keep as constants, without values on meta), is built as usual instead.
     """
     target, factory_name = _split_spec(spec)
     is_file = _names_a_file(target)
@@ -67,7 +74,9 @@ def load_model(spec: str) -> ModelSource:
         # Where the user's code lives, to point error messages at its lines.
         origin = getattr(module, "__file__", None) or target
         factory = _find_factory(module, factory_name, target)
-        model = _call_factory(factory, spec, origin)
+        model = _on_meta(factory) if shapes_only else None
+        if model is None:
+            model = _call_factory(factory, spec, origin)
         args, kwargs = _make_inputs(module, model, spec, origin)
     return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
 
@@ -235,6 +244,42 @@ def _call_user(fn: Callable[[], Any], what: str, origin: str, hint: str) -> Any:
         return fn()
     except (Exception, SystemExit) as exc:
         raise ModelLoadError(f"{what} raised {describe_error(exc, origin)}", hint=hint) from exc
+
+
+def on_meta_inputs(source: ModelSource) -> ModelSource:
+    """`source` with its example inputs on the meta device where its model is: a capture then
+    meets one device (a loss of meta logits against host labels would not trace)."""
+    if not any(t.is_meta for t in itertools.chain(source.model.parameters(), source.model.buffers())):
+        return source
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    return dataclasses.replace(
+        source,
+        args=tuple(meta(a) for a in source.args),
+        kwargs={k: meta(v) for k, v in source.kwargs.items()},
+    )
+
+
+def _on_meta(factory: Callable[[], Any]) -> nn.Module | None:
+    """The factory's model built on the meta device, or None where that does not give one whose
+    every tensor is a parameter or a buffer (the factory's own errors are said by the usual build)."""
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:
+        return None
+    if not isinstance(model, nn.Module):
+        return None
+    for module in model.modules():
+        if any(
+            isinstance(v, torch.Tensor)
+            for k, v in vars(module).items()
+            if k not in ("_parameters", "_buffers")
+        ):
+            return None
+    return model
 
 
 def _call_factory(factory: Callable[[], Any], spec: str, origin: str) -> nn.Module:

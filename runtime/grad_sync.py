@@ -252,13 +252,28 @@ class Local(LocalParams, WholeParams):
 
 
 def param_grad_squares(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequence[Collection[str]]) -> Tensor:
-    """`GradSync.grad_squares` of gradients held whole in `.grad` (LocalParams, DataParallel)."""
-    squares = torch.zeros(len(kinds) + 1, dtype=torch.float64)
+    """`GradSync.grad_squares` of gradients held whole in `.grad` (LocalParams, DataParallel):
+    summed where the gradients are, read back once."""
+    squares: Tensor | None = None
     for name, p in named:
         if p.grad is not None:
+            if squares is None:
+                squares = torch.zeros(len(kinds) + 1, dtype=torch.float64, device=p.grad.device)
             kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
-            squares[kind] += p.grad.detach().double().pow(2).sum().cpu()
-    return squares
+            squares[kind] += sum_of_squares(p.grad)
+    return squares.cpu() if squares is not None else torch.zeros(len(kinds) + 1, dtype=torch.float64)
+
+
+SQUARES_CHUNK = 1 << 22  # elements: the float64 copy `sum_of_squares` makes is 32 MiB at most
+
+
+def sum_of_squares(t: Tensor) -> Tensor:
+    """The sum of `t`'s squared elements in float64, on `t`'s device, chunk by chunk: a float64
+    copy of a whole embedding's gradient would cost a rank twice its bytes, for a moment."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= SQUARES_CHUNK:
+        return flat.double().pow(2).sum()
+    return torch.stack([chunk.double().pow(2).sum() for chunk in flat.split(SQUARES_CHUNK)]).sum()
 
 
 def storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from . import watchdog
 from .collectives import reduce_scatter_single
+from .grad_sync import sum_of_squares
 from .zero_flats import Flat
 
 # Gradient reductions left running while backward goes on: enough to overlap, and a bound
@@ -133,7 +134,7 @@ class ShardedGrads:
                 continue
             for name, start, end in f.own_ranges():
                 kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
-                squares[kind] += g[start:end].double().pow(2).sum()
+                squares[kind] += sum_of_squares(g[start:end])
         self._record("all_reduce", squares.nbytes)
         dist.all_reduce(squares, group=self.group)
         return squares.cpu()

@@ -448,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_for_model(p, shapes=False)  # verify's own --batch and --seq below
     p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
     p.add_argument(
+        "--init",
+        metavar="PATH",
+        help="start from these weights, as `meshplan run --init` (a Hugging Face folder or a file)",
+    )
+    p.add_argument(
         "--batch",
         type=positive_int,
         default=2,

@@ -73,11 +73,12 @@ class Job:
     microbatches: int = 1  # a pipeline's micro-step: this many batches of `batch` sequences
     program: str = ""  # the compiled program every rank loads (`meshplan run --program`)
     between_steps: str = ""  # `run --between-steps`: the model's update after each step
+    init: str | None = None  # `run --init`: pretrained weights every rank and the references start from
 
 
 # what `meshplan verify` takes from its command line and every rank's `meshplan run` options
 # get from the job: the training settings, under the same names all the way
-_TRAINING_SETTINGS = ("steps", "batch", "seq", "lr", "grad_clip", "seed")
+_TRAINING_SETTINGS = ("steps", "batch", "seq", "lr", "grad_clip", "seed", "init")
 
 
 def _training_settings(source: Any) -> dict[str, Any]:
@@ -385,6 +386,7 @@ def verify(
     timeout_s: float = 900.0,
     worker: Callable = _rank,
     between_steps: str = "",
+    init: str | None = None,
 ) -> Report:
     """Check, compile, train the three ways, compare. Plan and model mistakes raise `PlanError`
     or `CompileError` (located, before any process starts). `worker(rank, world_size, job)`
@@ -399,6 +401,7 @@ def verify(
     from meshplan.compiler.passes.experts.capacity import capacity_applied, capacity_lists
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating
+    from meshplan.compiler.pretrained import InitError, Pretrained, load_whole
     from meshplan.dsl import load_plan
     from meshplan.errors import RunError
     from meshplan.runtime.axes import Axes
@@ -419,6 +422,11 @@ def verify(
     source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
     if is_meta(source.model):  # the whole model for the reference: what every rank takes its pieces of
         materialize_model(source.model, seed)
+    if init:  # checked key by key before any rank starts, then read whole for the references
+        try:
+            load_whole(source.model, Pretrained.open(init))
+        except InitError as e:
+            raise RunError(str(e)) from None
     if between_steps:  # said before any process starts: a pipeline, a missing function
         if plan.pipeline is not None:
             raise RunError(PIPELINE_BETWEEN_STEPS)
@@ -457,6 +465,7 @@ def verify(
             micro,
             str(program),
             between_steps,
+            init,
         )
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))

@@ -157,6 +157,23 @@ _DTYPES = {
 }  # fmt: skip
 
 
+def load_whole(model: nn.Module, weights: Pretrained) -> None:
+    """Check `weights` against `model` and copy every tensor in whole (`verify`'s references,
+    which hold the unpartitioned model)."""
+    weights.check(model)
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, Tensor] = {}
+    for name, t in state_tensors(model):
+        names_of.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    layout = MeshLayout((), ())
+    with torch.no_grad():
+        for key_of, t in tensors.items():
+            key = weights.key(names_of[key_of])
+            assert key is not None, names_of[key_of]  # check() found every tensor
+            t.copy_(weights.piece(key, {}, {}, layout, t.dtype))
+
+
 class SafetensorsFile:
     """A `.safetensors` file read through a memory map: its header (8 bytes of length, then
     JSON: each tensor's dtype, shape and byte range) and each tensor as a numpy array over the

@@ -210,3 +210,21 @@ def test_an_unexpected_key_is_named(saved, tmp_path):
     save_file(state, tmp_path / "extra.safetensors")
     with pytest.raises(InitError, match=r"`model.layers.9.mlp.up_proj.weight` is not in the model"):
         Pretrained.open(tmp_path / "extra.safetensors").check(hf_llama())
+
+
+@pytest.mark.slow
+def test_verify_starts_both_sides_from_the_pretrained_weights(saved, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from meshplan.verify import token_batches, verify
+
+    plan = tmp_path / "tp2.plan"
+    plan.write_text("mesh tp=2\n" + TP)
+    report = verify(str(plan), META_LLAMA, steps=1, batch=2, seq=16, init=str(saved))
+    assert report.ok, report.measures
+    input_ids, _ = token_batches(report.job, dp_rank=0, dp_size=1, accumulation=1)(0, 0)
+    with torch.no_grad():
+        model = LlamaForCausalLM.from_pretrained(saved)
+        expected = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    assert report.partitioned.losses[0] == pytest.approx(expected, rel=1e-5)
+    assert report.reference.losses[0] == pytest.approx(expected, rel=1e-5)

@@ -15,6 +15,7 @@ compiler's passes before it never see a rank, and the runtime after it never see
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -69,14 +70,17 @@ def build_rank_program(
     *,
     seed: int = 0,
     pretrained: Pretrained | None = None,
+    keep: Collection[str] | None = None,
 ) -> fx.GraphModule:
     """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
 
     `model` holds the full (unpartitioned) parameters and buffers, or is built on the meta
     device: then each tensor is initialized by the model's own code under `seed`, one module at
     a time, and only this rank's piece of it is kept (`materialize.py`). With `pretrained`, the
-    tensors it holds are read from it instead, this rank's piece alone (`pretrained.py`). `mesh`
-    is the DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
+    tensors it holds are read from it instead, this rank's piece alone (`pretrained.py`). `keep`:
+    the tensors this rank will run (a pipeline rank's stages, `stage_names`); the others are
+    given their local shapes on the meta device, neither initialized nor read. `mesh` is the
+    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -90,11 +94,14 @@ def build_rank_program(
     names_of: dict[int, list[str]] = {}
     for name, t in state.items():
         names_of.setdefault(id(t), []).append(name)
+    kept = {id(state[name]) for name in keep if name in state} if keep is not None else None
     for name in weights.grouped(names) if weights is not None else names:
         if id(state[name]) not in local_of:
             placement = program.param_placements.get(name, {})
             key = pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
-            if pretrained is not None and key is not None:
+            if kept is not None and id(state[name]) not in kept:  # another pipeline rank's
+                local = local_shard(state[name].to("meta"), placement, coords, program.layout)
+            elif pretrained is not None and key is not None:
                 local = pretrained.piece(key, placement, coords, program.layout, state[name].dtype)
             else:
                 full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
@@ -132,7 +139,8 @@ def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule
         if changed:
             module.graph = graph
             module.recompile()
-    return program.to(device)
+    # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`)
+    return program._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def _on(value, device: torch.device):
@@ -284,6 +292,15 @@ def rank_stages(
         if sum(s in mine for s in used) > 1
     )
     return RankStages(held, mine, schedule, axis, position, members, group, tied, here)
+
+
+def stage_names(program: Program, rank: int, *, axis: str, schedule: Schedule) -> frozenset[str]:
+    """The tensors (by the graph's names) that the stages `schedule` gives `rank` read: all a
+    pipeline rank needs of `build_rank_program` (its `keep`)."""
+    cut = cut_stages(program.graph, compiled_cuts(program.graph, program.stage_cuts))
+    position = program.layout.coords(rank)[axis]
+    mine = [st for s, st in enumerate(cut.programs(program.graph)) if schedule.owner[s] == position]
+    return frozenset(str(n.target) for st in mine for n in st.graph.nodes if n.op == "get_attr")
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:

@@ -32,15 +32,33 @@ def pipeline_rank(
     schedule gives them; the schedule is checked by simulation first: a list that cannot run
     is a meshplan bug, found before it hangs."""
     from meshplan.compiler.lower import rank_stages
+
+    spec = plan.pipeline
+    assert spec is not None
+    schedule = pipeline_schedule(plan, program.layout)
+    return PipelineRank(rank_stages(program, rank_program, rank, mesh, axis=spec.axis, schedule=schedule))
+
+
+def pipeline_schedule(plan: Plan, layout: MeshLayout):
+    """The plan's schedule: which stages each pipeline rank runs, and in which order."""
     from meshplan.runtime import schedules
 
     spec = plan.pipeline
     assert spec is not None
-    ranks = program.layout.size(spec.axis)
-    schedule = schedules.build(
-        spec.schedule, ranks, pipeline_microbatches(plan, program.layout), spec.virtual_stages
+    return schedules.build(
+        spec.schedule, layout.size(spec.axis), pipeline_microbatches(plan, layout), spec.virtual_stages
     )
-    return PipelineRank(rank_stages(program, rank_program, rank, mesh, axis=spec.axis, schedule=schedule))
+
+
+def held_names(plan: Plan, program: Program, rank: int) -> frozenset[str] | None:
+    """The tensors this rank's stages read (None without a pipeline: every tensor)."""
+    from meshplan.compiler.lower import stage_names
+
+    if plan.pipeline is None:
+        return None
+    return stage_names(
+        program, rank, axis=plan.pipeline.axis, schedule=pipeline_schedule(plan, program.layout)
+    )
 
 
 class ZeroShards(Protocol):

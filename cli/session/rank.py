@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from meshplan.faults import injected_fault
 
 from .hooks import between_steps_hook, expert_metrics, step_metrics
-from .pipeline import pipeline_microbatches, pipeline_rank
+from .pipeline import held_names, pipeline_microbatches, pipeline_rank
 from .program import program_for, with_folder
 from .sync import gradient_sync
 
@@ -77,8 +77,9 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_mesh(program.layout, device)
     pretrained = Pretrained.open(options.init) if options.init else None  # checked by the launcher
+    keep = held_names(plan, program, rank)  # a pipeline rank builds only its stages' tensors
     rank_program = build_rank_program(
-        program, source.model, rank, mesh, seed=options.seed, pretrained=pretrained
+        program, source.model, rank, mesh, seed=options.seed, pretrained=pretrained, keep=keep
     )
     rank_program = place(rank_program, device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None

@@ -135,3 +135,22 @@ def test_a_whole_model_materialized_for_verify_has_the_ranks_values_and_keeps_it
     tied.tie_weights()
     materialize_model(tied, seed=5)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_a_pipeline_rank_builds_only_the_tensors_of_its_stages():
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.compiler.lower import build_rank_program, stage_names
+    from meshplan.dsl import check_text
+    from meshplan.runtime.schedules import build
+
+    source = on_meta_inputs(with_token_shape(load_model(META_LLAMA), batch=2, seq=16))
+    compiled = compile_plan(check_text(LAYOUTS["pp=2"]), source)
+    schedule = build("1f1b", 2, 2, None)
+    first, last = (stage_names(compiled, r, axis="pp", schedule=schedule) for r in (0, 1))
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    program = build_rank_program(compiled, source.model, 1, keep=last)
+    params = dict(program.named_parameters())
+    assert params["model.embed_tokens.weight"].is_meta  # the first stage's: a shape here
+    assert not params["lm_head.weight"].is_meta and params["lm_head.weight"].isfinite().all()

@@ -275,12 +275,7 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
     if os.environ.get("MESHPLAN_FAULT"):
         parse_fault(os.environ["MESHPLAN_FAULT"])
     if options.export:
-        export = Path(options.export)
-        if export.is_file() and not options.overwrite:
-            raise RunError(
-                f"--export {export} exists (hint: name another file, or pass --overwrite to replace it)"
-            )
-        _check_writable(export)
+        _check_export(Path(options.export), overwrite=options.overwrite)
     return options, plan
 
 
@@ -394,6 +389,27 @@ def _check_run_folder(options: RunOptions) -> None:
     for part in held:
         shutil.rmtree(folder / part)
     _check_writable(folder / "metrics" / "rank0.jsonl")
+
+
+def _check_export(export: Path, *, overwrite: bool) -> None:
+    """That `--export` can be written and replaces nothing unasked: a file (`.safetensors`, `.pt`,
+    ...) or a folder (`exports_a_folder`: any other path), refused where it already holds
+    something unless `--overwrite`."""
+    from meshplan.runtime.export import exports_a_folder
+
+    if not exports_a_folder(export):
+        if export.is_file() and not overwrite:
+            raise RunError(
+                f"--export {export} exists (hint: name another file, or pass --overwrite to replace it)"
+            )
+        _check_writable(export)
+        return
+    if export.is_dir() and any(export.iterdir()) and not overwrite:
+        raise RunError(
+            f"--export {export} is a folder that is not empty (hint: name another folder, or pass "
+            "--overwrite to replace the weights in it)"
+        )
+    _check_writable(export / "model.safetensors")
 
 
 def _check_writable(path: Path) -> None:

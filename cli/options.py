@@ -93,7 +93,10 @@ class RunOptions:
         action="store_true",
     )
     export: str | None = flag(
-        "after training, write the full (unpartitioned) weights: FILE.safetensors or FILE.pt", metavar="FILE"
+        "after training, write the full (unpartitioned) weights: FILE.safetensors or FILE.pt, or a "
+        "folder (any other path): safetensors shards with their index, and a Hugging Face model's "
+        "config.json (from_pretrained loads it; another model's folder has no config)",
+        metavar="PATH",
     )
     out: str | None = flag(
         "run folder for metrics and checkpoints (default: runs/<plan name>)", metavar="DIR"

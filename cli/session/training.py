@@ -4,6 +4,7 @@ the unpartitioned model's `state_dict()` (for `--export` and `verify`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,44 +45,144 @@ INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve 
 
 def export_weights(prepared: Session, rank: int) -> None:
     """Consolidate this rank's shards into full tensors; rank 0 writes them, as the
-    unpartitioned model's `state_dict()` (a list of experts under the list's names)."""
+    unpartitioned model's `state_dict()` (a list of experts under the list's names): to one file,
+    or to a folder (`exports_a_folder`) as Hugging Face writes one. Only rank 0 keeps what it
+    receives: a file's tensors until it is written, a folder's one shard at a time."""
     from meshplan.runtime.expert_list import as_list_state
-    from meshplan.runtime.export import write_state_dict
+    from meshplan.runtime.export import exports_a_folder, write_state_dict
 
-    state = as_list_state(consolidated_state(prepared), prepared.expert_lists)
+    assert prepared.options.export is not None, "export_weights runs for --export"
+    target = Path(prepared.options.export)
+    if exports_a_folder(target):
+        _export_folder(prepared, rank, target)
+        return
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in _streamed_state(prepared):
+        if rank == 0:
+            state[name] = tensor
     if rank == 0:
-        assert prepared.options.export is not None, "export_weights runs for --export"
-        write_state_dict(state, Path(prepared.options.export))
-        print(f"exported {len(state)} tensors to {prepared.options.export}")
+        state = as_list_state(_with_every_tied_name(state, prepared.tied), prepared.expert_lists)
+        write_state_dict(state, target)
+        print(f"exported {len(state)} tensors to {target}")
+
+
+def _export_folder(prepared: Session, rank: int, folder: Path) -> None:
+    """`export_weights` to a folder: each tensor appended to rank 0's current shard as it is
+    gathered (`ShardWriter`), each tied weight once, under the name Hugging Face keeps, and a
+    Hugging Face model's config beside the weights; the other ranks drop what they gather."""
+    from meshplan.compiler.load import load_model
+    from meshplan.runtime.expert_list import as_list_state
+    from meshplan.runtime.export import ShardWriter
+
+    if rank != 0:
+        for _ in _streamed_state(prepared):
+            pass
+        return
+    assert prepared.options.model is not None, "a session's options name its model"
+    model = load_model(prepared.options.model, shapes_only=True).model  # for its config and ties
+    written_as = _tied_as(prepared.tied, model)
+    writer = ShardWriter(folder)
+    for name, tensor in _streamed_state(prepared):
+        name = written_as.get(name, name)
+        if name not in writer:
+            for key, value in as_list_state({name: tensor}, prepared.expert_lists).items():
+                writer.add(key, value)
+    count = writer.finish(_hugging_face_metadata(model))
+    print(f"exported {count} tensors to {folder}/ ({len(writer.shards)} safetensors files)")
+
+
+def _tied_as(tied: tuple[tuple[str, ...], ...], model: torch.nn.Module) -> dict[str, str]:
+    """Each name of a tied weight -> the one name a folder holds it under: the name Hugging
+    Face's `save_pretrained` keeps (not in the model's tied-weight keys, e.g. Llama's
+    `model.embed_tokens.weight` over `lm_head.weight`), else the model's first name for it."""
+    keys = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)
+    dropped = set(keys or ())  # a dict (dropped -> kept) or a list of the dropped names
+    out: dict[str, str] = {}
+    for group in tied:
+        kept = next((name for name in group if name not in dropped), group[0])
+        out.update({name: kept for name in group})
+    return out
+
+
+def _hugging_face_metadata(model: torch.nn.Module) -> list[Any]:
+    """What `save_pretrained` writes beside the weights of a Hugging Face model: its config (with
+    its class as the architecture) and its generation config; nothing for another model."""
+    import sys
+
+    transformers = sys.modules.get("transformers")  # a PreTrainedModel imported it
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return []
+    config = model.config
+    config.architectures = [type(model).__name__]
+    generation = getattr(model, "generation_config", None)
+    return [config] if generation is None or not model.can_generate() else [config, generation]
 
 
 def consolidated_state(prepared: Session) -> dict[str, torch.Tensor]:
     """The trained weights as the unpartitioned model's `state_dict()` (every rank gets them):
     shards gathered over their axes, ZeRO's gathered unit by unit, and each tied weight under
     every name it has."""
-    from meshplan.runtime.export import consolidate
+    return _with_every_tied_name(dict(_streamed_state(prepared)), prepared.tied)
+
+
+def _with_every_tied_name(
+    state: dict[str, torch.Tensor], tied: tuple[tuple[str, ...], ...]
+) -> dict[str, torch.Tensor]:
+    """`state` with each tied weight under every name of its group (one tensor, shared)."""
+    for group in tied:
+        held = next((state[name] for name in group if name in state), None)
+        if held is not None:
+            state.update({name: held for name in group if name not in state})
+    return state
+
+
+def _streamed_state(prepared: Session) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trained weights one full tensor at a time, on every rank, under the program's names
+    (each tied weight under the names the program holds it by). Every rank iterates to the end:
+    the gathers are collectives. Under a pipeline each stage's tensors are broadcast to the
+    other stages in turn, one tensor at a time."""
+    if prepared.pipeline_group is None:
+        yield from _own_tensors(prepared)
+        return
+    import torch.distributed as dist
+
+    group = prepared.pipeline_group
+    me = dist.get_rank(group)
+    for stage in range(dist.get_world_size(group)):
+        src = dist.get_global_rank(group, stage)
+        if stage == me:
+            for item in _own_tensors(prepared):
+                dist.broadcast_object_list([item], src=src, group=group)
+                yield item
+            dist.broadcast_object_list([None], src=src, group=group)  # this stage is done
+            continue
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            if box[0] is None:
+                break
+            yield box[0]
+
+
+def _own_tensors(prepared: Session) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_streamed_state` of the parameters and buffers this rank's program holds: ZeRO's gathered
+    one unit at a time, each tensor's shards gathered over the axes that cut it."""
+    from meshplan.runtime.export import consolidate_each
     from meshplan.runtime.grad_sync import Local
 
     program, wanted = prepared.program, set(prepared.export_names)
     sync = prepared.dp if prepared.dp is not None else Local(program)
     ids = {name: id(p) for name, p in program.named_parameters(remove_duplicate=False)}
-    state: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
     for names in sync.gathered_by_unit():  # ZeRO-3: one unit gathered at a time, not the model
         mine = {ids[n] for n in names if n in ids}
-        state |= consolidate(program, prepared.axes, {n for n, i in ids.items() if i in mine} & wanted)
+        for name, tensor in consolidate_each(
+            prepared.program, prepared.axes, {n for n, i in ids.items() if i in mine} & wanted
+        ):
+            done.add(name)
+            yield name, tensor
     # the rest: buffers, and parameters no ZeRO engine holds
-    state |= consolidate(program, prepared.axes, wanted - state.keys())
-    if prepared.pipeline_group is not None:  # each pipeline rank holds other stages: put them together
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * dist.get_world_size(prepared.pipeline_group)
-        dist.all_gather_object(parts, state, group=prepared.pipeline_group)
-        state = {name: tensor for part in parts for name, tensor in part.items()}
-    for group in prepared.tied:
-        held = next((state[name] for name in group if name in state), None)
-        if held is not None:
-            state.update({name: held for name in group if name not in state})
-    return state
+    yield from consolidate_each(program, prepared.axes, wanted - done)
 
 
 def train_config(prepared: Session):

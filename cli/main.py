@@ -93,7 +93,7 @@ def _load_for_model(args: argparse.Namespace):
     """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1."""
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
-    from meshplan.compiler.load import load_model
+    from meshplan.compiler.load import load_model, on_meta_inputs
 
     world_size = args.world_size
     if world_size is None:
@@ -104,8 +104,9 @@ def _load_for_model(args: argparse.Namespace):
             world_size = probe.mesh.world_size or _product(a.size for a in probe.mesh.axes if a.size)
             print(f"note: `{autos[0]}=*` taken as 1; pass --world-size N for the real size", file=sys.stderr)
     plan = load_plan(args.plan, world_size=world_size)
-    source = with_token_shape(load_model(args.model), batch=args.batch, seq=args.seq)
-    compiled = compile_plan(plan, source, world_size=world_size)
+    # compiling needs shapes, not weights: a factory's model is built on the meta device where it can be
+    source = with_token_shape(load_model(args.model, shapes_only=True), batch=args.batch, seq=args.seq)
+    compiled = compile_plan(plan, on_meta_inputs(source), world_size=world_size)
     if compiled.warnings:
         print(
             render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=use_color(sys.stderr)),

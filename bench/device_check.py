@@ -19,8 +19,12 @@ that fails or hangs is reported and the next one still runs:
    median step time after warm-up steps, and MFU = 6 x parameters x tokens/s / the card's
    dense bf16 peak (attention's own FLOPs left out, as `meshplan run`'s metrics do).
    Target: meshplan / plain <= 1.02.
-3. `llama-8b-tp8-memory` and `cpu-offload-step`: listed and skipped, with the reason (they
-   need `meshplan estimate`, meta-device construction and `on cpu` placement).
+3. `llama-8b-tp8-memory`: Llama-3-8B's config built on the meta device, compiled for `tp=8`
+   (bf16 compute, every layer checkpointed), and one rank of it run alone on the device under
+   the fake process group (collectives that keep shapes only): two steps at seq 2048, its
+   peak device memory (`peak_tensor_bytes`, the allocator's) beside its training state
+   (`state_bytes`). The comparison with `meshplan estimate`'s prediction waits for that command.
+4. `cpu-offload-step`: listed and skipped (`on cpu` placement is not lowered yet).
 
 It writes `device_check.json` (every part: status, seconds, numbers, the tail of its output)
 and `device_check.md` (the same as tables) into `--out`, after each part, so a check cut short
@@ -132,7 +136,7 @@ def _run(command: list[str], budget_s: float, env: dict[str, str] | None = None)
 
 def gpu_tier(out: Path, budget_s: int) -> dict:
     log = _run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-n", "4", "--dist", "load",
+        [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-n", "8", "--dist", "load",
          "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", str(out / "gpu_tier.xml")],
         budget_s,
     )  # fmt: skip
@@ -208,6 +212,120 @@ def llama_1b_step(out: Path, budget_s: int) -> dict:
 WARMUP, MEASURED = 3, 10
 
 
+TP8 = """# the device check's 8B Llama: one rank of tp=8, bf16 compute, every layer recomputed
+mesh tp=8
+
+modules {
+    model.layers.*.self_attn.{q,k,v}_proj: column over tp
+    model.layers.*.self_attn.o_proj:       row over tp
+    model.layers.*.mlp.{gate,up}_proj:     column over tp
+    model.layers.*.mlp.down_proj:          row over tp
+    model.embed_tokens:                    vocab over tp
+    lm_head:                               vocab over tp
+    model.layers.*.{input,post_attention}_layernorm: sequence over tp
+    model.norm:                                      sequence over tp
+    model.layers.*: checkpoint
+}
+
+precision {
+    compute = bf16
+    params = fp32
+}
+"""
+
+
+def llama_8b():
+    """Llama 3 8B's shape (Hugging Face config), on the meta device: each rank initializes only
+    its own pieces."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def llama_tiny():
+    """`llama_8b`'s shape at a size a CPU test runs (8 query and 8 key/value heads: tp=8 splits them)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=128,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def llama_8b_tp8(out: Path, budget_s: int) -> dict:
+    output = _run([sys.executable, "-m", "bench.device_check", "--one-rank-8b"], budget_s)
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def one_rank_8b(device: str = "cuda", seq: int = SEQ, model: str = "llama_8b") -> dict:
+    """Rank 3 of the tp=8 plan, alone on `device` under the fake process group, for two steps;
+    its metrics. (`tests/test_device_check.py` runs it on the CPU with a small model.)"""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplan.launcher import prepare
+    from meshplan.options import parse
+    from meshplan.session import open_session, train_session
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    with tempfile.TemporaryDirectory() as folder:
+        plan = Path(folder) / "tp8.plan"
+        plan.write_text(TP8)
+        argv = [
+            str(plan),
+            "--model",
+            f"{__file__}:{model}",
+            "--batch",
+            "1",
+            "--seq",
+            str(seq),
+            "--steps",
+            "2",
+        ]
+        options, _ = prepare(parse([*argv, "--out", str(Path(folder) / "run"), "--log-every", "1"]))
+        started = time.monotonic()
+        session = open_session(options, 3, 8)
+        opened_s = time.monotonic() - started
+        train_session(session, show_progress=False)
+        records = [
+            json.loads(line) for line in (Path(folder) / "run/metrics/rank3.jsonl").read_text().splitlines()
+        ]
+    dist.destroy_process_group()
+    gib = 2**30
+    return {
+        "open_session_s": round(opened_s, 1),
+        "parameters_on_rank": sum(p.numel() for p in session.program.parameters()),
+        "state_gib": records[-1]["state_bytes"] / gib,
+        "peak_tensor_gib": max(r["peak_tensor_bytes"] or 0 for r in records) / gib,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device == "cuda" else None,
+        "estimate_gib": None,  # `meshplan estimate` does not exist yet
+    }
+
+
 def plain_loop(batch: int) -> dict:
     """The baseline, in this process: the training loop a user writes for the same model."""
     import torch
@@ -251,21 +369,20 @@ def plain_loop(batch: int) -> dict:
 
 
 PARTS = (
-    Part("gpu-tier", "pytest -m gpu tests/gpu: meshplan's tests on the device", 240, gpu_tier),
+    Part("gpu-tier", "pytest -m gpu tests/gpu: meshplan's tests on the device", 180, gpu_tier),
     Part(
         "llama-1b-step",
         f"1B Llama, seq {SEQ}, bf16, dp=1: meshplan's step time and MFU against a plain PyTorch loop "
         f"(target ratio <= {TARGET})",
-        240,
+        180,
         llama_1b_step,
     ),
     Part(
         "llama-8b-tp8-memory",
-        "Llama-3-8B at tp=8, one rank under the fake process group: peak memory against `meshplan estimate`",
-        0,
-        None,
-        "needs `meshplan estimate` and construction on the meta device (building 8B weights on the host takes "
-        "longer than the check's budget)",
+        "Llama-3-8B (built on meta) at tp=8, one rank alone under the fake process group, bf16, checkpointing, "
+        "seq 2048: peak device memory and training state (`meshplan estimate` to compare with: not yet)",
+        120,
+        llama_8b_tp8,
     ),
     Part(
         "cpu-offload-step",
@@ -336,9 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plain-loop", type=int, metavar="BATCH", help=argparse.SUPPRESS
     )  # the baseline's process
+    p.add_argument("--one-rank-8b", action="store_true", help=argparse.SUPPRESS)  # the 8B rank's process
     args = p.parse_args(argv)
     if args.plain_loop:
         print(json.dumps(plain_loop(args.plain_loop)))
+        return 0
+    if args.one_rank_8b:
+        print(json.dumps(one_rank_8b()))
         return 0
     parts = [part for part in PARTS if not args.only or part.name in args.only]
     if args.dry_run:

@@ -204,7 +204,7 @@ def test_paths_that_cannot_work_are_found_before_training(tmp_path, capsys, case
         "out_is_a_file": (["--out", str(a_file)], "is a file, not a folder"),
         "export_exists": (["--export", str(a_file)], "exists (hint: name another file, or pass --overwrite"),
         "export_unwritable": (["--export", str(a_file / "model.pt")], "cannot write"),
-        "export_is_a_folder": (["--export", str(tmp_path)], "is a folder; name a file to write"),
+        "export_is_a_folder": (["--export", str(tmp_path)], "is a folder that is not empty"),
     }[case]
     out = [] if case == "out_is_a_file" else ["--out", str(tmp_path / "run")]
     assert main(["run", TINY_DP, *out, *argv]) == 2

@@ -52,11 +52,13 @@ def write_state_dict(state: dict[str, Tensor], path: Path) -> None:
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        # safetensors stores each storage once: tied weights are saved under their first name
-        seen: dict[int, str] = {}
+        # safetensors stores each tensor once: tied weights (the same memory, the same shape) are
+        # saved under their first name; views of one storage at other places (a list of experts
+        # cut from their stacked tensor) are tensors of their own
+        seen: dict[tuple, str] = {}
         unique = {}
         for name, tensor in state.items():
-            key = tensor.untyped_storage().data_ptr()
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
             if key not in seen:
                 seen[key] = name
                 unique[name] = tensor.contiguous()

@@ -39,3 +39,17 @@ def test_tensor_parallel_run_exports_a_loadable_state_dict(tmp_path, suffix):
     input_ids, labels = batch(0, 0)
     with torch.no_grad():
         assert model(input_ids, labels) < untrained(input_ids, labels) - 1.0
+
+
+def test_a_safetensors_file_keeps_each_view_of_a_stacked_tensor_and_a_tied_weight_once(tmp_path):
+    from safetensors.torch import load_file
+
+    from meshplan.runtime.export import write_state_dict
+
+    stacked = torch.arange(12.0).reshape(3, 4)  # three experts' rows, as a list's export cuts them
+    embedding = torch.ones(2, 2)
+    state = {f"experts.{i}.w": stacked[i] for i in range(3)} | {"embed": embedding, "head": embedding}
+    write_state_dict(state, tmp_path / "model.safetensors")
+    saved = load_file(tmp_path / "model.safetensors")
+    assert sorted(saved) == ["embed", "experts.0.w", "experts.1.w", "experts.2.w"]
+    assert all(torch.equal(saved[f"experts.{i}.w"], stacked[i]) for i in range(3))

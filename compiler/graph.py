@@ -29,6 +29,7 @@ except ImportError:  # torch before `ShapeEnv.error_on_new_guards`: `_error_on_n
 
 from torch.fx.node import Argument
 
+from .causal import causal_masks
 from .meta import module_tag
 
 _NOISE = {
@@ -41,7 +42,9 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
 
     `ExportedProgram.module()` wraps the graph in pytree (un)flattening and calls a guard
     function on the inputs; the compiled per-rank program is called with flat tensors and
-    returns a flat tuple, so its printed code is just the computation.
+    returns a flat tuple, so its printed code is just the computation. A GQA repeat is written as
+    the `repeat_interleave` it computes, and an attention mask that is the causal mask as
+    `is_causal=True` (`causal.py`).
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -50,6 +53,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
         ):
             graph.erase_node(node)
     _repeats_as_repeat_interleave(graph)
+    causal_masks(gm)
     graph._codegen = fx.graph.CodeGen()
     gm.recompile()
     return gm

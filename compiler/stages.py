@@ -20,7 +20,10 @@ Which node runs where:
   the stage its position in the graph says; a later stage that reads it receives it.
 - A *free* node (one that depends on no trainable parameter: position ids, rotary tables,
   the attention mask, the labels' shift) is recomputed by every stage that reads it;
-  sending it would cost a transfer for what is cheap to make again.
+  sending it would cost a transfer for what is cheap to make again. A value written in place
+  (T5's decoder inputs: zeros, the labels copied in shifted by one) is remade with every write
+  into its storage, which no op reads and data flow alone would leave out; a value an
+  activation writes into becomes an activation, received by the stages after.
 - A *weight-side* node (a cast or view of a parameter, depending on no input) runs in the
   stage that reads it. A parameter read by several stages (an input embedding tied to the
   LM head) is held by each of them (`Stages.shared`): the runtime sums its gradient over
@@ -36,6 +39,7 @@ sends; it returns a tuple of what it sends, or the graph's output for the last s
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,8 +106,22 @@ class Stages:
                 piece = cut(nodes, inputs=inputs, result=output.args[0])
             else:
                 piece = cut(nodes, inputs=inputs, outputs=[same[n.name] for n in self.sends(s)])
+            _copy_written_inputs(piece.graph)
             out.append(fx.GraphModule(program, piece.graph, class_name=f"Stage{s}"))
         return out
+
+
+def _copy_written_inputs(graph: fx.Graph) -> None:
+    """A stage that writes into one of its inputs in place writes into a copy of it: the
+    microbatch is every stage's, and two stages of one rank would each write into it."""
+    root = _alias_roots(graph)
+    targets = {root[w] for n in graph.nodes for w in written(n)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for x in (x for x in placeholders if x in targets):
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.call_function(aten.clone.default, (x,))
+        copy.meta = dict(x.meta)
+        x.replace_all_uses_with(copy, delete_user_cb=lambda u, copy=copy: u is not copy)
 
 
 # ---------------------------------------------------------------------------- splitting
@@ -161,6 +179,32 @@ def cut_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> Stages:
     for a in output.all_input_nodes:
         if kind.get(a) != "activation":
             need(a, count - 1)
+    # a value written in place (T5's decoder inputs: the labels copied into a tensor of zeros,
+    # shifted by one) is not made by the op that allocated it alone: a stage that runs or reads
+    # that storage runs every write into it that is not an activation's (an activation's runs
+    # in its own stage, and what it wrote is received)
+    root = _alias_roots(graph)
+    writers: dict[fx.Node, list[fx.Node]] = {}
+    for n in ops:
+        if kind[n] != "activation":
+            for w in written(n):
+                writers.setdefault(root[w], []).append(n)
+    grown = bool(writers)
+    while grown:
+        grown = False
+        for s in range(count):
+            read = {root[a] for n in list(needs[s]) for a in (n, *n.all_input_nodes)}
+            for m in (m for r in read for m in writers.get(r, ()) if m not in needs[s]):
+                need(m, s)
+                grown = True
+    # a write into an input or a buffer that no stage reads again runs where an effect-only node
+    # does: in the stage of the next activation
+    upcoming = count - 1
+    for n in reversed(ops):
+        if n in stage_of:
+            upcoming = stage_of[n]
+        elif n in kind and kind[n] != "activation" and not any(n in ns for ns in needs) and written(n):
+            need(n, upcoming)
 
     # what each stage receives: activations made before it and read by it or after it
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -213,9 +257,14 @@ def stages_reading(node: fx.Node) -> set[int]:
 
 def _kinds(graph: fx.Graph) -> dict[fx.Node, str]:
     """Each node: "activation" (reads a parameter and an input), "free" (reads no trainable
-    parameter) or "weight" (reads a parameter but no input)."""
+    parameter) or "weight" (reads a parameter but no input). An op that writes into a value in
+    place (`copy_`, `index_add_`) makes what it read part of that storage: the storage and every
+    view of it made so far take on the writer's dependencies (zeros filled with an activation
+    are an activation from there on)."""
     gm_params: dict[fx.Node, tuple[bool, bool]] = {}  # node -> (reads a parameter, reads an input)
     owner = graph.owning_module
+    root = _alias_roots(graph)
+    views: dict[fx.Node, list[fx.Node]] = {}  # a storage -> the nodes seen so far that alias it
     for n in graph.nodes:
         if n.op == "placeholder":
             gm_params[n] = (False, True)
@@ -224,10 +273,61 @@ def _kinds(graph: fx.Graph) -> dict[fx.Node, str]:
         else:
             ins = [gm_params[a] for a in n.all_input_nodes]
             gm_params[n] = (any(p for p, _ in ins), any(i for _, i in ins))
+        views.setdefault(root[n], []).append(n)
+        param, data = gm_params[n]
+        for w in written(n):
+            for v in views.get(root[w], ()):
+                p, d = gm_params[v]
+                gm_params[v] = (p or param, d or data)
     kinds: dict[fx.Node, str] = {}
     for n, (param, data) in gm_params.items():
         kinds[n] = "activation" if param and data else "weight" if param else "free"
     return kinds
+
+
+def written(node: fx.Node) -> list[fx.Node]:
+    """The inputs `node` writes in place: those its op's schema marks `Tensor(a!)` (`copy_`,
+    `fill_`, `masked_fill_`, `index_put_`)."""
+    return [
+        a for formal, a in _schema_args(node) if formal.alias_info is not None and formal.alias_info.is_write
+    ]
+
+
+def _alias_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each node -> the node whose storage its value is (itself, unless it is a view or the
+    result of an in-place op: then the root of the input it aliases)."""
+    root: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        source = _aliased(n)
+        root[n] = root[source] if source is not None else n
+    return root
+
+
+def _aliased(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s value shares (a view's or an in-place op's `self`; a
+    piece of a split), or None for a value of its own."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, fx.Node) and _aliased(source) is not None else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return None
+    return next((a for formal, a in _schema_args(node) if formal.alias_info is not None), None)
+
+
+def _schema_args(node: fx.Node) -> list[tuple[torch._C.Argument, fx.Node]]:
+    """The node inputs of an ATen op call, each with its formal argument."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    out = []
+    for i, formal in enumerate(schema.arguments):
+        actual = node.args[i] if i < len(node.args) else node.kwargs.get(formal.name)
+        if isinstance(actual, fx.Node):
+            out.append((formal, actual))
+    return out
 
 
 def _trainable(gm: nn.Module, node: fx.Node) -> bool:

@@ -192,3 +192,36 @@ def hf_llama_meta():
     pieces with the model's own `_init_weights`)."""
     with torch.device("meta"):
         return hf_llama()
+
+
+def hf_t5(tie_word_embeddings: bool = False):
+    """T5, an encoder-decoder: the decoder's inputs are the labels shifted right inside forward
+    (written in place into zeros), a relative position bias made in each stack's first layer and
+    read by the others, the encoder's output read by every decoder layer's cross attention.
+    Transformers 5 ties the LM head to `shared` whatever the config says; `tie_word_embeddings`
+    False (T5 v1.1) only leaves out the decoder output's d_model ** -0.5 scaling."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+def hf_t5_scaled():
+    """`hf_t5` as the original T5: the decoder's output scaled by d_model ** -0.5 before the head."""
+    return hf_t5(tie_word_embeddings=True)

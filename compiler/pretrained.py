@@ -14,10 +14,11 @@ and the file (`InitError`), found from the files' headers before anything is rea
 
 A rank reads its piece as boxes of the whole tensor: along each dim, the runs of indices its
 placement keeps (`piece_indices`: one run for a plain split, one per block for a blocked q/k/v,
-padding where a vocabulary does not divide), and safetensors reads exactly those bytes from the
-file's memory map. So a rank reads its own shard bytes, not whole tensors (`bytes_read` counts
-them). A `.pt` file is memory-mapped too (`torch.load(mmap=True)`): only the pages a piece touches
-are read.
+padding where a vocabulary does not divide), each copied out of a memory map of the file
+(`SafetensorsFile` reads the header itself and slices with numpy: the safetensors library's slice
+of a column split reads whole rows). So a rank reads its own shard bytes, not whole tensors
+(`bytes_read` counts them). A `.pt` file is memory-mapped too (`torch.load(mmap=True)`): only the
+pages a piece touches are read.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_factories import hf_llama, hf_llama_meta
+from plans import llama_rules
 from runs import meshplan_run
 from torch import nn
 
@@ -89,16 +90,7 @@ def test_a_model_with_only_a_whole_model_init_is_initialized_by_it():
     assert torch.equal(weights.full("w"), torch.empty(3, 3).normal_(std=0.5))
 
 
-TP = """
-modules {
-    model.layers.*.self_attn.{q,k,v}_proj: column over tp
-    model.layers.*.self_attn.o_proj:       row over tp
-    model.layers.*.mlp.{gate,up}_proj:     column over tp
-    model.layers.*.mlp.down_proj:          row over tp
-    model.embed_tokens:                    vocab over tp
-    lm_head:                               vocab over tp
-}
-"""
+TP = "\nmodules {" + llama_rules("model.") + "}\n"
 LAYOUTS = {
     "tp=2": "mesh tp=2\n" + TP,
     "dp=2 x tp=2, ZeRO-3": "mesh dp=2, tp=2\n\ndata_parallel over dp {\n    zero = 3\n}\n" + TP,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_factories import hf_llama
+from plans import llama_rules
 from runs import meshplan_run
 
 from meshplan.compiler.lower import local_shard
@@ -21,16 +22,7 @@ from meshplan.runtime.mesh import MeshLayout
 
 HERE = Path(__file__).parent
 META_LLAMA = f"{HERE}/hf_factories.py:hf_llama_meta"
-TP = """
-modules {
-    model.layers.*.self_attn.{q,k,v}_proj: column over tp
-    model.layers.*.self_attn.o_proj:       row over tp
-    model.layers.*.mlp.{gate,up}_proj:     column over tp
-    model.layers.*.mlp.down_proj:          row over tp
-    model.embed_tokens:                    vocab over tp
-    lm_head:                               vocab over tp
-}
-"""
+TP = "\nmodules {" + llama_rules("model.") + "}\n"
 
 
 @pytest.fixture(scope="module")

@@ -20,31 +20,18 @@ from gpu_tier import (
     tier,
     write_plan,
 )
+from plans import llama_rules, llama_sequence, plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = tier
 
 aten = torch.ops.aten
 
-TP4 = """
-mesh tp=4
-
-modules {
-    layers.*.self_attn.{q,k,v}_proj: column over tp
-    layers.*.self_attn.o_proj:       row over tp
-    layers.*.mlp.{gate,up}_proj:     column over tp
-    layers.*.mlp.down_proj:          row over tp
-    embed_tokens:                    vocab over tp
-    lm_head:                         vocab over tp
-    layers.*.{input,post_attention}_layernorm: sequence over tp
-    norm:                                      sequence over tp
-    layers.*: checkpoint
-}
-
-precision {
-    compute = bf16
-}
-"""
+TP4 = plan(
+    llama_rules() + llama_sequence() + "    layers.*: checkpoint\n",
+    mesh="tp=4",
+    extra="\nprecision {\n    compute = bf16\n}\n",
+)
 
 DP2_PP2 = """
 mesh dp=2, pp=2

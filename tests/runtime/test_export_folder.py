@@ -10,6 +10,7 @@ from pathlib import Path
 import gloo_pool
 import pytest
 import torch
+from plans import llama_rules
 from runs import meshplan_run
 
 from meshplan.compiler.load import load_model
@@ -23,16 +24,7 @@ from meshplan.runtime.data import make_batches
 FACTORIES = Path(__file__).parents[1] / "compiler" / "hf_factories.py"
 CORPUS = Path(__file__).parents[2] / "examples" / "data" / "corpus.txt"
 SHARD_BYTES = 40_000  # the tiny Llama (about 0.36 MB) in a dozen shards
-TP = """
-modules {
-    model.layers.*.self_attn.{q,k,v}_proj: column over tp
-    model.layers.*.self_attn.o_proj:       row over tp
-    model.layers.*.mlp.{gate,up}_proj:     column over tp
-    model.layers.*.mlp.down_proj:          row over tp
-    model.embed_tokens:                    vocab over tp
-    lm_head:                               vocab over tp
-}
-"""
+TP = "\nmodules {" + llama_rules("model.") + "}\n"
 LAYOUTS = {
     "tp=2": "mesh tp=2\n" + TP,
     "dp=2, ZeRO-3": "mesh dp=2\n\ndata_parallel over dp {\n    zero = 3\n}\n",

@@ -20,7 +20,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import itertools
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError
+from .materialize import is_meta
 
 _SPEC_HINT = "write the model as path/to/file.py:factory or package.module:factory, e.g. examples/models/llama.py:build"
 
@@ -249,7 +249,7 @@ def _call_user(fn: Callable[[], Any], what: str, origin: str, hint: str) -> Any:
 def on_meta_inputs(source: ModelSource) -> ModelSource:
     """`source` with its example inputs on the meta device where its model is: a capture then
     meets one device (a loss of meta logits against host labels would not trace)."""
-    if not any(t.is_meta for t in itertools.chain(source.model.parameters(), source.model.buffers())):
+    if not is_meta(source.model):
         return source
 
     def meta(x: Any) -> Any:

@@ -29,6 +29,7 @@ from . import meta
 from .materialize import MetaWeights, is_meta
 from .passes.checkpoint import region_modules
 from .placement import Placement, Shard
+from .pretrained import names_by_tensor
 from .stages import compiled_cuts, cut_stages
 
 if TYPE_CHECKING:
@@ -91,9 +92,7 @@ def build_rank_program(
     # this rank's copy of each tensor, made as soon as its full value is at hand (a meta model's
     # modules are initialized one at a time: a view would keep every one of them alive)
     local_of: dict[int, torch.Tensor] = {}  # id(full tensor) -> its local copy, keeps ties
-    names_of: dict[int, list[str]] = {}
-    for name, t in state.items():
-        names_of.setdefault(id(t), []).append(name)
+    names_of = names_by_tensor(state.items())
     kept = {id(state[name]) for name in keep if name in state} if keep is not None else None
     for name in weights.grouped(names) if weights is not None else names:
         if id(state[name]) not in local_of:
@@ -129,18 +128,21 @@ def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule
     program is left as it was."""
     device = torch.device(device)
     for module in list(program.modules()):
-        if not isinstance(module, fx.GraphModule):
+        if not isinstance(module, fx.GraphModule) or not any(
+            _names_another(n, device) for n in module.graph.nodes
+        ):
             continue
-        graph, changed = copy.deepcopy(module.graph), False
+        graph = copy.deepcopy(module.graph)
         for node in graph.nodes:
-            args, kwargs = _on(node.args, device), _on(node.kwargs, device)
-            if args is not node.args or kwargs is not node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
-        if changed:
-            module.graph = graph
-            module.recompile()
+            node.args, node.kwargs = _on(node.args, device), _on(node.kwargs, device)
+        module.graph = graph
+        module.recompile()
     # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`)
     return program._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _names_another(node: fx.Node, device: torch.device) -> bool:
+    return _on(node.args, device) is not node.args or _on(node.kwargs, device) is not node.kwargs
 
 
 def _on(value, device: torch.device):

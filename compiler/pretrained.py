@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +95,8 @@ class Pretrained:
     def check(self, model: nn.Module) -> None:
         """Every tensor of the model's state dict in the files with its shape, and nothing else;
         a tied weight under any one of its names."""
-        expected = {}
-        names_of: dict[int, list[str]] = {}
-        for name, t in state_tensors(model):
-            names_of.setdefault(id(t), []).append(name)
-            expected[name] = tuple(t.shape)
-        for names in names_of.values():
+        expected = {name: tuple(t.shape) for name, t in state_tensors(model)}
+        for names in names_by_tensor(state_tensors(model)).values():
             held = [n for n in names if n in self.shapes]
             if not held:
                 raise InitError(
@@ -162,16 +158,13 @@ def load_whole(model: nn.Module, weights: Pretrained) -> None:
     """Check `weights` against `model` and copy every tensor in whole (`verify`'s references,
     which hold the unpartitioned model)."""
     weights.check(model)
-    names_of: dict[int, list[str]] = {}
-    tensors: dict[int, Tensor] = {}
-    for name, t in state_tensors(model):
-        names_of.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
+    state = dict(state_tensors(model))
     layout = MeshLayout((), ())
     with torch.no_grad():
-        for key_of, t in tensors.items():
-            key = weights.key(names_of[key_of])
-            assert key is not None, names_of[key_of]  # check() found every tensor
+        for names in names_by_tensor(state.items()).values():
+            key = weights.key(names)
+            assert key is not None, names  # check() found every tensor
+            t = state[names[0]]
             t.copy_(weights.piece(key, {}, {}, layout, t.dtype))
 
 
@@ -272,6 +265,14 @@ def _assemble(
         return read(box)
     parts = [_assemble(read, runs, (*box, run)) for run in runs[d]]
     return torch.cat(parts, dim=d) if len(parts) > 1 else parts[0]
+
+
+def names_by_tensor(named: Iterable[tuple[str, Tensor]]) -> dict[int, list[str]]:
+    """Each tensor's names (several for a tied weight), by the tensor's identity."""
+    names: dict[int, list[str]] = {}
+    for name, t in named:
+        names.setdefault(id(t), []).append(name)
+    return names
 
 
 def state_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

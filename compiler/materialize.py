@@ -36,9 +36,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .errors import CompileError
 
-class MaterializeError(ValueError):
-    """A tensor of a meta-built model that its code does not initialize."""
+
+class MaterializeError(CompileError):
+    """A tensor of a meta-built model that its code does not initialize (the user's to fix: a
+    `meshplan run` rank leaves it for the launcher to say once, exit 2)."""
 
 
 class MetaWeights:
@@ -115,7 +118,8 @@ class MetaWeights:
                         if not hasattr(module, "reset_parameters")
                         else "an initializer that leaves it unset"
                     )
-                    + ")"
+                    + ")",
+                    hint="give the module a reset_parameters() that sets it, or build the model on the CPU",
                 )
         return made
 

@@ -36,13 +36,14 @@ from torch import Tensor, nn
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
+from .errors import CompileError
 from .placement import Placement, Shard
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class InitError(ValueError):
+class InitError(CompileError):
     """Weights for `--init` that do not fit the model, or cannot be read: one line, located."""
 
 

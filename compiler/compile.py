@@ -61,6 +61,7 @@ from .ledger import Ledger, build_ledger, data_parallel_facts, expert_data_facts
 from .lint import lint
 from .load import ModelSource
 from .match import Resolution, resolve
+from .mha import heads_first
 from .passes import (
     Context,
     Pass,
@@ -154,7 +155,7 @@ def compile_plan(
     # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
     # are recorded in it; the rank program still gets the fp32 parameters (master weights).
     traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
-    with experts_as_units(plan, traced):
+    with experts_as_units(plan, traced), heads_first(traced):
         captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
     static_because = captured.static_reason
     if captured.dims is not None:
@@ -165,7 +166,7 @@ def compile_plan(
             # problem that only the static compile can tell real from symbolic: compile for
             # the example's shapes, whose errors are the plan's own.
             static_because = str(e) if isinstance(e, ShapeGuardError) else e.errors[0].message
-            with experts_as_units(plan, traced):
+            with experts_as_units(plan, traced), heads_first(traced):
                 captured = capture(traced, source.args, source.kwargs)
     if captured.dims is None:
         gm, ctx = _run_passes(plan, layout, source, captured, observe)

@@ -50,6 +50,7 @@ from .matmul_attention import attention_as_sdpa
 from .spec import ParamPlacement, TensorParallelError, TensorParallelSpec
 from .tensor_rules import tensor_specs
 from .walk import Walk
+from .weights import weights
 
 __all__ = ["PASS", "ParamPlacement", "TensorParallelError", "TensorParallelSpec", "run", "tensor_parallel"]
 
@@ -71,7 +72,7 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     mesh order. A walk keeps the placements the earlier ones gave (every node has one per axis)
     and passes them through the collectives they inserted, which move data over their own
     axis only."""
-    ctx.tensor, found = tensor_specs(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout)
+    ctx.tensor, found = tensor_specs(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout, weights(gm))
     ctx.diagnostics += found
     if ctx.failed:
         return gm

@@ -1,4 +1,4 @@
-"""Op rules for attention and batched matmuls, factories, repeat_interleave, 2-D matmuls."""
+"""Op rules for attention and batched matmuls, factories, repeat_interleave."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ...graph import (
     shape,
 )
 from ...placement import REPLICATE, Shard
-from .linear import _reduce_row_output
+from .linear import weight_product
 from .walk import _RULES, Walk, _norm_dim, register
 
 aten = torch.ops.aten
@@ -254,6 +254,8 @@ def _matmul(w: Walk, node: fx.Node) -> None:
     if pa == pb == REPLICATE:
         w.set(node, REPLICATE)
         return
+    if weight_product(w, node, a, b, None):  # a linear layer written as a matmul
+        return
     nd = len(shape(node))
     if w.spec.context_modules and pa == Shard(len(shape(a)) - 2) and w.rule_for_module(node) is not None:
         _context_matmul(w, node, a, b)
@@ -265,13 +267,17 @@ def _matmul(w: Walk, node: fx.Node) -> None:
         and pb.dim < len(shape(b)) - 2
     ):
         out = pa.dim + nd - len(shape(a))
-        if out == pb.dim + nd - len(shape(b)):
-            w.set(node, Shard(out), w.rule_near(node))
+        if out == pb.dim + nd - len(shape(b)) and pa.blocks == pb.blocks:
+            w.set(node, Shard(out, pa.blocks), w.rule_near(node))
             return
+    placed = next((r for t in (b, a) if (r := meta.rule(t)) is not None), None)
     w.error(
         node,
         f"{describe(node)} multiplies tensors placed {pa} and {pb} over `{w.axis}`",
-        hint="only batched matmuls over a shared sharded batch dim (attention heads) are supported",
+        hint="a split weight must be the right-hand side, split by its last dim (column) or the "
+        "one before (row, with the left-hand side split by its last dim); other matmuls must "
+        "share a sharded batch dim (attention heads)",
+        rule=placed,
     )
 
 
@@ -359,35 +365,3 @@ def _repeat_interleave(w: Walk, node: fx.Node) -> None:
             node.args = (x, repeats // p.replicas, *node.args[2:])
             p = Shard(p.dim)
     w.set(node, p, w.rule_near(node))
-
-
-@register(aten.addmm.default, aten.mm.default)
-def _matmul_2d(w: Walk, node: fx.Node) -> None:
-    """`addmm(bias, x, W)` / `mm(x, W)` with W stored (in, out), as Hugging Face's Conv1D does."""
-    has_bias = node.target is aten.addmm.default
-    bias = arg_node(node, 0) if has_bias else None
-    x, weight = (arg_node(node, 1), arg_node(node, 2)) if has_bias else (arg_node(node, 0), arg_node(node, 1))
-    wp = w.placement(weight)
-    rule = meta.rule(weight)
-    if isinstance(wp, Shard) and wp.dim == 1:  # column
-        w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
-        blocks = w.fuse_blocks(node, 1, (weight, bias), weight_dim=1)
-        w.set(node, Shard(1, blocks), rule)
-        return
-    if isinstance(wp, Shard) and wp.dim == 0:  # row
-        if w.placement(x) != Shard(1):
-            x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
-            w.use(node, x, w.convert(x, Shard(1), because=rule))
-        if has_bias:
-            node.target = aten.mm.default
-            node.args = (node.args[1], node.args[2])  # the bias is added once, after the reduction
-        _reduce_row_output(w, node, bias, rule)
-        return
-    xp = w.placement(w.summed(node, x))
-    if isinstance(xp, Shard) and xp.dim == 1:
-        xp = w.placement(w.use(node, x, w.convert(x, REPLICATE)))
-    if isinstance(xp, Shard):
-        for p in (weight, bias):
-            if p is not None:
-                w.use(node, p, w.convert(p, REPLICATE, into_sharded=True))
-    w.set(node, xp)

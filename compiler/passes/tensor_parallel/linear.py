@@ -21,6 +21,7 @@ from ...graph import (
 from ...placement import PARTIAL, REPLICATE, Partial, Replicate, Shard
 from .pointwise import _elementwise
 from .walk import Walk, _through_casts, register
+from .weights import source
 
 aten = torch.ops.aten
 
@@ -64,33 +65,19 @@ def _linear(w: Walk, node: fx.Node) -> None:
     if replicas:
         _kv_group(w, node, x, (weight, bias), replicas)
         return
-    if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
+    if (
+        isinstance(wp, Shard) and wp.dim == 0 and wp.padded
+    ):  # an LM head over a vocabulary the axis does not divide
         w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
-        if wp.padded:  # an LM head over a vocabulary the axis does not divide
-            w.set(node, Shard(last, padded=wp.padded), rule)
-            return
-        blocks = w.fuse_blocks(node, last, (weight, bias), weight_dim=0)
-        w.set(node, Shard(last, blocks), rule)
+        w.set(node, Shard(last, padded=wp.padded), rule)
+        return
+    if isinstance(wp, Shard) and wp.dim == 0:  # column (or vocab on an LM head): outputs sharded
+        column_product(w, node, x, (weight, bias), weight_dim=0)
         return
     if isinstance(wp, Shard) and wp.dim == 1:  # row: inputs sharded, outputs partial
-        xp = w.placement(x)
-        if xp != Shard(len(shape(x)) - 1):
-            if not isinstance(xp, Replicate):
-                x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
-            w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1), because=rule))
-            assert rule is not None  # a split weight's placement came from its tensor rule
-            w.diagnostics.append(
-                Diagnostic(
-                    rule.span,
-                    f"row split `{module_path(node)}` gets a replicated input: it is split "
-                    "locally, which costs an all-gather in backward",
-                    hint="pair it with a column split before it",
-                    severity="warning",
-                )
-            )
         if bias is not None:
             node.args = node.args[:2]  # the bias is added once, after the reduction
-        _reduce_row_output(w, node, bias, rule)
+        row_product(w, node, x, weight, bias)
         return
     # replicated weight: the op is independent per row, so a shard on any dim but the last passes
     xp = w.placement(x)
@@ -251,6 +238,93 @@ def w_target(w: Walk, target: fx.Node) -> fx.Node:
     if isinstance(w.placement(target), Replicate):
         return target
     return w.convert(target, REPLICATE)
+
+
+@register(aten.addmm.default, aten.mm.default)
+def _matmul_2d(w: Walk, node: fx.Node) -> None:
+    """`addmm(bias, x, W)` / `mm(x, W)`: W stored (in, out), as Hugging Face's Conv1D does, or a
+    weight's transpose."""
+    has_bias = node.target is aten.addmm.default
+    bias = arg_node(node, 0) if has_bias else None
+    x, weight = (arg_node(node, 1), arg_node(node, 2)) if has_bias else (arg_node(node, 0), arg_node(node, 1))
+    if weight_product(w, node, x, weight, bias):
+        return
+    xp = w.placement(w.summed(node, x))
+    if isinstance(xp, Shard) and xp.dim == 1:
+        xp = w.placement(w.use(node, x, w.convert(x, REPLICATE)))
+    if isinstance(xp, Shard):
+        for p in (weight, bias):
+            if p is not None:
+                w.use(node, p, w.convert(p, REPLICATE, into_sharded=True))
+    w.set(node, xp)
+
+
+def weight_product(w: Walk, node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None) -> bool:
+    """`x @ weight` (matmul, mm, bmm, addmm with `bias`) where `weight` is a split parameter read
+    through casts and transposes (`weights.source`), its last dim the output features: a column
+    split if that dim is sharded, a row split if the one before is. Returns whether it decided `node`."""
+    wp = w.placement(weight)
+    found = source(weight)
+    nb = len(shape(weight))
+    if not isinstance(wp, Shard) or found is None or nb != 2 or wp.dim not in (0, 1) or wp.padded:
+        return False
+    if wp.dim == nb - 1:
+        column_product(w, node, x, (weight, bias or _added_bias(node)), weight_dim=nb - 1)
+        return True
+    if bias is not None:  # addmm: the bias is added once, after the reduction
+        node.target = aten.mm.default
+        node.args = (x, weight)
+    row_product(w, node, x, weight, bias)
+    return True
+
+
+def _added_bias(node: fx.Node) -> fx.Node | None:
+    """The 1-D parameter added to the product `node` (`x @ W.T + b`), if one is: its blocks
+    are the product's."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    if user.target is not aten.add.Tensor:
+        return None
+    other = next((a for a in user.args if isinstance(a, fx.Node) and a is not node), None)
+    found = source(other) if other is not None else None
+    return other if found is not None and len(shape(found[0])) == 1 else None
+
+
+def column_product(
+    w: Walk, node: fx.Node, x: fx.Node, params: tuple[fx.Node, fx.Node | None], *, weight_dim: int
+) -> None:
+    """`node` multiplies `x` by a weight split by its output features (its dim `weight_dim`,
+    read through casts and transposes): `x` goes in whole (f: all-reduce of its gradient in
+    backward), the output is sharded on its last dim, in blocks if the model's code then cuts it
+    into pieces (fused q/k/v)."""
+    rule = meta.rule(params[0])
+    w.use(node, x, w.convert(x, REPLICATE, into_sharded=True, because=rule))
+    blocks = w.fuse_blocks(node, len(shape(node)) - 1, params, weight_dim=weight_dim)
+    w.set(node, Shard(len(shape(node)) - 1, blocks), rule)
+
+
+def row_product(w: Walk, node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None) -> None:
+    """`node` multiplies `x` by a weight split by its input features: `x` must be sharded on its
+    last dim (a replicated one is split locally, with a warning), the output is partial sums,
+    reduced at once, and `bias` (already dropped from `node`) added after."""
+    rule = meta.rule(weight)
+    xp = w.placement(x)
+    if xp != Shard(len(shape(x)) - 1):
+        if not isinstance(xp, Replicate):
+            x = w.use(node, x, w.convert(x, REPLICATE, because=rule))
+        w.use(node, x, w.convert(x, Shard(len(shape(x)) - 1), because=rule))
+        assert rule is not None  # a split weight's placement came from its tensor rule
+        w.diagnostics.append(
+            Diagnostic(
+                rule.span,
+                f"row split `{module_path(node)}` gets a replicated input: it is split "
+                "locally, which costs an all-gather in backward",
+                hint="pair it with a column split before it",
+                severity="warning",
+            )
+        )
+    _reduce_row_output(w, node, bias, rule)
 
 
 def _reduce_row_output(w: Walk, node: fx.Node, bias: fx.Node | None, rule: PlanRule | None) -> None:

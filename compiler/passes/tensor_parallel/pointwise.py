@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ... import meta
 from ...graph import (
     arg_node,
     as_list,
@@ -15,7 +16,7 @@ from ...graph import (
     known_equal,
     shape,
 )
-from ...placement import REPLICATE, Partial, Shard
+from ...placement import PARTIAL, REPLICATE, Partial, Shard
 from .walk import Walk, _norm_dim, register
 
 aten = torch.ops.aten
@@ -123,6 +124,9 @@ def _reduce(w: Walk, node: fx.Node) -> None:
     )
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if isinstance(p, Shard):
+        if p.dim in dims and node.target in (aten.mean.dim, aten.sum.dim_IntList) and not p.padded:
+            _summed_over_shards(w, node, p)
+            return
         if p.dim in dims:
             w.error(
                 node,
@@ -133,6 +137,27 @@ def _reduce(w: Walk, node: fx.Node) -> None:
         w.set(node, p.at(out), w.rule_near(node))
     else:
         w.set(node, REPLICATE)
+
+
+def _summed_over_shards(w: Walk, node: fx.Node, p: Shard) -> None:
+    """A sum or mean over the sharded dim (attention weights averaged over split heads): each
+    rank's result is a summand of the whole one, scaled so that the ranks' summands add up to it
+    (a mean of equal chunks: each chunk's mean over n; chunks on m ranks each: over m), then
+    reduced at once."""
+    scale = w.n if node.target is aten.mean.dim else p.replicas
+    w.set(node, PARTIAL, w.rule_near(node))
+    summand = node
+    if scale > 1:
+        with w.graph.inserting_after(node):
+            summand = w.graph.call_function(aten.div.Tensor, (node, scale))
+        summand.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack")})
+        meta.copy_facts(node, summand, meta.REQUIRES_GRAD)
+        node.replace_all_uses_with(summand, delete_user_cb=lambda u: u is not summand)
+        w.set(summand, PARTIAL, w.rule_near(node))
+    reduced = w.reduce_partial(summand)
+    for user in list(summand.users):
+        if user is not reduced:
+            user.replace_input_with(summand, reduced)
 
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)

@@ -28,6 +28,7 @@ from ...match import Resolution
 from ...placement import REPLICATE, Placement, Shard
 from .expert_tensor_rules import expert_split
 from .spec import ParamPlacement, TensorParallelSpec
+from .weights import Weights
 
 _EMBEDDING_LIKE = (nn.Embedding,)
 
@@ -42,11 +43,13 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def tensor_specs(
-    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout
+    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, weights: Weights
 ) -> tuple[list[TensorParallelSpec], list[Diagnostic]]:
     """One spec per mesh axis that tensor rules name, in mesh order: each parameter's placement
     over that axis, from the winning tensor rules. A module has one winning tensor rule, so a
-    parameter is split over at most one of them; the walk gives every tensor a placement on each."""
+    parameter is split over at most one of them; the walk gives every tensor a placement on each.
+    `weights` says which parameters the graph multiplies as weights, and how (`weights.py`):
+    a `column`/`row` rule on a module other than a linear layer splits those of its own."""
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]
     named = {r.axis for r in tensor_rules if r.axis}
     context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1}
@@ -57,7 +60,7 @@ def tensor_specs(
             specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
             diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
             continue
-        spec, found = _axis_spec(plan, resolution, model, layout, axis)
+        spec, found = _axis_spec(plan, resolution, model, layout, axis, weights)
         specs.append(dataclasses.replace(spec, experts=experts))
         diagnostics += found
     return specs, diagnostics
@@ -122,7 +125,7 @@ def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: 
 
 
 def _axis_spec(
-    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, axis: str
+    plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, axis: str, weights: Weights
 ) -> tuple[TensorParallelSpec, list[Diagnostic]]:
     diagnostics: list[Diagnostic] = []
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel) and r.axis == axis]
@@ -151,7 +154,10 @@ def _axis_spec(
             continue
         module = modules[path]
         style = rule.action.style
-        placement = _module_placements(style, module, path, rule, n, diagnostics)
+        if style in ("column", "row") and not is_linear(module):
+            placement = _weights_placements(style, module, path, rule, n, weights, diagnostics)
+        else:
+            placement = _module_placements(style, module, path, rule, n, diagnostics)
         for pname, p in placement.items():
             params[f"{path}.{pname}"] = ParamPlacement(p, rule)
     for owner, named in in_experts.items():
@@ -244,19 +250,6 @@ def _module_placements(
 ) -> Mapping[str, Placement]:
     """Which parameters of the module are split, and along which dim, for a tensor rule."""
     kind = type(module).__name__
-    if style in ("column", "row") and not is_linear(module):
-        linears = [name for name, m in module.named_modules() if name and is_linear(m)]
-        hint = (
-            f"linear layers inside it: {', '.join(linears[:8])}"
-            if linears
-            else "column and row splits apply to nn.Linear layers"
-        )
-        diagnostics.append(
-            Diagnostic(
-                rule.pattern_span, f"`{style}` needs a linear layer, but `{path}` is a {kind}", hint=hint
-            )
-        )
-        return {}
     if style == "vocab" and not (is_linear(module) or isinstance(module, _EMBEDDING_LIKE)):
         diagnostics.append(
             Diagnostic(
@@ -273,20 +266,70 @@ def _module_placements(
         padded = Shard(dim, padded=weight.shape[dim])
         bias = getattr(module, "bias", None)
         return {"weight": padded} | ({"bias": Shard(0, padded=bias.shape[0])} if bias is not None else {})
-    if weight.shape[dim] % n:
-        what = {"column": "output features", "row": "input features"}[style]
-        diagnostics.append(
-            Diagnostic(
-                rule.span,
-                f"`{path}` has {weight.shape[dim]} {what}, not divisible by {n} ranks over `{rule.axis}`",
-                hint="pick a tensor-parallel size that divides it",
-            )
-        )
+    if not _divides(style, path, weight.shape[dim], n, rule, diagnostics):
         return {}
     out: dict[str, Placement] = {"weight": Shard(dim)}
     if getattr(module, "bias", None) is not None:
         out["bias"] = REPLICATE if style == "row" else Shard(0)
     return out
+
+
+def _weights_placements(
+    style: str,
+    module: nn.Module,
+    path: str,
+    rule: PlanRule,
+    n: int,
+    weights: Weights,
+    diagnostics: list[Diagnostic],
+) -> Mapping[str, Placement]:
+    """A `column`/`row` rule on a module that is not a linear layer: the parameters of its own
+    that its forward multiplies its input by (`weights.py`: `F.linear` on
+    nn.MultiheadAttention's packed `in_proj_weight`, `x @ self.weight.T`) are split as a linear
+    layer's would be, and the biases added to their products with them; nothing else of it."""
+    own = dict(module.named_parameters(recurse=False))
+    uses = {name: use for name in own if (use := weights.uses.get(f"{path}.{name}")) is not None}
+    if not uses:
+        linears = [name for name, m in module.named_modules() if name and is_linear(m)]
+        hint = (
+            f"linear layers inside it: {', '.join(linears[:8])}"
+            if linears
+            else "column and row splits apply to linear layers: nn.Linear, or a module whose "
+            "forward multiplies its input by a weight of its own (F.linear, @, matmul)"
+        )
+        diagnostics.append(
+            Diagnostic(
+                rule.pattern_span,
+                f"`{style}` needs a linear layer, but `{path}` is a {type(module).__name__} "
+                "that multiplies by no weight of its own",
+                hint=hint,
+            )
+        )
+        return {}
+    out: dict[str, Placement] = {}
+    for name, use in uses.items():
+        dim = use.out_dim if style == "column" else use.in_dim
+        if not _divides(style, f"{path}.{name}", own[name].shape[dim], n, rule, diagnostics):
+            return {}
+        out[name] = Shard(dim)
+    for name in own:
+        if weights.biases.get(f"{path}.{name}", "").removeprefix(f"{path}.") in uses:
+            out[name] = REPLICATE if style == "row" else Shard(0)
+    return out
+
+
+def _divides(style: str, what: str, size: int, n: int, rule: PlanRule, diagnostics: list[Diagnostic]) -> bool:
+    if size % n == 0:
+        return True
+    features = {"column": "output features", "row": "input features"}[style]
+    diagnostics.append(
+        Diagnostic(
+            rule.span,
+            f"`{what}` has {size} {features}, not divisible by {n} ranks over `{rule.axis}`",
+            hint="pick a tensor-parallel size that divides it",
+        )
+    )
+    return False
 
 
 _NOT_DIVISIBLE = re.compile(

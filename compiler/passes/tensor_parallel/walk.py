@@ -6,6 +6,7 @@ conversions it needs are `conversions.py`'s."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ from ...graph import (
     value,
 )
 from ...placement import REPLICATE, Placement, Replicate, Shard
+from . import weights
 from .conversions import Conversions, _uneven
 from .spec import ParamPlacement, TensorParallelSpec
 from .strategies import ask
@@ -272,9 +274,11 @@ class Walk(Conversions):
                     f"{describe(node)}: the fused output's blocks {blocks} do not divide by "
                     f"{self.n} ranks over `{self.axis}`",
                 )
-            for param, pdim in zip(params, (weight_dim, 0), strict=False):
-                param = _through_casts(param) if param is not None else None
-                if param is not None and param.op == "get_attr":
+            for param, dim_of_operand in zip(params, (weight_dim, 0), strict=False):
+                found = weights.source(param) if param is not None else None
+                if found is not None:
+                    param, dims = found
+                    pdim = dims[dim_of_operand]
                     placement = Shard(pdim, blocks)
                     name = str(param.target)
                     self.spec.params[name] = ParamPlacement(placement, self.spec.params[name].rule)
@@ -387,22 +391,37 @@ _PADDING_SAFE = {
 def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
     """Block sizes when the output's `dim` is cut into pieces downstream, else ().
 
-    Follows views that keep `dim`'s size, then looks for a split into equal parts
-    (GPT-2's q/k/v, fused gate/up) or slices that partition the dim (Phi-3's q/k/v
-    with fewer kv heads).
+    Follows the dim through views that keep its size and through ops that only move dims
+    (transpose, permute, (un)squeeze, copies, casts), then looks for a split into equal parts
+    (GPT-2's q/k/v, fused gate/up, a state-space model's input projection chunked into the
+    stream and its gate) or slices that partition the dim (Phi-3's q/k/v with fewer kv heads).
+    A view that splits the dim into (k, ...) starts k blocks, if what follows separates that
+    new dim into its k entries (timm's `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`,
+    nn.MultiheadAttention's `unflatten(-1, (3, E))` then `[0]`, `[1]`, `[2]`).
     """
     size = shape(node)[dim]
     # the callers ask about a column split's output features: a weight's size, never data-dependent
     assert isinstance(size, int)
     current, current_dim = node, dim
+    pieces = 0  # after a view split the dim: into how many blocks, on `current_dim`
     while len(current.users) == 1:
         (user,) = current.users
-        if user.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        moved = _moved_dim(user, current, current_dim)
+        if moved is not None:
+            current, current_dim = user, moved
+            continue
+        if pieces or user.target not in _VIEWS:
             break
         matches = [i for i, s in enumerate(shape(user)) if known_equal(s, size)]
-        if len(matches) != 1:
+        if len(matches) == 1:
+            current, current_dim = user, matches[0]
+            continue
+        split = _split_outermost(shape(current), shape(user), current_dim, size)
+        if split is None:
             return ()
-        current, current_dim = user, matches[0]
+        current, (current_dim, pieces) = user, split
+    if pieces:
+        return (size // pieces,) * pieces if _separates(list(current.users), current_dim, pieces) else ()
     users = list(current.users)
     ndim = len(shape(current))
     splits = (aten.split.Tensor, aten.chunk.default, aten.split_with_sizes.default)
@@ -440,3 +459,76 @@ def _downstream_blocks(node: fx.Node, dim: int) -> tuple[int, ...]:
         ):
             return tuple(end - start for start, end in ranges)
     return ()
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
+_SAME_LAYOUT = (
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+)
+
+
+def _moved_dim(user: fx.Node, x: fx.Node, dim: int) -> int | None:
+    """Where `user`, an op that only moves or copies `x`'s dims, puts `x`'s `dim`; None for other ops.
+    A bias added (`x @ W.T + b`) leaves them in place."""
+    if user.target is aten.add.Tensor and x in user.args and known_equal_shapes(shape(user), shape(x)):
+        return dim
+    if not user.args or user.args[0] is not x:
+        return None
+    ndim = len(shape(x))
+    if user.target in _SAME_LAYOUT:
+        return dim
+    if user.target is aten.transpose.int:
+        a, b = (_norm_dim(d, ndim) for d in user.args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if user.target in (aten.t.default, aten.numpy_T.default):
+        return ndim - 1 - dim
+    if user.target is aten.permute.default:
+        return [_norm_dim(d, ndim) for d in as_list(user.args[1], of=user)].index(dim)
+    if user.target is aten.unsqueeze.default:
+        added = _norm_dim(user.args[1], ndim + 1)
+        return dim + (added <= dim)
+    if user.target is aten.squeeze.dim:
+        dropped = _norm_dim(user.args[1], ndim)
+        if dropped == dim or not known_equal(shape(x)[dropped], 1):
+            return None if dropped == dim else dim
+        return dim - (dropped < dim)
+    return None
+
+
+def known_equal_shapes(a, b) -> bool:
+    return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _split_outermost(in_shape, out_shape, dim: int, size: int) -> tuple[int, int] | None:
+    """If a view of `in_shape` to `out_shape` splits `dim` (of `size`) into consecutive dims
+    whose outermost has k > 1 entries, (that dim, k); else None."""
+    before = math.prod(in_shape[:dim])
+    for j in range(len(out_shape)):
+        if not known_equal(math.prod(out_shape[:j]), before):
+            continue
+        product, end = 1, j
+        while end < len(out_shape) and isinstance(out_shape[end], int) and product < size:
+            product *= out_shape[end]
+            end += 1
+        k = out_shape[j]
+        if product == size and end - j >= 2 and isinstance(k, int) and k > 1:
+            return j, k
+        return None
+    return None
+
+
+def _separates(users: list[fx.Node], dim: int, pieces: int) -> bool:
+    """Whether `users` take a tensor's `dim` of `pieces` entries apart: an unbind, a split or
+    chunk into ones, or a select of each entry."""
+    if len(users) == 1 and users[0].target is aten.unbind.int:
+        ndim = len(shape(arg_node(users[0], 0)))
+        return _norm_dim(users[0].args[1] if len(users[0].args) > 1 else 0, ndim) == dim
+    if users and all(u.target is aten.select.int for u in users):
+        ndim = len(shape(arg_node(users[0], 0)))
+        taken = {_norm_dim(u.args[2], pieces) for u in users}
+        return all(_norm_dim(u.args[1], ndim) == dim for u in users) and taken == set(range(pieces))
+    return False

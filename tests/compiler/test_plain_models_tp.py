@@ -12,6 +12,7 @@ from parity import grad_parity
 from plans import plan
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 MODELS = f"{HERE}/plain_models.py"
 
 SEPARATE = """
@@ -57,13 +58,26 @@ CASES = {
     "direct_mha": DIRECT_MHA,  # need_weights, a boolean mask and a key padding mask
 }
 
+# attention left whole between norms on sequence shards: its input gathered at its door
+WHOLE_ATTENTION = """
+    layers.*.mlp.{gate,up}_proj:                 column over tp
+    layers.*.mlp.down_proj:                      row over tp
+    layers.*.{input,post_attention}_layernorm:   sequence over tp
+    norm:                                        sequence over tp
+"""
+
 pytestmark = pytest.mark.slow
 
 
 def cases(rank: int, world_size: int) -> dict[str, dict]:
     return {
-        name: grad_parity(rank, world_size, plan(rules), f"{MODELS}:{name}", "float64")
-        for name, rules in CASES.items()
+        **{
+            name: grad_parity(rank, world_size, plan(rules), f"{MODELS}:{name}", "float64")
+            for name, rules in CASES.items()
+        },
+        "whole_attention": grad_parity(
+            rank, world_size, plan(WHOLE_ATTENTION), f"{ROOT}/examples/models/llama.py:build", "float64"
+        ),
     }
 
 
@@ -71,5 +85,23 @@ def test_plain_pytorch_layouts_split_exactly():
     for by_case in spawn(cases, 2, (), timeout_s=300):
         for case, r in by_case.items():
             assert r["loss"] <= 1e-12 and r["grad"] <= 1e-10, (case, r)
+            if case == "whole_attention":
+                continue
             assert "gather_replicated_tp" not in r["collectives"], (case, r["collectives"])
             assert {"copy_to_tp", "all_reduce_tp"} <= set(r["collectives"]), (case, r["collectives"])
+
+
+def test_a_whole_attention_between_sequence_shards_is_gathered_at_its_door():
+    """Not refused at the mesh line: a warning at the sequence rule whose shards are gathered,
+    one all-gather per layer's attention input, and every projection inside it whole."""
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model
+    from meshplan.dsl import check_text
+
+    source = load_model(f"{ROOT}/examples/models/llama.py:build")
+    compiled = compile_plan(check_text(plan(WHOLE_ATTENTION), "whole.plan"), source, dynamic=False)
+    (warning,) = [w for w in compiled.warnings if "attend over the whole sequence" in w.message]
+    assert warning.span.line == 6  # the norms' sequence rule
+    assert "`layers.1.self_attn` and 2 more like it" in warning.message  # layer 0's input is whole
+    gathers = [row for row in compiled.ledger.rows if row.phase == "forward" and row.op == "all_gather"]
+    assert sum(row.count for row in gathers if row.rule is not None and row.rule.line == 6) == 3

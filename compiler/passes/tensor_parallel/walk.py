@@ -65,6 +65,10 @@ class Walk(Conversions):
         super().__init__(gm, spec)
         self.whole_modules: set[str] = set()  # modules warned about running on whole tensors
         self.repeated: set[fx.Node] = set()  # GQA repeats cut to this rank's query heads
+        # sequence rule -> the whole modules its shards were gathered into (`gather_entering`)
+        self.gathered_whole: dict[PlanRule, list[str]] = {}
+        # modules no rule of this axis splits, which attend over the whole sequence (`whole_attention`)
+        self.whole_attention = _whole_attention(gm, spec) if spec.sequence_parallel else set()
         asked = any(getattr(r.action, "layout", None) == "balanced" for r in spec.context_modules.values())
         if spec.balanced and not asked and not _attends_causally(gm, spec.context_modules):
             spec.balanced = False  # nothing to balance: every rank's attention is the same work
@@ -81,6 +85,8 @@ class Walk(Conversions):
                 pp = self.spec.params.get(str(node.target))
                 self.set(node, pp.placement if pp else REPLICATE, pp.rule if pp else None)
             elif node.op == "call_function":
+                if self.whole_attention:
+                    self.gather_entering(node)
                 if self.reads_padding(node):
                     self.run_whole(node, [a for a in node.all_input_nodes if is_tensor_node(a)])
                     continue
@@ -104,6 +110,45 @@ class Walk(Conversions):
                 flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 new = [self.convert(o, REPLICATE) if is_tensor_node(o) else o for o in flat]
                 node.args = (type(outs)(new) if isinstance(outs, (list, tuple)) else new[0],)
+        self.whole_attention_warnings()
+
+    def gather_entering(self, node: fx.Node) -> None:
+        """A module left whole whose attention needs the whole sequence, between modules on
+        sequence shards (norms under a `sequence` rule, attention not split): what enters it
+        cut by sequence is all-gathered at its door, once per tensor, and it runs whole; the
+        modules after it take their rows of its output again (a local slice). The ledger lists
+        the gather under the sequence rule that cut the tensor, with a warning once per rule."""
+        path = module_path(node)
+        whole = next((m for m in self.whole_attention if path == m or path.startswith(f"{m}.")), None)
+        if whole is None:
+            return
+        for arg in node.all_input_nodes:
+            p = self.placement(arg)
+            inside = module_path(arg) == whole or module_path(arg).startswith(f"{whole}.")
+            if inside or arg.op == "get_attr" or not (isinstance(p, Shard) and p.dim == self.spec.seq_dim):
+                continue
+            rule = meta.rule(arg) or self.sequence_rule_near(node)
+            self.use(node, arg, self.convert(arg, REPLICATE, because=rule))
+            if rule is not None:
+                self.gathered_whole.setdefault(rule, []).append(whole)
+
+    def whole_attention_warnings(self) -> None:
+        """One warning per sequence rule whose shards `gather_entering` gathered."""
+        for rule, modules in self.gathered_whole.items():
+            names = list(dict.fromkeys(modules))
+            more = f" and {len(names) - 1} more like it" if len(names) > 1 else ""
+            self.diagnostics.append(
+                Diagnostic(
+                    rule.span,
+                    f"`{names[0]}`{more} {'are' if more else 'is'} not split over `{self.axis}` and "
+                    f"{'attend' if more else 'attends'} over the whole sequence: what enters "
+                    f"{'them' if more else 'it'} on sequence shards is all-gathered, and "
+                    f"{'they run' if more else 'it runs'} whole on every rank",
+                    hint=f"split attention by heads (`column`/`row over {self.axis}`), or give it "
+                    "`context ring` for long sequences",
+                    severity="warning",
+                )
+            )
 
     def cut_by_sequence(self, tokens: fx.Node) -> None:
         """Context parallelism: every reader of the token input `tokens` (ids, labels, position
@@ -336,6 +381,24 @@ def _heads_alike(q: Placement, k: Placement, v: Placement) -> bool:
         return kv == q or (shared and q == Shard(1) and kv.dim == 1 and not kv.blocks)  # type: ignore[union-attr]
 
     return alike(k) and alike(v)
+
+
+def _whole_attention(gm: fx.GraphModule, spec: TensorParallelSpec) -> set[str]:
+    """The modules, outermost first, that hold an attention (`scaled_dot_product_attention`)
+    and nothing a rule of this axis splits or cuts: under sequence parallelism they run whole."""
+    ruled = {name.rpartition(".")[0] for name in spec.params} | set(spec.sequence_modules)
+    ruled |= set(spec.context_modules)
+    found: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        parts = module_path(node).split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if not any(r == prefix or r.startswith(f"{prefix}.") for r in ruled):
+                found.add(prefix)
+                break
+    return found
 
 
 def _attends_causally(gm: fx.GraphModule, modules: dict[str, PlanRule]) -> bool:

@@ -6,7 +6,9 @@ Two steps, kept apart so that tests and the Python API can skip the first (`load
     captured = capture(source.model, source.args, source.kwargs)
 
 `capture` uses `torch.export.export(..., strict=False)` with the token inputs' batch and
-sequence dims dynamic (`Dim("batch")`, `Dim("seq")`, shared by every (B, T) integer input):
+sequence dims dynamic (`Dim("batch")`, `Dim("seq")`, shared by every (B, T) integer input;
+a model without token inputs, such as a vision model's `(pixels, labels)`, has dim 0 of every
+batched input as `Dim("batch")` and no sequence):
 sizes that follow from them are symbols in the graph (`s72*s38`), and view sizes read them
 with `sym_size` nodes, so one graph serves every batch and sequence length. A model whose
 code fixes them (a size compared with a constant) is captured with its example shapes
@@ -24,6 +26,7 @@ tagged with the module that produced it, spelled as `model.named_modules()` spel
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import math
@@ -39,7 +42,16 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 
 from .errors import CaptureError, ModelLoadError
-from .load import ModelSource, _describe, _display, max_positions
+from .load import (
+    ModelSource,
+    _describe,
+    _display,
+    batch_rows,
+    describe_inputs,
+    is_batched,
+    is_token_input,
+    max_positions,
+)
 from .meta import module_tag, set_module_tag
 from .passes.experts.units import experts_pattern
 
@@ -61,20 +73,23 @@ class TokenDims:
     """The token inputs' batch and sequence length as symbols of the captured graph.
 
     Export names its symbols itself (`s72`, `s38`); `named` spells an expression over them with
-    `batch` and `seq` (`s72*s38` -> `batch*seq`), the names messages and program.pt use.
+    `batch` and `seq` (`s72*s38` -> `batch*seq`), the names messages and program.pt use. A model
+    whose inputs have no sequence (images) has `seq` None, and 1 for it in `example`.
     """
 
     batch: sympy.Symbol
-    seq: sympy.Symbol
+    seq: sympy.Symbol | None
     example: tuple[int, int]  # (batch, seq) of the inputs captured with: every symbol's hint
     max_seq: int | None  # the model's position limit, if its config has one
 
     def named(self, expr: sympy.Expr | int) -> sympy.Expr:
-        return sympy.sympify(expr).subs({self.batch: BATCH, self.seq: SEQ})
+        names = {self.batch: BATCH} | ({self.seq: SEQ} if self.seq is not None else {})
+        return sympy.sympify(expr).subs(names)
 
     def hint(self, expr: sympy.Expr | int) -> int:
         """`expr`'s value at the example shape."""
-        return int(sympy.sympify(expr).subs({self.batch: self.example[0], self.seq: self.example[1]}))
+        values = {self.batch: self.example[0]} | ({self.seq: self.example[1]} if self.seq is not None else {})
+        return int(sympy.sympify(expr).subs(values))
 
 
 # The names of the token dims in expressions meshplan keeps (`TokenDims.named`, program.pt).
@@ -190,10 +205,11 @@ def capture(
     """
     kwargs = dict(kwargs or {})
     program, dims, static_reason = None, None, ""
-    if dynamic:
-        program, dims, static_reason = _export_dynamic(model, tuple(args), kwargs)
-    if program is None:
-        program = _export(model, tuple(args), kwargs)
+    with _cast_at_ops(model):
+        if dynamic:
+            program, dims, static_reason = _export_dynamic(model, tuple(args), kwargs)
+        if program is None:
+            program = _export(model, tuple(args), kwargs)
     paths = _ModulePaths.of(model)
     node_modules = _tag_nodes(program.graph_module, paths)
     return Captured(
@@ -210,13 +226,66 @@ def capture(
     )
 
 
+# The ops `torch.autocast` runs in the lower precision: their float32 operands are cast to it.
+_AUTOCAST_OPS = {
+    torch.nn.functional.linear,
+    torch.conv1d,
+    torch.conv2d,
+    torch.conv3d,
+    torch.conv_transpose1d,
+    torch.conv_transpose2d,
+    torch.conv_transpose3d,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch.baddbmm,
+    torch.nn.functional.scaled_dot_product_attention,
+}
+
+
+class _CastToCompute(torch.overrides.TorchFunctionMode):
+    """Autocast's rule at the ops it runs in the lower precision, recorded in the graph: a
+    float32 operand of a linear, a convolution, a matmul or attention is cast to `dtype` there.
+    A model captured in a plan's compute dtype (its weights bf16) that makes float32
+    activations itself (float images in, `pixels.float()`) then computes as it would under
+    `torch.autocast`, instead of stopping at a dtype mismatch; the cast is a graph node."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _AUTOCAST_OPS:
+            floats = [
+                x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.is_floating_point()
+            ]
+            if any(x.dtype == self.dtype for x in floats) and any(x.dtype == torch.float32 for x in floats):
+
+                def cast(x: Any) -> Any:
+                    is_float32 = isinstance(x, torch.Tensor) and x.dtype == torch.float32
+                    return x.to(self.dtype) if is_float32 else x
+
+                args = tuple(cast(a) for a in args)
+                kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _cast_at_ops(model: nn.Module) -> contextlib.AbstractContextManager:
+    """`_CastToCompute` for a model whose floating parameters are 16-bit (captured in a plan's
+    compute dtype), else nothing."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    low = dtypes & {torch.bfloat16, torch.float16}
+    return _CastToCompute(low.pop()) if len(low) == 1 else contextlib.nullcontext()
+
+
 def token_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The (B, T) integer inputs of a call: token ids, labels, an attention mask."""
-    return [
-        x
-        for x in [*args, *kwargs.values()]
-        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
-    ]
+    return [x for x in [*args, *kwargs.values()] if is_token_input(x)]
 
 
 def _export_dynamic(
@@ -226,7 +295,7 @@ def _export_dynamic(
     (None, None, why not) when the model fixes them (the caller exports statically)."""
     tokens = token_tensors(args, kwargs)
     if not tokens:
-        return None, None, "the model has no (batch, seq) token inputs"
+        return _export_batch_dynamic(model, args, kwargs)
     example = tuple(tokens[0].shape)
     if any(tuple(t.shape) != example for t in tokens):
         return None, None, "its token inputs differ in shape"
@@ -253,6 +322,41 @@ def _export_dynamic(
     if symbols is None:
         return None, None, "export kept the token shapes concrete"
     return program, TokenDims(*symbols, (int(example[0]), int(example[1])), limit[1] if limit else None), ""
+
+
+def _export_batch_dynamic(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[ExportedProgram | None, TokenDims | None, str]:
+    """`_export_dynamic` for a model without token inputs: dim 0 of every batched input (images
+    and their labels) is `Dim("batch")`; there is no sequence."""
+    rows = batch_rows(args, kwargs)
+    batched = [x for x in (*args, *kwargs.values()) if is_batched(x, rows)]
+    if rows is None or not batched:
+        return None, None, "the model has no batched tensor inputs"
+    if rows < 2:  # export specializes a size-1 example to 1
+        return None, None, f"the example batch is {rows}"
+    batch = torch.export.Dim("batch", min=1)
+    shapes = torch.export.ShapesCollection()
+    for x in batched:
+        shapes[x] = {0: batch}
+    try:
+        with _export_printing() as printed:
+            program = torch.export.export(
+                model,
+                args,
+                kwargs=kwargs,
+                strict=False,
+                dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
+            )
+    except Exception as exc:  # the model fixes the batch, or anything else: captured static
+        return None, None, _describe(exc) + _stopped_at(printed)
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1:
+            size = val.shape[0]
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                return program, TokenDims(size.node.expr, None, (rows, 1), None), ""
+    return None, None, "export kept the batch concrete"
 
 
 def _token_symbols(
@@ -432,7 +536,9 @@ def bind_inputs(model: torch.nn.Module, graph: fx.GraphModule, args: tuple, kwar
     return [values[node.target] for node in graph.graph.nodes if node.op == "placeholder"]
 
 
-def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int | None = None) -> ModelSource:
+def with_token_shape(
+    source: ModelSource, *, batch: int | None = None, seq: int | None = None, seq_asked: bool = True
+) -> ModelSource:
     """The same model with its token inputs reshaped to (batch, seq): the graph is compiled for
     the shapes it will run with (per data-parallel rank, per microbatch).
 
@@ -440,9 +546,15 @@ def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int 
     token ids in the range the original used; other arguments are kept. A `seq` beyond the
     positions the model's config allows is refused here, before capture fails on it or (a
     learned position table, which export does not bounds-check) training does.
+
+    A model without token inputs (`model(pixels, labels)`) has no sequence: `batch` repeats the
+    example's rows of every batched input (dim 0) up to `batch`, and a `seq` the user asked for
+    (`seq_asked`; a default is ignored) is refused, located at its `example_inputs()`.
     """
     if batch is None and seq is None:
         return source
+    if not token_tensors(source.args, source.kwargs):
+        return _with_batch(source, batch, seq if seq_asked else None)
     limit = max_positions(source.model)
     if seq is not None and limit is not None and seq > limit[1]:
         field_name, positions = limit
@@ -468,4 +580,34 @@ def with_token_shape(source: ModelSource, *, batch: int | None = None, seq: int 
             f"--batch/--seq: {source.spec!r} has no (batch, seq) token inputs to reshape",
             hint="define example_inputs() in the model file with the shapes you want",
         )
-    return ModelSource(spec=source.spec, model=source.model, args=args, kwargs=kwargs)
+    return dataclasses.replace(source, args=args, kwargs=kwargs)
+
+
+def _with_batch(source: ModelSource, batch: int | None, seq: int | None) -> ModelSource:
+    """`with_token_shape` of a model whose inputs have no sequence: dim 0 of its batched inputs
+    made `batch` by repeating the example's rows (their values are the example's own)."""
+    where = f"{source.inputs_from}: " if source.inputs_from else ""
+    inputs = describe_inputs(source.model, source.args, source.kwargs) or "none"
+    if seq is not None:
+        raise ModelLoadError(
+            f"{where}--seq {seq}: the inputs of {source.spec!r} have no sequence to set ({inputs})",
+            hint="leave out --seq; --batch sets dim 0 of every batched input",
+        )
+    rows = batch_rows(source.args, source.kwargs)
+    if batch is None or batch == rows:
+        return source
+    if rows is None:
+        raise ModelLoadError(
+            f"{where}--batch {batch}: {source.spec!r} has no batched tensor inputs to reshape ({inputs})",
+            hint="define example_inputs() in the model file with the shapes you want",
+        )
+    take = torch.arange(batch) % rows
+
+    def repeat(x: Any) -> Any:
+        if not is_batched(x, rows):
+            return x
+        return x.new_empty((batch, *x.shape[1:])) if x.device.type == "meta" else x[take]
+
+    args = tuple(repeat(a) for a in source.args)
+    kwargs = {k: repeat(v) for k, v in source.kwargs.items()}
+    return dataclasses.replace(source, args=args, kwargs=kwargs)

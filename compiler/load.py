@@ -49,6 +49,8 @@ class ModelSource:
     model: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # where the inputs come from, for messages: `model.py:40` (its `example_inputs()`), or ""
+    inputs_from: str = ""
 
 
 def load_model(spec: str, *, shapes_only: bool = False) -> ModelSource:
@@ -78,7 +80,7 @@ def load_model(spec: str, *, shapes_only: bool = False) -> ModelSource:
         if model is None:
             model = _call_factory(factory, spec, origin)
         args, kwargs = _make_inputs(module, model, spec, origin)
-    return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs)
+    return ModelSource(spec=spec, model=model, args=args, kwargs=kwargs, inputs_from=_inputs_from(module))
 
 
 def load_function(spec: str, option: str) -> Callable[..., Any]:
@@ -316,6 +318,15 @@ def _make_inputs(
     return inputs
 
 
+def _inputs_from(module: ModuleType) -> str:
+    """`model.py:40`: where the module defines `example_inputs()`, or "" where it does not."""
+    make = getattr(module, "example_inputs", None)
+    code = getattr(make, "__code__", None)
+    if code is None:
+        return ""
+    return f"{_display(code.co_filename)}:{code.co_firstlineno}"
+
+
 def _as_call_inputs(inputs: object, spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A tuple or list is positional arguments, a dict keyword arguments, a tensor the one argument."""
     if isinstance(inputs, torch.Tensor):
@@ -357,6 +368,73 @@ def token_inputs(
     if "use_cache" in params:
         kwargs["use_cache"] = False
     return (), kwargs
+
+
+def is_token_input(x: object) -> bool:
+    """A (B, T) integer tensor: token ids, labels, an attention mask (what `--seq` reshapes)."""
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
+
+
+def batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The batch of a call: dim 0 of its token inputs, else of its first tensor that has dims
+    (None: no tensor input has one). Every tensor input whose dim 0 is that size is batched."""
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    tokens = [x for x in tensors if is_token_input(x)]
+    first = tokens or tensors
+    return int(first[0].shape[0]) if first else None
+
+
+def is_batched(x: object, rows: int | None) -> bool:
+    return isinstance(x, torch.Tensor) and rows is not None and x.dim() >= 1 and x.shape[0] == rows
+
+
+def value_range(x: torch.Tensor) -> tuple[int, int]:
+    """[low, high) of the values an integer input takes: from 0 to one past the example's largest
+    (a label the loss ignores, -100, is not a value to draw), at least two values."""
+    top = int(x.max()) if x.numel() and x.device.type != "meta" else 1
+    return 0, max(top + 1, 2)
+
+
+def draw_like(
+    x: torch.Tensor, rows: int, generator: torch.Generator, *, high: int | None = None
+) -> torch.Tensor:
+    """Fresh values of the kind `x` holds, with `rows` on dim 0: floats (and complex) normal,
+    integers in `value_range(x)` (or [0, `high`): token ids in the vocabulary), bool masks kept
+    as given (the example's rows repeated). Drawn on the host by `generator`."""
+    shape = (rows, *x.shape[1:])
+    if x.dtype == torch.bool:
+        return x[torch.arange(rows) % x.shape[0]].clone()
+    if x.is_floating_point() or x.is_complex():
+        return torch.randn(shape, generator=generator, dtype=x.dtype)
+    low, top = value_range(x) if high is None else (0, high)
+    return torch.randint(low, top, shape, generator=generator, dtype=x.dtype)
+
+
+def describe_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """`pixels (2, 3, 16, 16) float32, labels (2,) int64`: the call's tensor inputs, by name."""
+    return ", ".join(
+        f"{name} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        for name, x in named_inputs(model, args, kwargs).items()
+        if isinstance(x, torch.Tensor)
+    )
+
+
+def named_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by the names of the forward's parameters (`args[2]` past them)."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = {f"args[{i}]": a for i, a in enumerate(args)} | kwargs
+    out: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = inspect.signature(model.forward).parameters.get(name)
+        if kind is not None and kind.kind is inspect.Parameter.VAR_POSITIONAL:
+            out.update({f"{name}[{i}]": v for i, v in enumerate(value)})
+        elif kind is not None and kind.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
 
 
 # The config fields that bound a model's sequence length, as model families name them:

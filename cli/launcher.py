@@ -21,8 +21,6 @@ from meshplan.faults import parse_fault
 from meshplan.options import TORCHRUN_FLAGS, RunOptions, run_dir
 
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
-    from torch import nn
-
     from meshplan.compiler.load import ModelSource
     from meshplan.dsl.check import Plan
 
@@ -54,7 +52,7 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
             Pretrained.open(options.init).check(source.model)
         except InitError as e:
             raise RunError(str(e)) from None
-    options = options.replace(vocab_size=_check_data(options, plan, source.model))
+    options = options.replace(vocab_size=_check_data(options, plan, source))
     if options.between_steps and plan.pipeline is not None:
         from meshplan.session import PIPELINE_BETWEEN_STEPS
 
@@ -283,36 +281,49 @@ def _model_source(options: RunOptions) -> ModelSource:
     """The model from its factory (on the meta device where it builds there), with token inputs
     of the run's micro-batch: a factory that fails, or a `--seq` beyond the positions the model's
     config allows, is said here."""
+    from meshplan.args import given
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.errors import CompileError
     from meshplan.compiler.load import load_model, on_meta_inputs
 
     try:
-        # the launcher checks and compiles: shapes suffice, the ranks build the weights
+        # the launcher checks and compiles: shapes suffice, the ranks build the weights; a --seq
+        # the user gave for a model whose inputs have no sequence is refused
         source = with_token_shape(
-            load_model(options.model, shapes_only=True), batch=options.batch, seq=options.seq
+            load_model(options.model, shapes_only=True),
+            batch=options.batch,
+            seq=options.seq,
+            seq_asked=given(options.seq),
         )
         return on_meta_inputs(source)
     except CompileError as e:
         raise RunError(str(e)) from None
 
 
-def _check_data(options: RunOptions, plan: Plan, model: nn.Module) -> int | None:
+def _check_data(options: RunOptions, plan: Plan, source: ModelSource) -> int | None:
     """The run's data as the first rank of the data axis sees it, before any process starts: the
-    file exists, a factory runs, its first batch has the run's shapes, and the token ids (every
-    byte of a text file) are ids the model embeds. Returns that vocabulary size: the workers check
-    every later batch against it (`--vocab-size`)."""
+    file exists, a factory runs, its first batch has the run's shapes (or the program's inputs,
+    for a model that takes no token ids), and the token ids (every byte of a text file) are ids
+    the model embeds. Returns that vocabulary size: the workers check every later batch against
+    it (`--vocab-size`). A model that takes no token ids trains on random batches without
+    `--data`, which is said here."""
+    from meshplan.batches import drawn_note, example_batch, run_batches
     from meshplan.compiler.load import vocab_size
     from meshplan.examples import CORPUS
-    from meshplan.runtime.data import DataError, make_batches
+    from meshplan.runtime.data import DataError
 
     dp, pipeline = plan.data_parallel, plan.pipeline
-    vocab = vocab_size(model)
+    vocab = vocab_size(source.model)
     # a pipeline's micro-step is `microbatches` batches of --batch sequences
     microbatches = (pipeline.microbatches or plan.mesh.size(pipeline.axis) or 1) if pipeline else 1
+    if options.data is None and example_batch(source) is not None:
+        print(f"meshplan: {drawn_note(source, options.batch * microbatches)}", file=sys.stderr)
+        return vocab
     try:
-        batches = make_batches(
-            options.data or str(CORPUS),
+        batches = run_batches(
+            source,
+            options.data,
+            corpus=str(CORPUS),
             batch=options.batch * microbatches,
             seq=options.seq,
             seed=options.seed,

@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshplan.args import positive_int
+from meshplan.args import DefaultInt, positive_int
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
@@ -461,7 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per rank and micro-step (default 2)",
     )
     p.add_argument(
-        "--seq", type=positive_int, default=32, metavar="T", help="tokens per sequence (default 32)"
+        "--seq",
+        type=positive_int,
+        default=DefaultInt(32),
+        metavar="T",
+        help="tokens per sequence (default 32; a model whose inputs have no sequence takes none)",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument(

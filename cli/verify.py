@@ -46,7 +46,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from meshplan.batches import token_batches, whole_job_batches
+
+if TYPE_CHECKING:
+    from meshplan.runtime.data import CallBatch
+
+__all__ = ["token_batches", "verify", "whole_job_batches"]
 
 EXIT_OK, EXIT_MISMATCH = 0, 1  # a mismatch is a program meshplan got wrong: its bug, not the user's
 TENSOR_FACTOR = 4  # a single tensor may be this many times further off than the --tolerance ratio
@@ -74,6 +81,8 @@ class Job:
     program: str = ""  # the compiled program every rank loads (`meshplan run --program`)
     between_steps: str = ""  # `run --between-steps`: the model's update after each step
     init: str | None = None  # `run --init`: pretrained weights every rank and the references start from
+    # a model that takes no token ids: its example call, drawn afresh for every micro-batch
+    example: CallBatch | None = None
 
 
 # what `meshplan verify` takes from its command line and every rank's `meshplan run` options
@@ -125,41 +134,6 @@ class Report:
     @property
     def ok(self) -> bool:
         return all(m.ok for m in self.measures)
-
-
-# ---------------------------------------------------------------------------- batches
-
-
-def token_batches(job: Job, *, dp_rank: int, dp_size: int, accumulation: int) -> Callable:
-    """`(step, micro) -> (input_ids, labels)` for one data-parallel rank: uniformly random ids,
-    the same in every process that asks for the same (step, dp rank, micro-step)."""
-    import torch
-
-    def get(step: int, micro: int):
-        index = (step * dp_size + dp_rank) * accumulation + micro
-        g = torch.Generator().manual_seed(job.seed * 1_000_003 + index)
-        tokens = torch.randint(0, job.vocab, (job.batch * job.microbatches, job.seq + 1), generator=g)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as a data loader hands them
-
-    return get
-
-
-def whole_job_batches(job: Job, *, dp_size: int, accumulation: int) -> Callable:
-    """Every rank's micro-batches of a step, for one process: micro-step i is dp rank
-    i // accumulation's micro-step i % accumulation, or under a pipeline one of its
-    microbatches (the pipeline's micro-step is `job.microbatches` of them, each loss / m)."""
-    ranks = [
-        token_batches(job, dp_rank=r, dp_size=dp_size, accumulation=accumulation) for r in range(dp_size)
-    ]
-    m = job.microbatches
-
-    def get(step: int, micro: int):
-        rank, rest = divmod(micro, accumulation * m)
-        j, chunk = divmod(rest, m)
-        input_ids, labels = ranks[rank](step, j)
-        return input_ids.chunk(m)[chunk], labels.chunk(m)[chunk]
-
-    return get
 
 
 # ---------------------------------------------------------------------------- the partitioned run
@@ -378,7 +352,7 @@ def verify(
     world_size: int | None = None,
     steps: int = 3,
     batch: int = 2,
-    seq: int = 32,
+    seq: int | None = None,
     lr: float = 1e-3,
     grad_clip: float = 1.0,
     seed: int = 0,
@@ -390,9 +364,11 @@ def verify(
 ) -> Report:
     """Check, compile, train the three ways, compare. Plan and model mistakes raise `PlanError`
     or `CompileError` (located, before any process starts). `worker(rank, world_size, job)`
-    trains one rank (tests pass a broken one to see verify fail)."""
+    trains one rank (tests pass a broken one to see verify fail). `seq`: 32 by default; given for
+    a model whose inputs have no sequence, it is refused."""
     import torch
 
+    from meshplan.batches import example_batch
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
@@ -419,7 +395,9 @@ def verify(
         raise RunError(f"{plan_path}: the mesh has a `*` axis; pass --world-size N to size it")
     check_supported(plan)
     torch.manual_seed(seed)  # the ranks build the model from the same seed: the same weights
-    source = with_token_shape(load_model(model_spec), batch=batch, seq=seq)
+    source = with_token_shape(load_model(model_spec), batch=batch, seq=seq or 32, seq_asked=seq is not None)
+    example = example_batch(source)  # None: the model takes token ids
+    seq = 1 if example is not None else seq or 32
     if is_meta(source.model):  # the whole model for the reference: what every rank takes its pieces of
         materialize_model(source.model, seed)
     if init:  # checked key by key before any rank starts, then read whole for the references
@@ -466,6 +444,7 @@ def verify(
             str(program),
             between_steps,
             init,
+            example,
         )
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
@@ -629,13 +608,16 @@ def _comes_from(node, sources: set) -> bool:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Entry of `meshplan verify`."""
+    from meshplan.args import given
+
+    settings = _training_settings(args) | {"seq": args.seq if given(args.seq) else None}
     report = verify(
         args.plan,
         args.model,
         world_size=args.world_size,
         tolerance=args.tolerance,
         between_steps=args.between_steps or "",
-        **_training_settings(args),
+        **settings,
     )
     print(render(report))
     return EXIT_OK if report.ok else EXIT_MISMATCH
@@ -646,7 +628,12 @@ def render(report: Report) -> str:
     lines = [
         f"verify {job.plan} on {report.world_size} rank{'s' * (report.world_size != 1)}: {job.steps} steps "
         f"of `meshplan run`'s AdamW ({f'clipped at {job.grad_clip:g}' if job.grad_clip else 'no clipping'}), "
-        f"{job.batch} x {job.seq} random token ids (< {job.vocab}) per rank and "
+        + (
+            f"{job.batch} x {job.seq} random token ids (< {job.vocab})"
+            if job.example is None
+            else f"{job.batch} random samples drawn like the model's example inputs"
+        )
+        + " per rank and "
         + (
             f"microbatch, {job.microbatches} microbatches per micro-step"
             if job.microbatches > 1

@@ -26,6 +26,12 @@ A user's own data is a Python factory, `--data path/to/file.py:make_batches`:
             ...                                  # (batch, seq) input ids and labels
         return get
 
+or, for a model whose inputs are not token ids (a vision model's `model(pixels, labels)`), `get`
+returns the call's inputs: a tuple of positional arguments or a dict of keyword arguments, each
+batched tensor with `batch` rows. Such a batch travels as `(CallBatch, None)` where a token
+batch is `(input_ids, labels)`: the loop hands both parts to the loss function as they are.
+The caller checks it against the program's inputs (`make_batches(call=...)`).
+
 Only the file named is run (as a private module); nothing next to it is imported. An
 exception raised by the file, the factory or `get` is the user's to fix: a `DataError`
 naming the source and the line of the file where it was raised.
@@ -38,8 +44,9 @@ import importlib.util
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +56,38 @@ IGNORE_INDEX = -100  # a label cross-entropy skips (torch's and Hugging Face's d
 
 _FACTORY_ARGS = "(*, batch, seq, seed, dp_rank, dp_size, accumulation)"  # how a data factory is called
 
-BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
+# (step, micro_step) -> (input_ids, labels), or (CallBatch, None) for a model that takes other inputs
+BatchFn = Callable[[int, int], tuple[Any, Any]]
+# a factory's batch that is not (input_ids, labels) -> the call's inputs, checked (step, micro_step)
+CallFn = Callable[[object, int, int], "CallBatch"]
+
+
+@dataclass(frozen=True)
+class CallBatch:
+    """One micro-batch of a model's call inputs (images and labels, any kind): positional and
+    keyword arguments, `rows` of them (dim 0 of every batched tensor)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    rows: int = 1
+
+    def _map(self, fn: Callable[[Any], Any], rows: int) -> CallBatch:
+        return CallBatch(tuple(fn(a) for a in self.args), {k: fn(v) for k, v in self.kwargs.items()}, rows)
+
+    def _batched(self, x: Any) -> bool:
+        return isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == self.rows
+
+    def chunk(self, n: int) -> list[CallBatch]:
+        """`n` micro-batches of `rows / n`, each batched tensor cut on dim 0 (a pipeline's)."""
+        size = self.rows // n
+
+        def piece(i: int) -> Callable[[Any], Any]:
+            return lambda x: x[i * size : (i + 1) * size] if self._batched(x) else x
+
+        return [self._map(piece(i), size) for i in range(n)]
+
+    def to(self, device: torch.device | str) -> CallBatch:
+        return self._map(lambda x: x.to(device) if isinstance(x, Tensor) else x, self.rows)
 
 
 class DataError(ValueError):
@@ -129,9 +167,13 @@ def make_batches(
     dp_size: int,
     accumulation: int,
     vocab_size: int | None = None,
+    call: CallFn | None = None,
+    tokens: bool = True,
 ) -> BatchFn:
     """`spec` is a text file or `file.py:factory` (see the module docstring); with `vocab_size`,
-    a token id the model cannot embed is a `DataError`."""
+    a token id the model cannot embed is a `DataError`. `call` makes a factory's batch that is
+    not `(input_ids, labels)` the call's inputs, checked; for a model without token inputs
+    (`tokens` False) every batch is one."""
     kwargs = dict(
         batch=batch, seq=seq, seed=seed, dp_rank=dp_rank, dp_size=dp_size, accumulation=accumulation
     )
@@ -144,7 +186,7 @@ def make_batches(
             raise DataError(
                 f"--data {spec} raised {_describe(exc, path)} (hint: it is called as {factory}{_FACTORY_ARGS})"
             ) from exc
-        checked = _checked(fn, spec, batch, seq, path)
+        checked = _checked(fn, spec, batch, seq, path, call, tokens)
         return checked if vocab_size is None else within_vocab(checked, vocab_size, spec)
     return TextBatches.from_file(spec, vocab_size=vocab_size, **kwargs)
 
@@ -154,8 +196,10 @@ def within_vocab(batches: BatchFn, vocab_size: int, spec: str) -> BatchFn:
     [0, vocab_size), labels too or `IGNORE_INDEX`. One reduction per tensor, before the forward
     (on a GPU an out-of-range id is a device-side assert that leaves the process unusable)."""
 
-    def get(step: int, micro_step: int = 0) -> tuple[Tensor, Tensor]:
+    def get(step: int, micro_step: int = 0) -> tuple[Any, Any]:
         ids, labels = batches(step, micro_step)
+        if isinstance(ids, CallBatch):  # not token ids: the caller checked it against the program
+            return ids, labels
         for what, tensor in (("input id", ids), ("label", labels[labels != IGNORE_INDEX])):
             if tensor.numel() == 0:
                 continue
@@ -202,15 +246,18 @@ def _load_factory(path: str, name: str) -> Callable[..., BatchFn]:
     return factory
 
 
-def _checked(fn: object, spec: str, batch: int, seq: int, path: str) -> BatchFn:
+def _checked(
+    fn: object, spec: str, batch: int, seq: int, path: str, call: CallFn | None = None, tokens: bool = True
+) -> BatchFn:
     """Wrap a user's batch function so a wrong shape or dtype, or an exception it raises, is one
-    clear error naming the batch."""
+    clear error naming the batch. A batch other than a pair of tensors (or any batch, for a model
+    without token inputs) goes to `call`, which makes it the call's inputs."""
     if not callable(fn):
         raise DataError(
             f"{spec} returned {type(fn).__name__}, not a function (step, micro_step) -> (ids, labels)"
         )
 
-    def get(step: int, micro_step: int = 0) -> tuple[Tensor, Tensor]:
+    def get(step: int, micro_step: int = 0) -> tuple[Any, Any]:
         try:
             out = fn(step, micro_step)
         except torch.distributed.DistError:
@@ -221,7 +268,10 @@ def _checked(fn: object, spec: str, batch: int, seq: int, path: str) -> BatchFn:
                 f"{_describe(exc, path)} (hint: call the function it returned as get({step}, {micro_step}) "
                 "to see the full traceback)"
             ) from exc
-        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        pair = isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)
+        if call is not None and not (tokens and pair):
+            return call(out, step, micro_step), None
+        if not pair:
             raise DataError(f"{spec}: a batch must be a tuple (input_ids, labels) of tensors")
         ids, labels = out
         if tuple(ids.shape) != (batch, seq) or tuple(labels.shape) != (batch, seq):

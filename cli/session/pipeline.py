@@ -139,13 +139,10 @@ class PipelineRank:
         )
         group = parts.group
 
-        def forward_backward(
-            input_ids: torch.Tensor, labels: torch.Tensor, k: int, scale: float
-        ) -> torch.Tensor:
-            micro = [
-                inputs_of(x, y)
-                for x, y in zip(input_ids.chunk(microbatches), labels.chunk(microbatches), strict=True)
-            ]
+        def forward_backward(input_ids: Any, labels: Any, k: int, scale: float) -> torch.Tensor:
+            # (input_ids, labels), or (CallBatch, None): the call's own inputs
+            chunks = labels.chunk(microbatches) if labels is not None else [None] * microbatches
+            micro = [inputs_of(x, y) for x, y in zip(input_ids.chunk(microbatches), chunks, strict=True)]
             loss = step.run(micro, scale / k)  # on the last stage's rank; 0 on the others
             if group is not None:
                 loss = loss.clone()

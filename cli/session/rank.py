@@ -62,6 +62,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     lowered to this rank, its gradient sync, its batches."""
     import torch
 
+    from meshplan.batches import example_batch
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, place
@@ -71,8 +72,13 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
 
     options = with_folder(options)
     torch.manual_seed(options.seed)
-    # token inputs of this rank's micro-batch: the example a compile here captures with
-    source = with_token_shape(load_model(options.model), batch=options.batch, seq=options.seq)
+    # token inputs of this rank's micro-batch: the example a compile here captures with (the
+    # launcher refused a --seq the model has no sequence for)
+    source = with_token_shape(
+        load_model(options.model), batch=options.batch, seq=options.seq, seq_asked=False
+    )
+    if example_batch(source) is not None:  # no sequence: a sample counts as one token
+        options = options.replace(seq=1)
     program, plan = program_for(options, source, world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_mesh(program.layout, device)
@@ -86,7 +92,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
     sync = gradient_sync(plan, program, held, mesh, pipeline)
     axes, microbatches = sync.axes, pipeline_microbatches(plan, program.layout)
-    batches = _batches(options, plan, axes, microbatches, rank)
+    batches = _batches(options, source, plan, axes, microbatches, rank)
     inputs_of = _inputs(source, program.graph, device)
     forward_backward = None
     if pipeline is not None:
@@ -123,14 +129,18 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
 
 def _inputs(source: ModelSource, graph: fx.GraphModule, device: str) -> Callable[..., tuple]:
     """`(input_ids, labels) -> the program's inputs` (placeholders, in order) for one micro-batch
-    of tokens, the other inputs as in the example the program was captured with."""
+    of tokens, the other inputs as in the example the program was captured with; or
+    `(CallBatch, None)`: the call's own inputs."""
     from meshplan.compiler.capture import bind_inputs
 
     from .training import call_inputs
 
-    def inputs_of(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple:
+    def inputs_of(input_ids: Any, labels: Any) -> tuple:
         call_args, call_kwargs = call_inputs(
-            source.args, source.kwargs, input_ids.to(device), labels.to(device)
+            source.args,
+            source.kwargs,
+            input_ids.to(device),
+            labels.to(device) if labels is not None else None,
         )
         return tuple(bind_inputs(source.model, graph, call_args, call_kwargs))
 
@@ -147,21 +157,25 @@ def _loss(program: fx.GraphModule, inputs_of: Callable[..., tuple]) -> Callable[
     return loss_of
 
 
-def _batches(options: RunOptions, plan: Plan, axes: Axes, microbatches: int, rank: int) -> BatchFn:
+def _batches(
+    options: RunOptions, source: ModelSource, plan: Plan, axes: Axes, microbatches: int, rank: int
+) -> BatchFn:
     """This data rank's batches of the run's data (a pipeline's micro-step: `microbatches`
     batches of --batch sequences), with this rank's injected fault (`MESHPLAN_FAULT`) struck at
     its step."""
+    from meshplan.batches import run_batches
     from meshplan.examples import CORPUS
-    from meshplan.runtime.data import make_batches
 
-    batches = make_batches(
-        options.data or str(CORPUS),
+    batches = run_batches(
+        source,
+        options.data,
         batch=options.batch * microbatches,
         seq=options.seq,
         seed=options.seed,
         dp_rank=axes.data_rank,
         dp_size=axes.data_size,
         accumulation=plan.train.gradient_accumulation,
+        corpus=str(CORPUS),
     )
     fault = injected_fault(rank)
     if fault is None:

@@ -13,19 +13,28 @@ from meshplan.options import run_dir
 if TYPE_CHECKING:
     import torch
 
+    from meshplan.runtime.data import CallBatch
+
     from .rank import Session
 
 
 def call_inputs(
-    args: tuple, kwargs: dict[str, Any], input_ids: torch.Tensor, labels: torch.Tensor
+    args: tuple, kwargs: dict[str, Any], input_ids: torch.Tensor | CallBatch, labels: torch.Tensor | None
 ) -> tuple[tuple, dict[str, Any]]:
     """A forward call shaped like the model's example inputs, with this micro-batch's tokens.
 
     Positional (input_ids, labels): labels as given (already shifted, like the built-in
     Llama). Keyword `input_ids`/`labels` (Hugging Face): labels = input_ids, because those
-    models shift the labels themselves.
+    models shift the labels themselves. A batch of the call's own inputs (`CallBatch`: images
+    and labels) is the call.
     """
     import torch
+
+    from meshplan.runtime.data import CallBatch
+
+    if isinstance(input_ids, CallBatch):
+        return input_ids.args, input_ids.kwargs
+    assert labels is not None, "a token batch is (input_ids, labels)"
 
     if "input_ids" in kwargs:
         new = dict(kwargs, input_ids=input_ids)

@@ -64,11 +64,20 @@ not shard it (`dp` in `mesh dp=2, ep=2`), as it averages every other weight over
 
     ep = ExpertParallel(group, "ep", path="layers.0.mlp.experts", num_experts=8,
                         param_names=("gate_up_proj", "down_proj")).bind(group, model)
+
+An experts module called on rows the model already permuted by expert, with their counts
+(`experts(x, num_tokens_per_expert)`: torchtitan's `GroupedExperts`, Megatron's grouped MLP;
+`takes_counts`) is the same unit with `grouped=True`: capture hands it each row's expert as a
+(R, 1) index and weight 1 (the model weighs and un-permutes the rows itself), so the rows travel
+as above (already grouped by expert: the sort keeps the model's order), and the rows a rank
+receives, grouped by source rank, are regrouped by local expert for the model's module, called
+as `experts(rows, counts)` on its E/n experts (int64 counts), and put back in arrival order.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Sequence
 from fractions import Fraction
@@ -183,6 +192,7 @@ class ExpertParallel(AxisCollective):
         token_chunks: int = 1,
         shared: str = "",
         rows_cut: tuple[str, ...] = (),
+        grouped: bool = False,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -204,6 +214,8 @@ class ExpertParallel(AxisCollective):
         # axes other than the unit's whose ranks route their own rows of the tokens (a sequence
         # shard, a split of whole tokens): the job's expert load sums over them too
         self.rows_cut = rows_cut
+        # the model's module takes rows grouped by expert and their counts (`takes_counts`)
+        self.grouped = grouped
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -216,7 +228,8 @@ class ExpertParallel(AxisCollective):
         batch = "" if getattr(self, "splits_batch", True) else ", splits_batch=False"
         if getattr(self, "batch_ranks", None) is not None:
             batch = f", batch_ranks={self.batch_ranks}"
-        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}{batch}"
+        grouped = ", grouped=True" if getattr(self, "grouped", False) else ""
+        return f"axis={self.axis!r}, path={self.path!r}, num_experts={self.num_experts}{capacity}{batch}{grouped}"
 
     def bind(
         self, group: dist.ProcessGroup | None, model: nn.Module, share_group: dist.ProcessGroup | None = None
@@ -238,6 +251,7 @@ class ExpertParallel(AxisCollective):
             token_chunks=getattr(self, "token_chunks", 1),
             shared=self.shared_axis(),
             rows_cut=getattr(self, "rows_cut", ()),
+            grouped=getattr(self, "grouped", False),
         )
         if share_group is not None and n > 1:
             bound.share_group = share_group
@@ -384,6 +398,15 @@ class ExpertParallel(AxisCollective):
         elif not getattr(self, "splits_batch", True):
             n = 1  # rows of one batch: the sum over the axis's ranks is the gradient
         scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
+        if getattr(self, "grouped", False):  # rows grouped by local expert, and their counts
+            order = local_index.argsort(stable=True)  # (M,) from (source rank, expert) to (expert, rank)
+            counts = torch.bincount(local_index, minlength=params[0].shape[0])  # (E/n,)
+            y = torch.func.functional_call(
+                self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens[order], counts)
+            )
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            return y[inverse]  # (M, H) in arrival order
         return torch.func.functional_call(
             self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens, local_index[:, None], ones)
         )  # (M, H)
@@ -408,6 +431,25 @@ def _counting() -> bool:
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass (activation checkpointing recomputes there)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def takes_counts(module: nn.Module) -> bool:
+    """Whether an experts module is called on rows already grouped by expert, with each expert's
+    row count, `experts(x, num_tokens_per_expert)` (torchtitan's `GroupedExperts`), rather than on
+    tokens and their routing, `experts(tokens, top_k_index, top_k_weights)` (Hugging Face's)."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return False
+    return _binds(signature, 2) and not _binds(signature, 3)
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        return False
+    return True
 
 
 def local_experts(module: nn.Module, local: int) -> nn.Module:

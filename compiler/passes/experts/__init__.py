@@ -20,6 +20,12 @@ a grouped matmul); and the region of a data-dependent loop has no fixed shape to
 The interface is what Hugging Face's transformers 5 gives every MoE model
 (`experts(hidden_states, top_k_index, top_k_weights)`, 3-D parameters with the experts on
 dim 0) and what `examples/models/moe.py` copies: out[t] = sum_j w[t, j] expert_{i[t, j]}(x[t]).
+An experts module called on rows the model permuted by expert itself, `experts(x,
+num_tokens_per_expert)` (torchtitan's `GroupedExperts`), is captured as the same operator on
+those rows, each with its expert (read from the counts) and weight 1 (`units.py`): the unit is
+`ExpertParallel(..., grouped=True)`, which calls the model's module with rows and counts; its
+routing (for `top_k` and `z_loss`) is the top-k the counts come from. A capacity is refused:
+which (token, slot) pair a row is, the permutation knows, and it is the model's.
 
 A `capacity_factor` goes to the unit (`ExpertParallel(..., capacity_factor=1.25)`): each
 expert then takes at most ceil(N k factor / E) pairs of a rank's N tokens and the rest are
@@ -76,7 +82,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
-from meshplan.runtime.experts import ExpertParallel
+from meshplan.runtime.experts import ExpertParallel, takes_counts
 from meshplan.runtime.mesh import axes_of
 
 from ... import meta
@@ -86,7 +92,8 @@ from ...placement import Shard
 from .. import Context, Pass
 from .capacity import capacity_factor
 from .router_loss import add_z_loss, router_logits, router_path, z_loss_of, z_loss_problem
-from .units import MARKER, ROWS_MARKER, expert_modules, not_a_unit, num_experts
+from .rows import find_routing
+from .units import MARKER, ROWS_MARKER, argument_error, expert_modules, not_a_unit, num_experts
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,11 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         return gm
     governed = {p: r for p, r in expert_modules(plan, model).items() if r.axis is not None}
     markers = {str(node.args[4]): node for node in gm.graph.nodes if node.target is MARKER}
-    ctx.diagnostics += _sizes(plan, model, governed, markers)
     modules = dict(model.named_modules())
+    for path, node in markers.items():  # rows the model grouped by expert: the routing they come from
+        if takes_counts(modules[path]) and (routing := find_routing([arg_node(node, 1)], True)) is not None:
+            meta.set_routing(node, routing)
+    ctx.diagnostics += _sizes(plan, model, governed, markers)
     unjoined = {str(node.args[2]) for node in gm.graph.nodes if node.target is ROWS_MARKER}  # said why
     for path, rule in governed.items():
         assert rule.axis is not None
@@ -131,9 +141,25 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
                 rule.pattern_span,
                 f"`{path}` cannot be split over `{rule.axis}`: {why}",
                 hint="expert parallelism splits a module called as experts(tokens, top_k_index, "
-                "top_k_weights) whose parameters stack the experts on dim 0 (Hugging Face's MoE layout)",
+                "top_k_weights) (Hugging Face's MoE layout) or experts(x, num_tokens_per_expert) on rows "
+                "grouped by expert (torchtitan's), whose parameters stack the experts on dim 0",
             )
         )
+    grouped_capacity: dict[int, tuple[PlanRule, list[str]]] = {}  # per rule: its grouped modules
+    for path in markers:
+        if takes_counts(modules[path]) and capacity_factor(governed[path]) is not None:
+            grouped_capacity.setdefault(id(governed[path]), (governed[path], []))[1].append(path)
+    ctx.diagnostics += [
+        argument_error(
+            rule,
+            "capacity_factor",
+            f"expert capacity (`capacity_factor`) for {_modules_phrase(paths)} is not lowered: it is called "
+            "as experts(x, num_tokens_per_expert) on rows the model permuted itself, so which (token, slot) "
+            "pair each row is, and so which to drop, is the model's",
+            hint="remove `capacity_factor` to train dropless, or drop tokens in the model's own routing",
+        )
+        for rule, paths in grouped_capacity.values()
+    ]
     no_logits: dict[int, tuple[PlanRule, list[str], str]] = {}  # per rule: its paths, the first why
     for path, node in markers.items():
         rule = governed.get(path)
@@ -204,6 +230,7 @@ def _lower(
         batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
         if len(group) > 1
         else None,
+        grouped=takes_counts(module),
     )
     gm.add_submodule(target, unit)
     with gm.graph.inserting_before(node):
@@ -316,8 +343,9 @@ def _sizes(
 
 def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
     """The node of the top-k indices the model routed with: the unit's top_k_index, or for a
-    list's joined calls the top-k `rows.py` found (or why there is none)."""
-    if not isinstance(module, ExpertList):
+    list's joined calls (or rows the model grouped by expert) the top-k found in the graph (or
+    why there is none)."""
+    if not isinstance(module, ExpertList) and not takes_counts(module):
         return arg_node(marker, 1)
     routing = meta.routing(marker)
     if routing is None or routing.index is None:
@@ -327,8 +355,8 @@ def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
 
 def _routed_k(marker: fx.Node, module: nn.Module) -> int | torch.SymInt | None:
     """How many experts the model routes each token to: top_k_index's (N, k), or for a list's
-    joined calls (rows one per pair) its routing's k, if `rows.py` found it."""
-    if isinstance(module, ExpertList):
+    joined calls or rows grouped by expert (rows one per pair) its routing's k, if found."""
+    if isinstance(module, ExpertList) or takes_counts(module):
         return routing.k if (routing := meta.routing(marker)) is not None else None
     return shape(arg_node(marker, 1))[-1]
 

@@ -152,7 +152,7 @@ class Queue(NamedTuple):
 
 def _queue(calls: list[fx.Node]) -> Queue | str:
     """The `Queue` of a list's calls (in expert order), or why the graph does not show it."""
-    routing = _routing([arg_node(n, 0) for n in calls])
+    routing = find_routing([arg_node(n, 0) for n in calls])
     if routing is None:
         return "its parent routes its tokens with no top-k the graph shows"
     index = routing.index
@@ -252,7 +252,7 @@ def _join(graph: fx.Graph, calls: list[fx.Node], queue: Queue | None) -> bool:
         for e, call in enumerate(calls):
             piece = add(operator.getitem, (split, e), split.meta["val"][e])
             call.replace_all_uses_with(piece)
-    routing = _routing(rows)
+    routing = find_routing(rows)
     if routing is not None:
         meta.set_routing(unit, routing)
     for call in calls:
@@ -289,9 +289,11 @@ def _from(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _routing(rows: list[fx.Node]) -> Routing | None:
+def find_routing(rows: list[fx.Node], through_collectives: bool = False) -> Routing | None:
     """The (token, slot) pairs the routing makes (the example's count) and its k, from the
-    `topk` (or `argmax`, one slot) that the rows' indices come from; None if there is none."""
+    `topk` (or `argmax`, one slot) that the rows' indices come from; None if there is none.
+    `through_collectives`: also through the tensor-parallel walk's collectives (call_module
+    nodes), as rows grouped by expert after the walk read a routing it gathered."""
     seen, todo = set(rows), list(rows)
     while todo:
         node = todo.pop(0)
@@ -306,7 +308,9 @@ def _routing(rows: list[fx.Node]) -> Routing | None:
                 pairs=math.prod(sizes), k=sizes[-1], index=index if isinstance(val, tuple) else None
             )
         for arg in node.all_input_nodes:
-            if arg not in seen and arg.op == "call_function":
+            if arg not in seen and (
+                arg.op == "call_function" or (through_collectives and arg.op == "call_module")
+            ):
                 seen.add(arg)
                 todo.append(arg)
     return None

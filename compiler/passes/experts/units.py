@@ -5,9 +5,19 @@ takes and its parameters,
     experts = meshplan.experts(tokens, top_k_index, top_k_weights, [gate_up_proj, down_proj], path)
 
 and a list of experts (`ExpertList`) has its parent's loop call `meshplan.expert_rows` on each
-expert's rows (`rows.py` joins those calls into one unit). What can be a unit (`not_a_unit`:
-the experts stacked on dim 0 of every parameter, a forward taking (tokens, top_k_index,
-top_k_weights)), which modules the rules govern, and the parameters a tensor rule may name.
+expert's rows (`rows.py` joins those calls into one unit). An experts module called on rows the
+model has permuted by expert itself, `experts(x, num_tokens_per_expert)` (torchtitan's
+`GroupedExperts`, Megatron's grouped MLP: `runtime.experts.takes_counts`), is the same operator
+with each row's expert as its (R, 1) index, read from the counts, and weight 1 (the model weighs
+and un-permutes the rows after):
+
+    index = searchsorted(cumsum(num_tokens_per_expert), arange(R), right=True)   # (R,)
+    experts = meshplan.experts(x, index[:, None], ones((R, 1)), [w1, w2, w3], path)
+
+(rows past the counts' sum, a model's padding, get index E: no expert, output zero). What can
+be a unit (`not_a_unit`: the experts stacked on dim 0 of every parameter, a forward taking
+(tokens, top_k_index, top_k_weights) or (x, num_tokens_per_expert)), which modules the rules
+govern, and the parameters a tensor rule may name.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList, problem
-from meshplan.runtime.experts import EXPERT_COUNTS
+from meshplan.runtime.experts import EXPERT_COUNTS, takes_counts
 
 _OP = "meshplan::experts"
 
@@ -109,6 +119,8 @@ def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
             continue
         if isinstance(module, ExpertList):  # the parent's loop calls each expert on its rows
             module.__dict__["call_expert"] = _rows_call(module, path)
+        elif takes_counts(module):  # rows the model grouped by expert, and their counts
+            module.forward = _grouped_forward(module, path)
         else:
             module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
         patched.append(module)
@@ -130,6 +142,26 @@ def _unit_forward(module: nn.Module, path: str):
         tokens, top_k_index, top_k_weights = bound.args[:3]
         # read through the module at call time: export swaps its parameters for graph inputs
         return MARKER(tokens, top_k_index, top_k_weights, [module.get_parameter(n) for n in names], path)
+
+    return forward
+
+
+def _grouped_forward(module: nn.Module, path: str):
+    signature = inspect.signature(module.forward)
+    names = [name for name, _ in module.named_parameters()]
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        x, counts = bound.args[:2]
+        if not isinstance(counts, torch.Tensor) or counts.dim() != 1:
+            raise TypeError(
+                f"meshplan calls `{path}` as experts(x, num_tokens_per_expert): a 1-D tensor of counts"
+            )
+        rows = x.shape[0]  # (R, H) grouped by expert, maybe padded past the counts' sum
+        ends = counts.to(torch.int64).cumsum(0)  # (E,) where each expert's rows end
+        index = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True)  # (R,)
+        params = [module.get_parameter(n) for n in names]  # at call time: export swaps them
+        return MARKER(x, index[:, None], x.new_ones((rows, 1)), params, path)
 
     return forward
 
@@ -158,9 +190,15 @@ def num_experts(module: nn.Module, model: nn.Module) -> int | None:
 
 def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     """Why `module` cannot run split over experts, or None: it must take (tokens, top_k_index,
-    top_k_weights) and hold its experts stacked on dim 0 of every parameter."""
+    top_k_weights) or rows grouped by expert and their counts (x, num_tokens_per_expert), and
+    hold its experts stacked on dim 0 of every parameter."""
     if isinstance(module, nn.ModuleList):
         return f"its experts are a list of modules that cannot be stacked: {problem(module)}"
+    if isinstance(module, nn.ModuleDict):
+        return (
+            "its experts are a dict of modules (Switch Transformers' layout), which meshplan does not "
+            "stack: keep them in an nn.ModuleList the block indexes, or stacked on dim 0 of 3-D parameters"
+        )
     count = num_experts(module, model)
     if count is None:
         return "it says nowhere how many experts it has (`num_experts`, or the model config's)"
@@ -170,11 +208,13 @@ def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     for name, p in params:
         if p.dim() < 2 or p.shape[0] != count:
             return f"its parameter `{name}` {tuple(p.shape)} does not stack the {count} experts on dim 0"
+    if takes_counts(module):
+        return None
     try:
         signature = inspect.signature(module.forward)
         signature.bind(0, 0, 0)
     except (TypeError, ValueError):
-        return "its forward does not take (tokens, top_k_index, top_k_weights)"
+        return "its forward takes neither (tokens, top_k_index, top_k_weights) nor (x, num_tokens_per_expert)"
     return None
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
-from meshplan.runtime.experts import local_experts
+from meshplan.runtime.experts import local_experts, takes_counts
 from meshplan.runtime.shards import Cut, shard_of
 
 from ...placement import Placement, Shard
@@ -196,9 +196,11 @@ def _probe(
     tokens = torch.randn((_PROBE_TOKENS, width), generator=gen, dtype=torch.float64)
     index = torch.zeros((_PROBE_TOKENS, 1), dtype=torch.int64)
     weights = torch.ones((_PROBE_TOKENS, 1), dtype=torch.float64)
+    # rows grouped by expert and their counts (torchtitan's layout), or tokens and their routing
+    args = (tokens, torch.tensor([_PROBE_TOKENS])) if takes_counts(one) else (tokens, index, weights)
     try:
         with torch.no_grad():
-            full = torch.func.functional_call(one, whole, (tokens, index, weights))
+            full = torch.func.functional_call(one, whole, args)
             parts = sum(
                 torch.func.functional_call(
                     one,
@@ -206,7 +208,7 @@ def _probe(
                         name: shard_of(t, Cut(layout[name].dim, layout[name].blocks), r, n)
                         for name, t in whole.items()
                     },
-                    (tokens, index, weights),
+                    args,
                 )
                 for r in range(n)
             )

@@ -33,3 +33,31 @@ class DefaultStr(str):
 def given(value: object) -> bool:
     """Whether an option's value came from the command line rather than its default."""
     return value is not None and not isinstance(value, (DefaultInt, DefaultStr))
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def memory_size(text: str) -> int:
+    """`80GiB`, `141GB`, `512MiB`, `1.5TiB` or a count of bytes -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GiB, 141GB or 512MiB, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value

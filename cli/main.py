@@ -4,7 +4,8 @@
     meshplan fmt --check examples/*.plan
 
 Exit codes: 0 success, 1 internal error (a bug in meshplan), 2 a problem with the
-user's input (plan, model, arguments), reported with its location.
+user's input (plan, model, arguments), reported with its location; `estimate --memory`: 3
+when a rank's estimated peak does not fit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshplan.args import DefaultInt, positive_int
+from meshplan.args import DefaultInt, memory_size, positive_int
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
 from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
@@ -130,6 +131,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(explain(compiled))
     print(ledger_table(compiled), end="")
     return EXIT_OK
+
+
+EXIT_DOES_NOT_FIT = 3  # `estimate --memory`: some rank's estimated peak is over the limit
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.print_estimate import estimate_text
+
+    compiled = _load_for_model(args)
+    est = estimate(compiled, limit=args.memory)
+    if args.json:
+        print(json.dumps(est.to_json(), indent=2))
+    else:
+        print(estimate_text(est), end="")
+    return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -399,6 +418,27 @@ def build_parser() -> argparse.ArgumentParser:
              """,
     )
     _add_plan_for_model(p)
+
+    p = _add(
+        sub,
+        "estimate",
+        cmd_estimate,
+        "what each rank will hold (parameters, gradients, optimizer state, activations, buffers, "
+        "peak), from the compiled program on meta tensors; exit 3 if a rank does not fit --memory",
+        """
+             meshplan estimate examples/llama_tp.plan --model examples/models/llama.py:build
+             meshplan estimate my.plan --model hf.py:build --world-size 64 --batch 1 --seq 4096 --memory 80GiB
+             meshplan estimate my.plan --model hf.py:build --json
+             """,
+    )
+    _add_plan_for_model(p)
+    p.add_argument(
+        "--memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="each rank's device memory (80GiB, 141GB): a verdict per rank, exit 3 if one does not fit",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object, one entry per rank")
 
     p = _add(
         sub,

@@ -1,0 +1,429 @@
+"""`meshplan estimate`: what each rank will hold, before anything runs, from the compiled program.
+
+    est = estimate(compiled, model, args, kwargs, limit=80 * 2**30)
+    est.ranks[r].peak, est.fits, est.classes()       # bytes per rank; ranks that hold the same
+
+Two halves, both read off the program every rank runs rather than a formula per model:
+
+- **Training state** (`state_of`): each rank's parameters at their local shapes (the placements
+  `build_rank_program` cuts by; under a pipeline only the stages the schedule gives the rank),
+  then the engine the plan asks for (`cli/session/sync.py`'s choice) laid out as it lays them
+  out: whole parameters, gradients and AdamW's two moments and step counter per tensor without
+  ZeRO; under ZeRO the flats of `runtime/buckets.py` (stages 1/2: gradient buckets; stage 3:
+  the program's gather units), padded to the data group, each rank holding its shard of what
+  the stage shards, fp32 masters where the shard is not fp32 or the optimizer is offloaded.
+  Offloaded state is counted on the host (`host`), not in the device's total.
+- **A step** (`walk`): the rank program run forward and backward on the meta device under a
+  fake process group (no weights, no data), a dispatch mode adding up the storages the ops
+  create while they live: the activations kept for backward (live when the forward ends),
+  and the peak, with the op where it occurs. Under a pipeline every stage is run in turn on a
+  microbatch, its received values fed from the stage before, and a rank's activations are its
+  stages' times the microbatches its schedule keeps in flight.
+
+Communication buffers are what neither half holds: ZeRO-3's gathered units (the current one
+and the prefetched next, in the dtype they are gathered in) and a pipeline stage's receive
+buffers (one microbatch of what each of its stages receives).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from meshplan.dsl.axes import axes_of
+from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
+from meshplan.runtime.mesh import MeshLayout
+from meshplan.runtime.zero_nodes import graph_units
+
+from .placement import Placement, Shard
+
+STEP_COUNTER = 4  # AdamW's step, an fp32 scalar tensor per optimized tensor (fused or not)
+MOMENTS = 2  # exp_avg, exp_avg_sq: each the size of the tensor it optimizes
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's bytes: device-resident unless said. `peak` includes everything else."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # kept for backward at the schedule's most microbatches in flight
+    buffers: int  # communication: ZeRO-3 gathered units, pipeline receives
+    peak: int  # most live tensor bytes over a step (state + buffers + the walk's peak)
+    peak_op: str  # where the peak occurs
+    host: int = 0  # offloaded to CPU memory (optimizer state, ZeRO-3 parameter shards)
+    model_buffers: int = 0  # the model's own buffers (rotary tables, masks)
+    stages: tuple[int, ...] = ()  # under a pipeline, the stages this rank runs
+
+    @property
+    def state(self) -> int:
+        """Training state, device and host: what `meshplan run` reports as `state_bytes`."""
+        return self.params + self.grads + self.optimizer + self.host
+
+    def key(self) -> tuple:
+        """What makes two ranks the same class (all but the rank)."""
+        return (self.params, self.grads, self.optimizer, self.activations, self.buffers, self.peak)
+
+    def parts(self) -> dict[str, int]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ranks: list[RankMemory]
+    assumptions: dict[str, Any]
+    limit: int | None = None  # --memory, bytes
+
+    def fits_rank(self, r: RankMemory) -> bool | None:
+        return None if self.limit is None else r.peak <= self.limit
+
+    @property
+    def fits(self) -> bool:
+        return all(self.fits_rank(r) is not False for r in self.ranks)
+
+    def classes(self) -> list[tuple[list[int], RankMemory]]:
+        """Ranks that hold the same bytes, once each, with their ranks, in rank order."""
+        by_key: dict[tuple, tuple[list[int], RankMemory]] = {}
+        for r in self.ranks:
+            by_key.setdefault(r.key(), ([], r))[0].append(r.rank)
+        return list(by_key.values())
+
+    def to_json(self) -> dict[str, Any]:
+        ranks = []
+        for r in self.ranks:
+            entry: dict[str, Any] = {"rank": r.rank, **r.parts(), "peak": r.peak, "peak_op": r.peak_op}
+            entry.update({"host": r.host, "state": r.state, "model_buffers": r.model_buffers})
+            entry["stages"] = list(r.stages)
+            entry["fits"] = self.fits_rank(r)
+            ranks.append(entry)
+        return {"ranks": ranks, "fits": self.fits, "limit": self.limit, "assumptions": self.assumptions}
+
+
+# ------------------------------------------------------------------------------------ state
+
+
+@dataclass
+class State:
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    host: int = 0
+    gathered: int = 0  # ZeRO-3: bytes of the largest unit, gathered
+    reducing: int = 0  # ZeRO: the largest flat's whole gradient, made for its reduction
+    grads_between_steps: int = 0  # gradient storage held across steps (DP buckets, ZeRO shards)
+    engine: str = "none"
+
+
+def local_params(
+    program: fx.GraphModule,
+    model: nn.Module,
+    placements: dict[str, dict[str, Placement]],
+    layout: MeshLayout,
+    held: Iterable[str] | None = None,
+) -> dict[str, Tensor]:
+    """This rank's parameters (a tied one once, by its first name in the program) as meta
+    tensors of their local shapes; `held`: only those names (a pipeline rank's)."""
+    full = dict(model.named_parameters(remove_duplicate=False))
+    keep = set(held) if held is not None else None
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for node in program.graph.nodes:
+        name = str(node.target)
+        if node.op != "get_attr" or name not in full or id(full[name]) in seen:
+            continue
+        if keep is not None and name not in keep:
+            continue
+        seen.add(id(full[name]))
+        shape = list(full[name].shape)
+        for axis, p in placements.get(name, {}).items():
+            if isinstance(p, Shard):
+                shape[p.dim] = p.chunk(shape[p.dim], layout.size(axis))
+        t = torch.empty(shape, dtype=full[name].dtype, device="meta")
+        out[name] = nn.Parameter(t, requires_grad=full[name].requires_grad)
+    return out
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def state_of(
+    params: dict[str, Tensor],
+    *,
+    zero: int,
+    group_size: Callable[[str], int],
+    engine: str,
+    bucket_bytes: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
+) -> State:
+    """The training state the engine keeps for `params` (this rank's, local shapes), as
+    `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
+    a parameter's ZeRO state is cut over (1: not cut). `units`: ZeRO-3's gather units in
+    program order (name, its parameters, the dtype each is gathered in)."""
+    s = State(engine=engine)
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    s.params = sum(_nbytes(p) for p in params.values() if not p.requires_grad)
+    if zero == 0:
+        s.params += sum(_nbytes(p) for p in trainable.values())
+        s.grads = sum(_nbytes(p) for p in trainable.values())
+        s.optimizer = sum(MOMENTS * _nbytes(p) + STEP_COUNTER for p in trainable.values())
+        s.grads_between_steps = s.grads if engine == "data parallel" else 0
+        return s
+    dec = {id(p): decays(n, p) for n, p in trainable.items()}
+    flats: list[tuple[list[str], torch.dtype, torch.dtype]] = []  # names, dtype, gather dtype
+    if zero < 3:
+        # one engine per group size (the per-axes engines cut each set of parameters over its own)
+        by_group: dict[int, list[tuple[str, Tensor]]] = {}
+        for n, p in trainable.items():
+            by_group.setdefault(group_size(n), []).append((n, p))
+        for named in by_group.values():
+            for names, ps in bucket_params(named, bucket_bytes, dec):
+                flats.append((names, ps[0].dtype, ps[0].dtype))
+    else:
+        left = dict(trainable)
+        for _, names, dtypes in units:
+            named = [(n, left.pop(n)) for n in names if n in left]
+            gather = {id(p): d for (n, p), d in zip(named, dtypes, strict=False) if d is not None}
+            for group in group_by_kind(named, dec, gather):
+                p0 = group[0][1]
+                flats.append(([n for n, _ in group], p0.dtype, gather.get(id(p0), p0.dtype)))
+        for group in group_by_kind(list(left.items()), dec):
+            flats.append(([n for n, _ in group], group[0][1].dtype, group[0][1].dtype))
+    unit_bytes: dict[int, int] = {}
+    grad_bytes: dict[int, int] = {}
+    for i, (names, dtype, gathered) in enumerate(flats):
+        world = group_size(names[0])
+        numel = sum(trainable[n].numel() for n in names)
+        shard = math.ceil(numel / world)
+        padded, size = shard * world, dtype.itemsize
+        grad_bytes[i] = padded * size
+        if zero < 3:
+            s.params += padded * size  # every parameter whole, the shard a view
+            grad = padded * size if zero == 1 else shard * size
+            s.grads += grad
+            s.grads_between_steps += 0 if zero == 1 else grad
+        else:
+            if offload_params:
+                s.host += shard * size
+            else:
+                s.params += shard * size
+            s.grads += shard * size
+            s.grads_between_steps += shard * size
+            unit_bytes[i] = padded * gathered.itemsize
+        master = shard * 4 if dtype != torch.float32 or offload_optimizer else 0
+        optim = master + MOMENTS * shard * 4 + STEP_COUNTER
+        if offload_optimizer:
+            s.host += optim
+        else:
+            s.optimizer += optim
+    if zero == 3:
+        s.gathered = _largest_unit(flats, unit_bytes, units)
+        # a unit's gradients, whole, and the flat they are copied into before the reduce-scatter
+        s.reducing = 2 * _largest_unit(flats, grad_bytes, units, pairs=False)
+    else:
+        s.reducing = max(grad_bytes.values(), default=0)  # one bucket's flat in flight
+    return s
+
+
+def _largest_unit(flats, unit_bytes: dict[int, int], units, *, pairs: bool = True) -> int:
+    """Bytes of the two largest consecutive units gathered at once (the current and the
+    prefetched; `pairs=False`: the largest one), with the root's parameters, which stay
+    gathered through the step."""
+    member = {n: u for u, (_, names, _) in enumerate(units) for n in names}
+    per_unit: dict[int, int] = {}
+    for i, (names, _, _) in enumerate(flats):
+        u = member.get(names[0], -1)
+        per_unit[u] = per_unit.get(u, 0) + unit_bytes.get(i, 0)
+    order = [per_unit.get(u, 0) for u in range(len(units))]
+    sums = ([a + b for a, b in itertools.pairwise(order)] if pairs else []) or order or [0]
+    return max(sums) + per_unit.get(-1, 0)
+
+
+def zero_units(program: fx.GraphModule, axis: str | None = None):
+    """ZeRO-3's units of `program` in order: (unit, its parameters, the dtype each is gathered in)."""
+    out = []
+    for gather, _ in graph_units(program, axis):
+        out.append((gather.unit, gather.params, gather.dtypes))
+    return out
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def estimate(compiled, *, limit: int | None = None) -> Estimate:
+    """Every rank's bytes for `compiled` (a `compile.Compiled` whose model was built on the meta
+    device or not: nothing is initialized), at the shape it was compiled for.
+
+    Builds rank programs on a fake process group of the plan's world size, so it must run in a
+    process with no process group of its own."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplan.runtime.mesh import init_mesh
+
+    from .capture import bind_inputs
+    from .liveness import in_flight, walk_stages
+    from .lower import build_rank_program, place, stage_names
+    from .stages import compiled_cuts, cut_stages
+
+    plan, layout, source = compiled.plan, compiled.layout, compiled.source
+    assert source is not None, "a fresh compile keeps its model and inputs"
+    model = source.model
+    if dist.is_initialized():
+        raise RuntimeError("estimate builds rank programs on a fake process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        mesh = init_mesh(layout) if layout.names else None
+        program = place(build_rank_program(compiled, model, 0, mesh, keep=frozenset()), "meta")
+        inputs = [
+            x.to("meta") if isinstance(x, Tensor) else x
+            for x in bind_inputs(model, compiled.graph, source.args, source.kwargs)
+        ]
+        spec = plan.pipeline
+        schedule = None
+        if spec is not None:
+            from meshplan.runtime.schedules import build
+
+            micro = spec.microbatches or layout.size(spec.axis)
+            schedule = build(spec.schedule, layout.size(spec.axis), micro, spec.virtual_stages)
+            cut = cut_stages(compiled.graph, compiled_cuts(compiled.graph, compiled.stage_cuts))
+            stages = cut.programs(program)
+        else:
+            stages = [program]
+        engine, zero, group_size = _engine(plan, layout, compiled)
+        free = zero >= 2 or engine in ("data parallel", "per-axes data parallel")
+        walks = walk_stages(stages, inputs, _free_grad if free else None)
+    finally:
+        dist.destroy_process_group()
+
+    dp = plan.data_parallel
+    units = zero_units(compiled.graph) if zero == 3 else []
+    by_position: dict[int, RankMemory] = {}
+    ranks = []
+    for rank in range(layout.world_size):
+        position = layout.coords(rank)[spec.axis] if spec is not None else 0
+        if position not in by_position:
+            mine = [s for s in range(len(stages)) if schedule is None or schedule.owner[s] == position]
+            held = (
+                stage_names(compiled, rank, axis=spec.axis, schedule=schedule) if spec and schedule else None
+            )
+            params = local_params(compiled.graph, model, compiled.param_placements, layout, held)
+            st = state_of(
+                params,
+                zero=zero,
+                group_size=group_size,
+                engine=engine,
+                bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
+                offload_optimizer=bool(dp and dp.offload_optimizer and zero > 0),
+                offload_params=bool(dp and dp.offload_params and zero == 3),
+                units=[u for u in units if held is None or set(u[1]) <= held],
+            )
+            flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
+            activations = sum(walks[s].saved * flight[s] for s in mine)
+            receive = sum(walks[s].received * flight[s] for s in mine) if schedule is not None else 0
+            extra = max(
+                mine, key=lambda s: max(walks[s].forward_peak, walks[s].backward_peak) - walks[s].saved
+            )
+            transient = max(walks[extra].forward_peak, walks[extra].backward_peak) - walks[extra].saved
+            buffers = st.gathered + st.reducing + receive
+            model_buffers = _buffer_bytes(stages, mine)
+            start = st.params + st.optimizer + st.grads_between_steps + model_buffers
+            by_position[position] = RankMemory(
+                rank,
+                st.params,
+                st.grads,
+                st.optimizer,
+                activations,
+                buffers,
+                start + buffers + activations + max(transient, 0),
+                walks[extra].peak_at,
+                host=st.host,
+                model_buffers=model_buffers,
+                stages=tuple(mine) if schedule is not None else (),
+            )
+        ranks.append(_with_rank(by_position[position], rank))
+    assumptions = {
+        "batch": _batch_shape(inputs),
+        "world_size": layout.world_size,
+        "mesh": {a: layout.size(a) for a in layout.names},
+        "engine": engine,
+        "zero": zero,
+        "optimizer": "AdamW: two moments and an fp32 step counter per optimized tensor",
+        "microbatches": schedule.microbatches if schedule is not None else 1,
+        "schedule": spec.schedule if spec is not None else None,
+        "activations": "measured by running each rank's program forward and backward on meta tensors",
+        "zero3_gathered": "the two largest consecutive units (current and prefetched)",
+        "zero_reduction": "one flat's whole gradient in flight (ZeRO-3: a unit's gradients and their flat)",
+        "not_counted": "allocator fragmentation and caching, kernel workspaces, the CUDA context",
+    }
+    return Estimate(ranks, assumptions, limit)
+
+
+def _free_grad(p: nn.Parameter) -> None:
+    """The engine takes a gradient into its bucket or shard as soon as backward makes it."""
+    p.grad = None
+
+
+def _with_rank(r: RankMemory, rank: int) -> RankMemory:
+    import dataclasses
+
+    return r if r.rank == rank else dataclasses.replace(r, rank=rank)
+
+
+def _buffer_bytes(stages: Sequence[fx.GraphModule], mine: Sequence[int]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for s in mine:
+        for b in stages[s].buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                total += _nbytes(b)
+    return total
+
+
+def _batch_shape(inputs: Sequence[Any]) -> list[list[int]]:
+    return [list(x.shape) for x in inputs if isinstance(x, Tensor)]
+
+
+def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str], int]]:
+    """The engine `cli/session/sync.py` picks (its name), its ZeRO stage and, per parameter, the
+    ranks its ZeRO state is cut over."""
+    dp = plan.data_parallel
+    dp_axis = dp.axis if dp is not None and layout.size(dp.axis) > 1 else None
+    experts = {x for r in plan.rules_of("experts") for x in axes_of(r.axis)}
+    zero = dp.zero if dp is not None else 0
+    if experts or compiled.grad_sums:
+        data = tuple(plan.batch_axes)
+
+        def per_axes(name: str) -> int:
+            cut = {a for a, p in compiled.param_placements.get(name, {}).items() if isinstance(p, Shard)}
+            return axis_size(layout, (a for a in data if a not in cut))
+
+        return ("per-axes zero" if zero else "per-axes data parallel"), zero, per_axes
+    if dp_axis is None:
+        return "none", 0, lambda name: 1
+    size = layout.size(dp_axis)
+    return ("zero" if zero else "data parallel"), zero, lambda name: size
+
+
+def axis_size(layout: MeshLayout, axes: Iterable[str]) -> int:
+    out = 1
+    for a in axes:
+        out *= layout.size(a)
+    return out

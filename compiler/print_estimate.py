@@ -1,0 +1,86 @@
+"""`meshplan estimate`'s report: one block per class of ranks that hold the same bytes, a verdict
+per class against `--memory`, and for a class that does not fit, what holds its bytes and which
+plan changes would free them."""
+
+from __future__ import annotations
+
+from .estimate import Estimate, RankMemory
+
+
+def size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3, 8'."""
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def estimate_text(est: Estimate) -> str:
+    a = est.assumptions
+    mesh = " x ".join(f"{k}={v}" for k, v in a["mesh"].items()) or "one rank"
+    lines = [
+        f"{a['world_size']} ranks ({mesh}), inputs {a['batch']} per rank and microbatch, "
+        f"engine {a['engine']}" + (f" (ZeRO-{a['zero']})" if a["zero"] else ""),
+    ]
+    if a["schedule"]:
+        lines[0] += f", {a['schedule']} over {a['microbatches']} microbatches"
+    for ranks, r in est.classes():
+        lines.append("")
+        head = f"ranks {ranks_text(ranks)}" + (
+            f" (stages {', '.join(map(str, r.stages))})" if r.stages else ""
+        )
+        lines.append(head)
+        for name, value in r.parts().items():
+            lines.append(f"  {name:<12}{size(value):>12}")
+        if r.host:
+            lines.append(f"  {'host':<12}{size(r.host):>12}  (offloaded to CPU memory)")
+        lines.append(f"  {'peak':<12}{size(r.peak):>12}  at {r.peak_op}")
+        fits = est.fits_rank(r)
+        if fits is not None and est.limit is not None:
+            verdict = "fits" if fits else "does NOT fit"
+            lines.append(f"  {verdict} in {size(est.limit)} ({r.peak / est.limit:.0%})")
+            if not fits:
+                lines.extend("  " + line for line in advice(r, est))
+    lines.append("")
+    lines.append("not counted: " + a["not_counted"])
+    return "\n".join(lines) + "\n"
+
+
+def advice(r: RankMemory, est: Estimate) -> list[str]:
+    """What holds the bytes, largest first, and the plan changes that free each."""
+    a = est.assumptions
+    zero = a["zero"]
+    mesh = a["mesh"]
+    free = {
+        "params": "shard parameters: `zero = 3` in data_parallel, or more `tp`/`pp`"
+        if zero < 3
+        else "more `tp` or `pp` (ZeRO-3 already shards them over the data axis)",
+        "grads": "`zero = 2` shards gradients over the data axis" if zero < 2 else "more `tp` or `pp`",
+        "optimizer": "`zero = 1` shards AdamW's state over the data axis"
+        if zero < 1
+        else "`offload = optimizer` moves it to CPU memory, or a larger data axis",
+        "activations": "`checkpoint` rules on the layers (`layers.*: checkpoint`), a smaller --batch, "
+        "`sequence over tp` on the norms, or more microbatches with fewer in flight",
+        "buffers": "smaller ZeRO units or buckets (`bucket = ...`), fewer microbatches in flight",
+    }
+    if zero == 0 and not any(k for k in mesh if k == "dp"):
+        free["optimizer"] = "a data axis with ZeRO (`data_parallel over dp { zero = 1 }`), or more `tp`/`pp`"
+    over = r.peak - (est.limit or 0)
+    lines = [f"{size(over)} over; what holds the bytes:"]
+    for name, value in sorted(r.parts().items(), key=lambda kv: -kv[1]):
+        if value:
+            lines.append(f"  {name:<12}{size(value):>12}  {r.peak and value / r.peak:.0%}: {free[name]}")
+    return lines

@@ -1,0 +1,94 @@
+"""`meshplan estimate`: each rank's bytes from the compiled program on meta tensors, checked
+against the arithmetic of the engines (16 bytes a parameter for fp32 AdamW, divided as ZeRO
+divides it) and, once, against what `meshplan run` measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshplan.compiler.capture import with_token_shape
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.estimate import estimate
+from meshplan.compiler.load import load_model, on_meta_inputs
+from meshplan.dsl import check_text
+from meshplan.examples.models.llama import build
+from meshplan.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = "examples/models/llama.py:build"
+PARAMS = list(build().parameters())
+N = sum(p.numel() for p in PARAMS)
+ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
+
+
+def compiled_for(text: str, batch: int = 2, seq: int = 16):
+    plan = check_text(text, "estimate.plan")
+    source = on_meta_inputs(with_token_shape(load_model(LLAMA, shapes_only=True), batch=batch, seq=seq))
+    return compile_plan(plan, source, world_size=plan.mesh.world_size)
+
+
+@pytest.fixture(scope="module")
+def zero_plans():
+    return {z: estimate(compiled_for(ZERO.format(z=z))) for z in (0, 1, 2, 3)}
+
+
+def test_one_replica_holds_16_bytes_a_parameter(zero_plans):
+    r = zero_plans[0].ranks[0]
+    assert (r.params, r.grads) == (4 * N, 4 * N)
+    assert r.optimizer == 8 * N + 4 * len(PARAMS)  # both moments and a step counter per tensor
+    assert r.state == 16 * N + 4 * len(PARAMS)  # what test_memory_metrics measures
+    assert r.activations > 0 and r.peak > r.params + r.optimizer + r.activations
+
+
+@pytest.mark.parametrize(
+    ("zero", "params", "grads"), [(1, 4 * N, 4 * N), (2, 4 * N, 2 * N), (3, 2 * N, 2 * N)]
+)
+def test_zero_divides_the_state_over_dp(zero_plans, zero, params, grads):
+    r = zero_plans[zero].ranks[1]
+    # flats are padded to the group: within a few elements a flat
+    assert abs(r.params - params) <= 64 and abs(r.grads - grads) <= 64
+    counters = r.optimizer - 8 * N // 2
+    assert 0 <= counters - 4 < 4 * len(PARAMS) + 64
+    assert [ranks for ranks, _ in zero_plans[zero].classes()] == [[0, 1]]
+    if zero == 3:
+        assert r.buffers > 0  # the gathered units
+
+
+def test_pipeline_ranks_hold_their_stages_and_the_microbatches_in_flight():
+    est = estimate(
+        compiled_for("mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n")
+    )
+    first, last = est.ranks
+    assert (first.stages, last.stages) == ((0,), (1,))
+    assert first.params + last.params >= 4 * N  # together every parameter; a tied one on both
+    # 1F1B: the first stage keeps two microbatches' activations, the last one
+    assert first.activations > last.activations > 0
+    assert [r for r, _ in est.classes()] == [[0], [1]]
+
+
+def test_the_command_prints_classes_json_and_a_verdict(capsys):
+    plan = str(ROOT / "examples/llama_tp.plan")
+    argv = ["estimate", plan, "--model", LLAMA, "--batch", "2", "--seq", "16"]
+    assert main([*argv, "--json", "--memory", "1GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in out["ranks"]] == [0, 1] and out["fits"] is True
+    keys = {"rank", "params", "grads", "optimizer", "activations", "buffers", "peak"}
+    assert keys <= set(out["ranks"][0]) and out["assumptions"]["mesh"] == {"tp": 2}
+    assert main([*argv, "--memory", "1MiB"]) == 3
+    text = capsys.readouterr().out
+    assert "ranks 0-1" in text and "does NOT fit in 1.00 MiB" in text and "checkpoint" in text
+
+
+def test_bad_input_is_one_located_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "examples/tiny_dp.plan", "--model", LLAMA, "--memory", "80 gigs"])
+    assert exit_.value.code == 2
+    assert "argument --memory: expected a size such as 80GiB" in capsys.readouterr().err
+    plan = tmp_path / "bad.plan"
+    plan.write_text("mesh tp=2\n\nmodules {\n    nothing.here: column over tp\n}\n")
+    assert main(["estimate", str(plan), "--model", LLAMA]) == 2
+    err = capsys.readouterr().err
+    assert "bad.plan:4" in err and "Traceback" not in err

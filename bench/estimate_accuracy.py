@@ -1,0 +1,137 @@
+"""`meshplan estimate` against `meshplan run`: each rank's training state and peak tensor bytes,
+estimated from the compiled program before anything runs, over what one step of the real run
+measured on the same plan, model and shapes.
+
+    python bench/estimate_accuracy.py [--cells dp,zero1,...] [--batch 2] [--seq 16] [--big]
+
+Measured: `meshplan run PLAN --steps 1` (torchrun, gloo on this machine's CPUs), each rank's
+metrics record: `state_bytes` (the engine's `memory()` after the step) and `peak_tensor_bytes`
+(on a CPU, a tracker of the storages the step's ops create, on top of the state held before
+it). Estimated: `compiler.estimate.estimate` on the program compiled for the same shapes.
+The ratios are estimate / measured, per rank; goals: state within 0.5%, peak within 10%.
+
+`--big`: the 70B-class Llama factory of the compile-time benchmark on a large mesh, estimated
+(not run): wall time and this process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = "examples/models/llama.py:build"
+GPT = "examples/models/gpt.py:build"
+
+ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
+PP = "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
+GPT_ZERO3 = (ROOT / "examples/gpt_zero3.plan").read_text().replace("mesh dp=*", "mesh dp=2")
+
+# name -> (plan text, model, what it exercises)
+CELLS: dict[str, tuple[str, str, str]] = {
+    "dp": ((ROOT / "examples/tiny_dp.plan").read_text(), LLAMA, "DP, buckets"),
+    "zero1": (ZERO.format(z=1), LLAMA, "ZeRO-1"),
+    "zero2": (ZERO.format(z=2), LLAMA, "ZeRO-2"),
+    "zero3": (ZERO.format(z=3), LLAMA, "ZeRO-3"),
+    "tp": ((ROOT / "bench/plans/llama_tp_nosp.plan").read_text(), LLAMA, "TP, vocab-parallel"),
+    "tp_sp": ((ROOT / "examples/llama_tp.plan").read_text(), LLAMA, "TP + SP"),
+    "pp": (PP, LLAMA, "1F1B, 4 microbatches"),
+    "gpt_zero3": (GPT_ZERO3, GPT, "ZeRO-3 fp16, offload, selective checkpointing"),
+}
+
+
+def measured(plan: Path, model: str, batch: int, seq: int, out: Path) -> list[dict]:
+    """Each rank's record of one step of `meshplan run`."""
+    argv = [sys.executable, "-m", "meshplan", "run", str(plan), "--model", model, "--steps", "1"]
+    argv += ["--batch", str(batch), "--seq", str(seq), "--out", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+    files = sorted((out / "metrics").glob("rank*.jsonl"), key=lambda f: int(f.stem.removeprefix("rank")))
+    return [json.loads(f.read_text().splitlines()[-1]) for f in files]
+
+
+def estimated(plan: Path, model: str, batch: int, seq: int):
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.dsl import load_plan
+
+    checked = load_plan(plan)
+    source = on_meta_inputs(with_token_shape(load_model(model, shapes_only=True), batch=batch, seq=seq))
+    return estimate(compile_plan(checked, source, world_size=checked.mesh.world_size))
+
+
+def big(world: str) -> None:
+    """The 70B-class factory on a large mesh: estimate time and peak RSS."""
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.dsl import load_plan
+
+    t0 = time.perf_counter()
+    plan = load_plan(ROOT / "bench/plans/llama70b_3d.plan", world_size=int(world))
+    source = on_meta_inputs(
+        with_token_shape(load_model("bench/compile_time.py:llama70b", shapes_only=True), batch=1, seq=4096)
+    )
+    compiled = compile_plan(plan, source, world_size=int(world))
+    t1 = time.perf_counter()
+    est = estimate(compiled)
+    t2 = time.perf_counter()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"70B-class, {world} ranks: compile {t1 - t0:.1f} s, estimate {t2 - t1:.1f} s, peak RSS {rss:.2f} GiB"
+    )
+    for ranks, r in est.classes():
+        print(
+            f"  ranks {ranks[0]}..({len(ranks)}): params {r.params / 2**30:.2f} GiB, grads {r.grads / 2**30:.2f}, "
+            f"optimizer {r.optimizer / 2**30:.2f}, activations {r.activations / 2**30:.2f}, "
+            f"buffers {r.buffers / 2**30:.2f}, peak {r.peak / 2**30:.2f} GiB at {r.peak_op}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--big", metavar="WORLD", help="also the 70B-class config on this many ranks")
+    args = ap.parse_args()
+    print(
+        f"batch {args.batch}, seq {args.seq}; ratio = estimate / measured (goal: state 1 +- 0.005, peak 1 +- 0.1)"
+    )
+    print(
+        f"{'cell':10} {'rank':>4} {'state est':>11} {'measured':>11} {'ratio':>7} {'peak est':>11} {'measured':>11} {'ratio':>7}"
+    )
+    worst_state = worst_peak = (0.0, "")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cells.split(","):
+            text, model, _ = CELLS[name]
+            plan = Path(tmp) / f"{name}.plan"
+            plan.write_text(text)
+            records = measured(plan, model, args.batch, args.seq, Path(tmp) / name)
+            est = estimated(plan, model, args.batch, args.seq)
+            for rec, r in zip(records, est.ranks, strict=True):
+                state, peak = r.state / rec["state_bytes"], r.peak / rec["peak_tensor_bytes"]
+                worst_state = max(worst_state, (abs(state - 1), f"{name} rank {r.rank}"))
+                worst_peak = max(worst_peak, (abs(peak - 1), f"{name} rank {r.rank}"))
+                print(
+                    f"{name:10} {r.rank:>4} {r.state:>11} {rec['state_bytes']:>11} {state:>7.4f} "
+                    f"{r.peak:>11} {rec['peak_tensor_bytes']:>11} {peak:>7.3f}"
+                )
+    print(
+        f"worst state: {worst_state[0]:.2%} off ({worst_state[1]}); worst peak: {worst_peak[0]:.1%} off ({worst_peak[1]})"
+    )
+    if args.big:
+        big(args.big)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,6 +67,50 @@ def estimated(plan: Path, model: str, batch: int, seq: int):
     return estimate(compile_plan(checked, source, world_size=checked.mesh.world_size))
 
 
+BIG_PLAN = """mesh dp=*, pp=8, tp=8
+
+modules {
+    layers.*.self_attn.{q,k,v}_proj: column over tp
+    layers.*.self_attn.o_proj:       row over tp
+    layers.*.mlp.{gate,up}_proj:     column over tp
+    layers.*.mlp.down_proj:          row over tp
+    embed_tokens:                    vocab over tp
+    lm_head:                         vocab over tp
+    layers.*: checkpoint
+}
+
+pipeline over pp {
+    schedule = interleaved
+    virtual_stages = 2
+    microbatches = 16
+}
+
+data_parallel over dp {
+    zero = 1
+}
+
+precision {
+    compute = bf16
+    params = fp32
+}
+"""
+
+
+def llama70b():
+    """A Llama-3-70B-shaped example Llama (80 layers, H=8192, I=28672, 64/8 heads, 128256 tokens)."""
+    from meshplan.examples.models.llama import build
+
+    return build(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )
+
+
 def big(world: str) -> None:
     """The 70B-class factory on a large mesh: estimate time and peak RSS."""
     from meshplan.compiler.capture import with_token_shape
@@ -76,10 +120,11 @@ def big(world: str) -> None:
     from meshplan.dsl import load_plan
 
     t0 = time.perf_counter()
-    plan = load_plan(ROOT / "bench/plans/llama70b_3d.plan", world_size=int(world))
-    source = on_meta_inputs(
-        with_token_shape(load_model("bench/compile_time.py:llama70b", shapes_only=True), batch=1, seq=4096)
-    )
+    plan_file = Path(tempfile.mkdtemp()) / "llama70b_3d.plan"
+    plan_file.write_text(BIG_PLAN)
+    plan = load_plan(plan_file, world_size=int(world))
+    model = load_model(f"{Path(__file__).resolve()}:llama70b", shapes_only=True)
+    source = on_meta_inputs(with_token_shape(model, batch=1, seq=4096))
     compiled = compile_plan(plan, source, world_size=int(world))
     t1 = time.perf_counter()
     est = estimate(compiled)

@@ -346,13 +346,20 @@ def train(
                 group["lr"] = lr
             measured = torch.cuda.is_available() or _sampled(step + 1, start, config)
             peak = StepPeak.begin(_held_bytes(grads, program)) if measured else None
-            loss = _accumulate(
-                forward_backward or _plain(loss_of), batches, step, config.accumulation, grads, scale or 1.0
-            )  # () mean loss
-            if after_backward is not None:
-                after_backward()
-            norm = _optimizer_step(grads, optimizer, axes, names, scale, config.grad_clip)
-            peak_bytes = peak.end() if peak is not None else None
+            try:
+                loss = _accumulate(
+                    forward_backward or _plain(loss_of),
+                    batches,
+                    step,
+                    config.accumulation,
+                    grads,
+                    scale or 1.0,
+                )  # () mean loss
+                if after_backward is not None:
+                    after_backward()
+                norm = _optimizer_step(grads, optimizer, axes, names, scale, config.grad_clip)
+            finally:  # a step that raises leaves no dispatch mode behind in the process
+                peak_bytes = peak.end() if peak is not None else None
             skipped = not bool(torch.isfinite(norm))
             held = grads.memory()  # before zero_grad: what the step leaves held
             optimizer.zero_grad()

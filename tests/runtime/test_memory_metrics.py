@@ -61,3 +61,27 @@ def test_zero_divides_the_state_over_dp(tmp_path, zero, params, grads):
     assert (held["params"], held["grads"]) == (params, grads)
     assert got["state_bytes"] == held["total"] == params + grads + 8 * N // 2 + counters
     assert got["peak_tensor_bytes"] >= got["state_bytes"]
+
+
+def test_a_step_that_raises_leaves_no_measuring_mode_behind(tmp_path):
+    """The CPU peak is measured by a dispatch mode around the step: a step that raises (a kernel
+    missing for a dtype) must take it off the stack, or every later capture in the process runs
+    under it (torch.export then fails on fake tensors)."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from meshplan.runtime.train import TrainConfig, train
+
+    model = torch.nn.Linear(4, 4)
+
+    def loss_of(x, y):
+        raise RuntimeError("no kernel for this dtype")
+
+    with pytest.raises(RuntimeError, match="no kernel"):
+        train(
+            model,
+            loss_of,
+            lambda step, micro: (torch.ones(2, 4), None),
+            TrainConfig(steps=1, run_dir=tmp_path),
+        )
+    assert _get_current_dispatch_mode() is None

@@ -75,6 +75,14 @@ def cases(rank: int, world_size: int) -> dict[str, dict]:
             name: grad_parity(rank, world_size, plan(rules), f"{MODELS}:{name}", "float64")
             for name, rules in CASES.items()
         },
+        # the norms on sequence shards: the head, a matmul by a whole weight, takes token rows
+        "matmul_gpt+sp": grad_parity(
+            rank,
+            world_size,
+            plan(SEPARATE + "    blocks.*.{norm1,norm2}: sequence over tp\n"),
+            f"{MODELS}:matmul_gpt",
+            "float64",
+        ),
         "whole_attention": grad_parity(
             rank, world_size, plan(WHOLE_ATTENTION), f"{ROOT}/examples/models/llama.py:build", "float64"
         ),

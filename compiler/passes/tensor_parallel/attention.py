@@ -257,6 +257,14 @@ def _matmul(w: Walk, node: fx.Node) -> None:
     if weight_product(w, node, a, b, None):  # a linear layer written as a matmul
         return
     nd = len(shape(node))
+    if pb == REPLICATE and isinstance(pa, Shard) and pa.dim < len(shape(a)) - 1 and len(shape(b)) == 2:
+        # a whole weight: each row of `a` is multiplied alone, so a shard of rows (tokens on
+        # sequence shards) passes through (a linear layer written as a matmul, not split); the
+        # weight's gradient is each rank's rows' part: f sums it
+        if w.requires_grad(b):
+            w.use(node, b, w.convert(b, REPLICATE, into_sharded=True, because=w.rule_near(node)))
+        w.set(node, pa.at(pa.dim + nd - len(shape(a))), w.rule_near(node))
+        return
     if w.spec.context_modules and pa == Shard(len(shape(a)) - 2) and w.rule_for_module(node) is not None:
         _context_matmul(w, node, a, b)
         return

@@ -19,6 +19,13 @@ experts stacked and kept as a list. Cells: ep=2; dp=2 x ep=2 with a capacity and
 ep=2 x tp=2 with attention over tp (the tokens whole at the experts, split there); dp=2 x
 tp=2 with the experts over `dp x tp`, a capacity, ZeRO-3 (and a shared expert over tp).
 
+Families from other corners (issue 32): PyTorch's `nn.TransformerEncoder` (nn.MultiheadAttention,
+its packed projection split by heads), a vision transformer fed images (timm's fused qkv
+reshape), T5 (an encoder-decoder), a state-space-shaped mixer (an input projection chunked in
+two), a GPT whose linears are matmuls, and an MoE in torchtitan's grouped-experts layout. Cells:
+tp=2, tp=2 + SP where the sequence is the second dim, dp=2 ZeRO-3 with checkpointing, pp=2,
+dp=2 x tp=2 in bf16, and ep=2 where there are experts.
+
 Each cell trains 3 AdamW
 steps beside the float64 model and the one-device yardstick (see cli/verify.py) and prints
 the partitioned program's distance to float64 next to the yardstick's; a cell `check`
@@ -97,7 +104,64 @@ MOE_FAMILIES = {
     ),
 }
 
+# Families from corners the decoder families above do not cover (issue 32): name -> (factory,
+# tensor rules, sequence rules ("" where the sequence is not the model's second dim), the
+# checkpointed modules, the experts module for an `experts over ep` rule ("" without experts)).
+# What each cell splits is what its rules name: attention (or the mixer) and the MLP over tp.
+_T5_ATTENTION = """
+    {encoder,decoder}.block.*.layer.0.SelfAttention.{q,k,v}: column over tp
+    {encoder,decoder}.block.*.layer.0.SelfAttention.o:       row over tp
+    decoder.block.*.layer.1.EncDecAttention.{q,k,v}:         column over tp
+    decoder.block.*.layer.1.EncDecAttention.o:               row over tp
+    encoder.block.*.layer.1.DenseReluDense.wi:               column over tp
+    encoder.block.*.layer.1.DenseReluDense.wo:               row over tp
+    decoder.block.*.layer.2.DenseReluDense.wi:               column over tp
+    decoder.block.*.layer.2.DenseReluDense.wo:               row over tp
+"""
+ANY_FAMILIES = {
+    "encoder_lm (nn.TransformerEncoder)": (
+        "plain_models.py:encoder_lm",
+        "\n    encoder.layers.*.self_attn: column over tp\n    encoder.layers.*.self_attn.out_proj: row over tp\n"
+        "    encoder.layers.*.linear1: column over tp\n    encoder.layers.*.linear2: row over tp\n",
+        "    encoder.layers.*.{norm1,norm2}: sequence over tp\n",
+        "encoder.layers.*",
+        "",
+    ),
+    "vit (images)": (
+        "vision_models.py:build",
+        "\n    blocks.*.attn.qkv: column over tp\n    blocks.*.attn.proj: row over tp\n"
+        "    blocks.*.mlp.fc1: column over tp\n    blocks.*.mlp.fc2: row over tp\n",
+        "",
+        "blocks.*",
+        "",
+    ),
+    "t5 (encoder-decoder)": ("hf_factories.py:hf_t5", _T5_ATTENTION, "", "{encoder,decoder}.block.*", ""),
+    "gated_mixer (state-space shape)": (
+        "plain_models.py:gated_mixer",
+        "\n    mixers.*.in_proj: column over tp\n    mixers.*.out_proj: row over tp\n",
+        "    norms.*: sequence over tp\n",
+        "mixers.*",
+        "",
+    ),
+    "matmul_gpt (linears as matmuls)": (
+        "plain_models.py:matmul_gpt",
+        "\n    blocks.*.attn.{q,k,v}: column over tp\n    blocks.*.attn.proj: row over tp\n"
+        "    blocks.*.fc1: column over tp\n    blocks.*.fc2: row over tp\n",
+        "    blocks.*.{norm1,norm2}: sequence over tp\n",
+        "blocks.*",
+        "",
+    ),
+    "grouped_moe (torchtitan layout)": (
+        "grouped_experts.py:build",
+        "\n    layers.*.attention.{q,k,v}_proj: column over tp\n    layers.*.attention.o_proj: row over tp\n",
+        "    layers.*.{attention,ffn}_norm: sequence over tp\n",
+        "layers.*",
+        "layers.*.moe.experts",
+    ),
+}
+
 BF16 = "\nprecision {\n    compute = bf16\n}\n"
+PIPELINE = "\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n"
 
 
 def zero(stage: int) -> str:
@@ -127,6 +191,30 @@ def cells(family: str) -> dict[str, str]:
     return out
 
 
+def any_cells(family: str) -> dict[str, str]:
+    """Cell name -> plan text, for a family of `ANY_FAMILIES`: the issue's cells. A family with
+    experts has them captured as one unit in every cell (`experts over ep`, an axis of one rank
+    where the cell does not split them): the model's data-dependent loop cannot be one graph."""
+    _, tensor, sequence, checkpointed, experts = ANY_FAMILIES[family]
+
+    def cell(rules: str, mesh: str, extra: str = "", ep: int = 1) -> str:
+        if experts:
+            rules += f"    {experts}: experts over ep (top_k=2)\n"
+            mesh = f"{mesh}, ep={ep}"
+        return plan(rules, mesh=mesh, extra=extra)
+
+    out = {"tp2": cell(tensor, "tp=2")}
+    if sequence:
+        out["tp2+sp"] = cell(tensor + sequence, "tp=2")
+    out["dp2+zero3+ckpt"] = cell(f"\n    {checkpointed}: checkpoint\n", "dp=2", zero(3))
+    out["pp2"] = cell("\n", "pp=2", PIPELINE)
+    out["dp2xtp2 bf16"] = cell(tensor, "dp=2, tp=2", zero(1) + BF16)
+    if experts:
+        out["ep2"] = plan(f"\n    {experts}: experts over ep (top_k=2)\n", mesh="ep=2")
+        out["ep2xtp2"] = cell(tensor, "tp=2", ep=2)
+    return out
+
+
 def moe_cells(family: str) -> dict[str, str]:
     """Cell name -> plan text, for an MoE family."""
     _, prefix, attention, shared = MOE_FAMILIES[family]
@@ -151,7 +239,7 @@ def run_cell(family: str, factory: str, text: str, folder: Path) -> str:
     from meshplan.dsl import PlanError
     from meshplan.verify import verify
 
-    path = folder / f"{family}.plan"
+    path = folder / f"{family.split()[0]}.plan"
     path.write_text(text)
     start = time.perf_counter()
     try:
@@ -178,7 +266,11 @@ def run_cell(family: str, factory: str, text: str, folder: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    every = [*FAMILIES, *(f for f in MOE_FAMILIES if f not in FAMILIES)]
+    every = [
+        *FAMILIES,
+        *(f for f in MOE_FAMILIES if f not in FAMILIES),
+        *(f.split()[0] for f in ANY_FAMILIES),
+    ]
     parser.add_argument("families", nargs="*", help=f"some of: {', '.join(every)} (default: all)")
     parser.add_argument("--cells", nargs="*", help="only these cells (e.g. tp2 tp4)")
     args = parser.parse_args()
@@ -199,6 +291,12 @@ def main() -> int:
             for f in chosen
             if f in MOE_FAMILIES
             for c, t in moe_cells(f).items()
+        ]
+        jobs += [
+            (name, ANY_FAMILIES[name][0], c, t)
+            for name in ANY_FAMILIES
+            if name.split()[0] in chosen
+            for c, t in any_cells(name).items()
         ]
         for family, factory, cell, text in jobs:
             if args.cells and cell not in args.cells:

@@ -113,3 +113,20 @@ def test_a_whole_attention_between_sequence_shards_is_gathered_at_its_door():
     assert "`layers.1.self_attn` and 2 more like it" in warning.message  # layer 0's input is whole
     gathers = [row for row in compiled.ledger.rows if row.phase == "forward" and row.op == "all_gather"]
     assert sum(row.count for row in gathers if row.rule is not None and row.rule.line == 6) == 3
+
+
+def test_multihead_attention_under_context_parallelism_with_its_heads_split(tmp_path):
+    """Captured head-first, nn.MultiheadAttention is one sdpa call: ring attention over `cp`
+    replaces it, its heads split over `tp` beside, and the model trains as one device does."""
+    from meshplan.verify import render, verify
+
+    path = tmp_path / "mha_cp_tp.plan"
+    path.write_text(
+        plan(
+            "\n    encoder.layers.*.self_attn: context ring over cp\n"
+            + MHA.split("    encoder.layers.*.linear1")[0],
+            mesh="cp=2, tp=2",
+        )
+    )
+    report = verify(str(path), f"{MODELS}:encoder_lm", steps=2)
+    assert report.ok and report.float64, render(report)

@@ -17,8 +17,10 @@ over heads unless `average_attn_weights=False`). So `column over tp` on the modu
 packed `in_proj_weight` as q, k and v blocks by heads, and `row over tp` on its `out_proj`
 splits that by rows; `meshplan verify` compares the program against PyTorch's own forward.
 
-Kept as PyTorch writes them (the walk refuses a split of them with its own message): unbatched
-inputs, `add_bias_kv`, `add_zero_attn`.
+Cross-attention (query is not key) takes its pieces of the packed weight and bias
+(`in_proj_weight.view(3, E, E)[i]`), or the separate q/k/v weights of a module whose keys and
+values have another width: `weights.py` follows both. Kept as PyTorch writes them (the walk
+refuses a split of them with its own message): unbatched inputs, `add_bias_kv`, `add_zero_attn`.
 """
 
 from __future__ import annotations

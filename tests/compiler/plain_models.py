@@ -249,3 +249,52 @@ class DirectMHA(nn.Module):
 def direct_mha():
     torch.manual_seed(0)
     return DirectMHA()
+
+
+class _CrossAttention(nn.Module):
+    """A decoder block's cross-attention (nn.MultiheadAttention with query != key): its packed
+    `in_proj_weight` is sliced into the query's and the key/value's pieces."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+
+    def forward(self, x, memory):
+        out, _ = self.attn(self.norm(x), memory, memory, need_weights=False)
+        return x + out
+
+
+class CrossLM(nn.Module):
+    """nn.TransformerDecoder-style: each layer attends to a memory (the embedded tokens, shifted)."""
+
+    def __init__(self, hidden=32, heads=4, layers=2, seq=64):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=seq)
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.memory = nn.Linear(hidden, hidden)
+        self.layers = nn.ModuleList(_CrossAttention(hidden, heads) for _ in range(layers))
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        memory = self.memory(x.flip(1))
+        for layer in self.layers:
+            x = layer(x, memory)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def cross_mha():
+    torch.manual_seed(0)
+    return CrossLM()
+
+
+def cross_mha_kdim():
+    """Cross-attention whose keys and values come from a memory of another width (kdim, vdim):
+    separate q/k/v weights beside one packed bias."""
+    torch.manual_seed(0)
+    model = CrossLM()
+    for layer in model.layers:
+        layer.attn = nn.MultiheadAttention(32, 4, batch_first=True, kdim=48, vdim=48)
+    model.memory = nn.Linear(32, 48)
+    return model

@@ -45,6 +45,11 @@ DIRECT_MHA = """
     layers.*.mlp.2:         row over tp
 """
 
+CROSS_MHA = """
+    layers.*.attn:          column over tp
+    layers.*.attn.out_proj: row over tp
+"""
+
 CASES = {
     "matmul_gpt": SEPARATE,  # x @ self.weight.T + self.bias
     "matmul_gpt_transposed": SEPARATE,  # x @ self.weight, stored (in, out)
@@ -56,6 +61,8 @@ CASES = {
     "encoder_lm": MHA,  # nn.TransformerEncoder, batch first, causal
     "encoder_lm_seq_first": MHA,  # sequence first
     "direct_mha": DIRECT_MHA,  # need_weights, a boolean mask and a key padding mask
+    "cross_mha": CROSS_MHA,  # cross-attention: in_proj_weight.view(3, E, E)[i], one piece a product
+    "cross_mha_kdim": CROSS_MHA,  # keys of another width: q/k/v weights apart, one packed bias
 }
 
 # attention left whole between norms on sequence shards: its input gathered at its door

@@ -307,14 +307,22 @@ def _weights_placements(
         )
         return {}
     out: dict[str, Placement] = {}
+    blocks: dict[str, tuple[int, ...]] = {}  # a packed weight's pieces, cut alike by its bias
     for name, use in uses.items():
         dim = use.out_dim if style == "column" else use.in_dim
-        if not _divides(style, f"{path}.{name}", own[name].shape[dim], n, rule, diagnostics):
+        size = own[name].shape[dim]
+        if not _divides(style, f"{path}.{name}", size, n, rule, diagnostics):
             return {}
-        out[name] = Shard(dim)
+        if style == "column" and use.pieces > 1 and dim == 0:  # each piece split by its heads
+            blocks[name] = (size // use.pieces,) * use.pieces
+        out[name] = Shard(dim, blocks.get(name, ()))
     for name in own:
-        if weights.biases.get(f"{path}.{name}", "").removeprefix(f"{path}.") in uses:
-            out[name] = REPLICATE if style == "row" else Shard(0)
+        weight = weights.biases.get(f"{path}.{name}", "").removeprefix(f"{path}.")
+        packed = weights.bias_pieces.get(f"{path}.{name}", 1)
+        if weight in uses:
+            size = own[name].shape[0]
+            pieces = blocks.get(weight, ()) or ((size // packed,) * packed if packed > 1 else ())
+            out[name] = REPLICATE if style == "row" else Shard(0, pieces)
     return out
 
 

@@ -15,6 +15,7 @@ features. A parameter read any other way (or two ways that disagree) is not a we
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,9 @@ class WeightUse:
 
     out_dim: int
     in_dim: int
+    # > 1: the parameter packs this many weights along its dim 0, each product taking one
+    # (nn.MultiheadAttention's `in_proj_weight.view(3, E, E)[i]` for cross-attention)
+    pieces: int = 1
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Weights:
 
     uses: dict[str, WeightUse] = field(default_factory=dict)
     biases: dict[str, str] = field(default_factory=dict)
+    bias_pieces: dict[str, int] = field(default_factory=dict)  # a bias packing several: how many
 
 
 def weights(gm: fx.GraphModule) -> Weights:
@@ -67,9 +72,19 @@ def weights(gm: fx.GraphModule) -> Weights:
     for node in gm.graph.nodes:
         if node.op != "get_attr" or len(shape(node)) != 1:
             continue
-        of = {_bias_of(user, node) for user in _through_same(node)}
-        if len(of) == 1 and (weight := of.pop()) in found.uses:
-            found.biases[str(node.target)] = weight
+        readers, packed = [], 1
+        for user in _through_same(node):
+            pieces = _pieces(user)
+            readers += [r for piece in pieces[1] for r in piece.users] if pieces else [user]
+            packed = pieces[0] if pieces else packed
+        of = {name for user in readers if (name := _bias_of(user, node)) is not None}
+        unknown = any(_bias_of(user, node) is None for user in readers)
+        # one bias packing the biases of `packed` weights (nn.MultiheadAttention's `in_proj_bias`
+        # beside separate q/k/v weights) is cut as they are: each piece by its weight's split
+        if of and (len(of) == 1 or len(of) == packed) and not unknown and of <= set(found.uses):
+            found.biases[str(node.target)] = min(of)
+            if packed > 1:
+                found.bias_pieces[str(node.target)] = packed
     return found
 
 
@@ -117,11 +132,50 @@ def _products(param: fx.Node):
             if _order(user) is not None and user.args[0] is node:
                 stack.append(user)
                 continue
+            pieces = _pieces(user) if node is param else None
+            if pieces is not None:
+                k, taken = pieces
+                for piece in taken:
+                    for product in piece.users:
+                        use = _use(product, piece, packed=True)
+                        yield product, (WeightUse(use.out_dim, use.in_dim, k) if use else None)
+                continue
             yield user, _use(user, node)
 
 
-def _use(product: fx.Node, operand: fx.Node) -> WeightUse | None:
-    found = source(operand)
+def _pieces(view: fx.Node) -> tuple[int, list[fx.Node]] | None:
+    """If `view` splits its input's dim 0 into (k, rest) and every reader takes one of the k
+    (`select(0, i)`, or `unbind(0)` then `[i]`): k and those pieces."""
+    if view.target not in (aten.view.default, aten.reshape.default) or not isinstance(view.args[0], fx.Node):
+        return None
+    whole, split = shape(view.args[0]), shape(view)
+    if len(split) != len(whole) + 1 or not isinstance(split[0], int) or split[0] < 2:
+        return None
+    if split[0] * split[1] != whole[0] or list(split[2:]) != list(whole[1:]):
+        return None
+    taken: list[fx.Node] = []
+    for user in view.users:
+        if user.target is aten.select.int and as_int(user.args[1]) == 0:
+            taken.append(user)
+        elif user.target is aten.unbind.int and (len(user.args) < 2 or as_int(user.args[1]) == 0):
+            taken += list(user.users)  # its `[i]`s
+        else:
+            return None
+    return split[0], taken
+
+
+def _piece_of(node: fx.Node) -> fx.Node | None:
+    """The parameter `node` is one packed piece of (`_pieces`), if it is one."""
+    view = node.args[0] if node.target is aten.select.int else None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        view = node.args[0].args[0] if node.args[0].target is aten.unbind.int else None
+    if not isinstance(view, fx.Node) or _pieces(view) is None or not isinstance(view.args[0], fx.Node):
+        return None
+    return view.args[0] if view.args[0].op == "get_attr" else None
+
+
+def _use(product: fx.Node, operand: fx.Node, packed: bool = False) -> WeightUse | None:
+    found = (operand, (0, 1)) if packed else source(operand)
     if found is None:
         return None
     _, dims = found
@@ -171,12 +225,18 @@ _BIAS_POSITIONS: dict[object, tuple[int, int]] = {aten.linear.default: (2, 1), a
 
 
 def _param_name(arg: object) -> str | None:
-    found = source(arg) if isinstance(arg, fx.Node) else None
-    return str(found[0].target) if found else None
+    if not isinstance(arg, fx.Node):
+        return None
+    found = source(arg)
+    param = found[0] if found else _piece_of(arg)
+    return str(param.target) if param is not None else None
 
 
 def _is(arg: object, param: fx.Node) -> bool:
-    return isinstance(arg, fx.Node) and (found := source(arg)) is not None and found[0] is param
+    if not isinstance(arg, fx.Node):
+        return False
+    found = source(arg)
+    return (found[0] if found else _piece_of(arg)) is param
 
 
 def _module(node: fx.Node) -> torch.nn.Module | None:

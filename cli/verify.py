@@ -37,7 +37,9 @@ like a tensor's, is the yardstick's distance in the whole model's weights. Under
 a tensor's distance leaves out one element that rounding sent the other way (`adam_flip`). A
 dropped reduction or a wrong shard is off by orders of magnitude.
 
-A model that cannot run in float64 (an op without a float64 kernel here) is compared with the
+An op PyTorch has here only in lower precision is computed in the reference by a float64
+stand-in held to its kernel (`float64_kernels.py`: `torch._grouped_mm`, the grouped matmul of
+Hugging Face's MoE experts). A model that still cannot run in float64 is compared with the
 yardstick instead, against fixed bounds (`FALLBACK`), and verify says so.
 """
 
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshplan.batches import token_batches, whole_job_batches
+from meshplan.float64_kernels import float64_kernels
 from meshplan.verify_measure import (  # noqa: F401  (verify's constants, read by the tests)
     FALLBACK,
     FLOOR,
@@ -381,9 +384,12 @@ def verify(
                 b.copy_(buffers[name])
         spread = one_device(program, yard_loss, "yardstick-perturbed", update)
         _fill_tied(spread.weights, source.model)
+        stand_ins = float64_kernels()
         try:
             # the model as the plan's capacity rules make it drop (the yardstick's unit drops
-            # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them
+            # alike), its routers' z-losses (`z_loss`) added to its loss as the program adds them;
+            # kernels without a float64 one here computed by their float64 stand-ins
+            stand_ins.__enter__()
             if capacity_lists(plan, source.model):  # which pair a row is: the unit's graph knows
                 ref_program, ref_loss = _one_device_program(plan, replace(source, model=float64), False)
                 hook = (
@@ -407,6 +413,8 @@ def verify(
             why_not = ""
         except (RuntimeError, NotImplementedError) as e:  # no float64 kernel for an op here
             reference, why_not = yardstick, str(e).strip().splitlines()[0]
+        finally:
+            stand_ins.__exit__(None, None, None)
     has_yardstick = not why_not
     flip = adam_flip(plan.precision.compute, lr, steps)
     measures = measure(

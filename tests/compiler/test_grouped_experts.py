@@ -202,8 +202,9 @@ def test_meshplan_verify_passes(tmp_path: Path, name: str):
 
 @pytest.mark.slow
 def test_meshplan_verify_passes_with_the_grouped_matmul(tmp_path: Path):
-    """`torch._grouped_mm` has no float64 kernel on CPU: verify compares with the one-device
-    program in float32 against fixed bounds, and says so."""
+    """`torch._grouped_mm` has no float64 kernel on CPU: verify's float64 reference computes it
+    as the loop of matmuls it is (`cli/float64_kernels.py`, held to the kernel in float32), so the
+    model is held to float64 as the dense ones are, not to fixed bounds."""
     from meshplan.verify import render, verify
 
     if not hasattr(torch, "_grouped_mm"):
@@ -211,5 +212,4 @@ def test_meshplan_verify_passes_with_the_grouped_matmul(tmp_path: Path):
     plan = tmp_path / "ep.plan"
     plan.write_text(EP)
     report = verify(str(plan), f"{HERE}/grouped_experts.py:build_grouped_mm", steps=2)
-    assert report.ok, render(report)
-    assert not report.float64 and "Double" in report.why_not_float64
+    assert report.ok and report.float64, render(report)

@@ -63,6 +63,10 @@ def guarded(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`meshplan estimate --json | head`): stop quietly,
+        # as the shell's tools do, and keep Python's flush at exit off the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE's status
     except Exception as e:  # a bug in meshplan, not a user mistake
         if os.environ.get("MESHPLAN_DEBUG"):
             raise

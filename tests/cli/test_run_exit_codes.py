@@ -56,3 +56,20 @@ def test_a_workers_user_error_exits_2_with_its_message(tmp_path: Path, capsys) -
     (tmp_path / "rank1.txt").write_text("meshplan: error: the message\n")
     assert launcher_exit(tmp_path, torchrun_report(1, 2)) == 2
     assert capsys.readouterr().err == "meshplan: error: the message\n"
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly() -> None:
+    """`meshplan estimate --json | head`: the closed pipe is the reader's choice, not a bug in
+    meshplan: no "internal error", SIGPIPE's status (128 + 13), as the shell's own tools."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from meshplan.errors import guarded\n"
+        "def command():\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "sys.exit(guarded(command))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 141
+    assert done.stderr == ""

@@ -5,7 +5,7 @@
 
 Exit codes: 0 success, 1 internal error (a bug in meshplan), 2 a problem with the
 user's input (plan, model, arguments), reported with its location; `estimate --memory`: 3
-when a rank's estimated peak does not fit.
+when a rank's estimated peak does not fit; 141 when the reader of the output left (`| head`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gloo_pool import shared_processes
 from plans import data_parallel
+from runs import meshplan_run
 
 from meshplan.batches import checked_call, drawn_batches, example_batch
 from meshplan.compiler.capture import with_token_shape
@@ -24,7 +25,6 @@ from meshplan.main import main
 from meshplan.options import parse
 from meshplan.runtime.data import CallBatch, DataError
 from meshplan.verify import render, verify
-from runs import meshplan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "tests/compiler/vision_models.py"

@@ -79,7 +79,10 @@ def advice(r: RankMemory, est: Estimate) -> list[str]:
     if zero == 0 and not any(k for k in mesh if k == "dp"):
         free["optimizer"] = "a data axis with ZeRO (`data_parallel over dp { zero = 1 }`), or more `tp`/`pp`"
     over = r.peak - (est.limit or 0)
-    lines = [f"{size(over)} over; what holds the bytes:"]
+    lines = [
+        f"{size(over)} over; what holds the bytes (each part against the peak: gradients and "
+        "activations are not all live at once, so the shares add up to more):"
+    ]
     for name, value in sorted(r.parts().items(), key=lambda kv: -kv[1]):
         if value:
             lines.append(f"  {name:<12}{size(value):>12}  {r.peak and value / r.peak:.0%}: {free[name]}")

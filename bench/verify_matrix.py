@@ -105,7 +105,8 @@ MOE_FAMILIES = {
 }
 
 # Families from corners the decoder families above do not cover (issue 32): name -> (factory,
-# tensor rules, sequence rules ("" where the sequence is not the model's second dim), the
+# tensor rules, sequence rules ("" for the ViT: 16 patches and a class token, 17 positions, which
+# no tp=2 divides), the
 # checkpointed modules, the experts module for an `experts over ep` rule ("" without experts)).
 # What each cell splits is what its rules name: attention (or the mixer) and the MLP over tp.
 _T5_ATTENTION = """
@@ -135,7 +136,14 @@ ANY_FAMILIES = {
         "blocks.*",
         "",
     ),
-    "t5 (encoder-decoder)": ("hf_factories.py:hf_t5", _T5_ATTENTION, "", "{encoder,decoder}.block.*", ""),
+    "t5 (encoder-decoder)": (
+        "hf_factories.py:hf_t5",
+        _T5_ATTENTION,
+        "    {encoder,decoder}.block.*.layer.*.layer_norm: sequence over tp\n"
+        "    {encoder,decoder}.final_layer_norm: sequence over tp\n",
+        "{encoder,decoder}.block.*",
+        "",
+    ),
     "gated_mixer (state-space shape)": (
         "plain_models.py:gated_mixer",
         "\n    mixers.*.in_proj: column over tp\n    mixers.*.out_proj: row over tp\n",

@@ -140,7 +140,8 @@ def test_a_data_factory_batch_that_does_not_fit_the_program_names_the_input(tmp_
 def test_a_text_file_for_a_model_without_token_inputs_is_refused(tmp_path):
     plan = write(tmp_path, "mesh dp=2\n" + data_parallel(zero=0))
     with pytest.raises(RunError, match=r"a text file gives token ids, and .* takes pixels"):
-        prepare(parse([plan, "--model", VIT, "--data", str(ROOT / "examples/data/corpus.txt")]))
+        data = str(ROOT / "examples/data/corpus.txt")
+        prepare(parse([plan, "--model", VIT, "--data", data, "--out", str(tmp_path / "run")]))
 
 
 def test_a_data_factory_may_return_keyword_inputs(tmp_path):

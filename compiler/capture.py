@@ -307,6 +307,19 @@ def _export_dynamic(
     shapes = torch.export.ShapesCollection()
     for t in tokens:
         shapes[t] = {0: batch, 1: seq}
+    program, why = _export_shaped(model, args, kwargs, shapes)
+    if program is None:  # a constraint violated (the model fixes a size), or anything else
+        return None, None, why
+    symbols = _token_symbols(program, example)
+    if symbols is None:
+        return None, None, "export kept the token shapes concrete"
+    return program, TokenDims(*symbols, (int(example[0]), int(example[1])), limit[1] if limit else None), ""
+
+
+def _export_shaped(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: torch.export.ShapesCollection
+) -> tuple[ExportedProgram | None, str]:
+    """Export with the dims `shapes` names symbolic: the program, or None and why not."""
     try:
         with _export_printing() as printed:
             program = torch.export.export(
@@ -316,12 +329,9 @@ def _export_dynamic(
                 strict=False,
                 dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
             )
-    except Exception as exc:  # a constraint violated (the model fixes a size), or anything else
-        return None, None, _describe(exc) + _stopped_at(printed)
-    symbols = _token_symbols(program, example)
-    if symbols is None:
-        return None, None, "export kept the token shapes concrete"
-    return program, TokenDims(*symbols, (int(example[0]), int(example[1])), limit[1] if limit else None), ""
+    except Exception as exc:
+        return None, _describe(exc) + _stopped_at(printed)
+    return program, ""
 
 
 def _export_batch_dynamic(
@@ -339,17 +349,9 @@ def _export_batch_dynamic(
     shapes = torch.export.ShapesCollection()
     for x in batched:
         shapes[x] = {0: batch}
-    try:
-        with _export_printing() as printed:
-            program = torch.export.export(
-                model,
-                args,
-                kwargs=kwargs,
-                strict=False,
-                dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs),
-            )
-    except Exception as exc:  # the model fixes the batch, or anything else: captured static
-        return None, None, _describe(exc) + _stopped_at(printed)
+    program, why = _export_shaped(model, args, kwargs, shapes)
+    if program is None:  # the model fixes the batch, or anything else: captured static
+        return None, None, why
     for node in program.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1:

@@ -59,12 +59,14 @@ def estimated(plan: Path, model: str, batch: int, seq: int):
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.hardware import hardware
     from meshplan.compiler.load import load_model, on_meta_inputs
     from meshplan.dsl import load_plan
 
     checked = load_plan(plan)
     source = on_meta_inputs(with_token_shape(load_model(model, shapes_only=True), batch=batch, seq=seq))
-    return estimate(compile_plan(checked, source, world_size=checked.mesh.world_size))
+    # the runs are on this machine's CPUs: priced (and laid out) as `--hardware cpu`
+    return estimate(compile_plan(checked, source, world_size=checked.mesh.world_size), hw=hardware("cpu"))
 
 
 BIG_PLAN = """mesh dp=*, pp=8, tp=8

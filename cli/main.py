@@ -140,15 +140,45 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
     from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.hardware import hardware
     from meshplan.compiler.print_estimate import estimate_text
 
+    if args.calibrate:
+        _calibrate()
+        if args.plan is None:
+            return EXIT_OK
+    if args.plan is None or args.model is None:
+        raise UsageError("estimate needs a PLAN and --model SPEC (or --calibrate alone)")
+    hw = hardware(args.hardware or _this_machine())
     compiled = _load_for_model(args)
-    est = estimate(compiled, limit=args.memory)
+    est = estimate(compiled, limit=args.memory, hw=hw)
     if args.json:
         print(json.dumps(est.to_json(), indent=2))
     else:
         print(estimate_text(est), end="")
     return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT
+
+
+def _this_machine() -> str:
+    """The hardware entry for where this runs: the GPU's kind, else `cpu`."""
+    import torch
+
+    if torch.cuda.is_available():
+        from meshplan.compiler.hardware import gpu_name
+
+        return gpu_name(torch.device("cuda"))
+    return "cpu"
+
+
+def _calibrate() -> None:
+    from meshplan.compiler.hardware import calibrate, write_entry
+
+    print("measuring this machine (about 20 s) ...", file=sys.stderr)
+    result = calibrate()
+    path = write_entry(result.hardware)
+    for what, figure in result.measured.items():
+        print(f"  {what:<18}{figure}")
+    print(f"kept as `--hardware {result.hardware.name}` in {path}")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -349,12 +379,12 @@ def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, e
     return p
 
 
-def _add_plan_for_model(p: argparse.ArgumentParser, *, shapes: bool = True) -> None:
+def _add_plan_for_model(p: argparse.ArgumentParser, *, shapes: bool = True, required: bool = True) -> None:
     """A plan, the model it is compiled for, and (with `shapes`) the shapes to compile for."""
-    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("plan", metavar="PLAN", nargs=None if required else "?")
     p.add_argument(
         "--model",
-        required=True,
+        required=required,
         metavar="SPEC",
         help="the model: path/to/file.py:factory or package.module:factory",
     )
@@ -431,7 +461,18 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan estimate my.plan --model hf.py:build --json
              """,
     )
-    _add_plan_for_model(p)
+    _add_plan_for_model(p, required=False)
+    p.add_argument(
+        "--hardware",
+        metavar="NAME",
+        help="price the step on h100, h200, a100 or cpu (this machine once --calibrate has measured it), "
+        "or a .json entry (default: this machine's kind)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul rate, memory bandwidth, op cost, gloo links) and keep it as its entry",
+    )
     p.add_argument(
         "--memory",
         type=memory_size,

@@ -27,8 +27,11 @@ buffers (one microbatch of what each of its stages receives).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +44,16 @@ from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
 
+from .hardware import Hardware
 from .placement import Placement, Shard
+from .step_time import (
+    OpCosts,
+    StepTime,
+    engine_cost,
+    optimizer_state_bytes,
+    pipeline_timeline,
+    rank_time,
+)
 
 STEP_COUNTER = 4  # AdamW's step, an fp32 scalar tensor per optimized tensor (fused or not)
 MOMENTS = 2  # exp_avg, exp_avg_sq: each the size of the tensor it optimizes
@@ -62,6 +74,7 @@ class RankMemory:
     host: int = 0  # offloaded to CPU memory (optimizer state, ZeRO-3 parameter shards)
     model_buffers: int = 0  # the model's own buffers (rotary tables, masks)
     stages: tuple[int, ...] = ()  # under a pipeline, the stages this rank runs
+    time: StepTime | None = None  # the step, priced against `Estimate.hardware`
 
     @property
     def state(self) -> int:
@@ -87,6 +100,13 @@ class Estimate:
     ranks: list[RankMemory]
     assumptions: dict[str, Any]
     limit: int | None = None  # --memory, bytes
+    hardware: Hardware | None = None
+
+    @property
+    def step_time(self) -> float | None:
+        """The job's step: its slowest rank's (every rank waits for the others at the step's end)."""
+        times = [r.time.total for r in self.ranks if r.time is not None]
+        return max(times) if times else None
 
     def fits_rank(self, r: RankMemory) -> bool | None:
         return None if self.limit is None else r.peak <= self.limit
@@ -109,8 +129,11 @@ class Estimate:
             entry.update({"host": r.host, "state": r.state, "model_buffers": r.model_buffers})
             entry["stages"] = list(r.stages)
             entry["fits"] = self.fits_rank(r)
+            entry["time"] = r.time.to_json() if r.time is not None else None
             ranks.append(entry)
-        return {"ranks": ranks, "fits": self.fits, "limit": self.limit, "assumptions": self.assumptions}
+        out = {"ranks": ranks, "fits": self.fits, "limit": self.limit, "step_time_s": self.step_time}
+        out["hardware"] = self.hardware.to_json() if self.hardware is not None else None
+        return {**out, "assumptions": self.assumptions}
 
 
 # ------------------------------------------------------------------------------------ state
@@ -124,8 +147,10 @@ class State:
     host: int = 0
     gathered: int = 0  # ZeRO-3: bytes of the largest unit, gathered
     reducing: int = 0  # ZeRO: the largest flat's whole gradient, made for its reduction
+    accumulating: int = 0  # ZeRO-2/3 under gradient accumulation: whole gradients between micro-steps
     grads_between_steps: int = 0  # gradient storage held across steps (DP buckets, ZeRO shards)
     engine: str = "none"
+    flats: int = 0  # ZeRO: the flats the optimizer steps (one fused update each)
 
 
 def local_params(
@@ -170,12 +195,16 @@ def state_of(
     bucket_bytes: int,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    on_host: bool = False,
+    accumulation: int = 1,
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
     `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
     a parameter's ZeRO state is cut over (1: not cut). `units`: ZeRO-3's gather units in
-    program order (name, its parameters, the dtype each is gathered in)."""
+    program order (name, its parameters, the dtype each is gathered in). `on_host`: the ranks
+    run on CPUs, where offloading moves nothing (no fp32 copy of an fp32 shard is made).
+    `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`)."""
     s = State(engine=engine)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     s.params = sum(_nbytes(p) for p in params.values() if not p.requires_grad)
@@ -205,6 +234,7 @@ def state_of(
                 flats.append(([n for n, _ in group], p0.dtype, gather.get(id(p0), p0.dtype)))
         for group in group_by_kind(list(left.items()), dec):
             flats.append(([n for n, _ in group], group[0][1].dtype, group[0][1].dtype))
+    s.flats = len(flats)
     unit_bytes: dict[int, int] = {}
     grad_bytes: dict[int, int] = {}
     for i, (names, dtype, gathered) in enumerate(flats):
@@ -226,12 +256,16 @@ def state_of(
             s.grads += shard * size
             s.grads_between_steps += shard * size
             unit_bytes[i] = padded * gathered.itemsize
-        master = shard * 4 if dtype != torch.float32 or offload_optimizer else 0
+        # the engine's fp32 master is the shard itself when that is fp32 and where AdamW runs
+        moved = offload_optimizer and not (offload_params or on_host)
+        master = shard * 4 if dtype != torch.float32 or moved else 0
         optim = master + MOMENTS * shard * 4 + STEP_COUNTER
         if offload_optimizer:
             s.host += optim
         else:
             s.optimizer += optim
+    if zero >= 2 and accumulation > 1:
+        s.accumulating = sum(grad_bytes.values())
     if zero == 3:
         s.gathered = _largest_unit(flats, unit_bytes, units)
         # a unit's gradients, whole, and the flat they are copied into before the reduce-scatter
@@ -266,9 +300,10 @@ def zero_units(program: fx.GraphModule, axis: str | None = None):
 # ------------------------------------------------------------------------------------ driver
 
 
-def estimate(compiled, *, limit: int | None = None) -> Estimate:
+def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) -> Estimate:
     """Every rank's bytes for `compiled` (a `compile.Compiled` whose model was built on the meta
-    device or not: nothing is initialized), at the shape it was compiled for.
+    device or not: nothing is initialized), at the shape it was compiled for, and with `hw`
+    each rank's step time on that hardware.
 
     Builds rank programs on a fake process group of the plan's world size, so it must run in a
     process with no process group of its own."""
@@ -287,6 +322,12 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
     model = source.model
     if dist.is_initialized():
         raise RuntimeError("estimate builds rank programs on a fake process group of its own")
+    if hw is not None and hw.cores:  # a CPU entry prices a run on this one machine
+        hw = dataclasses.replace(hw, devices_per_node=layout.world_size)
+    slowdown = max(1.0, layout.world_size / hw.cores) if hw is not None and hw.cores else 1.0
+    costs = OpCosts(hw, slowdown) if hw is not None else None
+    group_of = functools.lru_cache(maxsize=None)(functools.partial(_group, layout))
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:" to every traceback
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
     try:
         mesh = init_mesh(layout) if layout.names else None
@@ -308,9 +349,14 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
         free = zero >= 2 or engine in ("data parallel", "per-axes data parallel")
-        walks = walk_stages(stages, inputs, _free_grad if free else None)
+        walks = walk_stages(stages, inputs, _free_grad if free else None, costs)
+        timeline = None
+        if costs is not None and schedule is not None:
+            link = costs.link(group_of(spec.axis))
+            timeline = pipeline_timeline(schedule, costs, [w.received for w in walks], link, slowdown)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
     dp = plan.data_parallel
     units = zero_units(compiled.graph) if zero == 3 else []
@@ -332,6 +378,8 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
                 bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
                 offload_optimizer=bool(dp and dp.offload_optimizer and zero > 0),
                 offload_params=bool(dp and dp.offload_params and zero == 3),
+                on_host=hw is not None and hw.cores is not None,
+                accumulation=plan.train.gradient_accumulation,
                 units=[u for u in units if held is None or set(u[1]) <= held],
             )
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
@@ -341,8 +389,31 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
                 mine, key=lambda s: max(walks[s].forward_peak, walks[s].backward_peak) - walks[s].saved
             )
             transient = max(walks[extra].forward_peak, walks[extra].backward_peak) - walks[extra].saved
-            buffers = st.gathered + st.reducing + receive
+            buffers = st.gathered + st.reducing + st.accumulating + receive
             model_buffers = _buffer_bytes(stages, mine)
+            time = None
+            if costs is not None:
+                share = _share(params, model) if held is not None else 1.0
+                opt_bytes, tensors = optimizer_state_bytes(params, zero=zero, group_size=group_size)
+                offload = bool(dp and dp.offload_optimizer and zero > 0)
+                price = engine_cost(
+                    [r for r in compiled.ledger.rows if _engine_row(r)],
+                    hw=costs.hw,
+                    link_of=lambda axis: costs.link(group_of(*axis.split(" x "))),
+                    held=share,
+                    optimizer_bytes=opt_bytes,
+                    optimizer_tensors=st.flats if zero else tensors,
+                    host_bandwidth=HOST_BANDWIDTH if offload else None,
+                    slowdown=slowdown,
+                )
+                time = rank_time(
+                    costs,
+                    mine,
+                    engine=price,
+                    accumulation=plan.train.gradient_accumulation,
+                    timeline=timeline,
+                    position=position,
+                )
             start = st.params + st.optimizer + st.grads_between_steps + model_buffers
             by_position[position] = RankMemory(
                 rank,
@@ -356,6 +427,7 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
                 host=st.host,
                 model_buffers=model_buffers,
                 stages=tuple(mine) if schedule is not None else (),
+                time=time,
             )
         ranks.append(_with_rank(by_position[position], rank))
     assumptions = {
@@ -369,10 +441,50 @@ def estimate(compiled, *, limit: int | None = None) -> Estimate:
         "schedule": spec.schedule if spec is not None else None,
         "activations": "measured by running each rank's program forward and backward on meta tensors",
         "zero3_gathered": "the two largest consecutive units (current and prefetched)",
-        "zero_reduction": "one flat's whole gradient in flight (ZeRO-3: a unit's gradients and their flat)",
+        "zero_reduction": "one flat's whole gradient in flight (ZeRO-3: a unit's gradients and their flat); "
+        "under gradient accumulation, ZeRO-2/3 keep every flat's whole gradient between micro-steps",
         "not_counted": "allocator fragmentation and caching, kernel workspaces, the CUDA context",
     }
-    return Estimate(ranks, assumptions, limit)
+    if costs is not None:
+        priced = dict(STEP_TIME_ASSUMPTIONS, hardware=costs.hw.source)
+        if dp and dp.offload_optimizer and dp.zero:
+            priced["offload"] = f"the optimizer steps in host memory at {HOST_BANDWIDTH / 1e9:.0f} GB/s"
+        assumptions["step_time"] = priced
+    return Estimate(ranks, assumptions, limit, hw)
+
+
+HOST_BANDWIDTH = 20e9  # bytes/s: an offloaded optimizer steps in host memory
+
+STEP_TIME_ASSUMPTIONS = {
+    "ops": "op overhead + max(FLOPs / matmul rate of the dtype, bytes read and written / memory bandwidth)",
+    "inline_collectives": "tensor, sequence, context and expert collectives waited for where issued",
+    "zero3_gathers": "prefetched: all but the first hidden behind the phase's compute",
+    "gradient_reductions": "overlap the last backward, all but the last bucket or flat",
+    "pipeline": "the schedule simulated at each stage's priced forward and backward, sends included",
+}
+
+
+def _engine_row(row) -> bool:
+    """A ledger row the data-parallel engine issues (ZeRO-3's gathers and reductions included:
+    the walk's program runs without them)."""
+    return row.kind in ("dp_bucket", "zero_bucket", "zero_norm", "zero_gather")
+
+
+def _group(layout: MeshLayout, *axes: str) -> list[int]:
+    """Rank 0's group over `axes` (an empty or unknown axis: rank 0 alone)."""
+    axes = tuple(a for a in axes if a in layout.names)
+    home = layout.coords(0)
+    return [
+        r
+        for r in range(layout.world_size)
+        if all(c == home[a] for a, c in layout.coords(r).items() if a not in axes)
+    ]
+
+
+def _share(params: dict[str, Tensor], model: nn.Module) -> float:
+    """The share of the model's parameter bytes `params` holds (a pipeline rank's stages)."""
+    total = sum(_nbytes(p) for p in model.parameters())
+    return sum(_nbytes(p) for p in params.values()) / total if total else 1.0
 
 
 def _free_grad(p: nn.Parameter) -> None:

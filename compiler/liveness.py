@@ -16,11 +16,20 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Observer(Protocol):
+    """Sees every op the walk runs (`compiler/step_time.py`'s `OpCosts` prices them); `where`
+    names the node for collectives only."""
+
+    def begin(self, stage: int, phase: str) -> None: ...
+
+    def __call__(self, func: Any, args: Any, kwargs: Any, out: Any, where: str) -> None: ...
 
 
 def _nbytes(t: Tensor) -> int:
@@ -31,8 +40,9 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops create while they live, on any device (meta included), their
     peak and the op at the peak. `where()` names the op being run (set by the walk)."""
 
-    def __init__(self, where: Callable[[], str]) -> None:
+    def __init__(self, where: Callable[[], str], observer: Observer | None = None) -> None:
         super().__init__()
+        self._observe = observer
         self.live = self.peak = 0
         self.peak_at = ""
         self._where = where
@@ -48,6 +58,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._observe is not None:
+            self._observe(func, args, kwargs or {}, out, self._where() if func.namespace == "c10d" else "")
         fresh = self._fresh.get(func)
         if fresh is None:
             fresh = self._fresh[func] = [r.alias_info is None for r in func._schema.returns]
@@ -110,9 +122,11 @@ def walk_stages(
     stages: Sequence[fx.GraphModule],
     inputs: Sequence[Any],
     free_grads: Callable[[nn.Parameter], None] | None = None,
+    observer: Observer | None = None,
 ) -> list[StageWalk]:
     """Each stage run forward on `inputs` (plus what the one before sends), then backward from
-    the last (the loss) to the first, on whatever device the tensors are (meta: no data)."""
+    the last (the loss) to the first, on whatever device the tensors are (meta: no data);
+    `observer` sees every op, told the stage and phase first."""
     note = ["start"]
     walks = [StageWalk() for _ in stages]
     outputs: list[Any] = []
@@ -123,7 +137,8 @@ def walk_stages(
             for p in st.parameters():
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(free_grads))
-    tracker = LiveBytes(_where_backward(note))
+    tracker = LiveBytes(_where_backward(note), observer)
+    begin = observer.begin if observer is not None else (lambda stage, phase: None)
     try:
         with tracker:
             sends: Sequence[Any] = ()
@@ -136,6 +151,7 @@ def walk_stages(
                 walks[s].received = sum(_nbytes(t) for t in recv if isinstance(t, Tensor))
                 start = tracker.live
                 tracker.reset_peak()
+                begin(s, "forward")
                 out = _Where(stage, note).run(*inputs, *recv)
                 walks[s].forward_peak = tracker.peak - start
                 walks[s].peak_at = tracker.peak_at
@@ -157,6 +173,7 @@ def walk_stages(
                 start = tracker.live
                 tracker.reset_peak()
                 note[0] = f"stage {s} backward"
+                begin(s, "backward")
                 if roots and any(r.requires_grad for r in roots):
                     torch.autograd.backward(roots, grads)
                 peak = tracker.peak - start

@@ -4,7 +4,10 @@ plan changes would free them."""
 
 from __future__ import annotations
 
+import torch
+
 from .estimate import Estimate, RankMemory
+from .step_time import StepTime
 
 
 def size(nbytes: int) -> str:
@@ -48,6 +51,8 @@ def estimate_text(est: Estimate) -> str:
         if r.host:
             lines.append(f"  {'host':<12}{size(r.host):>12}  (offloaded to CPU memory)")
         lines.append(f"  {'peak':<12}{size(r.peak):>12}  at {r.peak_op}")
+        if r.time is not None:
+            lines.extend("  " + line for line in time_lines(r.time))
         fits = est.fits_rank(r)
         if fits is not None and est.limit is not None:
             verdict = "fits" if fits else "does NOT fit"
@@ -55,8 +60,47 @@ def estimate_text(est: Estimate) -> str:
             if not fits:
                 lines.extend("  " + line for line in advice(r, est))
     lines.append("")
+    if est.step_time is not None and est.hardware is not None:
+        lines.append(step_line(est))
     lines.append("not counted: " + a["not_counted"])
     return "\n".join(lines) + "\n"
+
+
+def seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
+
+
+def time_lines(t: StepTime) -> list[str]:
+    """One rank's step: where the time goes."""
+    issued = sum(t.issued.values())
+    lines = [f"{'step':<12}{seconds(t.total):>12}"]
+    lines.append(f"  {'compute':<10}{seconds(t.compute):>12}  {t.flops / 1e9:,.3g} GFLOP")
+    hidden = issued - t.communication
+    detail = ", ".join(f"{op} {seconds(v)}" for op, v in sorted(t.issued.items(), key=lambda kv: -kv[1]) if v)
+    comm = f"  {'comm':<10}{seconds(t.communication):>12}  waited for"
+    if issued:
+        comm += f" ({seconds(max(hidden, 0.0))} more hidden); issued: {detail}"
+    lines.append(comm)
+    lines.append(f"  {'optimizer':<10}{seconds(t.optimizer):>12}")
+    if t.idle:
+        lines.append(
+            f"  {'idle':<10}{seconds(t.idle):>12}  waiting for pipeline neighbours ({t.idle / t.total:.0%})"
+        )
+    return lines
+
+
+def step_line(est: Estimate) -> str:
+    """The job's step time, its throughput and model FLOP utilization, and what it assumes."""
+    hw, step = est.hardware, est.step_time
+    assert hw is not None and step is not None
+    flops = sum(r.time.flops for r in est.ranks if r.time is not None)
+    peak = hw.flops_of(est.assumptions.get("compute_dtype", torch.float32)) * len(est.ranks)
+    return (
+        f"step {seconds(step)} on {hw.name} ({hw.source}); {flops / step / peak:.0%} of the ranks' "
+        f"peak FLOP/s in its matmul dtype\n"
+    )
 
 
 def advice(r: RankMemory, est: Estimate) -> list[str]:

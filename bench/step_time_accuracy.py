@@ -1,0 +1,128 @@
+"""`meshplan estimate`'s step time against `meshplan run`'s, cell by cell, on this machine.
+
+    meshplan estimate --calibrate              # once: this machine's entry
+    python bench/step_time_accuracy.py [--cells dp,tp,...] [--batch 4] [--seq 64] [--steps 12]
+
+Measured: `meshplan run PLAN --steps N` (torchrun, gloo on this machine's CPUs); a step's time
+is the slowest rank's `time_s` (every rank waits for the others at the step's end), the median
+over the steps after the first two, leaving out the steps the CPU peak tracker slows (those
+with `peak_tensor_bytes`). Estimated: `compiler.estimate.estimate` priced with `--hardware
+cpu` (what `--calibrate` measured) on the program compiled for the same shapes.
+
+Goals (issue: estimate): median |error| <= 15% over the cells, and the cells ordered by
+predicted time as they are by measured time wherever two measured times differ by more than
+20%. The table prints each cell's error and the pairs out of order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = "examples/models/llama.py:build"
+MOE = "examples/models/moe.py:build"
+
+
+def _plan(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
+PP = "mesh pp=2\n\npipeline over pp {{\n    schedule = {s}\n    microbatches = 4\n}}\n"
+ONE = "mesh dp=1\n"
+INTERLEAVED = "mesh pp=2\n\npipeline over pp {\n    schedule = interleaved\n    virtual_stages = 2\n    microbatches = 4\n}\n"
+
+# name -> (plan text, model, what it exercises)
+CELLS: dict[str, tuple[str, str, str]] = {
+    "one": (ONE, LLAMA, "one process"),
+    "dp": (_plan("examples/tiny_dp.plan"), LLAMA, "DP, buckets"),
+    "zero1": (ZERO.format(z=1), LLAMA, "ZeRO-1"),
+    "zero3": (ZERO.format(z=3), LLAMA, "ZeRO-3"),
+    "tp": (_plan("bench/plans/llama_tp_nosp.plan"), LLAMA, "TP, vocab-parallel"),
+    "tp_sp": (_plan("examples/llama_tp.plan"), LLAMA, "TP + SP"),
+    "pp_1f1b": (PP.format(s="1f1b"), LLAMA, "1F1B, 4 microbatches"),
+    "pp_gpipe": (PP.format(s="gpipe"), LLAMA, "GPipe, 4 microbatches"),
+    "pp_tp": (_plan("examples/llama_pipeline.plan"), LLAMA, "pp x tp, 4 ranks"),
+    "interleaved": (INTERLEAVED, LLAMA, "interleaved 1F1B, 2 stages a rank"),
+    "ep": (_plan("examples/moe_ep.plan").replace("dp=*", "dp=1"), MOE, "experts over ep"),
+    "cp": (_plan("examples/ulysses_gpipe.plan"), LLAMA, "Ulysses context x GPipe, 4 ranks"),
+}
+
+
+def measured(plan: Path, model: str, args: argparse.Namespace, out: Path) -> float:
+    """The median step time of `meshplan run` (the slowest rank's, per step)."""
+    argv = [sys.executable, "-m", "meshplan", "run", str(plan), "--model", model, "--steps", str(args.steps)]
+    argv += ["--batch", str(args.batch), "--seq", str(args.seq), "--out", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+    per_step: dict[int, float] = {}
+    for f in (out / "metrics").glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["step"] > 2 and rec.get("peak_tensor_bytes") is None:
+                per_step[rec["step"]] = max(per_step.get(rec["step"], 0.0), rec["time_s"])
+    return statistics.median(per_step.values())
+
+
+def estimated(plan: Path, model: str, args: argparse.Namespace) -> float:
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.hardware import hardware
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.dsl import load_plan
+
+    checked = load_plan(plan)
+    source = load_model(model, shapes_only=True)
+    source = on_meta_inputs(with_token_shape(source, batch=args.batch, seq=args.seq))
+    est = estimate(
+        compile_plan(checked, source, world_size=checked.mesh.world_size), hw=hardware(args.hardware)
+    )
+    assert est.step_time is not None
+    return est.step_time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--hardware", default="cpu")
+    args = ap.parse_args()
+    print(f"batch {args.batch}, seq {args.seq}, {args.steps} steps; hardware {args.hardware}")
+    print(f"{'cell':10} {'measured':>10} {'estimated':>10} {'error':>7}  what")
+    rows: list[tuple[str, float, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cells.split(","):
+            text, model, what = CELLS[name]
+            plan = Path(tmp) / f"{name}.plan"
+            plan.write_text(text)
+            real = measured(plan, model, args, Path(tmp) / name)
+            guess = estimated(plan, model, args)
+            rows.append((name, real, guess))
+            print(f"{name:10} {real * 1e3:>8.1f}ms {guess * 1e3:>8.1f}ms {guess / real - 1:>+7.1%}  {what}")
+    errors = [abs(g / r - 1) for _, r, g in rows]
+    print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), worst {max(errors):.1%}")
+    wrong = [
+        (a, b)
+        for (a, ra, ga), (b, rb, gb) in itertools.combinations(rows, 2)
+        if max(ra, rb) / min(ra, rb) > 1.2 and (ra < rb) != (ga < gb)
+    ]
+    pairs = sum(
+        1 for (_, ra, _), (_, rb, _) in itertools.combinations(rows, 2) if max(ra, rb) / min(ra, rb) > 1.2
+    )
+    print(f"order: {pairs - len(wrong)} of {pairs} pairs more than 20% apart ordered as measured")
+    for a, b in wrong:
+        print(f"  out of order: {a} vs {b}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

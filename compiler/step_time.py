@@ -1,0 +1,378 @@
+"""`meshplan estimate`'s step time: the compiled program's ops and collectives priced against a
+hardware entry (`compiler/hardware.py`), the data-parallel engine's collectives from the
+ledger, the pipeline's bubble from its schedule simulated at those costs.
+
+    costs = OpCosts(hw)                         # an observer of the liveness walk
+    walk_stages(stages, inputs, observer=costs) # prices every op each stage runs
+    t = rank_time(costs, ...)                   # one rank's step: compute, exposed comm, idle
+
+What is assumed (and said in the report):
+
+- An op costs `op_overhead` plus the larger of its FLOPs at its dtype's matmul rate and the
+  bytes it reads and writes at the memory bandwidth (a roofline; FLOPs from PyTorch's own
+  formulas, `torch.utils.flop_counter`, for matmuls, convolutions and attention).
+- A collective the program issues inline (tensor, sequence, context, expert parallelism) is
+  waited for where it is issued. ZeRO-3's gathers (the ledger's) are prefetched: they can
+  hide behind the phase's compute, all but the first. The engine's gradient reductions
+  (buckets, flats) can overlap the last microbatch's backward, all but the last; ZeRO-1/2's
+  parameter all-gathers after the step can overlap the next forward. How much of what can
+  hide does is the hardware's `overlap` (a GPU's collectives run beside its compute: 1; gloo
+  on a CPU whose cores the ranks already use: what `--calibrate` measures).
+- The optimizer step reads and writes each local parameter's state once (AdamW: parameter,
+  gradient, two moments, an fp32 master under mixed precision), plus a cost per tensor.
+- A pipeline's forward and backward actions cost their stage's priced forward and backward
+  (a split backward half each), plus the send of what the next stage receives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils.flop_counter as flop_counter
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from .hardware import Hardware, Link
+
+# c10d's ops as the dispatcher sees them (`dist.all_reduce` and friends), by what goes on the wire
+_WIRE = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "send": "send",
+    "recv_": "send",
+    "broadcast_": "broadcast",
+    "barrier": "barrier",
+}
+
+
+def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """A ring algorithm's time for `op` over `n` ranks moving `nbytes` (the full tensor: what an
+    all-reduce reduces, what an all-gather gathers)."""
+    if n <= 1 and op not in ("send",):
+        return 0.0
+    if op == "all_reduce":
+        steps, moved = 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    elif op in ("all_gather", "reduce_scatter", "all_to_all"):
+        steps, moved = n - 1, (n - 1) / n * nbytes
+    elif op == "broadcast":
+        steps, moved = n - 1, nbytes
+    elif op == "barrier":
+        steps, moved = n - 1, 0.0
+    else:  # a point-to-point send
+        steps, moved = 1, nbytes
+    return steps * link.latency + moved / link.bandwidth
+
+
+def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> float:
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> float:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+def _grouped_mm(a, b, *args, out_val=None, **kwargs) -> float:
+    """`torch._grouped_mm(x (M, K), w (G, K, N), offs)`: every row through one expert's matrix."""
+    return 2.0 * a.shape[0] * a.shape[-1] * b.shape[-1] if a.dim() == 2 and b.dim() == 3 else 0.0
+
+
+# formulas PyTorch's flop counter does not carry: its CPU attention kernels, grouped GEMMs
+_EXTRA_FLOPS: dict[str, Callable[..., float]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_cpu_backward,
+    "_grouped_mm": _grouped_mm,
+}
+
+
+@dataclass
+class PhaseCost:
+    """One stage's forward or backward on one microbatch, priced."""
+
+    compute: float = 0.0  # s of ops
+    ops: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    inline: float = 0.0  # s of collectives waited for where they are issued
+    prefetched: float = 0.0  # s of ZeRO-3 gathers issued ahead of their unit
+    gathers: int = 0
+    issued: dict[str, float] = field(default_factory=dict)  # s of collectives per op, for the report
+
+    def exposed(self, overlap: float) -> float:
+        """The collectives' time this phase waits for: inline ones whole; prefetched gathers
+        all but the first hidden behind the phase's compute (as far as `overlap` lets them)."""
+        if not self.gathers:
+            return self.inline
+        return self.inline + exposed(self.prefetched, self.prefetched / self.gathers, self.compute, overlap)
+
+    def time(self, overlap: float) -> float:
+        return self.compute + self.exposed(overlap)
+
+
+def exposed(total: float, first: float, compute: float, overlap: float) -> float:
+    """What a rank waits for of `total` seconds of collectives issued ahead of `compute` seconds
+    of work: all but `first` can hide behind the work, the `overlap` fraction of it does."""
+    return total - overlap * min(max(total - first, 0.0), compute)
+
+
+class OpCosts:
+    """An observer of the liveness walk (`LiveBytes`): prices each op of the stage and phase
+    `begin` named last."""
+
+    def __init__(self, hw: Hardware, slowdown: float = 1.0) -> None:
+        self.hw = hw
+        self.slowdown = slowdown  # ranks sharing a core: every op takes this much longer
+        self.phases: dict[tuple[int, str], PhaseCost] = {}
+        self._current = PhaseCost()
+        self._kinds: dict[Any, tuple[str, Any]] = {}  # per op: ("view" | "op" | a wire op, flop formula)
+
+    def begin(self, stage: int, phase: str) -> None:
+        self._current = self.phases.setdefault((stage, phase), PhaseCost())
+
+    def phase(self, stage: int, phase: str) -> PhaseCost:
+        return self.phases.get((stage, phase), PhaseCost())
+
+    def __call__(self, func, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any, where: str) -> None:
+        kind, formula = self._kind(func)
+        cost = self._current
+        if kind == "view":
+            cost.ops += 1
+            cost.compute += self.hw.op_overhead * self.slowdown
+            return
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if kind != "op":
+            self._collective(kind, args, tensors, where)
+            return
+        nbytes = sum(_nbytes(t) for t in tensors)
+        nbytes += sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, Tensor))
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+        rate = self.hw.flops_of(dtype)
+        cost.ops += 1
+        cost.flops += flops
+        cost.bytes += nbytes
+        spent = self.hw.op_overhead + max(flops / rate, nbytes / self.hw.bandwidth(nbytes))
+        cost.compute += spent * self.slowdown
+
+    def _kind(self, func) -> tuple[str, Any]:
+        known = self._kinds.get(func)
+        if known is None:
+            name = func._schema.name.split("::")[-1]
+            if func.namespace == "c10d":
+                known = (_WIRE.get(name, "view"), None)  # waits and such: no time of their own
+            elif all(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+                known = ("view", None)
+            else:
+                formula = flop_counter.flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(name)
+                known = ("op", formula)
+            self._kinds[func] = known
+        return known
+
+    def _collective(self, op: str, args: Sequence[Any], tensors: list[Tensor], where: str) -> None:
+        group = _group_ranks(args)
+        n = len(group) if group else 1
+        nbytes = max(
+            (sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, Tensor)) for a in args), default=0
+        )
+        spent = collective_time(op, nbytes, n, self.link(group)) * self.slowdown
+        cost = self._current
+        cost.issued[op] = cost.issued.get(op, 0.0) + spent
+        if "zero" in where.lower() and op == "all_gather":
+            cost.prefetched += spent
+            cost.gathers += 1
+        else:
+            cost.inline += spent
+
+    def link(self, ranks: Sequence[int]) -> Link:
+        per_node = self.hw.devices_per_node
+        return self.hw.intra if len({r // per_node for r in ranks}) <= 1 else self.hw.inter
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_ranks(args: Sequence[Any]) -> list[int]:
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return list(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+    return []
+
+
+# ------------------------------------------------------------------------------------ a rank
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One rank's optimizer step, in seconds."""
+
+    total: float
+    compute: float  # forward and backward ops, every microbatch
+    communication: float  # collectives waited for (exposed), every kind
+    optimizer: float
+    idle: float  # a pipeline rank waiting for its neighbours
+    issued: dict[str, float]  # s of every collective issued, by op, exposed or not
+    flops: float  # this rank's FLOPs a step
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "compute": self.compute,
+            "communication": self.communication,
+            "optimizer": self.optimizer,
+            "idle": self.idle,
+            "issued": dict(self.issued),
+            "flops": self.flops,
+        }
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """The data-parallel engine's part of a step, for one rank."""
+
+    backward: float  # gradient reductions issued during the last backward
+    last: float  # the last of them (nothing left to hide behind)
+    after_step: float  # parameter all-gathers after the step (ZeRO-1/2), hidden by the next forward
+    step: float  # small all-reduces the step waits for (gradient norm, loss)
+    optimizer: float
+    gathers: dict[str, tuple[float, int]] = field(default_factory=dict)  # ZeRO-3, per phase: s, how many
+
+
+def engine_cost(
+    rows: Sequence[Any],
+    *,
+    hw: Hardware,
+    link_of: Callable[[str], Link],
+    held: float,
+    optimizer_bytes: float,
+    optimizer_tensors: int,
+    host_bandwidth: float | None,
+    slowdown: float = 1.0,
+) -> EngineCost:
+    """Prices the ledger's data-parallel rows (`rows`: dp_bucket, zero_bucket, zero_norm and
+    ZeRO-3's reduce-scatters; `held`: the share of them this rank issues, under a pipeline its
+    stages' share) and the optimizer step over `optimizer_bytes` of state."""
+    backward = last = after = step = 0.0
+    gathers: dict[str, tuple[float, int]] = {}
+    for r in rows:
+        t = collective_time(r.op, r.bytes, r.group_size, link_of(r.axis)) * slowdown
+        if r.kind == "zero_gather" and r.op == "all_gather":
+            spent, count = gathers.get(r.phase, (0.0, 0))
+            gathers[r.phase] = (spent + t * r.count * held, count + r.count)
+        elif r.phase == "backward":
+            backward += t * r.count * held
+            last = max(last, t)
+        elif r.kind == "zero_norm":
+            step += t * r.count
+        else:
+            after += t * r.count * held
+    bandwidth = host_bandwidth or hw.memory_bandwidth
+    optimizer = (optimizer_bytes / bandwidth + optimizer_tensors * hw.optimizer_tensor) * slowdown
+    return EngineCost(backward, min(last, backward), after, step, optimizer, gathers)
+
+
+def rank_time(
+    costs: OpCosts,
+    stages: Sequence[int],
+    *,
+    engine: EngineCost,
+    accumulation: int,
+    timeline: Any = None,
+    position: int = 0,
+    data_link: Link | None = None,
+) -> StepTime:
+    """One rank's step: its stages' forward and backward (under a pipeline, the schedule's
+    simulated makespan at these costs, `timeline`), then the engine's exposed collectives and
+    the optimizer step."""
+    forward = [costs.phase(s, "forward") for s in stages]
+    backward = [costs.phase(s, "backward") for s in stages]
+    overlap = costs.hw.overlap
+    compute_once = sum(p.compute for p in forward + backward)
+    exposed_once = sum(p.exposed(overlap) for p in forward + backward)
+    flops = sum(p.flops for p in forward + backward)
+    issued: dict[str, float] = {}
+    for p in forward + backward:
+        for op, t in p.issued.items():
+            issued[op] = issued.get(op, 0.0) + t
+    if timeline is not None:
+        micro = timeline.schedule.microbatches
+        busy = timeline.busy[position]
+        idle = timeline.makespan - busy
+        compute = compute_once * micro
+        inline = busy - compute
+        flops *= micro
+        issued = {op: t * micro for op, t in issued.items()}
+        last_backward = sum(p.compute for p in backward)
+        forward_compute = sum(p.compute for p in forward) * micro
+    else:
+        idle = 0.0
+        compute = compute_once * accumulation
+        inline = exposed_once * accumulation
+        flops *= accumulation
+        issued = {op: t * accumulation for op, t in issued.items()}
+        last_backward = sum(p.compute for p in backward)
+        forward_compute = sum(p.compute for p in forward)
+    reductions = exposed(engine.backward, engine.last, last_backward, overlap)
+    after = exposed(engine.after_step, 0.0, forward_compute, overlap)
+    gathered = 0.0  # ZeRO-3's prefetched gathers: the first of each phase waited for
+    for phase, (spent, count) in engine.gathers.items():
+        compute_phase = sum(p.compute for p in (forward if phase == "forward" else backward))
+        rounds = timeline.schedule.microbatches if timeline is not None else accumulation
+        gathered += exposed(spent, spent / max(count, 1), compute_phase * rounds, overlap)
+    communication = inline + reductions + after + engine.step + gathered
+    dp = engine.backward + engine.after_step + engine.step + sum(t for t, _ in engine.gathers.values())
+    if dp:
+        issued["data parallel"] = issued.get("data parallel", 0.0) + dp
+    total = compute + communication + engine.optimizer + idle
+    return StepTime(total, compute, communication, engine.optimizer, idle, issued, flops)
+
+
+def pipeline_timeline(
+    schedule: Any, costs: OpCosts, received: Sequence[int], link: Link, slowdown: float = 1.0
+) -> Any:
+    """The schedule simulated with each action at its stage's priced time: a forward receives
+    what its stage receives, a backward sends the gradient of it back; a split backward's
+    halves cost half each."""
+    from meshplan.runtime.schedules import simulate
+
+    def send(stage: int) -> float:
+        return collective_time("send", received[stage], 2, link) * slowdown if received[stage] else 0.0
+
+    def cost(action) -> float:
+        s = action.stage
+        if action.kind == "F":
+            return costs.phase(s, "forward").time(costs.hw.overlap) + send(s)
+        whole = costs.phase(s, "backward").time(costs.hw.overlap) + (send(s) if s > 0 else 0.0)
+        return whole if action.kind == "B" else whole / 2
+
+    return simulate(schedule, cost)
+
+
+def optimizer_state_bytes(
+    params: Mapping[str, Tensor], *, zero: int, group_size: Callable[[str], int]
+) -> tuple[float, int]:
+    """Bytes the optimizer step reads and writes on this rank and the tensors it steps:
+    AdamW reads the gradient and reads and writes the parameter (or fp32 master) and two fp32
+    moments; a 16-bit parameter is also written back from its master."""
+    total, tensors = 0.0, 0
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+        numel = math.ceil(p.numel() / (group_size(name) if zero else 1))
+        size = p.element_size()
+        master = 4 * numel * 2 if p.dtype != torch.float32 else 0  # read and write the fp32 copy
+        total += numel * size * 3 + master + 4 * numel * 4  # grad r, param r/w; moments r/w
+        tensors += 1
+    return total, tensors

@@ -1,0 +1,130 @@
+"""`meshplan estimate`'s step time: the walk prices what the model really runs (its FLOPs are
+PyTorch's flop counter's on the real model), the layouts divide the work as they should, a
+pipeline's bubble comes from its schedule, and hardware entries are read, measured and
+refused as a user meets them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshplan.compiler.capture import with_token_shape
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.estimate import estimate
+from meshplan.compiler.hardware import TABLE, Hardware, Link, calibrate, hardware, write_entry
+from meshplan.compiler.load import load_model, on_meta_inputs
+from meshplan.compiler.step_time import collective_time
+from meshplan.dsl import check_text
+from meshplan.examples.models.llama import build
+from meshplan.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = "examples/models/llama.py:build"
+
+CPU = TABLE["cpu"]
+PP = "mesh pp=2\n\npipeline over pp {{\n    schedule = {s}\n    microbatches = 4\n}}\n"
+
+
+def test_collectives_cost_what_a_ring_moves():
+    link = Link(bandwidth=1e9, latency=1e-5)
+    # all-reduce: 2 (n-1) steps moving 2 (n-1)/n of the tensor; all-gather half of that
+    assert collective_time("all_reduce", 4e6, 4, link) == pytest.approx(6e-5 + 6e6 / 1e9)
+    assert collective_time("all_gather", 4e6, 4, link) == pytest.approx(3e-5 + 3e6 / 1e9)
+    assert collective_time("send", 4e6, 2, link) == pytest.approx(1e-5 + 4e6 / 1e9)
+    assert collective_time("all_reduce", 4e6, 1, link) == 0.0
+
+
+def test_the_walk_counts_the_flops_the_model_runs():
+    """One process's step: the FLOPs priced on meta tensors are the flop counter's on the real
+    model's forward and backward, on the same batch (attention in PyTorch's math kernel, whose
+    matmuls the counter sees; its CPU kernel it does not count)."""
+    est = estimate(compiled_for("mesh dp=1\n", batch=2, seq=16), hw=CPU)
+    model = build()
+    ids = torch.randint(0, 256, (2, 16))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(ids, ids).backward()
+    assert est.ranks[0].time is not None
+    assert est.ranks[0].time.flops == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_tensor_parallel_ranks_share_the_matmuls():
+    whole = estimate(compiled_for("mesh dp=1\n", batch=4, seq=32), hw=CPU).ranks[0].time
+    split = estimate(compiled_for(_read("examples/llama_tp.plan"), batch=4, seq=32), hw=CPU).ranks
+    assert whole is not None and all(r.time is not None for r in split)
+    per_rank = [r.time.flops for r in split if r.time is not None]
+    assert per_rank[0] == pytest.approx(per_rank[1])
+    assert sum(per_rank) == pytest.approx(whole.flops, rel=0.05)  # the work divided, not repeated
+    assert split[0].time is not None and split[0].time.issued  # and collectives priced for it
+    assert split[0].time.communication > 0
+
+
+def test_a_bigger_batch_and_a_faster_device_move_the_time_the_right_way():
+    small = estimate(compiled_for("mesh dp=1\n", batch=2, seq=32), hw=CPU).step_time
+    large = estimate(compiled_for("mesh dp=1\n", batch=8, seq=32), hw=CPU).step_time
+    h100 = estimate(compiled_for("mesh dp=1\n", batch=8, seq=32), hw=TABLE["h100"]).step_time
+    assert small is not None and large is not None and h100 is not None
+    assert small < large and h100 < large
+
+
+def test_pipeline_ranks_wait_for_the_bubble_their_schedule_leaves():
+    gpipe = estimate(compiled_for(PP.format(s="gpipe")), hw=CPU)
+    ofob = estimate(compiled_for(PP.format(s="1f1b")), hw=CPU)
+    # one process running the same four microbatches one after the other
+    accumulated = "mesh dp=1\n\ntrain {\n    gradient_accumulation = 4\n}\n"
+    one = estimate(compiled_for(accumulated), hw=CPU).ranks[0].time
+    for est in (gpipe, ofob):
+        first, last = (r.time for r in est.ranks)
+        assert first is not None and last is not None and one is not None
+        assert first.idle > 0 and last.idle > 0
+        assert est.step_time == pytest.approx(first.compute + first.idle + first.communication, rel=0.2)
+        # two ranks, four microbatches: about (m + p - 1) / m of half the one process's compute
+        assert one.compute / 2 < est.step_time < 0.75 * one.total
+    assert ofob.step_time == pytest.approx(gpipe.step_time, rel=0.1)  # the same bubble, less memory
+
+
+def test_the_command_prices_the_step_and_refuses_unknown_hardware(capsys, tmp_path):
+    argv = ["estimate", "examples/llama_tp.plan", "--model", LLAMA, "--batch", "2", "--seq", "16"]
+    assert main([*argv, "--hardware", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] > 0 and out["hardware"]["name"] == "h100"
+    assert {"compute", "communication", "optimizer", "idle", "flops"} <= set(out["ranks"][0]["time"])
+    assert main([*argv, "--hardware", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "step " in text and "compute" in text and "on h100 (NVIDIA H100 SXM datasheet)" in text
+    assert main([*argv, "--hardware", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown hardware 'tpu': one of h100, h200, a100, cpu" in err and "Traceback" not in err
+    bad = tmp_path / "mine.json"
+    bad.write_text('{"name": "mine", "flops": {}}')
+    assert main([*argv, "--hardware", str(bad)]) == 2
+    assert "mine.json: not a hardware entry" in capsys.readouterr().err
+
+
+def test_a_measured_entry_replaces_the_datasheet_and_prices_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPLAN_CONFIG", str(tmp_path))
+    measured = calibrate("cpu", links=False).hardware
+    assert measured.name == "cpu" and measured.flops["float32"] > 1e8 and measured.op_overhead > 0
+    assert "measured by `meshplan estimate --calibrate`" in measured.source
+    path = write_entry(measured)
+    assert path == tmp_path / "hardware" / "cpu.json"
+    assert hardware("cpu") == measured  # what --hardware cpu now prices with
+    faster = dataclasses.replace(measured, name="twice", flops={k: 2 * v for k, v in measured.flops.items()})
+    write_entry(faster)
+    assert hardware("twice").flops["float32"] == 2 * measured.flops["float32"]
+    assert Hardware.from_json(json.loads(path.read_text())) == measured
+
+
+def compiled_for(text: str, batch: int = 2, seq: int = 16):
+    plan = check_text(text, "step.plan")
+    source = on_meta_inputs(with_token_shape(load_model(LLAMA, shapes_only=True), batch=batch, seq=seq))
+    return compile_plan(plan, source, world_size=plan.mesh.world_size)
+
+
+def _read(path: str) -> str:
+    return (ROOT / path).read_text()

@@ -253,15 +253,26 @@ class Local(LocalParams, WholeParams):
 
 def param_grad_squares(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequence[Collection[str]]) -> Tensor:
     """`GradSync.grad_squares` of gradients held whole in `.grad` (LocalParams, DataParallel):
-    summed where the gradients are, read back once."""
-    squares: Tensor | None = None
+    summed where the gradients are, in float64, read back once. Each kind's gradients go
+    through one foreach norm (one dispatch, not a few ops a tensor); one larger than
+    `SQUARES_CHUNK` chunk by chunk."""
+    by_kind: list[list[Tensor]] = [[] for _ in range(len(kinds) + 1)]
     for name, p in named:
         if p.grad is not None:
-            if squares is None:
-                squares = torch.zeros(len(kinds) + 1, dtype=torch.float64, device=p.grad.device)
             kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
-            squares[kind] += sum_of_squares(p.grad)
-    return squares.cpu() if squares is not None else torch.zeros(len(kinds) + 1, dtype=torch.float64)
+            by_kind[kind].append(p.grad.detach())
+    device = next((g[0].device for g in by_kind if g), torch.device("cpu"))
+    sums = []
+    for grads in by_kind:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        small = [g for g in grads if g.numel() <= SQUARES_CHUNK]
+        if small:
+            total = total + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float64)).square().sum()
+        for g in grads:
+            if g.numel() > SQUARES_CHUNK:
+                total = total + sum_of_squares(g)
+        sums.append(total)
+    return torch.stack(sums).cpu()
 
 
 SQUARES_CHUNK = 1 << 22  # elements: the float64 copy `sum_of_squares` makes is 32 MiB at most

@@ -1,17 +1,26 @@
 """User mistakes with the data and the model's limits: each is one located error and exit 2 from
-the real command, found before torchrun starts (never exit 1, "a bug in meshplan", a traceback,
-or the same message once per rank)."""
+the command (never exit 1, "a bug in meshplan", a traceback, or the same message once per rank).
+
+The mistakes found before torchrun starts run the command's own `main` in this process: the
+launcher's checks are the same code, without a Python and torch started per case. A mistake
+that only a worker can see runs the real `meshplan` command, through torchrun."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from meshplan.main import main
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DP = str(ROOT / "examples" / "tiny_dp.plan")  # dp=2: a mistake that reached torchrun would say it twice
+SHAPES = ("--steps", "2", "--batch", "2", "--seq", "16", "--out", "run")  # small, into a fresh run folder
 
 FACTORY = """\
 import torch
@@ -23,20 +32,34 @@ def make_batches(*, batch, seq, seed, dp_rank, dp_size, accumulation):
 """
 
 
-def meshplan(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NO_COLOR="1")
-    env.pop("MESHPLAN_DEBUG", None)
-    return subprocess.run(["meshplan", *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each case in its own folder, as the command would run there: no color, no debug re-raise;
+    the user's files it imported (data.py, a model file) are forgotten afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.delenv("MESHPLAN_DEBUG", raising=False)
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        file = getattr(sys.modules[name], "__file__", None)
+        if file is not None and Path(file).resolve().is_relative_to(tmp_path.resolve()):
+            del sys.modules[name]
 
 
-def run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+def meshplan(*argv: str, capsys: pytest.CaptureFixture[str]) -> SimpleNamespace:
+    """`meshplan *argv` in this process (in the test's folder): its exit status and output."""
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> SimpleNamespace:
     """`meshplan run` on the tiny plan with small shapes, into a fresh run folder."""
-    return meshplan(
-        "run", TINY_DP, "--steps", "2", "--batch", "2", "--seq", "16", "--out", "run", *argv, cwd=tmp_path
-    )
+    return meshplan("run", TINY_DP, *SHAPES, *argv, capsys=capsys)
 
 
-def one_error(done: subprocess.CompletedProcess, tmp_path: Path) -> str:
+def one_error(done: SimpleNamespace, tmp_path: Path) -> str:
     """The one message of a user mistake: exit 2, no traceback, said once, before any worker."""
     assert done.returncode == 2, done.stdout + done.stderr
     err = done.stderr
@@ -83,23 +106,29 @@ def write(folder: Path, name: str, text: str) -> str:
     ],
     ids=["factory_raises", "factory_signature", "batch_raises", "file_raises"],
 )
-def test_a_data_factory_that_raises_is_one_located_error(tmp_path: Path, source: str, message: str) -> None:
+def test_a_data_factory_that_raises_is_one_located_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, message: str
+) -> None:
     write(tmp_path, "data.py", source)
-    err = one_error(run(tmp_path, "--data", "data.py:make_batches"), tmp_path)
+    err = one_error(run(capsys, "--data", "data.py:make_batches"), tmp_path)
     assert message in err
 
 
-def test_a_data_factory_file_that_does_not_exist_is_one_error(tmp_path: Path) -> None:
-    err = one_error(run(tmp_path, "--data", "missing.py:make_batches"), tmp_path)
+def test_a_data_factory_file_that_does_not_exist_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = one_error(run(capsys, "--data", "missing.py:make_batches"), tmp_path)
     assert "data factory file 'missing.py' does not exist" in err
 
 
 # ---------------------------------------------------------------------------- the model's limits
 
 
-def test_token_ids_beyond_the_vocabulary_are_one_error_naming_the_batch(tmp_path: Path) -> None:
+def test_token_ids_beyond_the_vocabulary_are_one_error_naming_the_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path, "data.py", FACTORY.format(body="return torch.full((2, 16), 300), torch.full((2, 16), 3)"))
-    err = one_error(run(tmp_path, "--data", "data.py:make_batches"), tmp_path)
+    err = one_error(run(capsys, "--data", "data.py:make_batches"), tmp_path)
     assert err.strip() == (
         "meshplan: error: --data data.py:make_batches: step 0, micro-step 0 has input id 300, outside "
         "the model's vocabulary of 256 token ids (0..255) (hint: map the ids below 256, or build the "
@@ -107,18 +136,22 @@ def test_token_ids_beyond_the_vocabulary_are_one_error_naming_the_batch(tmp_path
     )
 
 
-def test_a_vocabulary_smaller_than_the_corpus_bytes_is_one_error(tmp_path: Path) -> None:
+def test_a_vocabulary_smaller_than_the_corpus_bytes_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(
         tmp_path,
         "small.py",
         "from meshplan.examples.models import llama\n\ndef build():\n    return llama.build(vocab_size=100)\n",
     )
-    err = one_error(run(tmp_path, "--model", "small.py:build"), tmp_path)
+    err = one_error(run(capsys, "--model", "small.py:build"), tmp_path)
     assert "corpus.txt' is byte-level and has byte values up to 126, but the model embeds only 100" in err
     assert "(hint: build the model with vocab_size >= 127" in err
 
 
-def test_a_sequence_longer_than_learned_positions_is_one_error(tmp_path: Path) -> None:
+def test_a_sequence_longer_than_learned_positions_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # GPT's position table is an embedding: export does not bounds-check it, training would
     write(
         tmp_path,
@@ -126,7 +159,7 @@ def test_a_sequence_longer_than_learned_positions_is_one_error(tmp_path: Path) -
         "from meshplan.examples.models import gpt\n\n"
         "def build():\n    return gpt.build(max_position_embeddings=32)\n",
     )
-    err = one_error(run(tmp_path, "--model", "short.py:build", "--seq", "64"), tmp_path)
+    err = one_error(run(capsys, "--model", "short.py:build", "--seq", "64"), tmp_path)
     assert err.strip() == (
         "meshplan: error: --seq 64 is longer than 'short.py:build' allows: its "
         "config.max_position_embeddings is 32\n"
@@ -134,9 +167,11 @@ def test_a_sequence_longer_than_learned_positions_is_one_error(tmp_path: Path) -
     )
 
 
-def test_a_sequence_longer_than_rope_tables_is_said_before_capture(tmp_path: Path) -> None:
+def test_a_sequence_longer_than_rope_tables_is_said_before_capture(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # the tiny Llama's rotary tables have 128 rows: torch.export failed on a broadcast, with pages of log
-    err = one_error(run(tmp_path, "--seq", "256"), tmp_path)
+    err = one_error(run(capsys, "--seq", "256"), tmp_path)
     assert "--seq 256 is longer than 'meshplan.examples.models.llama:build' allows" in err
     assert "torch.export" not in err and len(err.strip().splitlines()) == 2
 
@@ -148,7 +183,10 @@ def test_an_id_beyond_the_vocabulary_in_a_later_batch_stops_the_workers_with_one
     # the launcher sees a good first batch; rank 1's batch of step 1 is checked in the worker
     body = "return (torch.full((2, 16), 300 if step == 1 and dp_rank == 1 else 5),) * 2"
     write(tmp_path, "data.py", FACTORY.format(body=body))
-    done = run(tmp_path, "--data", "data.py:make_batches")
+    env = dict(os.environ, NO_COLOR="1")
+    env.pop("MESHPLAN_DEBUG", None)
+    command = ["meshplan", "run", TINY_DP, *SHAPES, "--data", "data.py:make_batches"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         "meshplan: error: --data data.py:make_batches: step 1, micro-step 0 has input id 300, outside "
@@ -157,22 +195,23 @@ def test_an_id_beyond_the_vocabulary_in_a_later_batch_stops_the_workers_with_one
     )
 
 
-def test_a_between_steps_function_that_is_not_there_is_one_error(tmp_path: Path) -> None:
+def test_a_between_steps_function_that_is_not_there_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path, "update.py", "def update_bias(model):\n    pass\n")
-    err = one_error(run(tmp_path, "--between-steps", "update.py:update"), tmp_path)
+    err = one_error(run(capsys, "--between-steps", "update.py:update"), tmp_path)
     assert (
         "meshplan: error: --between-steps update.py:update: 'update.py' defines no function 'update'\n"
         "hint: did you mean 'update_bias'? functions defined there: update_bias"
     ) in err
 
 
-def test_between_steps_with_a_pipeline_is_refused_before_the_workers(tmp_path: Path) -> None:
+def test_between_steps_with_a_pipeline_is_refused_before_the_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write(tmp_path, "update.py", "def update_bias(model):\n    pass\n")
     plan = write(tmp_path, "pp.plan", "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n")
-    done = meshplan(
-        "run", plan, "--steps", "2", "--batch", "2", "--seq", "16", "--out", "run",
-        "--between-steps", "update.py:update_bias", cwd=tmp_path,
-    )  # fmt: skip
+    done = meshplan("run", plan, *SHAPES, "--between-steps", "update.py:update_bias", capsys=capsys)
     assert "meshplan: error: --between-steps with a pipeline is not supported yet" in one_error(
         done, tmp_path
     )

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = "examples/models/llama.py:build"
 GPT = "examples/models/gpt.py:build"
+MOE = "examples/models/moe.py:build"
 
 ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
 PP = "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
@@ -43,6 +44,10 @@ CELLS: dict[str, tuple[str, str, str]] = {
     "tp_sp": ((ROOT / "examples/llama_tp.plan").read_text(), LLAMA, "TP + SP"),
     "pp": (PP, LLAMA, "1F1B, 4 microbatches"),
     "gpt_zero3": (GPT_ZERO3, GPT, "ZeRO-3 fp16, offload, selective checkpointing"),
+    "interleaved": (PP.replace("1f1b", "interleaved\n    virtual_stages = 2"), LLAMA, "interleaved 1F1B"),
+    "zero_bubble": (PP.replace("1f1b", "zero_bubble"), LLAMA, "zero-bubble (split backward)"),
+    "ep": ((ROOT / "examples/moe_ep.plan").read_text().replace("dp=*", "dp=1"), MOE, "experts over ep"),
+    "cp": ((ROOT / "examples/ulysses_gpipe.plan").read_text(), LLAMA, "Ulysses context x GPipe"),
 }
 
 
@@ -129,7 +134,9 @@ def big(world: str) -> None:
     source = on_meta_inputs(with_token_shape(model, batch=1, seq=4096))
     compiled = compile_plan(plan, source, world_size=int(world))
     t1 = time.perf_counter()
-    est = estimate(compiled)
+    from meshplan.compiler.hardware import hardware
+
+    est = estimate(compiled, hw=hardware("h100"))
     t2 = time.perf_counter()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
@@ -141,6 +148,91 @@ def big(world: str) -> None:
             f"optimizer {r.optimizer / 2**30:.2f}, activations {r.activations / 2**30:.2f}, "
             f"buffers {r.buffers / 2**30:.2f}, peak {r.peak / 2**30:.2f} GiB at {r.peak_op}"
         )
+    from meshplan.compiler.print_estimate import step_line
+
+    print("  " + step_line(est).strip())
+    slowest = max((r for r in est.ranks if r.time is not None), key=lambda r: r.time.total)
+    if slowest.time is not None:
+        t = slowest.time
+        print(
+            f"  slowest rank {slowest.rank}: compute {t.compute:.2f} s, communication waited {t.communication:.2f} s, "
+            f"pipeline idle {t.idle:.2f} s, optimizer {t.optimizer:.3f} s"
+        )
+
+
+LLAMA8B_PLAN = """mesh tp=8
+
+modules {
+    layers.*.self_attn.{q,k,v}_proj: column over tp
+    layers.*.self_attn.o_proj:       row over tp
+    layers.*.mlp.{gate,up}_proj:     column over tp
+    layers.*.mlp.down_proj:          row over tp
+    embed_tokens:                    vocab over tp
+    lm_head:                         vocab over tp
+}
+
+precision {
+    compute = bf16
+    params = fp32
+}
+"""
+
+
+def llama8b():
+    """A Llama-3-8B-shaped example Llama (32 layers, H=4096, I=14336, 32/8 heads, 128256 tokens)."""
+    from meshplan.examples.models.llama import build
+
+    return build(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
+
+
+def arithmetic_8b(seq: int, batch: int) -> None:
+    """Llama-3-8B at tp=8 (Megatron's layout, bf16 compute, fp32 parameters and AdamW), one
+    rank, estimated against the published arithmetic: 16 bytes a parameter (4 parameter, 4
+    gradient, 8 for two fp32 moments) of the rank's share, and Korthikanti et al.'s per-layer
+    activations, s b h (10 + 24 / t + 5 a s / (h t)) bytes for GPT's block without sequence
+    parallelism or recomputation."""
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.hardware import hardware
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.dsl import check_text
+
+    h, inter, layers, heads, kv, vocab, t = 4096, 14336, 32, 32, 8, 128256, 8
+    d = h // heads
+    per_layer = h * (h + 2 * kv * d) + h * h + 3 * h * inter  # q, k, v; o; gate, up, down
+    split = layers * per_layer + 2 * vocab * h  # cut over tp (embedding and head by vocabulary)
+    whole = layers * 2 * h + h  # the norms, on every rank
+    local = split // t + whole
+    plan = check_text(LLAMA8B_PLAN, "llama8b_tp8.plan")
+    model = load_model(f"{Path(__file__).resolve()}:llama8b", shapes_only=True)
+    source = on_meta_inputs(with_token_shape(model, batch=batch, seq=seq))
+    t0 = time.perf_counter()
+    est = estimate(compile_plan(plan, source, world_size=t), hw=hardware("h100"))
+    r = est.ranks[0]
+    print(
+        f"Llama-3-8B, tp=8, batch {batch}, seq {seq} (estimated in {time.perf_counter() - t0:.1f} s), rank 0:"
+    )
+    print(
+        f"  state       {r.state / 2**30:8.3f} GiB; arithmetic 16 B x {local / 1e9:.3f}B local parameters = "
+        f"{16 * local / 2**30:.3f} GiB ({r.state / (16 * local):.4f})"
+    )
+    s_, b_, a_ = seq, batch, heads
+    korthikanti = layers * s_ * b_ * h * (10 + 24 / t + 5 * a_ * s_ / (h * t))
+    print(
+        f"  activations {r.activations / 2**30:8.3f} GiB; Korthikanti (GPT block, dropout, 4h GeLU MLP, "
+        f"whole attention scores) {korthikanti / 2**30:.3f} GiB ({r.activations / korthikanti:.3f})"
+    )
+    if r.time is not None:
+        print(f"  step on h100 {r.time.total * 1e3:.1f} ms, FLOP utilization {r.time.utilization:.1%}")
 
 
 def main() -> int:
@@ -149,6 +241,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--big", metavar="WORLD", help="also the 70B-class config on this many ranks")
+    ap.add_argument("--llama8b", action="store_true", help="also Llama-3-8B at tp=8 against the arithmetic")
     args = ap.parse_args()
     print(
         f"batch {args.batch}, seq {args.seq}; ratio = estimate / measured (goal: state 1 +- 0.005, peak 1 +- 0.1)"
@@ -158,7 +251,7 @@ def main() -> int:
     )
     worst_state = worst_peak = (0.0, "")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.cells.split(","):
+        for name in filter(None, args.cells.split(",")):
             text, model, _ = CELLS[name]
             plan = Path(tmp) / f"{name}.plan"
             plan.write_text(text)
@@ -177,6 +270,8 @@ def main() -> int:
     )
     if args.big:
         big(args.big)
+    if args.llama8b:
+        arithmetic_8b(seq=2048, batch=1)
     return 0
 
 

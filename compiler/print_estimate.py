@@ -4,8 +4,6 @@ plan changes would free them."""
 
 from __future__ import annotations
 
-import torch
-
 from .estimate import Estimate, RankMemory
 from .step_time import StepTime
 
@@ -92,14 +90,14 @@ def time_lines(t: StepTime) -> list[str]:
 
 
 def step_line(est: Estimate) -> str:
-    """The job's step time, its throughput and model FLOP utilization, and what it assumes."""
+    """The job's step time on which hardware, and its FLOP utilization: the time the ranks'
+    FLOPs would take at their dtype's peak over the step (recomputation counted as work)."""
     hw, step = est.hardware, est.step_time
     assert hw is not None and step is not None
-    flops = sum(r.time.flops for r in est.ranks if r.time is not None)
-    peak = hw.flops_of(est.assumptions.get("compute_dtype", torch.float32)) * len(est.ranks)
+    ideal = sum(r.time.ideal for r in est.ranks if r.time is not None)
     return (
-        f"step {seconds(step)} on {hw.name} ({hw.source}); {flops / step / peak:.0%} of the ranks' "
-        f"peak FLOP/s in its matmul dtype\n"
+        f"step {seconds(step)} on {hw.name} ({hw.source}); FLOP utilization "
+        f"{ideal / (step * len(est.ranks)):.1%}\n"
     )
 
 

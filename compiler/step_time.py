@@ -104,6 +104,7 @@ class PhaseCost:
     compute: float = 0.0  # s of ops
     ops: int = 0
     flops: float = 0.0
+    ideal: float = 0.0  # s the FLOPs take at the matmul peak of their dtype
     bytes: float = 0.0
     inline: float = 0.0  # s of collectives waited for where they are issued
     prefetched: float = 0.0  # s of ZeRO-3 gathers issued ahead of their unit
@@ -162,6 +163,7 @@ class OpCosts:
         rate = self.hw.flops_of(dtype)
         cost.ops += 1
         cost.flops += flops
+        cost.ideal += flops / rate
         cost.bytes += nbytes
         spent = self.hw.op_overhead + max(flops / rate, nbytes / self.hw.bandwidth(nbytes))
         cost.compute += spent * self.slowdown
@@ -224,7 +226,13 @@ class StepTime:
     optimizer: float
     idle: float  # a pipeline rank waiting for its neighbours
     issued: dict[str, float]  # s of every collective issued, by op, exposed or not
-    flops: float  # this rank's FLOPs a step
+    flops: float  # this rank's FLOPs a step, recomputation included
+    ideal: float = 0.0  # s those FLOPs take at the matmul peak of their dtype
+
+    @property
+    def utilization(self) -> float:
+        """The share of the step the device would need at its peak: FLOP utilization."""
+        return self.ideal / self.total if self.total else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -235,6 +243,7 @@ class StepTime:
             "idle": self.idle,
             "issued": dict(self.issued),
             "flops": self.flops,
+            "flop_utilization": self.utilization,
         }
 
 
@@ -302,6 +311,7 @@ def rank_time(
     compute_once = sum(p.compute for p in forward + backward)
     exposed_once = sum(p.exposed(overlap) for p in forward + backward)
     flops = sum(p.flops for p in forward + backward)
+    ideal = sum(p.ideal for p in forward + backward)
     issued: dict[str, float] = {}
     for p in forward + backward:
         for op, t in p.issued.items():
@@ -313,6 +323,7 @@ def rank_time(
         compute = compute_once * micro
         inline = busy - compute
         flops *= micro
+        ideal *= micro
         issued = {op: t * micro for op, t in issued.items()}
         last_backward = sum(p.compute for p in backward)
         forward_compute = sum(p.compute for p in forward) * micro
@@ -321,6 +332,7 @@ def rank_time(
         compute = compute_once * accumulation
         inline = exposed_once * accumulation
         flops *= accumulation
+        ideal *= accumulation
         issued = {op: t * accumulation for op, t in issued.items()}
         last_backward = sum(p.compute for p in backward)
         forward_compute = sum(p.compute for p in forward)
@@ -336,7 +348,7 @@ def rank_time(
     if dp:
         issued["data parallel"] = issued.get("data parallel", 0.0) + dp
     total = compute + communication + engine.optimizer + idle
-    return StepTime(total, compute, communication, engine.optimizer, idle, issued, flops)
+    return StepTime(total, compute, communication, engine.optimizer, idle, issued, flops, ideal)
 
 
 def pipeline_timeline(

@@ -7,13 +7,21 @@ splits is split: no activation is all-gathered (no whole-tensor fallback)."""
 from pathlib import Path
 
 import pytest
-from gloo_pool import spawn
+from gloo_pool import shared_processes, spawn
 from parity import grad_parity
 from plans import plan
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MODELS = f"{HERE}/plain_models.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    """`verify`'s ranks on the session's kept processes (`gloo_pool`), not four new ones."""
+    with shared_processes():
+        yield
+
 
 SEPARATE = """
     blocks.*.attn.{q,k,v}: column over tp

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from gloo_pool import shared_processes
 from hf_factories import hf_llama
 from plans import llama_rules
 from runs import meshplan_run
@@ -17,12 +17,20 @@ from runs import meshplan_run
 from meshplan.compiler.lower import local_shard
 from meshplan.compiler.placement import Shard
 from meshplan.compiler.pretrained import InitError, Pretrained
+from meshplan.main import main
 from meshplan.runtime.data import make_batches
 from meshplan.runtime.mesh import MeshLayout
 
 HERE = Path(__file__).parent
 META_LLAMA = f"{HERE}/hf_factories.py:hf_llama_meta"
 TP = "\nmodules {" + llama_rules("model.") + "}\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    """`verify`'s ranks on the session's kept processes (`gloo_pool`), not new ones."""
+    with shared_processes():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +122,19 @@ def test_a_pretrained_folder_starts_every_layout_from_the_pretrained_model_s_los
 # ---------------------------------------------------------------------------- mistakes
 
 
-def meshplan_init(tmp_path: Path, init: str, *more: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NO_COLOR="1")
-    env.pop("MESHPLAN_DEBUG", None)
+def meshplan_init(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], init: str, *more: str
+) -> SimpleNamespace:
+    """`meshplan run --init INIT` (the command's `main`, in this process): its status and output."""
     plan = tmp_path / "dp1.plan"
     plan.write_text("mesh dp=1\n")
     argv = ["run", str(plan), "--model", f"{HERE}/hf_factories.py:hf_llama", "--init", init, "--steps", "1"]
-    command = ["meshplan", *argv, "--batch", "1", "--seq", "16", "--out", str(tmp_path / "run"), *more]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    status = main([*argv, "--batch", "1", "--seq", "16", "--out", str(tmp_path / "run"), *more])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
 
 
-def one_error(done: subprocess.CompletedProcess, tmp_path: Path) -> str:
+def one_error(done: SimpleNamespace, tmp_path: Path) -> str:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("meshplan: error:") == 1, done.stderr
     run = tmp_path / "run"  # nothing compiled, nothing trained
@@ -186,11 +196,13 @@ def _text(path: Path) -> str:
 
 
 def test_the_command_exits_2_with_one_line_for_weights_that_do_not_fit_and_for_init_with_resume(
-    saved, tmp_path
+    saved, tmp_path, capsys, monkeypatch
 ):
-    err = one_error(meshplan_init(tmp_path, str(tmp_path)), tmp_path)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.delenv("MESHPLAN_DEBUG", raising=False)
+    err = one_error(meshplan_init(tmp_path, capsys, str(tmp_path)), tmp_path)
     assert f"--init {tmp_path}: holds neither model.safetensors" in err
-    err = one_error(meshplan_init(tmp_path, str(saved), "--resume"), tmp_path)
+    err = one_error(meshplan_init(tmp_path, capsys, str(saved), "--resume"), tmp_path)
     assert "--init and --resume: a resumed run continues from its own checkpoint" in err
 
 

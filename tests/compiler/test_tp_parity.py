@@ -8,12 +8,20 @@ Training-level parity (several AdamW steps in float32 and bf16, under every comp
 from pathlib import Path
 
 import pytest
-from gloo_pool import spawn
+from gloo_pool import shared_processes, spawn
 from parity import grad_parity
 from plans import PHI3_TP, llama_rules, llama_sequence, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    """`verify`'s ranks on the session's kept processes (`gloo_pool`), not four new ones."""
+    with shared_processes():
+        yield
+
 
 EXPLICIT_HEADS = """
 mesh tp=2

@@ -47,7 +47,11 @@ CELLS: dict[str, tuple[str, str, str]] = {
     "interleaved": (PP.replace("1f1b", "interleaved\n    virtual_stages = 2"), LLAMA, "interleaved 1F1B"),
     "zero_bubble": (PP.replace("1f1b", "zero_bubble"), LLAMA, "zero-bubble (split backward)"),
     "ep": ((ROOT / "examples/moe_ep.plan").read_text().replace("dp=*", "dp=1"), MOE, "experts over ep"),
-    "cp": ((ROOT / "examples/ulysses_gpipe.plan").read_text(), LLAMA, "Ulysses context x GPipe"),
+    "cp": (
+        "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n",
+        LLAMA,
+        "ring attention",
+    ),
 }
 
 

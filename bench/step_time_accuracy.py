@@ -52,7 +52,11 @@ CELLS: dict[str, tuple[str, str, str]] = {
     "pp_tp": (_plan("examples/llama_pipeline.plan"), LLAMA, "pp x tp, 4 ranks"),
     "interleaved": (INTERLEAVED, LLAMA, "interleaved 1F1B, 2 stages a rank"),
     "ep": (_plan("examples/moe_ep.plan").replace("dp=*", "dp=1"), MOE, "experts over ep"),
-    "cp": (_plan("examples/ulysses_gpipe.plan"), LLAMA, "Ulysses context x GPipe, 4 ranks"),
+    "cp": (
+        "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n",
+        LLAMA,
+        "ring attention",
+    ),
 }
 
 

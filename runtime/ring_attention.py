@@ -29,6 +29,7 @@ group. The whole-sequence result equals `scaled_dot_product_attention` with `is_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -82,8 +83,8 @@ class _RingFunction(torch.autograd.Function):
         owner: RingAttention,
     ):
         ring = _RingPlace(owner)
-        out = torch.zeros(q.shape, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         block = [k.contiguous(), v.contiguous()]
         t, rep = q.shape[-2], q.shape[1] // k.shape[1]  # rep: query heads per key/value head
         for step in range(ring.n):
@@ -116,8 +117,11 @@ class _RingFunction(torch.autograd.Function):
         ring = _RingPlace(ctx.owner)
         grad = grad.float()
         delta = (grad * out).sum(-1, keepdim=True)
-        dq = torch.zeros(q.shape, dtype=torch.float32)
-        block = [k.contiguous(), v.contiguous(), torch.zeros(k.shape), torch.zeros(v.shape)]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        zeros = functools.partial(
+            torch.zeros, dtype=torch.float32, device=k.device
+        )  # fp32 sums, on k's device
+        block = [k.contiguous(), v.contiguous(), zeros(k.shape), zeros(v.shape)]
         t, rep = q.shape[-2], q.shape[1] // k.shape[1]
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
@@ -197,7 +201,11 @@ def _scores(q: Tensor, k: Tensor, scale: float, piece: Piece, mask: Tensor | Non
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     rows, cols, causal = piece
     if causal:  # within the rank's own block: a key after the query is hidden
-        later = torch.arange(cols.start, cols.stop)[None, :] > torch.arange(rows.start, rows.stop)[:, None]
+        at = scores.device  # on the scores' device (a CPU mask cannot fill a CUDA or meta tensor)
+        later = (
+            torch.arange(cols.start, cols.stop, device=at)[None, :]
+            > torch.arange(rows.start, rows.stop, device=at)[:, None]
+        )
         scores = scores.masked_fill(later, -math.inf)
     return scores
 
@@ -221,7 +229,10 @@ class _RingPlace:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in buffers]
         self.owner.note("ring send/recv", part)
-        works = dist.batch_isend_irecv(ops)
+        if tensors[0].is_meta:  # `meshplan estimate`'s walk: a fake group has no coalescing backend
+            works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+        else:
+            works = dist.batch_isend_irecv(ops)
 
         def wait() -> list[Tensor]:
             for w in works:

@@ -41,10 +41,12 @@ from torch import Tensor, fx, nn
 
 from meshplan.dsl.axes import axes_of
 from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
+from meshplan.runtime.experts import meta_routing
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
 
 from .hardware import Hardware
+from .passes.experts.capacity import capacity_factor
 from .placement import Placement, Shard
 from .step_time import (
     OpCosts,
@@ -349,7 +351,8 @@ def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) 
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
         free = zero >= 2 or engine in ("data parallel", "per-axes data parallel")
-        walks = walk_stages(stages, inputs, _free_grad if free else None, costs)
+        with meta_routing("balanced"):  # experts route meta tokens as a balanced step does
+            walks = walk_stages(stages, inputs, _free_grad if free else None, costs)
         timeline = None
         if costs is not None and schedule is not None:
             link = costs.link(group_of(spec.axis))
@@ -445,6 +448,19 @@ def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) 
         "under gradient accumulation, ZeRO-2/3 keep every flat's whole gradient between micro-steps",
         "not_counted": "allocator fragmentation and caching, kernel workspaces, the CUDA context",
     }
+    if experts := plan.rules_of("experts"):
+        capped = [r for r in experts if capacity_factor(r) is not None]
+        said = []
+        if len(capped) < len(experts):
+            said.append(
+                "dropless routing priced balanced: N k / E pairs per expert, as many received as sent"
+            )
+        if capped:
+            said.append(
+                "capacity_factor: E C rows per rank dispatched and combined whatever the routing, "
+                "the kept pairs assumed to fill them in order (experts sharing tokens: each rank its share of C)"
+            )
+        assumptions["experts"] = "; ".join(said)
     if costs is not None:
         priced = dict(STEP_TIME_ASSUMPTIONS, hardware=costs.hw.source)
         if dp and dp.offload_optimizer and dp.zero:

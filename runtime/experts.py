@@ -72,25 +72,103 @@ An experts module called on rows the model already permuted by expert, with thei
 as above (already grouped by expert: the sort keeps the model's order), and the rows a rank
 receives, grouped by source rank, are regrouped by local expert for the model's module, called
 as `experts(rows, counts)` on its E/n experts (int64 counts), and put back in arrival order.
+
+On the meta device (`meshplan estimate`'s walk: shapes, no data) there is no routing to read, so
+the unit routes under an assumption (`meta_routing`, "balanced" unless said): counts and split
+sizes are Python ints, so the all-to-alls are issued (on the walk's fake process group) and every
+op after them sees the shapes such a step has:
+
+    routing    this rank's pairs                          the rows it receives
+    balanced   N k / E to each expert (the remainder, one   as many as it sends: every rank's
+               each, to the experts after its own first)    pairs spread the same way
+    worst      all it can to one rank's experts (N min(k,   every rank's as many: the walk's rank
+               L): a token's k experts differ), the rest    holds n N min(k, L) rows, dropless's
+               spread over the others                       most
+
+A capacity's buffers (E C rows) are fixed whatever the routing: exact, the kept pairs assumed to
+fill them in order (each expert min(its pairs, C)). Experts sharing tokens over an axis keep, per
+expert, their share of C (`C / s` of the `s` ranks'). The routing the model's own experts code
+reads (each row's local expert, the grouped layout's counts) is made on the CPU, with those
+values; an op of that code refusing meta and CPU operands together (`index_add`) is rerun with
+the CPU ones as meta tensors (`_HostRouting`). No metrics are counted on meta.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
 from . import watchdog
 from .collectives import AxisCollective, all_gather_single
 
 # attributes a module or its config counts its experts in (Mixtral's `num_experts`, DeepSeek's...)
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+# the routings a unit on the meta device can assume (`meta_routing`)
+META_ROUTINGS = ("balanced", "worst")
+_meta_routing = ["balanced"]
+
+
+@contextlib.contextmanager
+def meta_routing(routing: str = "balanced") -> Iterator[None]:
+    """While it lasts, a unit called on meta tensors routes as `routing` says (the module
+    docstring): "balanced" (the default outside it too) or "worst", dropless's most rows on
+    the walk's rank. Real tensors route by their data, whatever is set.
+
+        with meta_routing("worst"):
+            walks = walk_stages(stages, inputs)
+    """
+    if routing not in META_ROUTINGS:
+        raise ValueError(f"meta routing {routing!r}: one of {', '.join(META_ROUTINGS)}")
+    before, _meta_routing[0] = _meta_routing[0], routing
+    try:
+        yield
+    finally:
+        _meta_routing[0] = before
+
+
+def assumed_routing(
+    pairs: int, tokens: int, k: int, num_experts: int, n: int, rank: int, cap: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Under the routing `meta_routing` set, of the rank `rank` of an axis of `n` ranks holding
+    `num_experts / n` experts each, `pairs` = `tokens` k routed by every rank: (E,) its pairs to
+    each expert, and (n L,) at i L + l rank i's pairs for its local expert l. `cap`: the most
+    pairs a rank keeps for one expert (its share of a capacity).
+
+        assumed_routing(32, 16, 2, 4, 2, 0) == ([8, 8, 8, 8], [8, 8, 8, 8])
+    """
+    local = num_experts // n
+
+    def sent_by(i: int) -> list[int]:
+        if _meta_routing[0] == "worst":  # every rank's pairs to the experts of `rank`, all it can
+            mine = min(pairs, tokens * min(k, local))
+            q, r = divmod(mine, local)
+            counts = [0] * num_experts
+            for e in range(local):
+                counts[rank * local + e] = q + (e < r)
+            others = [e for e in range(num_experts) if e // local != rank]
+            if others:
+                q, r = divmod(pairs - mine, len(others))
+                for j, e in enumerate(others):
+                    counts[e] = q + (j < r)
+        else:  # the remainder one each, from rank i's own first expert on: every rank gets as many
+            q, r = divmod(pairs, num_experts)
+            counts = [q + ((e - i * local) % num_experts < r) for e in range(num_experts)]
+        return counts if cap is None else [min(c, cap) for c in counts]
+
+    received = [sent_by(i)[rank * local + e] for i in range(n) for e in range(local)]
+    return sent_by(rank), received
 
 
 def all_to_all_v(
@@ -142,7 +220,11 @@ def expert_positions(top_k_index: Tensor, num_experts: int) -> Tensor:
     An expert with capacity C keeps the pairs whose place is below C.
 
         top_k_index = [[0, 1], [0, 2], [1, 0]]  ->  [[0, 1], [1, 0], [0, 2]]
+
+    On the meta device (no routing to read): the shape alone (callers assume what is kept).
     """
+    if top_k_index.is_meta:
+        return torch.empty_like(top_k_index)
     num_tokens, k = top_k_index.shape
     flat = top_k_index.t().reshape(-1)  # (k N,) slot-major: pair (t, j) at j N + t
     order = flat.argsort(stable=True)  # (k N,) grouped by expert, slot-major inside
@@ -285,7 +367,7 @@ class ExpertParallel(AxisCollective):
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *params: Tensor) -> Tensor:
         # x: (N, H) this rank's tokens; top_k_index, top_k_weights: (N, k); params: (E/n, ...) each
         if self.capacity_factor is None:
-            if _counting():
+            if _counting(x):
                 self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
             return self._routed(x, top_k_index, top_k_weights, params)
         share = self.share_group if self.shared_axis() and self.group is not None else None
@@ -298,7 +380,11 @@ class ExpertParallel(AxisCollective):
         capacity = expert_capacity(num_tokens * sharing, k, self.num_experts, self.capacity_factor)
         kept = self._shared_positions(top_k_index, share) < capacity  # (N, k)
         self._count(top_k_index, kept)
-        return self._routed(x, top_k_index, top_k_weights, params, kept)
+        cap = None
+        if x.is_meta:  # this rank's share of each expert's C (the shared tokens' pairs queue as one)
+            whole, extra = divmod(capacity, sharing)
+            cap = whole + (dist.get_rank(share) < extra)
+        return self._routed(x, top_k_index, top_k_weights, params, kept, cap)
 
     def _routed(
         self,
@@ -307,9 +393,11 @@ class ExpertParallel(AxisCollective):
         top_k_weights: Tensor,
         params: Sequence[Tensor],
         kept: Tensor | None = None,
+        cap: int | None = None,
     ) -> Tensor:
         """Every (token, slot) pair (or only the `kept` ones: a dropped pair's output counts as
-        zero) to the rank of its expert and back, in all-to-alls sized by the counts."""
+        zero) to the rank of its expert and back, in all-to-alls sized by the counts. On meta
+        tensors the counts are `assumed_routing`'s (`cap`: the most pairs kept per expert)."""
         n = dist.get_world_size(self.group) if self.group is not None else 1
         experts, local = self.num_experts, self.num_experts // n
         num_tokens, k = top_k_index.shape
@@ -317,14 +405,24 @@ class ExpertParallel(AxisCollective):
         if kept is not None:
             flat = torch.where(kept.reshape(-1), flat, experts)  # a dropped pair: to no rank, sorted last
         order = flat.argsort(stable=True)  # (N k,) pairs grouped by expert, so by rank
-        counts = torch.bincount(flat, minlength=experts + 1)[:experts]  # (E,) pairs per expert
-        received = self._exchange(counts)  # (n L,) pairs from rank j for local expert l at j L + l
-        send = counts.view(n, local).sum(1).tolist()  # pairs to each rank
-        recv = received.view(n, local).sum(1).tolist()  # pairs from each rank
+        if flat.is_meta:  # no routing to read: the assumed one's, as ints (module docstring)
+            rank = dist.get_rank(self.group) if self.group is not None else 0
+            assumed, arriving = assumed_routing(flat.numel(), num_tokens, k, experts, n, rank, cap)
+            self._exchange(flat.new_empty((experts,)))  # the counts' all-to-all, as a step issues it
+            send = [sum(assumed[j * local : (j + 1) * local]) for j in range(n)]
+            recv = [sum(arriving[j * local : (j + 1) * local]) for j in range(n)]
+        else:
+            counts = torch.bincount(flat, minlength=experts + 1)[:experts]  # (E,) pairs per expert
+            received = self._exchange(counts)  # (n L,) pairs from rank j for local expert l at j L + l
+            send = counts.view(n, local).sum(1).tolist()  # pairs to each rank
+            recv = received.view(n, local).sum(1).tolist()  # pairs from each rank
         sent = sum(send)  # N k, less the dropped pairs
         rows = x[order[:sent] // k]  # (sent, H) each pair's token, grouped by destination rank
         tokens = _AllToAllV.apply(rows, None, send, recv, self, "dispatch")  # (M, H)
-        local_index = torch.arange(local, device=x.device).repeat(n).repeat_interleave(received)  # (M,)
+        if flat.is_meta:  # on the CPU: the model's experts code reads it
+            local_index = torch.arange(local).repeat(n).repeat_interleave(torch.tensor(arriving))  # (M,)
+        else:
+            local_index = torch.arange(local, device=x.device).repeat(n).repeat_interleave(received)  # (M,)
         ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (M, 1): weighed after the combine
         y = self._experts(tokens, local_index, ones, params, n)  # (M, H) each row through its expert
         anchor = tokens if tokens.shape[0] == 0 else None
@@ -338,7 +436,7 @@ class ExpertParallel(AxisCollective):
 
     def _count(self, top_k_index: Tensor, kept: Tensor) -> None:
         """The metrics: pairs routed to each expert, and of them the dropped."""
-        if _counting():
+        if _counting(top_k_index):
             self.tokens += torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
             self.dropped += torch.bincount(top_k_index[~kept], minlength=self.num_experts).cpu()
 
@@ -358,11 +456,18 @@ class ExpertParallel(AxisCollective):
         slot = top_k_index * capacity + place  # (N, k) the pair's row in the send buffer, if kept
         source = torch.full((experts * capacity,), num_tokens, device=x.device)  # (E C,) row N: zeros
         token = torch.arange(num_tokens, device=x.device)[:, None].expand(num_tokens, k)  # (N, k)
-        source[slot[kept]] = token[kept]
+        if x.is_meta:  # no routing: the kept pairs assumed to fill the buffers in order, E C at most
+            rank = dist.get_rank(self.group) if self.group is not None else 0
+            assumed = assumed_routing(num_tokens * k, num_tokens, k, experts, n, rank)[0]
+            held = sum(min(c, capacity) for c in assumed)
+            source[slot.reshape(-1)[:held]] = token.reshape(-1)[:held]
+        else:
+            source[slot[kept]] = token[kept]
         rows = torch.cat([x, x.new_zeros((1, x.shape[1]))])[source]  # (E C, H) by expert, so by rank
         split = [local * capacity] * n  # rows to (and from) each rank
         tokens = _AllToAllV.apply(rows, None, split, split, self, "dispatch")  # (n L C, H)
-        local_index = torch.arange(local, device=x.device).repeat_interleave(capacity).repeat(n)  # (n L C,)
+        device = "cpu" if x.is_meta else x.device  # (on meta: the model's experts code reads it)
+        local_index = torch.arange(local, device=device).repeat_interleave(capacity).repeat(n)  # (n L C,)
         ones = top_k_weights.new_ones((tokens.shape[0], 1))  # (n L C, 1): weighed after the combine
         y = self._experts(tokens, local_index, ones, params, n)  # (n L C, H)
         anchor = tokens if tokens.shape[0] == 0 else None
@@ -397,19 +502,19 @@ class ExpertParallel(AxisCollective):
             n = batch_ranks  # a group of axes: the mean over those that split the batch
         elif not getattr(self, "splits_batch", True):
             n = 1  # rows of one batch: the sum over the axis's ranks is the gradient
-        scaled = [_ScaleGrad.apply(p, 1.0 / n) for p in params]
-        if getattr(self, "grouped", False):  # rows grouped by local expert, and their counts
-            order = local_index.argsort(stable=True)  # (M,) from (source rank, expert) to (expert, rank)
-            counts = torch.bincount(local_index, minlength=params[0].shape[0])  # (E/n,)
-            y = torch.func.functional_call(
-                self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens[order], counts)
-            )
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            return y[inverse]  # (M, H) in arrival order
-        return torch.func.functional_call(
-            self.local, dict(zip(self.param_names, scaled, strict=True)), (tokens, local_index[:, None], ones)
-        )  # (M, H)
+        scaled = dict(zip(self.param_names, [_ScaleGrad.apply(p, 1.0 / n) for p in params], strict=True))
+        # on meta: the routing on the CPU, the rows on meta (`_HostRouting`)
+        with _HostRouting() if tokens.is_meta else contextlib.nullcontext():
+            if getattr(self, "grouped", False):  # rows grouped by local expert, and their counts
+                order = local_index.argsort(stable=True)  # (M,) from (source rank, expert) to (expert, rank)
+                counts = torch.bincount(local_index, minlength=params[0].shape[0])  # (E/n,)
+                y = torch.func.functional_call(self.local, scaled, (tokens[order], counts))
+                inverse = torch.empty_like(order)
+                inverse[order] = torch.arange(order.numel(), device=order.device)
+                return y[inverse]  # (M, H) in arrival order
+            return torch.func.functional_call(
+                self.local, scaled, (tokens, local_index[:, None], ones)
+            )  # (M, H)
 
     def _exchange(self, counts: Tensor) -> Tensor:
         """Every rank's pairs per expert for this rank's experts (an all-to-all of the counts)."""
@@ -422,10 +527,34 @@ class ExpertParallel(AxisCollective):
         return out
 
 
-def _counting() -> bool:
+def _counting(routing: Tensor) -> bool:
     """Whether a forward counts its routing for the metrics: in training, once (not when
-    checkpointing recomputes it in backward)."""
-    return torch.is_grad_enabled() and not _in_backward()
+    checkpointing recomputes it in backward), on real tensors (meta ones route by assumption)."""
+    return torch.is_grad_enabled() and not _in_backward() and not routing.is_meta
+
+
+class _HostRouting(TorchDispatchMode):
+    """While the model's experts code runs on meta rows with the routing it reads on the CPU
+    (`.tolist()`, `nonzero` need values): an op that refuses meta and CPU operands together
+    (`index_add`, `index_copy` check their devices; indexing does not) is rerun with the CPU
+    tensors as meta ones, whose shapes are all such an op takes from them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            if not any(t.is_meta for t in tensors) or not any(_on_host(t) for t in tensors):
+                raise
+        with _disable_current_modes():  # (the copies stand in for tensors a real step has on device)
+            args, kwargs = tree_map(lambda t: t.to("meta") if _on_host(t) else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _on_host(value: Any) -> bool:
+    """A CPU tensor that is not a scalar (which any device's op takes)."""
+    return isinstance(value, Tensor) and value.device.type == "cpu" and value.dim() > 0
 
 
 def _in_backward() -> bool:

@@ -199,6 +199,7 @@ def state_of(
     offload_params: bool = False,
     on_host: bool = False,
     accumulation: int = 1,
+    bucketed: Callable[[str], bool] = lambda name: False,
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
@@ -206,7 +207,8 @@ def state_of(
     a parameter's ZeRO state is cut over (1: not cut). `units`: ZeRO-3's gather units in
     program order (name, its parameters, the dtype each is gathered in). `on_host`: the ranks
     run on CPUs, where offloading moves nothing (no fp32 copy of an fp32 shard is made).
-    `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`)."""
+    `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`).
+    `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket)."""
     s = State(engine=engine)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     s.params = sum(_nbytes(p) for p in params.values() if not p.requires_grad)
@@ -214,7 +216,11 @@ def state_of(
         s.params += sum(_nbytes(p) for p in trainable.values())
         s.grads = sum(_nbytes(p) for p in trainable.values())
         s.optimizer = sum(MOMENTS * _nbytes(p) + STEP_COUNTER for p in trainable.values())
-        s.grads_between_steps = s.grads if engine == "data parallel" else 0
+        # a data-parallel engine's buckets outlive zero_grad (the per-axes engine's hold the
+        # gradients it reduces: averaged over a data axis or summed over `grad_sums`' axes);
+        # gradients nothing reduces are freed with it
+        kept = trainable if engine == "data parallel" else {n: p for n, p in trainable.items() if bucketed(n)}
+        s.grads_between_steps = sum(_nbytes(p) for p in kept.values()) if engine != "none" else 0
         return s
     dec = {id(p): decays(n, p) for n, p in trainable.items()}
     flats: list[tuple[list[str], torch.dtype, torch.dtype]] = []  # names, dtype, gather dtype
@@ -383,6 +389,7 @@ def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) 
                 offload_params=bool(dp and dp.offload_params and zero == 3),
                 on_host=hw is not None and hw.cores is not None,
                 accumulation=plan.train.gradient_accumulation,
+                bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
             )
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
@@ -484,6 +491,11 @@ def _engine_row(row) -> bool:
     """A ledger row the data-parallel engine issues (ZeRO-3's gathers and reductions included:
     the walk's program runs without them)."""
     return row.kind in ("dp_bucket", "zero_bucket", "zero_norm", "zero_gather")
+
+
+def _summed(axes: Sequence[str], layout: MeshLayout) -> bool:
+    """A gradient summed over `axes` (`Compiled.grad_sums`) is reduced: some axis has ranks."""
+    return any(layout.size(a) > 1 for a in axes)
 
 
 def _group(layout: MeshLayout, *axes: str) -> list[int]:

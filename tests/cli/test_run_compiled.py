@@ -42,8 +42,7 @@ def losses(run: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compiled") / "build"
-    done = meshplan("compile", str(PLAN), "--model", LLAMA, *SHAPE, "-o", str(out))
-    assert done.returncode == 0, done.stderr
+    assert main(["compile", str(PLAN), "--model", LLAMA, *SHAPE, "-o", str(out)]) == 0  # in this process
     return out
 
 

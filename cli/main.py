@@ -151,7 +151,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError("estimate needs a PLAN and --model SPEC (or --calibrate alone)")
     hw = hardware(args.hardware or _this_machine())
     compiled = _load_for_model(args)
-    est = estimate(compiled, limit=args.memory, hw=hw)
+    est = estimate(compiled, limit=args.memory, hw=hw, routing=args.routing)
     if args.json:
         print(json.dumps(est.to_json(), indent=2))
     else:
@@ -467,6 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="price the step on h100, h200, a100 or cpu (this machine once --calibrate has measured it), "
         "or a .json entry (default: this machine's kind)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("balanced", "worst"),
+        default="balanced",
+        help="how dropless experts' tokens are assumed to route: balanced (N k / E pairs an expert), "
+        "or worst (every pair a rank sends on one rank's experts: the memory to provision)",
     )
     p.add_argument(
         "--calibrate",

@@ -308,10 +308,13 @@ def zero_units(program: fx.GraphModule, axis: str | None = None):
 # ------------------------------------------------------------------------------------ driver
 
 
-def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) -> Estimate:
+def estimate(
+    compiled, *, limit: int | None = None, hw: Hardware | None = None, routing: str = "balanced"
+) -> Estimate:
     """Every rank's bytes for `compiled` (a `compile.Compiled` whose model was built on the meta
     device or not: nothing is initialized), at the shape it was compiled for, and with `hw`
-    each rank's step time on that hardware.
+    each rank's step time on that hardware. `routing`: how dropless experts route the walk's
+    tokens ("balanced", or "worst": the most rows on one rank; `runtime.experts.meta_routing`).
 
     Builds rank programs on a fake process group of the plan's world size, so it must run in a
     process with no process group of its own."""
@@ -357,7 +360,7 @@ def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) 
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
         free = zero >= 2 or engine in ("data parallel", "per-axes data parallel")
-        with meta_routing("balanced"):  # experts route meta tokens as a balanced step does
+        with meta_routing(routing):  # experts route meta tokens as a balanced (or the worst) step does
             walks = walk_stages(stages, inputs, _free_grad if free else None, costs)
         timeline = None
         if costs is not None and schedule is not None:
@@ -461,6 +464,8 @@ def estimate(compiled, *, limit: int | None = None, hw: Hardware | None = None) 
         if len(capped) < len(experts):
             said.append(
                 "dropless routing priced balanced: N k / E pairs per expert, as many received as sent"
+                if routing == "balanced"
+                else "dropless routing at its worst: every pair a rank sends lands on this rank's experts"
             )
         if capped:
             said.append(

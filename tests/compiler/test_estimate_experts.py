@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import meshplan.compiler.estimate as estimate_module
 import meshplan.compiler.liveness as liveness
 from meshplan.compiler.capture import with_token_shape
 from meshplan.compiler.compile import compile_plan
@@ -150,12 +149,30 @@ def test_the_worst_routing_lands_every_ranks_pairs_on_the_walks_rank(watched, mo
     n N min(k, L) = 128 rows a dispatch (and its own 64 back) and holds more than the balanced step."""
     compiled = _compiled(EP.replace("dp=*", "dp=1"))
     balanced = estimate(compiled).ranks[0]
-    monkeypatch.setattr(estimate_module, "meta_routing", lambda routing: meta_routing("worst"))
-    worst = estimate(compiled).ranks[0]
+    worst = estimate(compiled, routing="worst").ranks[0]
     # per layer: the counts, the dispatch's 128 rows in, the combine's 64 back (its own pairs)
     assert watched[1].received["forward"] == [4, 128, 64] * 2
     assert worst.activations > balanced.activations and worst.peak > balanced.peak
     assert worst.state == balanced.state
+
+
+def test_the_command_says_which_routing_it_priced(capsys):
+    argv = [
+        "estimate",
+        "examples/moe_ep.plan",
+        "--model",
+        "examples/models/moe.py:build",
+        "--world-size",
+        "2",
+    ]
+    argv += ["--batch", "2", "--seq", "16", "--json"]
+    peaks = {}
+    for routing in ("balanced", "worst"):
+        assert main([*argv, "--routing", routing]) == 0
+        out = json.loads(capsys.readouterr().out)
+        peaks[routing] = out["ranks"][0]["peak"]
+        assert ("balanced" if routing == "balanced" else "worst") in out["assumptions"]["experts"]
+    assert peaks["worst"] > peaks["balanced"]
 
 
 @pytest.mark.parametrize(

@@ -335,7 +335,7 @@ def estimate(
         raise RuntimeError("estimate builds rank programs on a fake process group of its own")
     if hw is not None and hw.cores:  # a CPU entry prices a run on this one machine
         hw = dataclasses.replace(hw, devices_per_node=layout.world_size)
-    slowdown = max(1.0, layout.world_size / hw.cores) if hw is not None and hw.cores else 1.0
+    slowdown = _shared_cores(hw, layout.world_size) if hw is not None else 1.0
     costs = OpCosts(hw, slowdown) if hw is not None else None
     group_of = functools.lru_cache(maxsize=None)(functools.partial(_group, layout))
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:" to every traceback
@@ -496,6 +496,17 @@ def _engine_row(row) -> bool:
     """A ledger row the data-parallel engine issues (ZeRO-3's gathers and reductions included:
     the walk's program runs without them)."""
     return row.kind in ("dp_bucket", "zero_bucket", "zero_norm", "zero_gather")
+
+
+def _shared_cores(hw: Hardware, world: int) -> float:
+    """How much longer each op takes on a CPU whose cores the ranks share: more ranks than
+    cores take turns; up to one a core, they crowd each other (`Hardware.crowding`, measured
+    with every core busy) in proportion to how many cores they fill."""
+    if not hw.cores or world <= 1:
+        return 1.0
+    busy = min(world, hw.cores)
+    crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max(hw.cores - 1, 1)
+    return crowd * max(1.0, world / hw.cores)
 
 
 def _summed(axes: Sequence[str], layout: MeshLayout) -> bool:

@@ -52,6 +52,7 @@ class Hardware:
     optimizer_tensor: float = 0.0  # s the optimizer step spends per tensor it updates
     cores: int | None = None  # a CPU: ranks beyond this many on a node share the cores
     overlap: float = 1.0  # the share of a collective issued ahead that runs beside compute
+    crowding: float = 1.0  # a CPU: how much longer ops take with a rank on every core
     cache_bytes: int = 0  # an op touching at most this many bytes runs at `cache_bandwidth`
     cache_bandwidth: float = 0.0
     source: str = ""  # where the numbers come from
@@ -210,7 +211,10 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
     finally:
         torch.set_num_threads(threads)
     base = TABLE["cpu"] if dev.type == "cpu" else TABLE.get(gpu_name(dev), TABLE["h100"])
-    intra, overlap = _gloo_link() if links and dev.type == "cpu" else (base.intra, base.overlap)
+    intra, overlap, shared = (
+        _gloo_link() if links and dev.type == "cpu" else (base.intra, base.overlap, overhead)
+    )
+    crowding = max(1.0, shared / overhead)
     name = "cpu" if dev.type == "cpu" else base.name
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     when = time.strftime("%Y-%m-%d %H:%M")
@@ -225,6 +229,7 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
         optimizer_tensor=optimizer_tensor,
         cores=cores if dev.type == "cpu" else None,
         overlap=overlap,
+        crowding=crowding,
         cache_bytes=cache,
         cache_bandwidth=cache_bandwidth,
         source=f"measured by `meshplan estimate --calibrate` on {platform.node()} ({dev.type}), {when}",
@@ -237,6 +242,7 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
         "optimizer": f"{optimizer_tensor * 1e6:.1f} us a tensor",
         "gloo": f"{intra.latency * 1e6:.0f} us a ring step, {intra.bandwidth / 1e9:.2f} GB/s, "
         f"{overlap:.0%} of it beside compute",
+        "two ranks at once": f"each op {crowding:.2f}x as long",
     }
     return Calibration(hw, measured)
 
@@ -320,11 +326,12 @@ def _optimizer_per_tensor(dev: torch.device) -> float:
     return _timed(step, device=dev) / len(params)
 
 
-def _gloo_link() -> tuple[Link, float]:
+def _gloo_link() -> tuple[Link, float, float]:
     """All-reduce between two local processes over gloo, each reached from a millisecond of
     compute as a step reaches them: latency from 4 KB (gloo's small messages all cost about the
     same), bandwidth from 8 MB (a ring of two moves each byte once each way); and how much of
-    an all-reduce issued ahead runs beside compute (0: none)."""
+    an all-reduce issued ahead runs beside compute (0: none); and an op's cost while both
+    processes compute (cores shared: caches, memory bandwidth, frequency)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -335,11 +342,11 @@ def _gloo_link() -> tuple[Link, float]:
         p.start()
     for p in procs:
         p.join(120)
-    small, large, nbytes, compute, both = queue.get()
+    small, large, nbytes, compute, both, shared = queue.get()
     latency = small / 2  # 2 (n - 1) ring steps for n = 2
     bandwidth = nbytes / max(large - small, 1e-9)  # 2 (n - 1) / n = 1 byte per byte, n = 2
     overlap = (compute + large - both) / min(compute, large)
-    return Link(bandwidth, latency), min(max(overlap, 0.0), 1.0)
+    return Link(bandwidth, latency), min(max(overlap, 0.0), 1.0), shared
 
 
 def _free_port() -> int:
@@ -387,8 +394,10 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
 
         t_compute = _same_count(compute, 3)
         t_both = _same_count(beside, 3)
+        dist.barrier()
+        shared = _op_overhead(torch.device("cpu"))  # both ranks at once: the cores shared
         if rank == 0:
-            queue.put((t_small, t_large, nbytes, t_compute, t_both))
+            queue.put((t_small, t_large, nbytes, t_compute, t_both, shared))
     finally:
         dist.destroy_process_group()
 

@@ -10,17 +10,23 @@ per rank: both halves are the command's own code, only the process start-up is s
     records = meshplan_run(str(plan), "--steps", "4", "--out", str(tmp_path / "run"))[0]
 
 torchrun itself (restarts, signals, exit codes, errors from the workers) is tested through
-the real command in tests/cli/test_run.py, test_run_user_errors.py and test_restart.py.
+the real command in tests/cli/test_run.py, test_run_user_errors.py and test_restart.py:
+`meshplan_command` runs it as the console script does (its `main`) in the test process, so the
+launcher's imports and compile are the test process's own; torchrun and its workers are real
+processes. A test of the launcher process itself (a signal sent to it) starts `meshplan`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import gloo_pool
+import pytest
 
 from meshplan.launcher import prepare
+from meshplan.main import main
 from meshplan.options import parse, run_dir
 from meshplan.run import train_rank
 
@@ -42,3 +48,13 @@ def metrics(folder: Path) -> list[list[dict]]:
     """Each rank's records (one per step) from a run folder, by rank."""
     files = sorted((folder / "metrics").glob("rank*.jsonl"), key=lambda f: int(f.stem.removeprefix("rank")))
     return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def meshplan_command(capfd: pytest.CaptureFixture[str], *argv: str) -> SimpleNamespace:
+    """`meshplan *argv` as its console script runs it (`sys.exit(main())`), in this process: the
+    exit status, and what reached stdout and stderr, the workers' output included (captured at
+    the file descriptors torchrun's processes inherit)."""
+    capfd.readouterr()  # what came before is not the command's
+    status = main(list(argv))
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)

@@ -1,15 +1,14 @@
-"""`meshplan run`: the launcher's torchrun command, its one-line errors, and a real end-to-end run."""
+"""`meshplan run`: the launcher's torchrun command, its one-line errors, and a real end-to-end run
+(the command's `main` in this process, torchrun and its workers in theirs: tests/runs.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runs import meshplan_run
+from runs import meshplan_command, meshplan_run
 
 from meshplan.faults import Fault, injected_fault
 from meshplan.launcher import first_failure, torchrun_command
@@ -58,14 +57,10 @@ def test_user_mistakes_are_one_line_errors(argv: list[str], message: str, capsys
 
 
 @pytest.mark.slow
-def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path) -> None:
-    env = dict(os.environ, NO_COLOR="1")
-    done = subprocess.run(
-        ["meshplan", "run", TINY_DP, "--steps", "30", "--out", str(tmp_path), "--log-every", "10"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
+def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    done = meshplan_command(
+        capfd, "run", TINY_DP, "--steps", "30", "--out", str(tmp_path), "--log-every", "10"
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step    30/30" in done.stdout and "summary" in done.stdout
@@ -205,16 +200,14 @@ def test_paths_that_cannot_work_are_found_before_training(tmp_path, capsys, case
     assert a_file.read_bytes() == b"weights"
 
 
-def test_a_damaged_checkpoint_stops_the_resume_with_one_line(tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_stops_the_resume_with_one_line(tmp_path: Path, capfd) -> None:
     argv = [TINY_DP, "--out", str(tmp_path), "--batch", "2", "--seq", "16"]
     meshplan_run(*argv, "--steps", "2", "--save-every", "1")  # the run that saved it (no torchrun)
     shard = tmp_path / "checkpoints" / "step00000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[-200:-136] = bytes(64)
     shard.write_bytes(bytes(data))
-    done = subprocess.run(
-        ["meshplan", "run", *argv, "--steps", "3", "--resume"], capture_output=True, text=True, timeout=240
-    )
+    done = meshplan_command(capfd, "run", *argv, "--steps", "3", "--resume")  # rank 0 finds it
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         f"meshplan: error: checkpoint {tmp_path}/checkpoints/step00000002 is damaged: __1_0.distcp does "

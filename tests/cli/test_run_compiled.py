@@ -12,12 +12,10 @@ not fit the model are one error from the launcher, exit 2, before any process st
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from runs import meshplan_run
+from runs import meshplan_command, meshplan_run
 
 from meshplan.main import main
 
@@ -27,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "examples" / "llama_tp.plan"
 LLAMA = "meshplan.examples.models.llama:build"
 SHAPE = ("--batch", "2", "--seq", "32")
-
-
-def meshplan(*argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NO_COLOR="1")
-    return subprocess.run(["meshplan", *argv], capture_output=True, text=True, env=env, timeout=240)
 
 
 def losses(run: Path) -> list[float]:
@@ -46,11 +39,14 @@ def compiled(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_compile_folder_trains_like_its_plan(compiled: Path, tmp_path: Path) -> None:
+def test_a_compile_folder_trains_like_its_plan(compiled: Path, tmp_path: Path, capfd, monkeypatch) -> None:
     meshplan_run(str(PLAN), *SHAPE, "--steps", "4", "--out", str(tmp_path / "plan"))  # without torchrun
     assert (tmp_path / "plan" / "program.pt").is_file()  # what the workers ran, kept with the run
-    # the folder knows its model and shapes: none of them is given again
-    from_folder = meshplan("run", str(compiled), "--steps", "4", "--out", str(tmp_path / "folder"))
+    # the folder knows its model and shapes: none of them is given again; through torchrun
+    monkeypatch.setenv("NO_COLOR", "1")
+    from_folder = meshplan_command(
+        capfd, "run", str(compiled), "--steps", "4", "--out", str(tmp_path / "folder")
+    )
     assert from_folder.returncode == 0, from_folder.stderr
     assert losses(tmp_path / "folder") == losses(tmp_path / "plan")
     assert len(losses(tmp_path / "plan")) == 4

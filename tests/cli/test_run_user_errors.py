@@ -1,20 +1,19 @@
 """User mistakes with the data and the model's limits: each is one located error and exit 2 from
 the command (never exit 1, "a bug in meshplan", a traceback, or the same message once per rank).
 
-The mistakes found before torchrun starts run the command's own `main` in this process: the
-launcher's checks are the same code, without a Python and torch started per case. A mistake
-that only a worker can see runs the real `meshplan` command, through torchrun."""
+The command's own `main` runs in this process: the launcher's checks are the same code,
+without a Python and torch started per case. A mistake that only a worker can see goes
+through real torchrun and worker processes (tests/runs.py: `meshplan_command`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from runs import meshplan_command
 
 from meshplan.main import main
 
@@ -178,15 +177,14 @@ def test_a_sequence_longer_than_rope_tables_is_said_before_capture(
 
 @pytest.mark.slow
 def test_an_id_beyond_the_vocabulary_in_a_later_batch_stops_the_workers_with_one_error(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    # the launcher sees a good first batch; rank 1's batch of step 1 is checked in the worker
+    # the launcher sees a good first batch; rank 1's batch of step 1 is checked in the worker,
+    # under real torchrun (`meshplan_command`: the launcher in this process, torchrun and the
+    # workers in theirs)
     body = "return (torch.full((2, 16), 300 if step == 1 and dp_rank == 1 else 5),) * 2"
     write(tmp_path, "data.py", FACTORY.format(body=body))
-    env = dict(os.environ, NO_COLOR="1")
-    env.pop("MESHPLAN_DEBUG", None)
-    command = ["meshplan", "run", TINY_DP, *SHAPES, "--data", "data.py:make_batches"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    done = meshplan_command(capfd, "run", TINY_DP, *SHAPES, "--data", "data.py:make_batches")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         "meshplan: error: --data data.py:make_batches: step 1, micro-step 0 has input id 300, outside "

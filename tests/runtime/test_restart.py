@@ -8,10 +8,11 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from runs import meshplan_run
+from runs import meshplan_command, meshplan_run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow
@@ -23,14 +24,18 @@ def argv(out: Path) -> list[str]:
     return [plan, "--steps", "12", "--save-every", "4", "--batch", "4", "--seq", "32", "--out", str(out)]
 
 
-def run(out: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["meshplan", "run", *argv(out), *extra],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, NO_COLOR="1", **(env or {})),
-        timeout=timeout,
-    )
+@pytest.fixture
+def run(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`meshplan run` through real torchrun (`meshplan_command`: the launcher in this process),
+    with `env` added to the environment torchrun and its workers inherit."""
+
+    def command(out: Path, *extra: str, env: dict | None = None) -> SimpleNamespace:
+        with monkeypatch.context() as patched:
+            for name, value in {"NO_COLOR": "1", **(env or {})}.items():
+                patched.setenv(name, value)
+            return meshplan_command(capfd, "run", *argv(out), *extra)
+
+    return command
 
 
 def final_state(out: Path) -> dict[str, torch.Tensor]:
@@ -55,7 +60,7 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}  # a restarted run rewrites its steps
 
 
-def test_killed_rank_restarts_and_matches_an_uninterrupted_run(tmp_path):
+def test_killed_rank_restarts_and_matches_an_uninterrupted_run(tmp_path, run):
     meshplan_run(*argv(tmp_path / "clean"))  # the uninterrupted run, without torchrun (tests/runs.py)
     faulty = run(tmp_path / "faulty", "--max-restarts", "1", env={"MESHPLAN_FAULT": "rank=1,step=9"})
     assert faulty.returncode == 0, faulty.stdout + faulty.stderr
@@ -66,7 +71,7 @@ def test_killed_rank_restarts_and_matches_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-def test_a_dead_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+def test_a_dead_rank_ends_the_job_with_a_message_naming_it(tmp_path, run):
     done = run(tmp_path / "dead", "--timeout", "30", env={"MESHPLAN_FAULT": "rank=1,step=3"})
     assert done.returncode != 0
     assert "rank 1 failed first (exit code 137: killed)" in done.stderr
@@ -76,15 +81,13 @@ def test_a_dead_rank_ends_the_job_with_a_message_naming_it(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_a_stuck_rank_ends_the_job_with_a_message_naming_it_and_the_collective(tmp_path):
+def test_a_stuck_rank_ends_the_job_with_a_message_naming_it_and_the_collective(tmp_path, run):
     # rank 1 stays alive but never joins step 4's collectives: rank 0 times out in the gradient
     # bucket's all-reduce after --timeout, asks the store who never joined, and says so. 10 s, not
     # less: beside the other test process on a loaded 2-core machine one rank once fell 5 s behind
     # the other in step 1 (a CI repro), which a 5 s timeout reports as a failure there
     started = time.monotonic()
-    done = run(
-        tmp_path / "stuck", "--timeout", "10", env={"MESHPLAN_FAULT": "rank=1,step=3,hang"}, timeout=280
-    )
+    done = run(tmp_path / "stuck", "--timeout", "10", env={"MESHPLAN_FAULT": "rank=1,step=3,hang"})
     elapsed = time.monotonic() - started
     assert done.returncode != 0
     said = (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_pool import spawn
+from gloo_pool import shared_processes, spawn
 
 from meshplan.compiler.compile import Compiled, compile_plan
 from meshplan.compiler.load import load_model
@@ -188,8 +188,6 @@ VERIFIED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(VERIFIED))
 def test_meshplan_verify_passes(tmp_path: Path, name: str):
-    from gloo_pool import shared_processes
-
     from meshplan.verify import render, verify
 
     plan = tmp_path / f"{name}.plan"
@@ -211,5 +209,6 @@ def test_meshplan_verify_passes_with_the_grouped_matmul(tmp_path: Path):
         pytest.skip("this torch has no torch._grouped_mm")
     plan = tmp_path / "ep.plan"
     plan.write_text(EP)
-    report = verify(str(plan), f"{HERE}/grouped_experts.py:build_grouped_mm", steps=2)
+    with shared_processes():  # its ranks on the session's kept processes, as the other cases'
+        report = verify(str(plan), f"{HERE}/grouped_experts.py:build_grouped_mm", steps=2)
     assert report.ok and report.float64, render(report)

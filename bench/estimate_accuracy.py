@@ -75,7 +75,9 @@ def estimated(plan: Path, model: str, batch: int, seq: int):
     checked = load_plan(plan)
     source = on_meta_inputs(with_token_shape(load_model(model, shapes_only=True), batch=batch, seq=seq))
     # the runs are on this machine's CPUs: priced (and laid out) as `--hardware cpu`
-    return estimate(compile_plan(checked, source, world_size=checked.mesh.world_size), hw=hardware("cpu"))
+    return estimate(
+        compile_plan(checked, source, world_size=checked.mesh.world_size, dynamic=False), hw=hardware("cpu")
+    )
 
 
 BIG_PLAN = """mesh dp=*, pp=8, tp=8
@@ -136,7 +138,7 @@ def big(world: str) -> None:
     plan = load_plan(plan_file, world_size=int(world))
     model = load_model(f"{Path(__file__).resolve()}:llama70b", shapes_only=True)
     source = on_meta_inputs(with_token_shape(model, batch=1, seq=4096))
-    compiled = compile_plan(plan, source, world_size=int(world))
+    compiled = compile_plan(plan, source, world_size=int(world), dynamic=False)
     t1 = time.perf_counter()
     from meshplan.compiler.hardware import hardware
 
@@ -220,7 +222,7 @@ def arithmetic_8b(seq: int, batch: int) -> None:
     model = load_model(f"{Path(__file__).resolve()}:llama8b", shapes_only=True)
     source = on_meta_inputs(with_token_shape(model, batch=batch, seq=seq))
     t0 = time.perf_counter()
-    est = estimate(compile_plan(plan, source, world_size=t), hw=hardware("h100"))
+    est = estimate(compile_plan(plan, source, world_size=t, dynamic=False), hw=hardware("h100"))
     r = est.ranks[0]
     print(
         f"Llama-3-8B, tp=8, batch {batch}, seq {seq} (estimated in {time.perf_counter() - t0:.1f} s), rank 0:"

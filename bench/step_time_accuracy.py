@@ -86,7 +86,8 @@ def estimated(plan: Path, model: str, args: argparse.Namespace) -> float:
     source = load_model(model, shapes_only=True)
     source = on_meta_inputs(with_token_shape(source, batch=args.batch, seq=args.seq))
     est = estimate(
-        compile_plan(checked, source, world_size=checked.mesh.world_size), hw=hardware(args.hardware)
+        compile_plan(checked, source, world_size=checked.mesh.world_size, dynamic=False),
+        hw=hardware(args.hardware),
     )
     assert est.step_time is not None
     return est.step_time

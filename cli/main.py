@@ -90,8 +90,9 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     return status
 
 
-def _load_for_model(args: argparse.Namespace):
-    """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1."""
+def _load_for_model(args: argparse.Namespace, *, dynamic: bool = True):
+    """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1.
+    `dynamic=False`: for the --batch/--seq given only (what `estimate` prices)."""
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.load import load_model, on_meta_inputs
@@ -107,7 +108,7 @@ def _load_for_model(args: argparse.Namespace):
     plan = load_plan(args.plan, world_size=world_size)
     # compiling needs shapes, not weights: a factory's model is built on the meta device where it can be
     source = with_token_shape(load_model(args.model, shapes_only=True), batch=args.batch, seq=args.seq)
-    compiled = compile_plan(plan, on_meta_inputs(source), world_size=world_size)
+    compiled = compile_plan(plan, on_meta_inputs(source), world_size=world_size, dynamic=dynamic)
     if compiled.warnings:
         print(
             render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=use_color(sys.stderr)),
@@ -150,7 +151,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.plan is None or args.model is None:
         raise UsageError("estimate needs a PLAN and --model SPEC (or --calibrate alone)")
     hw = hardware(args.hardware or _this_machine())
-    compiled = _load_for_model(args)
+    compiled = _load_for_model(args, dynamic=False)
     est = estimate(compiled, limit=args.memory, hw=hw, routing=args.routing)
     if args.json:
         print(json.dumps(est.to_json(), indent=2))

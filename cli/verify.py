@@ -325,7 +325,8 @@ def verify(
         if plan.pipeline is not None:
             raise RunError(PIPELINE_BETWEEN_STEPS)
         load_function(between_steps, "--between-steps")
-    compiled = compile_plan(plan, source, world_size=world)  # every refusal, before processes start
+    # every refusal, before processes start; for the job's one shape (as `run` compiles)
+    compiled = compile_plan(plan, source, world_size=world, dynamic=False)
     draws = random_draws(compiled.graph)
     routes = decides(compiled.graph)
     if draws:

@@ -27,7 +27,7 @@ ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
 def compiled_for(text: str, batch: int = 2, seq: int = 16):
     plan = check_text(text, "estimate.plan")
     source = on_meta_inputs(with_token_shape(load_model(LLAMA, shapes_only=True), batch=batch, seq=seq))
-    return compile_plan(plan, source, world_size=plan.mesh.world_size)
+    return compile_plan(plan, source, world_size=plan.mesh.world_size, dynamic=False)  # as `estimate` does
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ GROUPED_EP = "mesh dp=*, ep=2\n\nmodules {\n    layers.*.moe.experts: experts ov
 def _compiled(text: str, model: str = MOE, world: int = 2, batch: int = 2, seq: int = 16):
     plan = check_text(text, "p.plan")
     source = on_meta_inputs(with_token_shape(load_model(model, shapes_only=True), batch=batch, seq=seq))
-    return compile_plan(plan, source, world_size=world)
+    return compile_plan(plan, source, world_size=world, dynamic=False)  # as `estimate` does
 
 
 def _capacity(text: str, factor: float) -> str:

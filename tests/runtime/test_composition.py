@@ -121,7 +121,8 @@ def compile_cell(world_size: int, tmp: Path, cell: str) -> None:
     plan_path = tmp / f"{cell}.plan"
     plan_path.write_text(plan_text(cell))
     shaped = with_token_shape(load_model(model_spec(tmp)), batch=MICRO_BATCH, seq=SEQ)
-    compiled = compile_plan(load_plan(plan_path, world_size=world_size), shaped, world_size=world_size)
+    plan = load_plan(plan_path, world_size=world_size)
+    compiled = compile_plan(plan, shaped, world_size=world_size, dynamic=False)
     save_executable(to_executable(compiled), tmp / f"{cell}.program.pt")
 
 

@@ -29,7 +29,9 @@ def _compiled(pp: int):
     source = with_token_shape(
         load_model("meshplan.examples.models.llama:build"), batch=BATCH // MICRO, seq=SEQ
     )
-    return compile_plan(check_text(f"mesh pp={pp}\n", path="pp.plan"), source, world_size=pp), source
+    return compile_plan(
+        check_text(f"mesh pp={pp}\n", path="pp.plan"), source, world_size=pp, dynamic=False
+    ), source
 
 
 def _reference() -> tuple[float, dict[str, torch.Tensor]]:
@@ -127,7 +129,7 @@ def test_explain_shows_the_stages_and_the_cuts_to_freeze_them() -> None:
     root = Path(__file__).resolve().parents[2]
     text = (root / "examples/llama_pipeline.plan").read_text()
     source = with_token_shape(load_model("meshplan.examples.models.llama:build"), batch=2, seq=SEQ)
-    compiled = compile_plan(check_text(text, "p.plan"), source, world_size=4)
+    compiled = compile_plan(check_text(text, "p.plan"), source, world_size=4, dynamic=False)
     shown = explain(compiled)
     assert "4 stages balanced automatically by FLOPs" in shown
     assert "stage 0 on rank 0: embed_tokens, layers.0  (23% of the FLOPs; receives the inputs)" in shown
@@ -135,6 +137,6 @@ def test_explain_shows_the_stages_and_the_cuts_to_freeze_them() -> None:
     cuts = [line.strip() for line in shown.splitlines() if line.strip().startswith("cut ")]
     assert cuts == ["cut before layers.1", "cut before layers.2", "cut before layers.3"]
     frozen = text.replace("microbatches = 4", "microbatches = 4\n    " + "\n    ".join(cuts))
-    again = compile_plan(check_text(frozen, "p.plan"), source, world_size=4)
+    again = compile_plan(check_text(frozen, "p.plan"), source, world_size=4, dynamic=False)
     assert again.graph.meta["meshplan.stages"] == compiled.graph.meta["meshplan.stages"]
     assert "at the plan's cuts" in explain(again)

@@ -50,7 +50,7 @@ def processes():
 
 def compiled(text: str):
     source = with_token_shape(load_model(LLAMA), batch=2, seq=16)
-    return compile_plan(check_text(text, "two.plan", world_size=4), source)
+    return compile_plan(check_text(text, "two.plan", world_size=4), source, dynamic=False)  # as run does
 
 
 def test_each_axis_places_its_own_parameters_and_keeps_the_others_layout() -> None:

@@ -15,6 +15,7 @@ compiler's passes before it never see a rank, and the runtime after it never see
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import fx, nn
 
+from meshplan.runtime.hollow import defer as deferred
+from meshplan.runtime.hollow import hollow, is_hollow, moved
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.shards import Cut, shard_of
 
@@ -72,6 +75,7 @@ def build_rank_program(
     seed: int = 0,
     pretrained: Pretrained | None = None,
     keep: Collection[str] | None = None,
+    defer: bool = False,
 ) -> fx.GraphModule:
     """The program rank `rank` runs: the shared graph with this rank's shards and process groups.
 
@@ -80,8 +84,11 @@ def build_rank_program(
     a time, and only this rank's piece of it is kept (`materialize.py`). With `pretrained`, the
     tensors it holds are read from it instead, this rank's piece alone (`pretrained.py`). `keep`:
     the tensors this rank will run (a pipeline rank's stages, `stage_names`); the others are
-    given their local shapes on the meta device, neither initialized nor read. `mesh` is the
-    DeviceMesh (None for an axis-free plan). Tied parameters stay tied.
+    given their local shapes on the meta device, neither initialized nor read. `defer` (under
+    ZeRO-3): each trainable parameter whose value is initialized or read here is left hollow
+    (`runtime/hollow.py`), made only when the engine lays it into the flat it shards, so the
+    rank never holds its whole local model. `mesh` is the DeviceMesh (None for an axis-free
+    plan). Tied parameters stay tied.
     """
     state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -94,20 +101,37 @@ def build_rank_program(
     local_of: dict[int, torch.Tensor] = {}  # id(full tensor) -> its local copy, keeps ties
     names_of = names_by_tensor(state.items())
     kept = {id(state[name]) for name in keep if name in state} if keep is not None else None
+
+    def value(name: str) -> torch.Tensor:
+        """This rank's piece of `name`, initialized or read."""
+        placement = program.param_placements.get(name, {})
+        key = pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
+        if pretrained is not None and key is not None:
+            return pretrained.piece(key, placement, coords, program.layout, state[name].dtype)
+        full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
+        return local_shard(full, placement, coords, program.layout).detach().clone()
+
     for name in weights.grouped(names) if weights is not None else names:
-        if id(state[name]) not in local_of:
-            placement = program.param_placements.get(name, {})
-            key = pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
-            if kept is not None and id(state[name]) not in kept:  # another pipeline rank's
-                local = local_shard(state[name].to("meta"), placement, coords, program.layout)
-            elif pretrained is not None and key is not None:
-                local = pretrained.piece(key, placement, coords, program.layout, state[name].dtype)
-            else:
-                full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
-                local = local_shard(full, placement, coords, program.layout).detach().clone()
-            if isinstance(state[name], nn.Parameter):
-                local = nn.Parameter(local, requires_grad=state[name].requires_grad)
-            local_of[id(state[name])] = local
+        if id(state[name]) in local_of:
+            continue
+        tensor = state[name]
+        shape = local_shard(tensor.to("meta"), program.param_placements.get(name, {}), coords, program.layout)
+        trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        # from the seed and its path, or from the file: the same on every rank by construction
+        made_here = tensor.is_meta or (
+            pretrained is not None and pretrained.key(names_of[id(tensor)]) is not None
+        )
+        if kept is not None and id(tensor) not in kept:  # another pipeline rank's
+            local = shape
+        elif defer and trainable and made_here:
+            local = hollow(shape.shape, shape.dtype)
+        else:
+            local = value(name)
+        if isinstance(tensor, nn.Parameter):
+            local = nn.Parameter(local, requires_grad=tensor.requires_grad)
+        if is_hollow(local):
+            deferred(local, functools.partial(value, name))
+        local_of[id(tensor)] = local
     root: dict[str, object] = {}
     for node in graph.nodes:
         if node.op == "get_attr":
@@ -137,8 +161,9 @@ def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule
             node.args, node.kwargs = _on(node.args, device), _on(node.kwargs, device)
         module.graph = graph
         module.recompile()
-    # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`)
-    return program._apply(lambda t: t if t.is_meta else t.to(device))
+    # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`); a hollow
+    # parameter moves without bytes, its value still to be made
+    return program._apply(lambda t: t if t.is_meta else moved(t, device) if is_hollow(t) else t.to(device))
 
 
 def _names_another(node: fx.Node, device: torch.device) -> bool:

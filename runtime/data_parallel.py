@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from . import watchdog
 from .buckets import dp_buckets
 from .grad_sync import Accumulates, WholeParams, param_grad_squares, scale_param_grads_
+from .hollow import is_deferred
 
 
 @dataclass
@@ -215,10 +216,13 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
 
 
 def broadcast_parameters(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Give every rank of `group` the values of its first rank (one broadcast per parameter, at wrap time)."""
+    """Give every rank of `group` the values of its first rank (one broadcast per parameter, at wrap time).
+    A hollow parameter is skipped: its value is made the same on every rank (`hollow.py`)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for p in params:
+            if is_deferred(p):
+                continue
             dist.broadcast(p.data, src=src, group=group)
 
 

@@ -31,6 +31,7 @@ from torch import Tensor, fx, nn
 from . import watchdog
 from .buckets import bucket_params, group_by_kind
 from .collectives import all_gather_single
+from .hollow import value_of
 from .zero_nodes import ZeroGather, ZeroRelease
 
 
@@ -66,7 +67,7 @@ class Flat:
         self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)  # (padded,)
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                self.full[off : off + n].copy_(p.detach().reshape(-1))
+                self.full[off : off + n].copy_(value_of(p).reshape(-1))  # a hollow one's made now
                 p.data = self.full[off : off + n].view_as(p)
         own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]  # (S,)
         self.shard = own.to(shard_device, copy=True) if sharded_params else own

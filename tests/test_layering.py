@@ -43,6 +43,7 @@ PROGRAM_LIBRARY = {
     "collectives",
     "experts",
     "expert_list",
+    "hollow",
     "linears",
     "ring_attention",
     "zero_nodes",

@@ -68,6 +68,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.compiler.lower import build_rank_program, place
     from meshplan.compiler.pretrained import Pretrained
     from meshplan.runtime.expert_list import stacked_lists
+    from meshplan.runtime.hollow import fill
     from meshplan.runtime.mesh import init_mesh
 
     options = with_folder(options)
@@ -84,13 +85,16 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     mesh = init_mesh(program.layout, device)
     pretrained = Pretrained.open(options.init) if options.init else None  # checked by the launcher
     keep = held_names(plan, program, rank)  # a pipeline rank builds only its stages' tensors
+    # under ZeRO-3 each parameter is made as the engine lays it out, and only its shard kept
+    zero3 = plan.data_parallel is not None and plan.data_parallel.zero == 3
     rank_program = build_rank_program(
-        program, source.model, rank, mesh, seed=options.seed, pretrained=pretrained, keep=keep
+        program, source.model, rank, mesh, seed=options.seed, pretrained=pretrained, keep=keep, defer=zero3
     )
     rank_program = place(rank_program, device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
     sync = gradient_sync(plan, program, held, mesh, pipeline)
+    fill(held)  # what no engine shards (a frozen parameter) is made whole
     axes, microbatches = sync.axes, pipeline_microbatches(plan, program.layout)
     batches = _batches(options, source, plan, axes, microbatches, rank)
     inputs_of = _inputs(source, program.graph, device)

@@ -95,6 +95,9 @@ LAYOUTS = {
     "tp=2": "mesh tp=2\n" + TP,
     "dp=2 x tp=2, ZeRO-3": "mesh dp=2, tp=2\n\ndata_parallel over dp {\n    zero = 3\n}\n" + TP,
     "pp=2": "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n",
+    # a pipeline rank's hollow parameters are its stages' only
+    "dp=2 x pp=2, ZeRO-3": "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n"
+    "\ndata_parallel over dp {\n    zero = 3\n}\n",
 }
 
 
@@ -110,7 +113,7 @@ def test_a_meta_built_llama_starts_from_the_same_loss_under_every_layout(tmp_pat
         return meshplan_run(*argv, "--out", str(tmp_path / plan.stem))[0][0]["loss"]
 
     one = first_loss("dp=1", "mesh dp=1\n", 4)
-    for (name, text), batch in zip(LAYOUTS.items(), (4, 2, 2), strict=True):
+    for (name, text), batch in zip(LAYOUTS.items(), (4, 2, 2, 1), strict=True):
         assert first_loss(name, text, batch) == pytest.approx(one, rel=1e-5), name
 
 
@@ -146,3 +149,34 @@ def test_a_pipeline_rank_builds_only_the_tensors_of_its_stages():
     params = dict(program.named_parameters())
     assert params["model.embed_tokens.weight"].is_meta  # the first stage's: a shape here
     assert not params["lm_head.weight"].is_meta and params["lm_head.weight"].isfinite().all()
+
+
+def test_under_zero3_each_parameter_is_made_when_its_flat_takes_it():
+    """`build_rank_program(defer=True)` (what a ZeRO-3 rank does): every trainable parameter is
+    hollow, no bytes, until the engine asks for it; then it is the piece the rank would have
+    made at once. A frozen one is made at once (no engine takes it)."""
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.compiler.lower import build_rank_program, place
+    from meshplan.dsl import check_text
+    from meshplan.runtime.hollow import fill, is_deferred, is_hollow, value_of
+
+    source = on_meta_inputs(with_token_shape(load_model(META_LLAMA), batch=2, seq=16))
+    compiled = compile_plan(check_text(LAYOUTS["dp=2 x tp=2, ZeRO-3"]), source, world_size=4, dynamic=False)
+    at_once = dict(build_rank_program(compiled, hf_llama_meta(), 3, seed=7).named_parameters())
+    model = hf_llama_meta()
+    model.model.norm.weight.requires_grad_(False)
+    program = place(build_rank_program(compiled, model, 3, seed=7, defer=True), "cpu")
+    params = dict(program.named_parameters())
+    assert not is_hollow(params["model.norm.weight"])
+    hollow = {n: p for n, p in params.items() if n != "model.norm.weight"}
+    assert all(is_hollow(p) and is_deferred(p) for p in hollow.values())
+    assert sum(p.untyped_storage().nbytes() for p in hollow.values()) == 0
+    for name, p in hollow.items():
+        assert torch.equal(value_of(p), at_once[name]), name
+        assert not is_deferred(p)  # made once: the flat keeps it
+    again = place(build_rank_program(compiled, hf_llama_meta(), 3, seed=7, defer=True), "cpu")
+    fill(again)  # what no engine took, made whole where it is
+    for name, p in again.named_parameters():
+        assert not is_hollow(p) and torch.equal(p, at_once[name]), name

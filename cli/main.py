@@ -523,6 +523,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pipeline schedule instead: each rank's actions in time and the bubble",
     )
 
+    from meshplan.diff import add_arguments as add_diff_arguments
+    from meshplan.diff import cmd_diff
+
+    p = _add(
+        sub,
+        "diff",
+        cmd_diff,
+        "what changes between two plans as the compiler reads them (order, braces, formatting and "
+        "comments do not count): exit 0 equivalent, 1 different, 2 an error",
+        """
+             meshplan diff examples/llama_tp.plan examples/llama_3d.plan
+             meshplan diff old.plan new.plan --json
+             """,
+    )
+    add_diff_arguments(p)
+
     from meshplan.verify import cmd_verify
 
     p = _add(

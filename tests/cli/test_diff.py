@@ -1,0 +1,107 @@
+"""`meshplan diff A.plan B.plan`: what the compiler would read differently, not what the text says
+differently. Equivalent pairs print nothing and exit 0; a change is one line; an error is the
+located message and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from expect import expect
+
+from meshplan.dsl import check_text
+from meshplan.dsl.diff import diff_plans, expanded
+from meshplan.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests/cli/golden"
+TP = (ROOT / "examples/llama_tp.plan").read_text()
+PIPELINE = "mesh pp=2\n\npipeline over pp {{\n    schedule = 1f1b\n    cut before {cut}\n}}\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(["diff", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        # the rules in another order, braces expanded, comments and spacing gone
+        "mesh tp=2\nmodules {\n  norm: sequence over tp\n  lm_head: vocab over tp\n  embed_tokens: vocab over tp\n"
+        "  layers.*.mlp.down_proj: row over tp\n  layers.*.mlp.up_proj: column over tp\n"
+        "  layers.*.mlp.gate_proj: column over tp\n  layers.*.self_attn.o_proj: row over tp\n"
+        "  layers.*.self_attn.v_proj: column over tp\n  layers.*.self_attn.k_proj: column over tp\n"
+        "  layers.*.self_attn.q_proj: column over tp\n  layers.*.input_layernorm: sequence over tp\n"
+        "  layers.*.post_attention_layernorm: sequence over tp\n}\n",
+        # a default written out
+        TP + "\nprecision {\n    compute = fp32\n}\n\ntrain {\n    gradient_accumulation = 1\n}\n",
+    ],
+    ids=["reordered-expanded-uncommented", "defaults-written-out"],
+)
+def test_equivalent_plans_print_nothing_and_exit_0(tmp_path, capsys, other):
+    assert run(capsys, str(ROOT / "examples/llama_tp.plan"), write(tmp_path, "b.plan", other)) == (0, "", "")
+
+
+def test_sequence_parallelism_added_is_its_rules(tmp_path, capsys):
+    without = TP.split("    layers.*.{input")[0] + "}\n"
+    status, out, _ = run(capsys, write(tmp_path, "tp.plan", without), str(ROOT / "examples/llama_tp.plan"))
+    assert status == 1
+    assert out.splitlines()[2:] == [
+        "+ layers.*.input_layernorm (sequence)           sequence over tp",
+        "+ layers.*.post_attention_layernorm (sequence)  sequence over tp",
+        "+ norm (sequence)                               sequence over tp",
+    ]
+
+
+def test_zero_stage_and_a_moved_cut_are_changes_of_a_setting(tmp_path):
+    dp = "mesh dp=4\n\ndata_parallel over dp {\n    bucket = 4MiB\n}\n"
+    zero3 = "mesh dp=4\n\ndata_parallel over dp {\n    zero = 3\n    bucket = 4194304B\n}\n"
+    [change] = diff_plans(check_text(dp), check_text(zero3))
+    assert (change.what, change.before, change.after, change.sign) == ("data_parallel.zero", "0", "3", "~")
+    a, b = (check_text(PIPELINE.format(cut=f"layers.{i}")) for i in (2, 1))
+    assert [(c.what, c.before, c.after) for c in diff_plans(a, b)] == [
+        ("pipeline.cuts", "before layers.2", "before layers.1")
+    ]
+
+
+def test_the_printed_diff_and_its_json(capsys, monkeypatch):
+    """Golden: the 3D example against the TP example: the mesh, the blocks only one has, the
+    rules each has alone."""
+    monkeypatch.chdir(ROOT)
+    a, b = "examples/llama_tp.plan", "examples/llama_3d.plan"
+    status, out, _ = run(capsys, a, b)
+    assert status == 1
+    expect(out, GOLDEN / "diff_tp_3d.txt")
+    status, out, _ = run(capsys, a, b, "--json")
+    report = json.loads(out)
+    assert status == 1 and not report["equivalent"]
+    assert {"what": "mesh", "before": "tp=2", "after": report["changes"][0]["after"]} == report["changes"][0]
+
+
+def test_a_plan_that_does_not_parse_is_a_located_error(tmp_path, capsys):
+    bad = write(tmp_path, "bad.plan", "mesh tp=2\nmodules {\n    layers.*: colum over tp\n}\n")
+    status, out, err = run(capsys, str(ROOT / "examples/llama_tp.plan"), bad)
+    assert status == 2 and out == ""
+    assert "bad.plan:3:" in err and "Traceback" not in err
+
+
+def test_braces_expand_to_the_paths_they_stand_for():
+    assert expanded("layers.{0..2}.{q,k}_proj") == [
+        "layers.0.q_proj",
+        "layers.0.k_proj",
+        "layers.1.q_proj",
+        "layers.1.k_proj",
+        "layers.2.q_proj",
+        "layers.2.k_proj",
+    ]
+    assert expanded("layers.*") == ["layers.*"]
+    assert expanded("layers.{0..100000}") == ["layers.{0..100000}"]  # too many: kept a pattern

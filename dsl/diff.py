@@ -35,6 +35,7 @@ class Change:
     what: str  # `mesh`, `data_parallel.zero`, `layers.*.mlp.up_proj (tensor)`
     before: str | None
     after: str | None
+    rule: bool = False  # a `modules` rule's (not a setting's)
 
     @property
     def sign(self) -> str:
@@ -54,7 +55,7 @@ def diff_plans(a: Plan, b: Plan) -> list[Change]:
     )
     rules = sorted((k for k in keys if k.startswith(RULE)), key=lambda k: k[len(RULE) :])
     return [
-        Change(k.removeprefix(RULE), before.get(k), after.get(k))
+        Change(k.removeprefix(RULE), before.get(k), after.get(k), rule=k.startswith(RULE))
         for k in [*settings, *rules]
         if before.get(k) != after.get(k)
     ]

@@ -105,3 +105,45 @@ def test_braces_expand_to_the_paths_they_stand_for():
     ]
     assert expanded("layers.*") == ["layers.*"]
     assert expanded("layers.{0..100000}") == ["layers.{0..100000}"]  # too many: kept a pattern
+
+
+LLAMA = "examples/models/llama.py:build"  # four layers
+
+
+def test_with_a_model_rules_that_place_alike_are_equivalent(tmp_path, capsys, monkeypatch):
+    """`layers.*` and `layers.{0..3}` are different text and, on a four-layer model, one program."""
+    monkeypatch.chdir(ROOT)
+    numbered = write(tmp_path, "numbered.plan", TP.replace("layers.*", "layers.{0..3}"))
+    plain = run(capsys, "examples/llama_tp.plan", numbered)
+    assert plain[0] == 1 and "+ layers.3.self_attn.v_proj (tensor)" in plain[1]  # as text they differ
+    assert run(capsys, "examples/llama_tp.plan", numbered, "--model", LLAMA) == (0, "", "")
+
+
+def test_with_a_model_the_placements_collectives_and_memory_that_change(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    mlp = ("layers.*.mlp.{gate,up}_proj:     column over tp", "layers.*.mlp.down_proj:          row over tp")
+    attention_only = TP.replace(mlp[0], "layers.*.mlp.{gate,up}_proj: replicate").replace(mlp[1], "")
+    without_mlp = write(tmp_path, "attention_only.plan", attention_only)
+    status, out, _ = run(capsys, without_mlp, "examples/llama_tp.plan", "--model", LLAMA, "--json")
+    report = json.loads(out)
+    assert status == 1 and not report["equivalent"]
+    effects = {e["what"]: (e["before"], e["after"]) for e in report["effects"]}
+    # the MLP's projections: replicated in the first plan, split by the second's rules
+    assert effects["layers.*.mlp.up_proj.weight (x4)"] == ("replicated", "Shard(0) over tp")
+    assert effects["layers.*.mlp.down_proj.weight (x4)"] == ("replicated", "Shard(1) over tp")
+    assert "layers.*.self_attn.q_proj.weight (x4)" not in effects  # the same in both
+    before, after = effects["training state, worst rank"]
+    assert before != after
+    assert any(what.startswith("all_reduce over tp") for what in effects)  # the MLP's row split
+
+
+def test_with_a_model_zero3_divides_the_state(tmp_path, capsys):
+    dp = write(tmp_path, "dp.plan", "mesh dp=2\n\ndata_parallel over dp {\n    zero = 0\n}\n")
+    zero3 = write(tmp_path, "zero3.plan", "mesh dp=2\n\ndata_parallel over dp {\n    zero = 3\n}\n")
+    status, out, _ = run(capsys, dp, zero3, "--model", f"{ROOT}/{LLAMA}")
+    assert status == 1
+    lines = out.splitlines()
+    assert lines[2].split() == ["~", "data_parallel.zero", "0", "->", "3"]
+    state = next(line for line in lines if line.startswith("~ training state, worst rank"))
+    before, after = (float(x.split()[0]) for x in state.split("  ")[-1].split(" -> "))
+    assert after == pytest.approx(before / 2, rel=0.01)  # parameters, gradients, AdamW moments over dp

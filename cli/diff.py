@@ -55,10 +55,10 @@ def _with_model(args: argparse.Namespace, changes: list[Change]) -> tuple[list[C
     """The plans' changes, less their rules' when both compile to one program, and the effects."""
     from meshplan.compiler.hardware import hardware
     from meshplan.compiler.plan_effects import effect_changes, effects, same_program
-    from meshplan.main import _load_for_model, _this_machine
+    from meshplan.for_model import compiled_for_model, this_machine
 
-    hw = hardware(args.hardware or _this_machine())
-    a, b = (effects(_load_for_model(_for_plan(args, path), dynamic=False), hw) for path in _paths(args))
+    hw = hardware(args.hardware or this_machine())
+    a, b = (effects(compiled_for_model(_for_plan(args, path), dynamic=False), hw) for path in _paths(args))
     if same_program(a, b):
         changes = [c for c in changes if not c.rule]
     return changes, effect_changes(a, b) if changes else []

@@ -19,24 +19,11 @@ from pathlib import Path
 
 from meshplan.args import DefaultInt, memory_size, positive_int
 from meshplan.dsl import Plan, PlanError, load_plan, parse, read_plan_text
-from meshplan.dsl.errors import render_diagnostics
 from meshplan.dsl.fmt import format_plan
 from meshplan.errors import EXIT_OK, EXIT_USER, UsageError, guarded, report, use_color
+from meshplan.for_model import compiled_for_model, print_warnings, this_machine
 
 EXIT_NOT_CANONICAL = 1  # `fmt --check`, like other formatters' check modes
-
-
-def _print_warnings(plan: Plan) -> None:
-    if plan.warnings:
-        print(
-            render_diagnostics(
-                plan.warnings,
-                {plan.path: plan.source},
-                color=use_color(sys.stderr),
-                more_warnings=plan.more_warnings,
-            ),
-            file=sys.stderr,
-        )
 
 
 # ---------------------------------------------------------------------------- commands
@@ -48,7 +35,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if len(args.plans) != 1:
             raise UsageError("--model checks one plan at a time")
         args.plan = args.plans[0]
-        compiled = _load_for_model(args)
+        compiled = compiled_for_model(args)
         print(summarize(compiled.plan))
         print(
             f"  model      {args.model}: {len(compiled.resolution.placements)} modules placed, "
@@ -62,7 +49,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             report(e)
             status = EXIT_USER
             continue
-        _print_warnings(plan)
+        print_warnings(plan)
         print(summarize(plan))
     return status
 
@@ -90,45 +77,11 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     return status
 
 
-def _load_for_model(args: argparse.Namespace, *, dynamic: bool = True):
-    """Plan + model -> Compiled, for the commands that need the model. `*` axes default to 1.
-    `dynamic=False`: for the --batch/--seq given only (what `estimate` prices)."""
-    from meshplan.compiler.capture import with_token_shape
-    from meshplan.compiler.compile import compile_plan
-    from meshplan.compiler.load import load_model, on_meta_inputs
-
-    world_size = args.world_size
-    if world_size is None:
-        probe = load_plan(args.plan)
-        _print_warnings(probe)
-        autos = [a.name for a in probe.mesh.axes if a.size is None]
-        if autos:
-            world_size = probe.mesh.world_size or _product(a.size for a in probe.mesh.axes if a.size)
-            print(f"note: `{autos[0]}=*` taken as 1; pass --world-size N for the real size", file=sys.stderr)
-    plan = load_plan(args.plan, world_size=world_size)
-    # compiling needs shapes, not weights: a factory's model is built on the meta device where it can be
-    source = with_token_shape(load_model(args.model, shapes_only=True), batch=args.batch, seq=args.seq)
-    compiled = compile_plan(plan, on_meta_inputs(source), world_size=world_size, dynamic=dynamic)
-    if compiled.warnings:
-        print(
-            render_diagnostics(compiled.warnings, {plan.path: plan.source}, color=use_color(sys.stderr)),
-            file=sys.stderr,
-        )
-    return compiled
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 def cmd_explain(args: argparse.Namespace) -> int:
     from meshplan.compiler.print_explain import explain
     from meshplan.compiler.print_ledger import ledger_table
 
-    compiled = _load_for_model(args)
+    compiled = compiled_for_model(args)
     print(explain(compiled))
     print(ledger_table(compiled), end="")
     return EXIT_OK
@@ -150,25 +103,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             return EXIT_OK
     if args.plan is None or args.model is None:
         raise UsageError("estimate needs a PLAN and --model SPEC (or --calibrate alone)")
-    hw = hardware(args.hardware or _this_machine())
-    compiled = _load_for_model(args, dynamic=False)
+    hw = hardware(args.hardware or this_machine())
+    compiled = compiled_for_model(args, dynamic=False)
     est = estimate(compiled, limit=args.memory, hw=hw, routing=args.routing)
     if args.json:
         print(json.dumps(est.to_json(), indent=2))
     else:
         print(estimate_text(est), end="")
     return EXIT_OK if est.fits else EXIT_DOES_NOT_FIT
-
-
-def _this_machine() -> str:
-    """The hardware entry for where this runs: the GPU's kind, else `cpu`."""
-    import torch
-
-    if torch.cuda.is_available():
-        from meshplan.compiler.hardware import gpu_name
-
-        return gpu_name(torch.device("cuda"))
-    return "cpu"
 
 
 def _calibrate() -> None:
@@ -188,7 +130,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from meshplan.compiler.artifact import write_artifact
 
-    compiled = _load_for_model(args)
+    compiled = compiled_for_model(args)
     try:
         files = write_artifact(compiled, out, model_spec=args.model)
     except OSError as e:  # the folder changed, or the disk filled up, since the check

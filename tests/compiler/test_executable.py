@@ -115,17 +115,25 @@ def test_a_deep_graph_is_saved_without_recursion(tmp_path: Path) -> None:
     assert loaded.graph.code == compiled.graph.code
 
 
-def test_another_model_is_refused(tmp_path: Path) -> None:
-    round_trip(ONE_RANK.replace("LAYERS", "layers.*"), LLAMA, tmp_path, 1)
+@pytest.fixture(scope="module")
+def llama_program(tmp_path_factory) -> bytes:
+    """The example Llama's program file, compiled once for the tests that damage or misuse it."""
+    folder = tmp_path_factory.mktemp("llama_program")
+    round_trip(ONE_RANK.replace("LAYERS", "layers.*"), LLAMA, folder, 1)
+    return (folder / "program.pt").read_bytes()
+
+
+def test_another_model_is_refused(tmp_path: Path, llama_program: bytes) -> None:
+    (tmp_path / "program.pt").write_bytes(llama_program)
     other = load_model(f"{HERE}/factories.py:gpt_small").model
     with pytest.raises(ExecutableError, match="compiled for another model"):
         load_executable(tmp_path / "program.pt", other)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "missing"])
-def test_a_damaged_program_is_one_message(tmp_path: Path, damage: str) -> None:
-    round_trip(ONE_RANK.replace("LAYERS", "layers.*"), LLAMA, tmp_path, 1)
+def test_a_damaged_program_is_one_message(tmp_path: Path, damage: str, llama_program: bytes) -> None:
     path = tmp_path / "program.pt"
+    path.write_bytes(llama_program)
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[:1000])
     elif damage == "garbage":

@@ -18,7 +18,8 @@ file, passed to the real command:
 
 Measured per rank: `peak`, the `peak_memory` of its last step record in DIR/metrics/rank{R}.jsonl
 (the process's max RSS, `getrusage` maxrss: start-up and every step so far; the first step's
-record is shown too); `state`, its own training state, 16 bytes per parameter element it holds
+record is shown too, and `start`, the record's `start_memory`: the same measure before the first
+step, start-up alone); `state`, its own training state, 16 bytes per parameter element it holds
 (fp32 parameter, gradient and AdamW's two moments; under ZeRO divided over dp), each rank's
 element count read from the compiled program (DIR/program.pt: its placements applied to the
 parameters' shapes). Two ratios, the worst rank of each run:
@@ -234,26 +235,29 @@ def main() -> int:
     )
     print(f"base: max RSS of a process importing torch and meshplan only = {base / mib:.0f} MiB\n")
     print(
-        f"{'layout':<11} {'factory':<10} {'rank':>4} {'state MiB':>10} {'step 1 MiB':>11} "
-        f"{'peak MiB':>9} {'raw':>6} {'less base':>10}"
+        f"{'layout':<11} {'factory':<10} {'rank':>4} {'state MiB':>10} {'start MiB':>10} {'step 1 MiB':>11} "
+        f"{'peak MiB':>9} {'raw':>6} {'less base':>10} {'start/state':>12}"
     )
-    worst: dict[tuple[str, str], tuple[float, float]] = {}
+    worst: dict[tuple[str, str], tuple[float, float, float]] = {}
     extra: dict[tuple[str, str], dict] = {}
     for layout in args.layouts:
         for factory in FACTORIES:
             with tempfile.TemporaryDirectory(prefix="meshplan-start-") as tmp:
                 run = run_once(factory, LAYOUTS[layout], Path(tmp), sizes, args.timeout)
                 elements = own_elements(run["program"])
-            raw = less = 0.0
+            raw = less = start_ratio = 0.0
             for rank, records in sorted(run["records"].items()):
                 state = STATE_BYTES * elements[rank]
                 first, peak = records[0]["peak_memory"], max(r["peak_memory"] for r in records)
+                start = records[0]["start_memory"]
                 raw, less = max(raw, peak / state), max(less, (peak - base) / state)
+                start_ratio = max(start_ratio, start / state)
                 print(
-                    f"{layout:<11} {factory:<10} {rank:>4} {state / mib:>10.0f} {first / mib:>11.0f} "
-                    f"{peak / mib:>9.0f} {peak / state:>6.2f} {(peak - base) / state:>10.2f}"
+                    f"{layout:<11} {factory:<10} {rank:>4} {state / mib:>10.0f} {start / mib:>10.0f} "
+                    f"{first / mib:>11.0f} {peak / mib:>9.0f} {peak / state:>6.2f} "
+                    f"{(peak - base) / state:>10.2f} {start / state:>12.2f}"
                 )
-            worst[layout, factory] = (raw, less)
+            worst[layout, factory] = (raw, less, start_ratio)
             extra[layout, factory] = run
     print(
         "\nlauncher: the `meshplan run` process's own peak (VmHWM); together: all the run's processes' "
@@ -267,8 +271,10 @@ def main() -> int:
     print(
         f"\npeak / own state, worst rank (goal <= {GOAL}); raw = peak / state, less base = (peak - base) / state"
     )
-    for (layout, factory), (raw, less) in worst.items():
-        print(f"{layout:<11} {factory:<10} raw {raw:.2f}   less base {less:.2f}")
+    for (layout, factory), (raw, less, start_ratio) in worst.items():
+        print(
+            f"{layout:<11} {factory:<10} raw {raw:.2f}   less base {less:.2f}   start-up alone {start_ratio:.2f}"
+        )
     for layout in args.layouts:
         cpu, meta = worst[layout, "cpu_llama"][0], worst[layout, "meta_llama"][0]
         print(f"{layout}: peak / state meta / cpu (raw, worst ranks) = {meta / cpu:.2f}")
@@ -281,6 +287,11 @@ def main() -> int:
         "(peak - torch import) / own training state, worst rank",
         "ratio",
         {f"{layout} {factory[:4]}": round(r[1], 2) for (layout, factory), r in worst.items()},
+    )
+    result(
+        "start-up's peak host memory (before the first step) / own training state, worst rank",
+        "ratio",
+        {f"{layout} {factory[:4]}": round(r[2], 2) for (layout, factory), r in worst.items()},
     )
     return 0
 

@@ -32,7 +32,8 @@ Metrics: every rank appends one JSON object per optimizer step to
 `RUN_DIR/metrics/rank{R}.jsonl`:
 
     {"step": 12, "loss": 3.41, "lr": 0.0018, "grad_norm": 0.93, "tokens_per_s": 21000.0,
-     "peak_memory": 412000000, "state_bytes": 3433628, "peak_tensor_bytes": 3712172,
+     "peak_memory": 412000000, "start_memory": 380000000, "state_bytes": 3433628,
+     "peak_tensor_bytes": 3712172,
      "mfu": null, "skipped_steps": 0, "time_s": 0.05}
 
 `state_bytes` is the training state this rank holds right after the optimizer step:
@@ -48,7 +49,9 @@ waiting for their neighbours (the measured bubble; `runtime/pipeline.py`).
 
 `loss` is the mean over the data axes; `tokens_per_s` is for the whole job
 (every dp rank's tokens over the step's wall time); `peak_memory` is bytes: on CPU the
-process's peak resident set (`getrusage` maxrss), on GPU `torch.cuda.max_memory_allocated`.
+process's peak resident set (`getrusage` maxrss), on GPU `torch.cuda.max_memory_allocated`;
+`start_memory` is the same measure taken before the first step: what start-up took (building
+or loading the program, this rank's shards, the engine, a resumed checkpoint).
 `mfu` = 6 * (this rank's parameters) * (this rank's tokens/s) / peak FLOP/s: the usual
 6N-per-token estimate for a forward and backward pass, ignoring attention's own FLOPs.
 The peak is `config.peak_flops` if given, else the dense bf16 tensor-core peak of a few
@@ -336,6 +339,7 @@ def train(
     scale = config.loss_scale
     good_steps = 0
     t_start = time.perf_counter()
+    start_memory = peak_memory_bytes()  # start-up's: the program, its shards, the engine, a resume
     try:
         for step in range(start, config.steps):
             watchdog.progress(step + 1)
@@ -382,6 +386,7 @@ def train(
                 "grad_norm": float(norm),
                 "tokens_per_s": tokens_per_s,
                 "peak_memory": peak_memory_bytes(),
+                "start_memory": start_memory,
                 "state_bytes": held["total"],
                 "peak_tensor_bytes": peak_bytes,
                 "mfu": (6 * local_params * tokens_per_s / dp_size / flops) if flops else None,

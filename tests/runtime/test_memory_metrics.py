@@ -46,6 +46,7 @@ def test_one_replica_holds_16_bytes_a_parameter_and_its_peak_grows_with_the_batc
     assert small["state_bytes"] == large["state_bytes"] == 16 * N + 4 * len(PARAMS)
     assert small["state_bytes"] < small["peak_tensor_bytes"] < large["peak_tensor_bytes"]
     assert "zero_memory" not in small
+    assert 0 < small["start_memory"] <= small["peak_memory"]  # start-up's peak, before the first step
 
 
 @pytest.mark.parametrize(

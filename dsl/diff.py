@@ -54,11 +54,31 @@ def diff_plans(a: Plan, b: Plan) -> list[Change]:
         (k for k in keys if not k.startswith(RULE)), key=lambda k: BLOCKS.index(k.split(".")[0])
     )
     rules = sorted((k for k in keys if k.startswith(RULE)), key=lambda k: k[len(RULE) :])
-    return [
+    changes = [
         Change(k.removeprefix(RULE), before.get(k), after.get(k), rule=k.startswith(RULE))
         for k in [*settings, *rules]
         if before.get(k) != after.get(k)
     ]
+    return _whole_blocks(changes)
+
+
+def _whole_blocks(changes: list[Change]) -> list[Change]:
+    """A block only one plan has, as one change (`+ data_parallel  over dp: zero 1, bucket 25MB, ...`)
+    instead of one a setting."""
+    out: list[Change] = []
+    for block, group in itertools.groupby(
+        changes, key=lambda c: c.what.partition(".")[0] if not c.rule else ""
+    ):
+        items = list(group)
+        signs = {c.sign for c in items}
+        if block in ("pipeline", "data_parallel") and len(signs) == 1 and signs != {"~"}:
+            side = "after" if signs == {"+"} else "before"
+            values = {c.what.partition(".")[2]: getattr(c, side) for c in items}
+            text = f"over {values.pop('axis')}: " + ", ".join(f"{k} {v}" for k, v in values.items())
+            out.append(Change(block, text if side == "before" else None, text if side == "after" else None))
+        else:
+            out.extend(items)
+    return out
 
 
 RULE = "rule "  # the prefix of a rule's fact

@@ -333,17 +333,27 @@ def _hoist(graph: fx.Graph, reads: list[fx.Node]) -> None:
 
 
 def _derived(graph: fx.Graph, reads: list[fx.Node]) -> list[fx.Node]:
-    """The nodes computed from the parameters `reads` alone, in graph order."""
+    """The nodes computed from the parameters `reads` and constants alone, in graph order: a
+    cast of a weight, or T5's relative position bias (an embedding of buckets made from fixed
+    sizes), which no pipeline stage owns. Constants (a buffer, an `arange` of fixed sizes) are
+    not themselves derived."""
     derived: list[fx.Node] = []
     sources = set(reads)
+    constant: set[fx.Node] = set()
     for node in graph.nodes:
-        if (
+        inputs = node.all_input_nodes
+        if node.op == "get_attr" and node not in sources:
+            constant.add(node)
+        elif (
             node.op in ("call_function", "call_module")
-            and node.all_input_nodes
-            and all(a in sources for a in node.all_input_nodes)
+            and meta.stage(node) is None
+            and all(a in sources or a in constant for a in inputs)
         ):
-            sources.add(node)
-            derived.append(node)
+            if any(a in sources for a in inputs):
+                sources.add(node)
+                derived.append(node)
+            else:
+                constant.add(node)
     return derived
 
 

@@ -23,6 +23,9 @@ TESTS = ROOT / "tests/compiler"
 HF = TESTS / "hf_factories.py"
 
 PLAN = "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n"
+# T5 under ZeRO-3 too: its relative position bias, made from a weight and fixed buckets, is read
+# by both stages and owned by neither; each stage's unit gathers the weight for its own copy
+ZERO3 = PLAN.replace("mesh pp=2", "mesh dp=2, pp=2") + "\ndata_parallel over dp {\n    zero = 3\n}\n"
 CUT_DECODER = (
     "mesh pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n    cut before decoder\n}\n"
 )
@@ -43,6 +46,7 @@ def processes():
         (f"{HF}:hf_bert_mlm", PLAN),
         (f"{HF}:hf_t5", PLAN),  # balanced: the cut falls inside the decoder
         (f"{HF}:hf_t5_scaled", CUT_DECODER),
+        (f"{HF}:hf_t5", ZERO3),
         (f"{TESTS}/factories.py:nanogpt", PLAN),
         (f"{TESTS}/factories.py:titan_llama", PLAN),
         (f"{TESTS}/factories.py:dropless_moe", PLAN),
@@ -54,6 +58,7 @@ def processes():
         "hf-bert-mlm",
         "hf-t5",
         "hf-t5-scaled-cut-before-decoder",
+        "hf-t5-zero3-over-dp",
         "nanogpt",
         "titan-llama",
         "dropless-moe",

@@ -102,11 +102,14 @@ def build_rank_program(
     names_of = names_by_tensor(state.items())
     kept = {id(state[name]) for name in keep if name in state} if keep is not None else None
 
+    def key_of(name: str) -> str | None:
+        """`name`'s key in the pretrained weights (None: not read from them)."""
+        return pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
+
     def value(name: str) -> torch.Tensor:
         """This rank's piece of `name`, initialized or read."""
         placement = program.param_placements.get(name, {})
-        key = pretrained.key(names_of[id(state[name])]) if pretrained is not None else None
-        if pretrained is not None and key is not None:
+        if pretrained is not None and (key := key_of(name)) is not None:
             return pretrained.piece(key, placement, coords, program.layout, state[name].dtype)
         full = weights.full(name) if weights is not None and state[name].is_meta else state[name]
         return local_shard(full, placement, coords, program.layout).detach().clone()
@@ -118,9 +121,7 @@ def build_rank_program(
         shape = local_shard(tensor.to("meta"), program.param_placements.get(name, {}), coords, program.layout)
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
         # from the seed and its path, or from the file: the same on every rank by construction
-        made_here = tensor.is_meta or (
-            pretrained is not None and pretrained.key(names_of[id(tensor)]) is not None
-        )
+        made_here = tensor.is_meta or key_of(name) is not None
         if kept is not None and id(tensor) not in kept:  # another pipeline rank's
             local = shape
         elif defer and trainable and made_here:

@@ -9,10 +9,11 @@ its own piece out.
     fill(module)            # the hollow parameters no engine took get their values
 
 Why: under ZeRO-3 a rank keeps 1/dp of each of its parameters. Making every parameter whole first
-and sharding afterwards holds the rank's whole model once at start-up (with AdamW's 16 bytes per
-element divided over dp=2, half as much again as the rank's training state, measured 1.61x). A
-flat (`zero_flats.Flat`) takes each value as it lays its parameters out and keeps only its shard,
-so start-up holds the rank's state, one unit gathered whole and one module being initialized.
+and sharding afterwards holds the rank's whole (tensor-parallel-local) model once at start-up: in
+fp32 under AdamW at dp=2, half the rank's training state on top of it. A flat (`zero_flats.Flat`)
+takes each value as it lays its parameters out and keeps only its shard, so start-up holds the
+rank's state, one unit whole and one module being initialized (`bench/start_memory.py`: a 0.38B
+Llama's ZeRO-3 start-up 0.97 -> 0.87 of the state, the rest being torch and that state).
 
 Only values that are the same on every rank by construction are deferred: a meta-built model's
 (each module initialized from the run's seed and its path, `compiler/materialize.py`) and a

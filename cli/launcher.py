@@ -46,12 +46,15 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
     source = _model_source(options)
     if options.init:  # every key and shape from the files' headers, before any worker starts
-        from meshplan.compiler.pretrained import InitError, Pretrained
+        from meshplan.compiler.pretrained import InitError
+        from meshplan.pretrained import open_init
 
         try:
-            Pretrained.open(options.init).check(source.model)
+            weights = open_init(options.init)
+            weights.check(source.model)
         except InitError as e:
             raise RunError(str(e)) from None
+        print(f"meshplan: starting from the weights in {weights.path}", file=sys.stderr)
     options = options.replace(vocab_size=_check_data(options, plan, source))
     if options.between_steps and plan.pipeline is not None:
         from meshplan.session import PIPELINE_BETWEEN_STEPS

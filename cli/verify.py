@@ -293,9 +293,10 @@ def verify(
     from meshplan.compiler.passes.experts.capacity import capacity_applied, capacity_lists
     from meshplan.compiler.passes.experts.router_loss import z_loss_applied, z_loss_units
     from meshplan.compiler.passes.precision import cast_floating
-    from meshplan.compiler.pretrained import InitError, Pretrained, load_whole
+    from meshplan.compiler.pretrained import InitError, load_whole
     from meshplan.dsl import load_plan
     from meshplan.errors import RunError
+    from meshplan.pretrained import open_init
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.launch import spawn
     from meshplan.session import (
@@ -318,7 +319,7 @@ def verify(
         materialize_model(source.model, seed)
     if init:  # checked key by key before any rank starts, then read whole for the references
         try:
-            load_whole(source.model, Pretrained.open(init))
+            load_whole(source.model, open_init(init))
         except InitError as e:
             raise RunError(str(e)) from None
     if between_steps:  # said before any process starts: a pipeline, a missing function

@@ -6,7 +6,10 @@ pieces.
     piece = weights.piece("lm_head.weight", placement, coords, layout, torch.float32)
 
 PATH is a Hugging Face folder (`model.safetensors`, or shards listed by
-`model.safetensors.index.json`), a `.safetensors` file, or a `.pt`/`.bin` file of a state dict.
+`model.safetensors.index.json`), a `.safetensors` file, or a `.pt`/`.bin` file of a state dict;
+each file is a `Source` (its tensors' shapes, and each tensor sliceable without reading it whole).
+A meshplan checkpoint is a `Source` too (`runtime.checkpoint.SavedModel`), which the command
+line opens (`Pretrained.of`): the compiler does not read the training engine's files.
 Names are matched as the model's `state_dict()` spells them; a weight the model ties under
 several names (an embedding and the LM head) is read once, under whichever name the file holds.
 A missing key, a key the model does not have, and a shape that differs are errors naming the key
@@ -27,7 +30,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -47,14 +50,30 @@ class InitError(CompileError):
     """Weights for `--init` that do not fit the model, or cannot be read: one line, located."""
 
 
+class Source(Protocol):
+    """A file (or folder) of named tensors: their shapes, and each as an array whose `[slices]`
+    copies just that box into a torch tensor."""
+
+    path: Path
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def array(self, key: str) -> Any: ...
+
+
 class Pretrained:
     """The tensors of a weights folder or file, by name: shapes from the headers, pieces read on
     demand."""
 
-    def __init__(self, path: Path, files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
-        self.path, self._files, self.shapes = path, files, shapes
+    def __init__(self, path: Path, sources: dict[str, Source], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.path, self._sources, self.shapes = path, sources, shapes
         self.bytes_read = 0
-        self._open: dict[Path, Callable[[str], Any]] = {}
+
+    @classmethod
+    def of(cls, path: Path, source: Source) -> Pretrained:
+        """Every tensor of one `source`."""
+        shapes = source.shapes()
+        return cls(path, dict.fromkeys(shapes, source), shapes)
 
     @classmethod
     def open(cls, path: str | Path) -> Pretrained:
@@ -62,11 +81,6 @@ class Pretrained:
         if not path.exists():
             raise InitError(f"--init {path}: no such file or folder")
         if path.is_dir():
-            if (path / ".metadata").is_file():
-                raise InitError(
-                    f"--init {path}: a meshplan checkpoint folder; --init reads weights files "
-                    "(hint: continue the run with --resume, or write its weights with --export FILE.safetensors)"
-                )
             if (path / INDEX).is_file():
                 try:
                     weight_map = json.loads((path / INDEX).read_text())["weight_map"]
@@ -74,24 +88,27 @@ class Pretrained:
                     raise InitError(f"--init {path / INDEX}: not a safetensors index ({e})") from None
                 files = {key: path / name for key, name in weight_map.items()}
             elif (path / SINGLE).is_file():
-                files = {key: path / SINGLE for key in _safetensors_shapes(path / SINGLE)}
+                return cls.of(path, SafetensorsFile(path / SINGLE))
             else:
-                raise InitError(f"--init {path}: holds neither {SINGLE} nor {INDEX}")
+                raise InitError(
+                    f"--init {path}: holds neither {SINGLE} nor {INDEX}, nor a meshplan checkpoint"
+                )
         elif path.suffix == ".safetensors":
-            files = {key: path for key in _safetensors_shapes(path)}
+            return cls.of(path, SafetensorsFile(path))
         elif path.suffix in (".pt", ".bin", ".pth"):
-            files = {key: path for key in _torch_state(path)}
+            return cls.of(path, TorchFile(path))
         else:
             raise InitError(f"--init {path}: not a .safetensors, .pt or .bin file, nor a Hugging Face folder")
+        opened = {file: SafetensorsFile(file) for file in dict.fromkeys(files.values())}
         shapes: dict[str, tuple[int, ...]] = {}
-        for file in dict.fromkeys(files.values()):
-            shapes |= _safetensors_shapes(file) if file.suffix == ".safetensors" else _torch_shapes(file)
+        for source in opened.values():
+            shapes |= source.shapes()
         for key, file in files.items():
             if key not in shapes:
                 raise InitError(
                     f"--init {path}: the index names `{key}` in {file.name}, which does not hold it"
                 )
-        return cls(path, files, shapes)
+        return cls(path, {key: opened[file] for key, file in files.items()}, shapes)
 
     def check(self, model: nn.Module) -> None:
         """Every tensor of the model's state dict in the files with its shape, and nothing else;
@@ -106,10 +123,13 @@ class Pretrained:
             for name in held:
                 if self.shapes[name] != expected[name]:
                     raise InitError(
-                        f"--init {self.path}: `{name}` is {_shape(self.shapes[name])} in {self._files[name].name}, "
+                        f"--init {self.path}: `{name}` is {_shape(self.shapes[name])} in {self._sources[name].path.name}, "
                         f"the model's is {_shape(expected[name])}"
                     )
-        unexpected = sorted(set(self.shapes) - set(expected))
+        # a buffer the model does not persist (RoPE's frequencies) is its own to compute: a
+        # meshplan checkpoint holds it, and it is not read
+        computed = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+        unexpected = sorted(set(self.shapes) - set(expected) - computed)
         if unexpected:
             more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
             raise InitError(
@@ -126,7 +146,7 @@ class Pretrained:
     ) -> Tensor:
         """This rank's piece of tensor `key`, read box by box, in `dtype`."""
         runs = [_runs(ix) for ix in piece_indices(self.shapes[key], placement, coords, layout)]
-        tensor = self._tensor(self._files[key], key)
+        tensor = self._sources[key].array(key)
 
         def read(box: tuple[Run, ...]) -> Tensor:
             if any(start < 0 for start, _ in box):  # padding
@@ -136,16 +156,6 @@ class Pretrained:
             return part.to(dtype)
 
         return _assemble(read, runs)
-
-    def _tensor(self, file: Path, key: str):
-        """Tensor `key` of `file`, sliceable without reading it whole."""
-        if file not in self._open:
-            if file.suffix == ".safetensors":
-                self._open[file] = SafetensorsFile(file).array
-            else:
-                state = _torch_state(file)
-                self._open[file] = lambda key: _Copied(state[key])
-        return self._open[file](key)
 
 
 _DTYPES = {
@@ -200,6 +210,21 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._start + begin, shape=(end - begin,))
         return _Sliced(raw, tuple(entry["shape"]), dtype)
+
+
+class TorchFile:
+    """A `.pt`/`.bin` state dict, memory-mapped (`torch.load(mmap=True)`): a box of a tensor
+    touches only its pages."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state = _torch_state(path)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(t.shape) for key, t in self.state.items()}
+
+    def array(self, key: str) -> _Copied:
+        return _Copied(self.state[key])
 
 
 class _Copied:
@@ -283,10 +308,6 @@ def state_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     return ((name, t) for name, t in named if name in persistent)
 
 
-def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    return SafetensorsFile(file).shapes()
-
-
 def _torch_state(file: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
@@ -295,10 +316,6 @@ def _torch_state(file: Path) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise InitError(f"--init {file}: holds no state dict of tensors")
     return state
-
-
-def _torch_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    return {key: tuple(t.shape) for key, t in _torch_state(file).items()}
 
 
 def _shape(shape: tuple[int, ...]) -> str:

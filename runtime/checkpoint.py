@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .axes import Axes
 from .grad_sync import Elements, GradSync, Held, TrainingState
-from .pieces import LoadPlanner, Pieces, SavePlanner
+from .pieces import Box, LoadPlanner, Pieces, SavePlanner
 
 _FINAL = re.compile(r"^step(\d{8})$")
 TMP_PREFIX = ".tmp-"
@@ -254,6 +254,61 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
     if "cuda_" + _rng_key() in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda_" + _rng_key()])
     return Restored(int(state["train"]["step"]), Path(path))
+
+
+class SavedModel:
+    """The model's weights in a checkpoint folder, read as pretrained weights (`--init FOLDER`):
+    each tensor's shape from `.metadata`, and any box of it loaded from the saved boxes it
+    overlaps, whatever layout wrote them (DCP reads only the files holding those boxes). Meets
+    `compiler.pretrained.Source`; the optimizer state, step and RNG are not read: a run started
+    from it is a new run."""
+
+    def __init__(self, folder: Path, *, verify: bool = True) -> None:
+        if verify:
+            verify_checksums(folder)
+        self.path = folder
+        self.reader = _ReadOnce(str(folder))
+        try:
+            saved = self.reader.read_metadata().state_dict_metadata
+        except Exception as e:  # a `.metadata` that does not unpickle
+            raise CheckpointError(f"checkpoint {folder}: its .metadata cannot be read ({e})") from None
+        prefix = f"{_REPLICATED}.model."
+        self.tensors = {
+            fqn[len(prefix) :]: meta
+            for fqn, meta in saved.items()
+            if fqn.startswith(prefix) and hasattr(meta, "chunks")  # a tensor, not a value
+        }
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(meta.size) for name, meta in self.tensors.items()}
+
+    def array(self, key: str) -> _SavedTensor:
+        return _SavedTensor(self, key)
+
+
+class _SavedTensor:
+    """One tensor of a `SavedModel`: `[slices]` loads just that box."""
+
+    def __init__(self, saved: SavedModel, key: str) -> None:
+        self.saved, self.key = saved, key
+
+    def __getitem__(self, box: tuple[slice, ...]) -> torch.Tensor:
+        meta = self.saved.tensors[self.key]
+        offsets = tuple(s.start for s in box)
+        out = torch.empty([s.stop - s.start for s in box], dtype=meta.properties.dtype)
+        state = {_REPLICATED: {"model": {self.key: Pieces(meta.size, out.dtype, [Box(offsets, out)])}}}
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=self.saved.reader, planner=LoadPlanner(), no_dist=True)
+        return out
+
+
+class _ReadOnce(dcp.FileSystemReader):
+    """A reader that unpickles `.metadata` once, not once per box loaded."""
+
+    def read_metadata(self, *args: object, **kwargs: object):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
 
 def _first_cause(error: BaseException, path: Path) -> str:

@@ -66,8 +66,8 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, place
-    from meshplan.compiler.pretrained import Pretrained
     from meshplan.runtime.expert_list import stacked_lists
+    from meshplan.pretrained import open_init
     from meshplan.runtime.hollow import fill
     from meshplan.runtime.mesh import init_mesh
 
@@ -83,7 +83,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     program, plan = program_for(options, source, world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_mesh(program.layout, device)
-    pretrained = Pretrained.open(options.init) if options.init else None  # checked by the launcher
+    pretrained = open_init(options.init, verify=False) if options.init else None  # checked by the launcher
     keep = held_names(plan, program, rank)  # a pipeline rank builds only its stages' tensors
     # under ZeRO-3 each parameter is made as the engine lays it out, and only its shard kept
     zero3 = plan.data_parallel is not None and plan.data_parallel.zero == 3

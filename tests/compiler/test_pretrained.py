@@ -106,12 +106,32 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def trained(saved, tmp_path_factory) -> SimpleNamespace:
+    """A run from the pretrained folder under dp=2 x tp=2 with ZeRO-3 (every weight checkpointed
+    as ranges of flats: boxes of partial rows): one step, its checkpoint, its weights exported
+    to one file, its metrics."""
+    folder = tmp_path_factory.mktemp("trained")
+    plan = folder / "zero3.plan"
+    text, batch = LAYOUTS["dp=2 x tp=2, ZeRO-3"]
+    plan.write_text(text)
+    run = folder / "run"
+    argv = [str(plan), "--model", META_LLAMA, "--init", str(saved), "--steps", "1", "--save-every", "1"]
+    records = meshplan_run(
+        *argv, "--batch", str(batch), "--seq", "16", "--out", str(run), "--export", str(run / "weights.safetensors")
+    )
+    return SimpleNamespace(run=run, records=records)
+
+
 @pytest.mark.slow
-def test_a_pretrained_folder_starts_every_layout_from_the_pretrained_model_s_loss(saved, tmp_path):
+def test_a_pretrained_folder_starts_every_layout_from_the_pretrained_model_s_loss(saved, trained, tmp_path):
     """Four sequences a step in each (--batch is per data rank, and per microbatch under a
     pipeline); the model built on the meta device, so nothing but the files holds its values."""
     expected = first_loss_of_the_pretrained_model(saved, 4, 16)
+    assert trained.records[0][0]["loss"] == pytest.approx(expected, rel=1e-5), "dp=2 x tp=2, ZeRO-3"
     for name, (text, batch) in LAYOUTS.items():
+        if name == "dp=2 x tp=2, ZeRO-3":
+            continue  # the `trained` run
         plan = tmp_path / f"{name.split(',')[0].replace(' ', '')}.plan"
         plan.write_text(text)
         argv = [str(plan), "--model", META_LLAMA, "--init", str(saved), "--steps", "1", "--batch", str(batch)]
@@ -232,3 +252,65 @@ def test_verify_starts_both_sides_from_the_pretrained_weights(saved, tmp_path):
         expected = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
     assert report.partitioned.losses[0] == pytest.approx(expected, rel=1e-5)
     assert report.reference.losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- a meshplan checkpoint
+
+
+@pytest.mark.slow
+def test_a_checkpoint_s_weights_are_the_run_s_weights_piece_by_piece(trained):
+    from meshplan.pretrained import open_init
+
+    saved, exported = open_init(str(trained.run)), Pretrained.open(trained.run / "weights.safetensors")
+    assert saved.path == trained.run / "checkpoints" / "step00000001"  # the run's latest
+    saved.check(hf_llama())
+    for key, shape in exported.shapes.items():
+        placements = [{}, {"tp": Shard(0)}]
+        if len(shape) == 2:
+            placements += [{"tp": Shard(1)}, {"tp": Shard(0, blocks=(shape[0] // 2, shape[0] // 2))}]
+        for placement in placements:
+            for rank in (0, 1):
+                expected = exported.piece(key, placement, {"tp": rank}, LAYOUT, torch.float32)
+                piece = saved.piece(key, placement, {"tp": rank}, LAYOUT, torch.float32)
+                assert torch.equal(piece, expected), (key, placement, rank)
+
+
+@pytest.mark.slow
+def test_a_run_started_from_a_checkpoint_starts_from_its_weights(trained, tmp_path):
+    """The trained model's loss, one process, on the first batch of a tp=2 run --init from the
+    run folder (a new run: step 1, not a resumption)."""
+    from safetensors.torch import load_file
+
+    model = hf_llama()
+    loaded = model.load_state_dict(load_file(trained.run / "weights.safetensors"), strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}  # tied: one name
+    input_ids, _ = make_batches(
+        str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt"),
+        batch=4, seq=16, seed=0, dp_rank=0, dp_size=1, accumulation=1,
+    )(0, 0)  # fmt: skip
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    plan = tmp_path / "tp2.plan"
+    plan.write_text(LAYOUTS["tp=2"][0])
+    argv = [str(plan), "--model", META_LLAMA, "--init", str(trained.run), "--steps", "1", "--batch", "4"]
+    records = meshplan_run(*argv, "--seq", "16", "--out", str(tmp_path / "run"))
+    assert records[0][0]["step"] == 1
+    assert records[0][0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_start_a_run_is_one_located_error(trained, tmp_path):
+    import shutil
+
+    from meshplan.pretrained import open_init
+
+    empty = tmp_path / "empty-run"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(InitError, match=r"empty-run: a run folder without a complete checkpoint"):
+        open_init(str(empty))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained.run / "checkpoints" / "step00000001", damaged)
+    data = next(damaged.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(InitError, match=rf"--init {damaged}: checkpoint .* is damaged: {data.name} has"):
+        open_init(str(damaged))

@@ -87,6 +87,12 @@ BENCHES = (
         headline=r"worst rank|meshplan / ",
     ),
     Bench(
+        "export_memory",
+        "rank 0's memory while --export writes one file: held whole vs streamed",
+        quick=("--quick",),
+        headline=r"^(held|streamed)",
+    ),
+    Bench(
         "start_memory",
         "meshplan run's peak host memory per rank (start-up + 3 steps) / its training state, CPU- vs meta-built",
         quick=("--quick",),

@@ -6,21 +6,24 @@ Hugging Face writes one.
 
 Every rank takes part: shards are all-gathered over each axis that cuts them (fused
 projections block by block), ZeRO-3 parameters are gathered by the caller
-(`Zero.gathered_by_unit()`: one layer at a time), and rank 0 writes. A file: `.safetensors`
-needs the safetensors package; any other suffix is written with `torch.save` (load it with
-`torch.load(path, weights_only=True)`). A folder (`ShardWriter`): safetensors shards of at most
+(`Zero.gathered_by_unit()`: one layer at a time), and rank 0 writes. A file (`FileWriter`):
+`.safetensors`, or any other suffix written with `torch.save` (load it with
+`torch.load(path, weights_only=True)`), each tensor's bytes put on disk as it arrives, so rank 0
+holds one tensor, never the model. A folder (`ShardWriter`): safetensors shards of at most
 `MAX_SHARD_BYTES` with Hugging Face's index, written while the tensors arrive, so rank 0 holds
-one shard at a time, never the model.
+one shard at a time.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -45,27 +48,86 @@ def consolidate_each(
         yield name, axes.unshard(name, tensor.detach()).cpu().clone()
 
 
-def write_state_dict(state: dict[str, Tensor], path: Path) -> None:
-    """Write atomically: a temporary file renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+class FileWriter:
+    """One weights file, filled one tensor at a time without holding them.
 
-        # safetensors stores each tensor once: tied weights (the same memory, the same shape) are
-        # saved under their first name; views of one storage at other places (a list of experts
-        # cut from their stacked tensor) are tensors of their own
-        seen: dict[tuple, str] = {}
-        unique = {}
-        for name, tensor in state.items():
-            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-            if key not in seen:
-                seen[key] = name
-                unique[name] = tensor.contiguous()
-        save_file(unique, str(tmp))
-    else:
-        torch.save(state, tmp)
-    tmp.replace(path)
+    Each tensor's bytes are appended to `FILE.data.tmp` as it arrives. `finish()` then writes
+    the file: a `.safetensors` file is its header (every tensor's dtype, shape and byte range,
+    which must come first) and the bytes copied behind it; any other suffix is `torch.save` of
+    the tensors read back through a memory map of those bytes (file pages, not the process's
+    memory), a tied weight under each of its names (one storage). The file is written as
+    `FILE.tmp` and renamed: a run that dies while exporting leaves an earlier export whole.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = path.with_name(path.name + ".data.tmp")
+        self.data = self.staging.open("wb")
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}  # at [begin, end)
+        self.aliases: dict[str, list[str]] = {}  # a tied weight's other names (a torch file keeps them)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def add(self, name: str, tensor: Tensor, *, also: Iterable[str] = ()) -> None:
+        """Append `tensor`'s bytes under `name` (and, in a torch file, under the names `also`)."""
+        if name in self:
+            raise ValueError(f"{name} is exported twice")
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        begin = self.data.tell()
+        self.data.write(raw.data)
+        self.entries[name] = (tensor.dtype, tuple(tensor.shape), begin, begin + raw.size)
+        self.aliases[name] = [n for n in also if n != name]
+
+    def finish(self) -> int:
+        """Write the file; returns the number of tensors it holds."""
+        self.data.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            if self.path.suffix == ".safetensors":
+                self._write_safetensors(tmp)
+            else:
+                torch.save(self._mapped(), tmp)
+            tmp.replace(self.path)
+        finally:
+            self.staging.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+        if self.path.suffix == ".safetensors":  # a tied weight once
+            return len(self.entries)
+        return sum(1 + len(others) for others in self.aliases.values())
+
+    def _write_safetensors(self, tmp: Path) -> None:
+        header: dict[str, object] = {
+            name: {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+            for name, (dtype, shape, begin, end) in self.entries.items()
+        }
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with tmp.open("wb") as out, self.staging.open("rb") as data:
+            out.write(struct.pack("<Q", len(text)))
+            out.write(text)
+            shutil.copyfileobj(data, out, 1 << 24)
+
+    def _mapped(self) -> dict[str, Tensor]:
+        """Every tensor as a view of the staged bytes through a memory map, under all its names."""
+        state: dict[str, Tensor] = {}
+        for name, (dtype, shape, begin, end) in self.entries.items():
+            if end == begin:
+                tensor = torch.empty(shape, dtype=dtype)
+            else:
+                raw = np.memmap(self.staging, dtype=np.uint8, mode="c", offset=begin, shape=(end - begin,))
+                tensor = torch.from_numpy(raw).view(dtype).view(shape)
+            state.update({n: tensor for n in (name, *self.aliases[name])})
+        return state
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
 
 
 # `--export` paths written as one file; any other path that is not an existing file is a folder

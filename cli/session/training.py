@@ -53,55 +53,46 @@ INITIAL_DYNAMIC_SCALE = 2.0**16  # fp16's usual starting point; overflows halve 
 
 
 def export_weights(prepared: Session, rank: int) -> None:
-    """Consolidate this rank's shards into full tensors; rank 0 writes them, as the
-    unpartitioned model's `state_dict()` (a list of experts under the list's names): to one file,
-    or to a folder (`exports_a_folder`) as Hugging Face writes one. Only rank 0 keeps what it
-    receives: a file's tensors until it is written, a folder's one shard at a time."""
-    from meshplan.runtime.expert_list import as_list_state
-    from meshplan.runtime.export import exports_a_folder, write_state_dict
-
-    assert prepared.options.export is not None, "export_weights runs for --export"
-    target = Path(prepared.options.export)
-    if exports_a_folder(target):
-        _export_folder(prepared, rank, target)
-        return
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in _streamed_state(prepared):
-        if rank == 0:
-            state[name] = tensor
-    if rank == 0:
-        state = as_list_state(_with_every_tied_name(state, prepared.tied), prepared.expert_lists)
-        write_state_dict(state, target)
-        print(f"exported {len(state)} tensors to {target}")
-
-
-def _export_folder(prepared: Session, rank: int, folder: Path) -> None:
-    """`export_weights` to a folder: each tensor appended to rank 0's current shard as it is
-    gathered (`ShardWriter`), each tied weight once, under the name Hugging Face keeps, and a
-    Hugging Face model's config beside the weights; the other ranks drop what they gather."""
+    """Consolidate this rank's shards into full tensors; rank 0 writes them as they arrive, as
+    the unpartitioned model's `state_dict()` (a list of experts under the list's names): to one
+    file (`FileWriter`), or to a folder (`exports_a_folder`) as Hugging Face writes one
+    (`ShardWriter`), each tied weight once, under the name Hugging Face keeps (a torch file: under
+    each of its names), and a Hugging Face model's config beside a folder's weights. Rank 0
+    holds one tensor (a file) or one shard (a folder) at a time; the other ranks drop what they
+    gather."""
     from meshplan.compiler.load import load_model
     from meshplan.runtime.expert_list import as_list_state
-    from meshplan.runtime.export import ShardWriter
+    from meshplan.runtime.export import FileWriter, ShardWriter, exports_a_folder
 
+    assert prepared.options.export is not None, "export_weights runs for --export"
     if rank != 0:
         for _ in _streamed_state(prepared):
             pass
         return
+    target = Path(prepared.options.export)
     assert prepared.options.model is not None, "a session's options name its model"
     model = load_model(prepared.options.model, shapes_only=True).model  # for its config and ties
     written_as = _tied_as(prepared.tied, model)
-    writer = ShardWriter(folder)
+    names = {kept: [n for n, k in written_as.items() if k == kept] for kept in written_as.values()}
+    writer = ShardWriter(target) if exports_a_folder(target) else FileWriter(target)
     for name, tensor in _streamed_state(prepared):
         name = written_as.get(name, name)
-        if name not in writer:
-            for key, value in as_list_state({name: tensor}, prepared.expert_lists).items():
+        if name in writer:
+            continue
+        for key, value in as_list_state({name: tensor}, prepared.expert_lists).items():
+            if isinstance(writer, FileWriter):
+                writer.add(key, value, also=names.get(key, ()))
+            else:
                 writer.add(key, value)
+    if isinstance(writer, FileWriter):
+        print(f"exported {writer.finish()} tensors to {target}")
+        return
     count = writer.finish(_hugging_face_metadata(model))
-    print(f"exported {count} tensors to {folder}/ ({len(writer.shards)} safetensors files)")
+    print(f"exported {count} tensors to {target}/ ({len(writer.shards)} safetensors files)")
 
 
 def _tied_as(tied: tuple[tuple[str, ...], ...], model: torch.nn.Module) -> dict[str, str]:
-    """Each name of a tied weight -> the one name a folder holds it under: the name Hugging
+    """Each name of a tied weight -> the one name an export holds it under: the name Hugging
     Face's `save_pretrained` keeps (not in the model's tied-weight keys, e.g. Llama's
     `model.embed_tokens.weight` over `lm_head.weight`), else the model's first name for it."""
     keys = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)

@@ -118,7 +118,15 @@ def trained(saved, tmp_path_factory) -> SimpleNamespace:
     run = folder / "run"
     argv = [str(plan), "--model", META_LLAMA, "--init", str(saved), "--steps", "1", "--save-every", "1"]
     records = meshplan_run(
-        *argv, "--batch", str(batch), "--seq", "16", "--out", str(run), "--export", str(run / "weights.safetensors")
+        *argv,
+        "--batch",
+        str(batch),
+        "--seq",
+        "16",
+        "--out",
+        str(run),
+        "--export",
+        str(run / "weights.safetensors"),
     )
     return SimpleNamespace(run=run, records=records)
 

@@ -41,15 +41,34 @@ def test_tensor_parallel_run_exports_a_loadable_state_dict(tmp_path, suffix):
         assert model(input_ids, labels) < untrained(input_ids, labels) - 1.0
 
 
-def test_a_safetensors_file_keeps_each_view_of_a_stacked_tensor_and_a_tied_weight_once(tmp_path):
-    from safetensors.torch import load_file
-
-    from meshplan.runtime.export import write_state_dict
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_file_is_written_a_tensor_at_a_time_and_reads_back_exactly(tmp_path, suffix):
+    """Views of one stacked tensor (a list of experts) each whole; a tied weight once, under
+    every name in a torch file; every dtype a model holds; an empty tensor."""
+    from meshplan.runtime.export import FileWriter
 
     stacked = torch.arange(12.0).reshape(3, 4)  # three experts' rows, as a list's export cuts them
-    embedding = torch.ones(2, 2)
-    state = {f"experts.{i}.w": stacked[i] for i in range(3)} | {"embed": embedding, "head": embedding}
-    write_state_dict(state, tmp_path / "model.safetensors")
-    saved = load_file(tmp_path / "model.safetensors")
-    assert sorted(saved) == ["embed", "experts.0.w", "experts.1.w", "experts.2.w"]
-    assert all(torch.equal(saved[f"experts.{i}.w"], stacked[i]) for i in range(3))
+    tensors = {f"experts.{i}.w": stacked[i] for i in range(3)} | {
+        "embed": torch.randn(3, 5).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "steps": torch.arange(4, dtype=torch.int64),
+        "half": torch.randn(2, 2, dtype=torch.float16),
+        "empty": torch.zeros(0, 4),
+    }
+    target = tmp_path / f"model{suffix}"
+    writer = FileWriter(target)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor, also=["head"] if name == "embed" else ())
+    assert not target.exists()  # bytes staged, nothing held: the file appears whole at the end
+    count = writer.finish()
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        saved = load_file(target)
+        assert count == len(saved) == len(tensors)  # one name per tied weight
+    else:
+        saved = torch.load(target, weights_only=True)
+        assert count == len(saved) == len(tensors) + 1
+        assert saved["head"].data_ptr() == saved["embed"].data_ptr()  # one storage, two names
+    assert all(torch.equal(saved[n], t) and saved[n].dtype == t.dtype for n, t in tensors.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # no staging left behind

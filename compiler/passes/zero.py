@@ -183,6 +183,7 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
     unit_stage: dict[str, int | None] = dict.fromkeys(units)
     if pipeline:
         units, unit_stage = _per_stage(units)
+    units, unit_stage = _split_root(units, unit_stage, order)
     spans = {unit: _span(params, order, unit_stage[unit]) for unit, params in units.items()}
     by_start = sorted(units, key=lambda u: order[spans[u][0]])
     last_released = max(by_start, key=lambda u: order[spans[u][1]])
@@ -366,6 +367,69 @@ def _sink_parameter_nodes(graph: fx.Graph, reads: list[fx.Node]) -> None:
         first_user = min(node.users, key=order.__getitem__, default=None)
         if first_user is not None and first_user is not node.next:
             first_user.prepend(node)
+
+
+def _split_root(
+    units: dict[str, list[fx.Node]], unit_stage: dict[str, int | None], order: dict[fx.Node, int]
+) -> tuple[dict[str, list[fx.Node]], dict[str, int | None]]:
+    """A root unit whose parameters are read in runs with other units between them (a decoder's
+    embedding before its layers, its final norm and LM head after) becomes a unit per run, so
+    ZeRO-3 gathers the embedding for the first layer and the head for the end, never both with
+    the layers between (or their gradients at once). A run is named by its parameters' common
+    module (`model.embed_tokens`), the root's name where they have none; a weight read in two
+    runs (an embedding tied to the head) joins them: one unit, as before."""
+    out: dict[str, list[fx.Node]] = {}
+    stages: dict[str, int | None] = {}
+    for unit, params in units.items():
+        runs = [params] if unit_of(str(params[0].target)) else _runs(params, units, unit, unit_stage, order)
+        for i, run in enumerate(runs):
+            name = unit
+            if len(runs) > 1:
+                common = _common_module([str(p.target) for p in run])
+                name = common + unit.removeprefix("root") if common else unit
+                name = name if name not in out else f"{unit or 'root'}-{i}"
+            out[name], stages[name] = run, unit_stage[unit]
+    return out, stages
+
+
+def _runs(
+    params: list[fx.Node],
+    units: dict[str, list[fx.Node]],
+    unit: str,
+    unit_stage: dict[str, int | None],
+    order: dict[fx.Node, int],
+) -> list[list[fx.Node]]:
+    """`params` (of one unit) grouped into runs: overlapping read spans joined, and two runs
+    with no other unit's reads wholly between them joined."""
+    stage = unit_stage[unit]
+    spans = sorted(
+        ((order[a], order[b], p) for p in params for a, b in [_span([p], order, stage)]), key=lambda t: t[0]
+    )
+    others = [
+        (order[a], order[b])
+        for u, ps in units.items()
+        if u != unit and unit_stage[u] == stage
+        for a, b in [_span(ps, order, stage)]
+    ]
+    runs: list[tuple[int, int, list[fx.Node]]] = []
+    for first, last, p in spans:
+        if runs and (first <= runs[-1][1] or not any(runs[-1][1] < a and b < first for a, b in others)):
+            start, end, members = runs[-1]
+            runs[-1] = (start, max(end, last), [*members, p])
+        else:
+            runs.append((first, last, [p]))
+    return [[p for p in params if p in members] for _, _, members in runs]  # in the unit's order
+
+
+def _common_module(names: list[str]) -> str:
+    """The longest module path every parameter name in `names` lies under ('' for none)."""
+    paths = [name.split(".")[:-1] for name in names]
+    common: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def _span(params: list[fx.Node], order: dict[fx.Node, int], in_stage: int | None) -> tuple[fx.Node, fx.Node]:

@@ -150,7 +150,7 @@ class State:
     gathered: int = 0  # ZeRO-3: bytes of the largest unit, gathered
     reducing: int = 0  # ZeRO: the largest flat's whole gradient, made for its reduction
     accumulating: int = 0  # ZeRO-2/3 under gradient accumulation: whole gradients between micro-steps
-    grads_between_steps: int = 0  # gradient storage held across steps (DP buckets, ZeRO shards)
+    grads_between_steps: int = 0  # gradient storage held across steps (data-parallel buckets)
     engine: str = "none"
     flats: int = 0  # ZeRO: the flats the optimizer steps (one fused update each)
 
@@ -253,16 +253,13 @@ def state_of(
         grad_bytes[i] = padded * size
         if zero < 3:
             s.params += padded * size  # every parameter whole, the shard a view
-            grad = padded * size if zero == 1 else shard * size
-            s.grads += grad
-            s.grads_between_steps += 0 if zero == 1 else grad
+            s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`
         else:
             if offload_params:
                 s.host += shard * size
             else:
                 s.params += shard * size
-            s.grads += shard * size
-            s.grads_between_steps += shard * size
+            s.grads += shard * size  # made by the reductions, dropped by `zero_grad`
             unit_bytes[i] = padded * gathered.itemsize
         # the engine's fp32 master is the shard itself when that is fp32 and where AdamW runs
         moved = offload_optimizer and not (offload_params or on_host)
@@ -435,7 +432,12 @@ def estimate(
                 st.optimizer,
                 activations,
                 buffers,
-                start + buffers + activations + max(transient, 0),
+                # the step's peak: in forward or backward, or at the optimizer step (every
+                # gradient reduced, ZeRO's shards included: the training state whole)
+                max(
+                    start + buffers + activations + max(transient, 0),
+                    st.params + st.grads + st.optimizer + model_buffers,
+                ),
                 walks[extra].peak_at,
                 host=st.host,
                 model_buffers=model_buffers,

@@ -83,6 +83,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import checkpoint, watchdog
@@ -239,11 +240,19 @@ class _LiveTensors(TorchDispatchMode):
         if fresh is None:
             fresh = self._fresh[func] = [r.alias_info is None for r in func._schema.returns]
         if any(fresh):
+            # a collective returns the tensors it wrote into without saying so (`_allgather_base_`
+            # hands back its output buffer): what was passed in is not new
+            given = _storages_of((args, kwargs)) if func.namespace == "c10d" else ()
             results = out if isinstance(out, tuple) else (out,)
             for result, new in zip(results, fresh, strict=False):
                 if new:
                     for t in result if isinstance(result, list) else (result,):
-                        if isinstance(t, Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                        if (
+                            isinstance(t, Tensor)
+                            and t.layout == torch.strided
+                            and t.device.type == "cpu"
+                            and t.untyped_storage().data_ptr() not in given
+                        ):
                             self._add(t.untyped_storage())
         return out
 
@@ -258,6 +267,10 @@ class _LiveTensors(TorchDispatchMode):
     def _dead(self, key: int, _: object) -> None:
         nbytes, _ = self._storages.pop(key, (0, None))
         self.live -= nbytes
+
+
+def _storages_of(tree: object) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)}
 
 
 def peak_flops(config: TrainConfig) -> float | None:

@@ -22,7 +22,11 @@ Two halves, both read off the program every rank runs rather than a formula per 
 
 Communication buffers are what neither half holds: ZeRO-3's gathered units (the current one
 and the prefetched next, in the dtype they are gathered in) and a pipeline stage's receive
-buffers (one microbatch of what each of its stages receives).
+buffers (one microbatch of what each of its stages receives). Under ZeRO-3 the walk counts the
+engine's buffers itself, when the engine makes and frees them (`liveness.ZeroWalk`): the peak
+is where the activations still held meet the units gathered and the gradient flats in flight.
+The peak is at least the whole training state (the optimizer step); on a CPU, "offloaded"
+state is in the same memory and counts in it.
 """
 
 from __future__ import annotations
@@ -356,9 +360,17 @@ def estimate(
         else:
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
-        free = zero >= 2 or engine in ("data parallel", "per-axes data parallel")
+        free = zero == 2 or engine in ("data parallel", "per-axes data parallel")
+        # ZeRO-3's gathers and gradient flats are counted in the walk, as the engine makes them
+        zero3 = (lambda axis: math.prod(layout.size(a) for a in axes_of(axis))) if zero == 3 else None
+        accumulated = zero >= 2 and plan.train.gradient_accumulation > 1
+        if accumulated:  # the walk is a later micro-step: gradients add into the whole ones held
+            for p in program.parameters():  # (`State.accumulating`), which it does not count
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
         with meta_routing(routing):  # experts route meta tokens as a balanced (or the worst) step does
-            walks = walk_stages(stages, inputs, _free_grad if free else None, costs)
+            walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero3=zero3)
+        for p in program.parameters():
+            p.grad = None
         timeline = None
         if costs is not None and schedule is not None:
             link = costs.link(group_of(spec.axis))
@@ -369,6 +381,7 @@ def estimate(
 
     dp = plan.data_parallel
     units = zero_units(compiled.graph) if zero == 3 else []
+    on_host = hw is not None and hw.cores is not None  # the ranks run on CPUs
     by_position: dict[int, RankMemory] = {}
     ranks = []
     for rank in range(layout.world_size):
@@ -387,7 +400,7 @@ def estimate(
                 bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
                 offload_optimizer=bool(dp and dp.offload_optimizer and zero > 0),
                 offload_params=bool(dp and dp.offload_params and zero == 3),
-                on_host=hw is not None and hw.cores is not None,
+                on_host=on_host,
                 accumulation=plan.train.gradient_accumulation,
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
@@ -400,6 +413,7 @@ def estimate(
             )
             transient = max(walks[extra].forward_peak, walks[extra].backward_peak) - walks[extra].saved
             buffers = st.gathered + st.reducing + st.accumulating + receive
+            walked = st.gathered + st.reducing if zero == 3 else 0  # in the walk's peak already
             model_buffers = _buffer_bytes(stages, mine)
             time = None
             if costs is not None:
@@ -425,6 +439,7 @@ def estimate(
                     position=position,
                 )
             start = st.params + st.optimizer + st.grads_between_steps + model_buffers
+            shared = st.host if on_host else 0  # a CPU's "offloaded" state shares its memory
             by_position[position] = RankMemory(
                 rank,
                 st.params,
@@ -435,9 +450,10 @@ def estimate(
                 # the step's peak: in forward or backward, or at the optimizer step (every
                 # gradient reduced, ZeRO's shards included: the training state whole)
                 max(
-                    start + buffers + activations + max(transient, 0),
+                    start + buffers - walked + activations + max(transient, 0),
                     st.params + st.grads + st.optimizer + model_buffers,
-                ),
+                )
+                + shared,
                 walks[extra].peak_at,
                 host=st.host,
                 model_buffers=model_buffers,
@@ -455,7 +471,8 @@ def estimate(
         "microbatches": schedule.microbatches if schedule is not None else 1,
         "schedule": spec.schedule if spec is not None else None,
         "activations": "measured by running each rank's program forward and backward on meta tensors",
-        "zero3_gathered": "the two largest consecutive units (current and prefetched)",
+        "zero3_gathered": "reported: the two largest consecutive units (current and prefetched); in the "
+        "peak: the engine's gathers, prefetches, frees and gradient flats counted in the walk, in its order",
         "zero_reduction": "one flat's whole gradient in flight (ZeRO-3: a unit's gradients and their flat); "
         "under gradient accumulation, ZeRO-2/3 keep every flat's whole gradient between micro-steps",
         "not_counted": "allocator fragmentation and caching, kernel workspaces, the CUDA context",

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshplan.runtime.zero_nodes import graph_units
+
 
 class Observer(Protocol):
     """Sees every op the walk runs (`compiler/step_time.py`'s `OpCosts` prices them); `where`
@@ -44,6 +46,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self._observe = observer
         self.live = self.peak = 0
+        self.engine = 0  # of `live`: what `hold` counts (an emulated engine's buffers)
         self.peak_at = ""
         self._where = where
         self._storages: dict[int, tuple[int, weakref.ref]] = {}
@@ -55,6 +58,17 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_at = self.live, ""
+
+    def hold(self, nbytes: int, what: str) -> None:
+        """Bytes an engine allocates outside the program's ops (`ZeroWalk`), counted as if made."""
+        self.engine += nbytes
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak, self.peak_at = self.live, f"{self._where()} ({what})"
+
+    def let_go(self, nbytes: int) -> None:
+        self.engine -= nbytes
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -123,10 +137,12 @@ def walk_stages(
     inputs: Sequence[Any],
     free_grads: Callable[[nn.Parameter], None] | None = None,
     observer: Observer | None = None,
+    zero3: Callable[[str], int] | None = None,
 ) -> list[StageWalk]:
     """Each stage run forward on `inputs` (plus what the one before sends), then backward from
     the last (the loss) to the first, on whatever device the tensors are (meta: no data);
-    `observer` sees every op, told the stage and phase first."""
+    `observer` sees every op, told the stage and phase first. `zero3`: the ranks ZeRO-3 shards
+    a unit of an axis over; its engine's buffers are counted as it makes and frees them (`ZeroWalk`)."""
     note = ["start"]
     walks = [StageWalk() for _ in stages]
     outputs: list[Any] = []
@@ -138,7 +154,9 @@ def walk_stages(
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(free_grads))
     tracker = LiveBytes(_where_backward(note), observer)
+    zero = ZeroWalk(stages, tracker, zero3) if zero3 is not None else None
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
+    engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
     try:
         with tracker:
             sends: Sequence[Any] = ()
@@ -149,13 +167,13 @@ def walk_stages(
                 ]
                 received.append([t if isinstance(t, Tensor) and t.requires_grad else None for t in recv])
                 walks[s].received = sum(_nbytes(t) for t in recv if isinstance(t, Tensor))
-                start = tracker.live
+                start, engine_at[s] = tracker.live, tracker.engine
                 tracker.reset_peak()
                 begin(s, "forward")
                 out = _Where(stage, note).run(*inputs, *recv)
                 walks[s].forward_peak = tracker.peak - start
                 walks[s].peak_at = tracker.peak_at
-                walks[s].saved = tracker.live - start
+                walks[s].saved = tracker.live - start - (tracker.engine - engine_at[s])  # activations
                 outputs.append(out)
                 sends = out if isinstance(out, (tuple, list)) else (out,)
             for s in reversed(range(len(stages))):
@@ -170,14 +188,17 @@ def walk_stages(
                         if isinstance(v, Tensor) and r is not None and r.grad is not None:
                             roots.append(v)
                             grads.append(r.grad)
-                start = tracker.live
+                start, engine_b = tracker.live, tracker.engine
                 tracker.reset_peak()
                 note[0] = f"stage {s} backward"
                 begin(s, "backward")
                 if roots and any(r.requires_grad for r in roots):
                     torch.autograd.backward(roots, grads)
+                if zero is not None:
+                    zero.drain()
                 peak = tracker.peak - start
-                walks[s].backward_peak = peak + walks[s].saved
+                # over the stage's forward start: its activations, and what the engine held then
+                walks[s].backward_peak = peak + walks[s].saved + max(0, engine_b - engine_at[s])
                 if walks[s].backward_peak > walks[s].forward_peak:
                     walks[s].peak_at = tracker.peak_at
                 outputs[s] = None
@@ -188,7 +209,157 @@ def walk_stages(
     finally:
         for h in handles:
             h.remove()
+        if zero is not None:
+            zero.unbind()
     return walks
+
+
+class ZeroWalk:
+    """ZeRO-3's engine as the walk meets it: bound to the programs' `ZeroGather`/`ZeroRelease`
+    nodes as `runtime.zero` binds itself, it counts the buffers the engine makes and frees
+    (`LiveBytes.hold`), in the order the engine does (`runtime/zero_gathers.py`,
+    `runtime/zero_grads.py`), without making them:
+
+    - a unit gathered at its gather node (in the dtype the graph reads each parameter in), the
+      next one in the program prefetched, freed at its release; gathered again when backward
+      reaches the release, the one released before it prefetched;
+    - once backward has made every gradient of a unit: the gradients copied into one flat
+      (and freed), the flat reduced (at most `MAX_IN_FLIGHT` in flight), this rank's shard of
+      it kept to the step, the unit freed.
+    """
+
+    def __init__(
+        self, stages: Sequence[fx.GraphModule], tracker: LiveBytes, group: Callable[[str], int]
+    ) -> None:
+        from meshplan.runtime.zero_grads import MAX_IN_FLIGHT
+
+        self.tracker, self.group, self.in_flight = tracker, group, MAX_IN_FLIGHT
+        self.nodes: list[tuple[Any, Any]] = []
+        self.program: list[int] = []  # each unit's stage program
+        self.params: list[list[nn.Parameter]] = []
+        self.bytes: list[int] = []  # each unit gathered, in the dtypes the graph reads it in
+        for s, stage in enumerate(stages):
+            named = dict(stage.named_parameters(remove_duplicate=False))
+            for gather, release in graph_units(stage):
+                self.nodes.append((gather, release))
+                self.program.append(s)
+                held = [
+                    (named[n], d) for n, d in zip(gather.params, gather.dtypes, strict=True) if n in named
+                ]
+                self.params.append([q for q, _ in held])
+                self.bytes.append(sum(q.numel() * (d or q.dtype).itemsize for q, d in held))
+        self.gathered = [False] * len(self.nodes)
+        self.pins = [0] * len(self.nodes)
+        self.release_order: list[int] = []
+        self.waiting: list[set[int]] = []  # per unit, the params whose gradient is still to come
+        self.pending: list[int] = []  # flats being reduced, by unit
+        self.handles = []
+        owner: dict[int, int] = {}
+        for i, (gather, release) in enumerate(self.nodes):
+            gather.bind(self, i)
+            if release is not None:
+                release.bind(self, i)
+            trainable = [q for q in self.params[i] if q.requires_grad]
+            self.waiting.append({id(q) for q in trainable})
+            owner.update({id(q): i for q in trainable})
+        for stage in stages:
+            for q in stage.parameters():
+                if id(q) in owner:
+                    self.handles.append(q.register_post_accumulate_grad_hook(self._grad_made))
+        self.owner = owner
+
+    def unbind(self) -> None:
+        for gather, release in self.nodes:
+            gather.bind(None, -1)
+            if release is not None:
+                release.bind(None, -1)
+        for h in self.handles:
+            h.remove()
+
+    def _gather(self, i: int) -> None:
+        if not self.gathered[i]:
+            self.gathered[i] = True
+            self.tracker.hold(self.bytes[i], f"gather {self.nodes[i][0].unit or 'root'}")
+
+    def _free(self, i: int) -> None:
+        if self.gathered[i]:
+            self.gathered[i] = False
+            self.tracker.let_go(self.bytes[i])
+
+    # the engine's side of the nodes (`runtime.zero_nodes.Engine`)
+
+    def on_gather(self, index: int, params: Sequence[Tensor]) -> tuple[Tensor | None, ...] | None:
+        self._gather(index)
+        if (
+            not _in_backward()
+            and index + 1 < len(self.nodes)
+            and self.program[index + 1] == self.program[index]
+        ):
+            self._gather(index + 1)
+        dtypes = self.nodes[index][0].dtypes
+        if not any(dtypes):
+            return None
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from meshplan.runtime.zero_nodes import Gathered
+
+        read = [i for i, d in enumerate(dtypes) if d is not None]
+        with _disable_current_modes():  # the gathered buffer's views: counted by `_gather`
+            views = [torch.empty(params[i].shape, dtype=dtypes[i], device=params[i].device) for i in read]
+        out: list[Tensor | None] = [None] * len(params)
+        for i, value in zip(
+            read, Gathered.apply(len(views), *views, *(params[i] for i in read)), strict=True
+        ):
+            out[i] = value
+        return tuple(out)
+
+    def on_release(self, index: int) -> None:
+        if not _in_backward():
+            self.release_order.append(index)
+            if not self.pins[index]:
+                self._free(index)
+
+    def before_backward(self, index: int) -> None:
+        self._gather(index)
+        self.pins[index] += 1
+        if index in self.release_order:
+            k = self.release_order.index(index)
+            if k > 0 and self.program[self.release_order[k - 1]] == self.program[index]:
+                self._gather(self.release_order[k - 1])
+
+    # gradients
+
+    def _grad_made(self, q: nn.Parameter) -> None:
+        i = self.owner[id(q)]
+        self.waiting[i].discard(id(q))
+        if self.waiting[i]:
+            return
+        flat = sum(p.numel() * p.dtype.itemsize for p in self.params[i] if p.requires_grad)
+        self.tracker.hold(flat, f"gradients of {self.nodes[i][0].unit or 'root'}")
+        for p in self.params[i]:
+            p.grad = None  # copied into the flat
+        self.pending.append(i)
+        self._drain(self.in_flight)
+        if self.pins[i]:
+            self.pins[i] -= 1
+        if not self.pins[i]:
+            self._free(i)
+
+    def _drain(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            i = self.pending.pop(0)
+            flat = sum(p.numel() * p.dtype.itemsize for p in self.params[i] if p.requires_grad)
+            self.tracker.let_go(flat)
+            group = self.group(self.nodes[i][0].axis)
+            self.tracker.hold(-(-flat // group), "gradient shard")  # kept to the step
+
+    def drain(self) -> None:
+        """Backward is over: the reductions still in flight finish."""
+        self._drain(0)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def in_flight(schedule, stage: int) -> int:

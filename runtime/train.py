@@ -86,7 +86,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import checkpoint, watchdog
+from . import checkpoint, watchdog, zero_flats
 from .axes import Axes
 from .collectives import label_collectives
 from .grad_sync import GradSync, Local, Optimizer, storage_bytes
@@ -195,9 +195,10 @@ class StepPeak:
     before it started), so `_LiveTensors` keeps it: a `TorchDispatchMode` that adds each
     storage an op creates (an output no alias annotation ties to an input) and subtracts it
     when the storage dies, on top of `held_bytes` (the training state and buffers held when
-    the step starts). It misses temporaries inside one kernel and storages resized outside an
-    op (ZeRO-3's gathers on a CPU), and the mode's Python call per op costs a small model's
-    step over half its time: on a CPU the loop measures one step in `log_every` (`_sampled`)."""
+    the step starts), plus the bytes ZeRO-3's gathered buffers gain and lose (a storage resized
+    is no op: the flats tell it, `zero_flats.RESIZED`). It misses temporaries inside one
+    kernel, and the mode's Python call per op costs a small model's step over half its time:
+    on a CPU the loop measures one step in `log_every` (`_sampled`)."""
 
     earlier_cuda_peak = 0  # the allocator's peaks before its latest reset (the run's `peak_memory`)
 
@@ -230,9 +231,18 @@ class _LiveTensors(TorchDispatchMode):
         self._storages: dict[int, tuple[int, weakref.ref]] = {}  # data pointer -> (bytes, ref)
         self._fresh: dict[Any, list[bool]] = {}  # op -> whether each return is a new tensor
 
+    def __enter__(self) -> _LiveTensors:
+        zero_flats.RESIZED.append(self._resized)  # ZeRO-3's gathered buffers
+        return super().__enter__()
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        zero_flats.RESIZED.remove(self._resized)
         self._storages.clear()  # the refs die with it: no callback after the step
+
+    def _resized(self, delta: int) -> None:
+        self.live += delta
+        self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -120,7 +120,7 @@ class Flat:
         """Allocate the buffer and all-gather every rank's shard into it; returns the async work.
         `whole`: into the fp32 `full` the params view, also when they are read in another dtype."""
         target = self._target(whole)
-        target.untyped_storage().resize_(self.padded * target.element_size())
+        _resize(target, self.padded * target.element_size())
         src = self.shard.to(self.device, target.dtype)  # from the CPU with params offload; else no copy
         # The params (or views) are of this buffer; keep autograd from seeing the refill as an in-place edit.
         with torch.autograd._unsafe_preserve_version_counter(target):
@@ -135,9 +135,9 @@ class Flat:
 
     def free_full(self) -> None:
         self.wait_gather()
-        self.full.untyped_storage().resize_(0)
+        _resize(self.full, 0)
         if self.low is not None:
-            self.low.untyped_storage().resize_(0)
+            _resize(self.low, 0)
 
     # ------------------------------------------------------------ stages 1/2: share the update
 
@@ -222,6 +222,19 @@ class Unit:
     def free(self) -> None:
         for f in self.flats:
             f.free_full()
+
+
+# told the bytes a gathered buffer gains or loses (the CPU step tracker, `runtime.train.StepPeak`:
+# resizing a storage is no op a dispatch mode sees)
+RESIZED: list[Callable[[int], None]] = []
+
+
+def _resize(buffer: Tensor, nbytes: int) -> None:
+    storage = buffer.untyped_storage()
+    before = storage.nbytes()
+    storage.resize_(nbytes)
+    for tell in RESIZED:
+        tell(nbytes - before)
 
 
 class Sharding(NamedTuple):

@@ -86,3 +86,28 @@ def test_a_step_that_raises_leaves_no_measuring_mode_behind(tmp_path):
             TrainConfig(steps=1, run_dir=tmp_path),
         )
     assert _get_current_dispatch_mode() is None
+
+
+def test_the_step_tracker_counts_what_is_made_once_and_the_gathers_it_cannot_see():
+    """A collective hands back the buffer it wrote into (not new memory); ZeRO-3's gathered
+    buffers are resized storages, which no op reports: the flats tell the tracker."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplan.runtime.train import _LiveTensors
+    from meshplan.runtime.zero_flats import _resize
+
+    bucket, gathered = torch.zeros(1000), torch.empty(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with _LiveTensors(0) as tracker:
+            dist.all_reduce(bucket)  # in place: the bucket was there before the step
+            made = torch.ones(10)  # 40 bytes, new
+            _resize(gathered, 4000)  # a unit gathered
+            assert tracker.live == 4040
+            _resize(gathered, 0)  # and freed
+            del made
+        assert (tracker.live, tracker.peak) == (0, 4040)
+    finally:
+        dist.destroy_process_group()

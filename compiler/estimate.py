@@ -363,9 +363,13 @@ def estimate(
         free = zero == 2 or engine in ("data parallel", "per-axes data parallel")
         # ZeRO-3's gathers and gradient flats are counted in the walk, as the engine makes them
         zero3 = (lambda axis: math.prod(layout.size(a) for a in axes_of(axis))) if zero == 3 else None
-        accumulated = zero >= 2 and plan.train.gradient_accumulation > 1
-        if accumulated:  # the walk is a later micro-step: gradients add into the whole ones held
-            for p in program.parameters():  # (`State.accumulating`), which it does not count
+        backwards = plan.train.gradient_accumulation * (schedule.microbatches if schedule is not None else 1)
+        # without a data-parallel engine, each parameter's gradient is whole in `.grad` from the
+        # step's first backward to its optimizer step
+        grads_held = engine == "none" and backwards > 1
+        accumulated = (zero >= 2 and plan.train.gradient_accumulation > 1) or grads_held
+        if accumulated:  # the walk is a later backward: gradients add into the whole ones held
+            for p in program.parameters():  # (`State.accumulating`, `grads_held`): not counted
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
         with meta_routing(routing):  # experts route meta tokens as a balanced (or the worst) step does
             walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero3=zero3)
@@ -450,7 +454,12 @@ def estimate(
                 # the step's peak: in forward or backward, or at the optimizer step (every
                 # gradient reduced, ZeRO's shards included: the training state whole)
                 max(
-                    start + buffers - walked + activations + max(transient, 0),
+                    start
+                    + buffers
+                    - walked
+                    + activations
+                    + max(transient, 0)
+                    + (st.grads if grads_held else 0),
                     st.params + st.grads + st.optimizer + model_buffers,
                 )
                 + shared,

@@ -50,6 +50,7 @@ from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
 
 from .hardware import Hardware
+from .liveness import ZeroSteps
 from .passes.experts.capacity import capacity_factor
 from .placement import Placement, Shard
 from .step_time import (
@@ -360,9 +361,9 @@ def estimate(
         else:
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
-        free = zero == 2 or engine in ("data parallel", "per-axes data parallel")
-        # ZeRO-3's gathers and gradient flats are counted in the walk, as the engine makes them
-        zero3 = (lambda axis: math.prod(layout.size(a) for a in axes_of(axis))) if zero == 3 else None
+        # ZeRO's gathers and gradient flats are counted in the walk, as the engine makes them
+        steps = _zero_steps(program, plan, layout, engine, zero)
+        free = (zero == 2 and steps is None) or engine in ("data parallel", "per-axes data parallel")
         backwards = plan.train.gradient_accumulation * (schedule.microbatches if schedule is not None else 1)
         # without a data-parallel engine, each parameter's gradient is whole in `.grad` from the
         # step's first backward to its optimizer step
@@ -372,7 +373,7 @@ def estimate(
             for p in program.parameters():  # (`State.accumulating`, `grads_held`): not counted
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
         with meta_routing(routing):  # experts route meta tokens as a balanced (or the worst) step does
-            walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero3=zero3)
+            walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero=steps)
         for p in program.parameters():
             p.grad = None
         timeline = None
@@ -417,7 +418,7 @@ def estimate(
             )
             transient = max(walks[extra].forward_peak, walks[extra].backward_peak) - walks[extra].saved
             buffers = st.gathered + st.reducing + st.accumulating + receive
-            walked = st.gathered + st.reducing if zero == 3 else 0  # in the walk's peak already
+            walked = (st.gathered + st.reducing) if steps is not None else 0  # in the walk's peak already
             model_buffers = _buffer_bytes(stages, mine)
             time = None
             if costs is not None:
@@ -583,6 +584,25 @@ def _buffer_bytes(stages: Sequence[fx.GraphModule], mine: Sequence[int]) -> int:
 
 def _batch_shape(inputs: Sequence[Any]) -> list[list[int]]:
     return [list(x.shape) for x in inputs if isinstance(x, Tensor)]
+
+
+def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero: int) -> ZeroSteps | None:
+    """What the walk emulates of the ZeRO engine: stage 3's units (any engine), or the flats of
+    stages 1/2 as the single-axis engine buckets them; None where the walk adds no engine."""
+
+    def group(axis: str) -> int:
+        return math.prod(layout.size(a) for a in axes_of(axis))
+
+    if zero == 3:
+        return ZeroSteps(3, group)
+    if zero not in (1, 2) or engine != "zero":
+        return None
+    dp = plan.data_parallel
+    named = [(n, p) for n, p in program.named_parameters() if p.requires_grad]
+    flats = [
+        names for names, _ in bucket_params(named, dp.bucket_bytes, {id(p): decays(n, p) for n, p in named})
+    ]
+    return ZeroSteps(zero, group, dp.axis, flats)
 
 
 def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str], int]]:

@@ -137,12 +137,12 @@ def walk_stages(
     inputs: Sequence[Any],
     free_grads: Callable[[nn.Parameter], None] | None = None,
     observer: Observer | None = None,
-    zero3: Callable[[str], int] | None = None,
+    zero: ZeroSteps | None = None,
 ) -> list[StageWalk]:
     """Each stage run forward on `inputs` (plus what the one before sends), then backward from
     the last (the loss) to the first, on whatever device the tensors are (meta: no data);
-    `observer` sees every op, told the stage and phase first. `zero3`: the ranks ZeRO-3 shards
-    a unit of an axis over; its engine's buffers are counted as it makes and frees them (`ZeroWalk`)."""
+    `observer` sees every op, told the stage and phase first. `zero`: ZeRO's engine,
+    whose buffers are counted as it makes and frees them (`ZeroWalk`)."""
     note = ["start"]
     walks = [StageWalk() for _ in stages]
     outputs: list[Any] = []
@@ -154,7 +154,7 @@ def walk_stages(
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(free_grads))
     tracker = LiveBytes(_where_backward(note), observer)
-    zero = ZeroWalk(stages, tracker, zero3) if zero3 is not None else None
+    engine = ZeroWalk(stages, tracker, zero) if zero is not None else None
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
     engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
     try:
@@ -194,8 +194,8 @@ def walk_stages(
                 begin(s, "backward")
                 if roots and any(r.requires_grad for r in roots):
                     torch.autograd.backward(roots, grads)
-                if zero is not None:
-                    zero.drain()
+                if engine is not None:
+                    engine.drain()
                 peak = tracker.peak - start
                 # over the stage's forward start: its activations, and what the engine held then
                 walks[s].backward_peak = peak + walks[s].saved + max(0, engine_b - engine_at[s])
@@ -209,64 +209,76 @@ def walk_stages(
     finally:
         for h in handles:
             h.remove()
-        if zero is not None:
-            zero.unbind()
+        if engine is not None:
+            engine.unbind()
     return walks
 
 
+@dataclass(frozen=True)
+class ZeroSteps:
+    """What `ZeroWalk` emulates: the ZeRO `stage`, the ranks a flat of an axis is sharded over
+    (`group`), and under stages 1/2 the flats (parameter names; stage 3's are its units)."""
+
+    stage: int
+    group: Callable[[str], int]
+    axis: str = ""
+    flats: Sequence[Sequence[str]] = ()
+
+
 class ZeroWalk:
-    """ZeRO-3's engine as the walk meets it: bound to the programs' `ZeroGather`/`ZeroRelease`
-    nodes as `runtime.zero` binds itself, it counts the buffers the engine makes and frees
-    (`LiveBytes.hold`), in the order the engine does (`runtime/zero_gathers.py`,
-    `runtime/zero_grads.py`), without making them:
+    """ZeRO's engine as the walk meets it, counting the buffers it makes and frees
+    (`LiveBytes.hold`) in the order it does (`runtime/zero_gathers.py`, `runtime/zero_grads.py`),
+    without making them. Stage 3 binds it to the programs' `ZeroGather`/`ZeroRelease` nodes, as
+    `runtime.zero` binds itself:
 
     - a unit gathered at its gather node (in the dtype the graph reads each parameter in), the
       next one in the program prefetched, freed at its release; gathered again when backward
-      reaches the release, the one released before it prefetched;
-    - once backward has made every gradient of a unit: the gradients copied into one flat
-      (and freed), the flat reduced (at most `MAX_IN_FLIGHT` in flight), this rank's shard of
-      it kept to the step, the unit freed.
+      reaches the release, the one released before it prefetched, freed when its gradients are in;
+
+    and at every stage, once backward has made every gradient of a flat (stage 3: a unit): the
+    gradients copied into one flat buffer (and freed), at most `MAX_IN_FLIGHT` reductions in
+    flight, then what the rank keeps: the whole averaged flat (stage 1) or its shard (2, 3).
     """
 
-    def __init__(
-        self, stages: Sequence[fx.GraphModule], tracker: LiveBytes, group: Callable[[str], int]
-    ) -> None:
+    def __init__(self, stages: Sequence[fx.GraphModule], tracker: LiveBytes, zero: ZeroSteps) -> None:
         from meshplan.runtime.zero_grads import MAX_IN_FLIGHT
 
-        self.tracker, self.group, self.in_flight = tracker, group, MAX_IN_FLIGHT
+        self.tracker, self.zero, self.in_flight = tracker, zero, MAX_IN_FLIGHT
+        named: dict[str, nn.Parameter] = {}
+        for stage in stages:
+            named.update(stage.named_parameters(remove_duplicate=False))
         self.nodes: list[tuple[Any, Any]] = []
         self.program: list[int] = []  # each unit's stage program
-        self.params: list[list[nn.Parameter]] = []
         self.bytes: list[int] = []  # each unit gathered, in the dtypes the graph reads it in
-        for s, stage in enumerate(stages):
-            named = dict(stage.named_parameters(remove_duplicate=False))
-            for gather, release in graph_units(stage):
-                self.nodes.append((gather, release))
-                self.program.append(s)
-                held = [
-                    (named[n], d) for n, d in zip(gather.params, gather.dtypes, strict=True) if n in named
-                ]
-                self.params.append([q for q, _ in held])
-                self.bytes.append(sum(q.numel() * (d or q.dtype).itemsize for q, d in held))
+        flats: list[tuple[list[nn.Parameter], str, int | None]] = []  # params, axis, unit
+        if zero.stage == 3:
+            for s, stage in enumerate(stages):
+                for gather, release in graph_units(stage):
+                    held = [
+                        (named[n], d) for n, d in zip(gather.params, gather.dtypes, strict=True) if n in named
+                    ]
+                    flats.append(([q for q, _ in held], gather.axis, len(self.nodes)))
+                    self.nodes.append((gather, release))
+                    self.program.append(s)
+                    self.bytes.append(sum(q.numel() * (d or q.dtype).itemsize for q, d in held))
+        else:
+            flats = [([named[n] for n in names if n in named], zero.axis, None) for names in zero.flats]
         self.gathered = [False] * len(self.nodes)
         self.pins = [0] * len(self.nodes)
         self.release_order: list[int] = []
-        self.waiting: list[set[int]] = []  # per unit, the params whose gradient is still to come
-        self.pending: list[int] = []  # flats being reduced, by unit
-        self.handles = []
-        owner: dict[int, int] = {}
         for i, (gather, release) in enumerate(self.nodes):
             gather.bind(self, i)
             if release is not None:
                 release.bind(self, i)
-            trainable = [q for q in self.params[i] if q.requires_grad]
-            self.waiting.append({id(q) for q in trainable})
-            owner.update({id(q): i for q in trainable})
-        for stage in stages:
-            for q in stage.parameters():
-                if id(q) in owner:
-                    self.handles.append(q.register_post_accumulate_grad_hook(self._grad_made))
-        self.owner = owner
+        self.flats = [([q for q in ps if q.requires_grad], axis, unit) for ps, axis, unit in flats]
+        self.waiting = [{id(q) for q in ps} for ps, _, _ in self.flats]  # gradients still to come
+        self.owner = {id(q): f for f, (ps, _, _) in enumerate(self.flats) for q in ps}
+        self.pending: list[int] = []  # flats being reduced
+        self.handles = [
+            q.register_post_accumulate_grad_hook(self._grad_made)
+            for q in dict.fromkeys(named.values())
+            if id(q) in self.owner
+        ]
 
     def unbind(self) -> None:
         for gather, release in self.nodes:
@@ -329,29 +341,36 @@ class ZeroWalk:
 
     # gradients
 
+    def _flat_bytes(self, f: int) -> int:
+        return sum(q.numel() * q.dtype.itemsize for q in self.flats[f][0])
+
     def _grad_made(self, q: nn.Parameter) -> None:
-        i = self.owner[id(q)]
-        self.waiting[i].discard(id(q))
-        if self.waiting[i]:
+        f = self.owner[id(q)]
+        self.waiting[f].discard(id(q))
+        if self.waiting[f]:
             return
-        flat = sum(p.numel() * p.dtype.itemsize for p in self.params[i] if p.requires_grad)
-        self.tracker.hold(flat, f"gradients of {self.nodes[i][0].unit or 'root'}")
-        for p in self.params[i]:
+        params, _, unit = self.flats[f]
+        self.tracker.hold(self._flat_bytes(f), "gradient flat")
+        for p in params:
             p.grad = None  # copied into the flat
-        self.pending.append(i)
+        self.pending.append(f)
         self._drain(self.in_flight)
-        if self.pins[i]:
-            self.pins[i] -= 1
-        if not self.pins[i]:
-            self._free(i)
+        if unit is not None:
+            if self.pins[unit]:
+                self.pins[unit] -= 1
+            if not self.pins[unit]:
+                self._free(unit)
 
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
-            i = self.pending.pop(0)
-            flat = sum(p.numel() * p.dtype.itemsize for p in self.params[i] if p.requires_grad)
-            self.tracker.let_go(flat)
-            group = self.group(self.nodes[i][0].axis)
-            self.tracker.hold(-(-flat // group), "gradient shard")  # kept to the step
+            f = self.pending.pop(0)
+            if self.zero.stage == 1:
+                continue  # the averaged flat is kept whole: its params' gradients view it
+            nbytes = self._flat_bytes(f)
+            self.tracker.let_go(nbytes)
+            self.tracker.hold(
+                -(-nbytes // self.zero.group(self.flats[f][1])), "gradient shard"
+            )  # to the step
 
     def drain(self) -> None:
         """Backward is over: the reductions still in flight finish."""

@@ -119,9 +119,9 @@ def watched(monkeypatch):
     seen: list[_Collectives] = []
     walk = liveness.walk_stages
 
-    def watching(stages, inputs, free_grads=None, observer=None, zero3=None):
+    def watching(stages, inputs, free_grads=None, observer=None, zero=None):
         seen.append(_Collectives(observer))
-        return walk(stages, inputs, free_grads, seen[-1], zero3=zero3)
+        return walk(stages, inputs, free_grads, seen[-1], zero=zero)
 
     monkeypatch.setattr(liveness, "walk_stages", watching)
     return seen

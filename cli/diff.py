@@ -33,14 +33,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
         *(load_plan(path, world_size=_sizing(path, args.world_size)) for path in _paths(args))
     )
     effects: list[Change] = []
+    resumes: str | None = None  # with a model: whether a checkpoint of A resumes under B, said
     if args.model is not None:
-        changes, effects = _with_model(args, changes)
+        changes, effects, resumes = _with_model(args, changes)
     if args.json:
         report = {
             "equivalent": not changes,
             "changes": [c.to_json() for c in changes],
             "effects": [c.to_json() for c in effects],
         }
+        if resumes is not None:
+            report["checkpoint_resumes"] = resumes == RESUMES
+            report["checkpoint"] = resumes
         print(json.dumps(report, indent=2))
     elif changes:
         print(f"--- {args.before}\n+++ {args.after}")
@@ -48,20 +52,32 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if effects:
             print(f"\non {args.model}:")
             print(diff_text(effects), end="")
+        if resumes is not None:
+            print(f"\ncheckpoints: {resumes}")
     return EXIT_DIFFERENT if changes else EXIT_SAME
 
 
-def _with_model(args: argparse.Namespace, changes: list[Change]) -> tuple[list[Change], list[Change]]:
-    """The plans' changes, less their rules' when both compile to one program, and the effects."""
+RESUMES = "a checkpoint of A resumes under B (the same tensors, whole-shaped: checkpoints do not depend on the layout)"
+
+
+def _with_model(
+    args: argparse.Namespace, changes: list[Change]
+) -> tuple[list[Change], list[Change], str | None]:
+    """The plans' changes, less their rules' when both compile to one program, the effects, and
+    whether a checkpoint of A resumes under B (None when the plans are equivalent)."""
     from meshplan.compiler.hardware import hardware
-    from meshplan.compiler.plan_effects import effect_changes, effects, same_program
+    from meshplan.compiler.plan_effects import effect_changes, effects, resume_problem, same_program
     from meshplan.for_model import compiled_for_model, this_machine
 
     hw = hardware(args.hardware or this_machine())
     a, b = (effects(compiled_for_model(_for_plan(args, path), dynamic=False), hw) for path in _paths(args))
     if same_program(a, b):
         changes = [c for c in changes if not c.rule]
-    return changes, effect_changes(a, b) if changes else []
+    if not changes:
+        return changes, [], None
+    problem = resume_problem(a, b)
+    resumes = RESUMES if problem is None else f"a checkpoint of A does not resume under B: {problem}"
+    return changes, effect_changes(a, b), resumes
 
 
 def _paths(args: argparse.Namespace) -> tuple[str, str]:

@@ -35,6 +35,7 @@ class Effects:
     state: int  # the worst rank's training state
     step_time: float | None
     program: str  # the SPMD graph's code
+    checkpoint: dict[str, tuple[int, ...]]  # what a run's checkpoint holds: each tensor's whole shape
 
 
 def effects(compiled: Compiled, hw: Hardware) -> Effects:
@@ -58,6 +59,7 @@ def effects(compiled: Compiled, hw: Hardware) -> Effects:
         max(r.state for r in est.ranks),
         est.step_time,
         compiled.graph.code,
+        {name: tuple(t.shape) for name, t in compiled.graph.state_dict(keep_vars=True).items()},
     )
 
 
@@ -86,3 +88,34 @@ def effect_changes(a: Effects, b: Effects) -> list[Change]:
     if a.step_time is not None and b.step_time is not None and seconds(a.step_time) != seconds(b.step_time):
         changes.append(Change("step time", seconds(a.step_time), seconds(b.step_time)))
     return changes
+
+
+def resume_problem(a: Effects, b: Effects) -> str | None:
+    """Why a checkpoint written under plan A does not resume under plan B, or None when it does.
+    Checkpoints hold each tensor whole-shaped under its name, whatever the layout (each rank's
+    pieces placed in it), so a plan change that keeps every name and shape resumes; one that
+    stacks a list of experts (an `experts` rule), or drops it, renames them."""
+    only_a = [k for k in a.checkpoint if k not in b.checkpoint]
+    only_b = [k for k in b.checkpoint if k not in a.checkpoint]
+    if only_a or only_b:
+        stacked = _stacked(only_a, only_b) or _stacked(only_b, only_a)
+        if stacked:
+            return stacked
+        name, side = (
+            (only_a[0], "A's holds it, B has none") if only_a else (only_b[0], "B needs it, A's holds none")
+        )
+        return f"`{name}`: {side}"
+    for name, shape in a.checkpoint.items():
+        if b.checkpoint[name] != shape:
+            return f"`{name}` is {shape} under A, {b.checkpoint[name]} under B"
+    return None
+
+
+def _stacked(listed: list[str], stacked: list[str]) -> str | None:
+    """The experts a plan holds as a list (`layers.0.mlp.experts.3.w1`) that the other stacks
+    (`layers.0.mlp.experts.w1`), said once."""
+    for name in listed:
+        parts = re.fullmatch(r"(.+)\.\d+\.(.+)", name)
+        if parts and f"{parts[1]}.{parts[2]}" in stacked:
+            return f"the experts of `{parts[1]}` are a list under one plan and stacked under the other (an `experts` rule)"
+    return None

@@ -66,8 +66,8 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, place
-    from meshplan.runtime.expert_list import stacked_lists
     from meshplan.pretrained import open_init
+    from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.hollow import fill
     from meshplan.runtime.mesh import init_mesh
 

@@ -135,6 +135,7 @@ def test_with_a_model_the_placements_collectives_and_memory_that_change(tmp_path
     before, after = effects["training state, worst rank"]
     assert before != after
     assert any(what.startswith("all_reduce over tp") for what in effects)  # the MLP's row split
+    assert report["checkpoint_resumes"] is True  # the same tensors, laid out otherwise
 
 
 def test_with_a_model_zero3_divides_the_state(tmp_path, capsys):
@@ -147,3 +148,27 @@ def test_with_a_model_zero3_divides_the_state(tmp_path, capsys):
     state = next(line for line in lines if line.startswith("~ training state, worst rank"))
     before, after = (float(x.split()[0]) for x in state.split("  ")[-1].split(" -> "))
     assert after == pytest.approx(before / 2, rel=0.01)  # parameters, gradients, AdamW moments over dp
+    assert lines[-1].startswith("checkpoints: a checkpoint of A resumes under B")
+
+
+def test_a_checkpoint_resumes_where_every_tensor_keeps_its_name_and_shape():
+    """What `diff --model` says of a checkpoint of A under B, from what each plan's checkpoint
+    holds (tensor names and whole shapes)."""
+    from meshplan.compiler.plan_effects import Effects, resume_problem
+
+    def held(**tensors: tuple[int, ...]) -> Effects:
+        checkpoint = {name.replace("__", "."): shape for name, shape in tensors.items()}
+        return Effects({}, {}, 0, 0, None, "", checkpoint)
+
+    dense = held(embed__weight=(8, 4), head__weight=(8, 4))
+    assert resume_problem(dense, held(embed__weight=(8, 4), head__weight=(8, 4))) is None
+    assert resume_problem(dense, held(embed__weight=(8, 4))) == "`head.weight`: A's holds it, B has none"
+    assert resume_problem(dense, held(embed__weight=(16, 4), head__weight=(8, 4))) == (
+        "`embed.weight` is (8, 4) under A, (16, 4) under B"
+    )
+    listed = held(experts__0__w1=(4, 2), experts__1__w1=(4, 2))
+    stacked = held(experts__w1=(2, 4, 2))
+    for a, b in ((listed, stacked), (stacked, listed)):
+        assert "the experts of `experts` are a list under one plan and stacked under the other" in str(
+            resume_problem(a, b)
+        )

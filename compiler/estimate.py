@@ -31,13 +31,17 @@ state is in the same memory and counts in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
+import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +53,7 @@ from meshplan.runtime.experts import meta_routing
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
 
+from .errors import CompileError
 from .hardware import Hardware
 from .liveness import ZeroSteps
 from .passes.experts.capacity import capacity_factor
@@ -372,7 +377,7 @@ def estimate(
         if accumulated:  # the walk is a later backward: gradients add into the whole ones held
             for p in program.parameters():  # (`State.accumulating`, `grads_held`): not counted
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
-        with meta_routing(routing):  # experts route meta tokens as a balanced (or the worst) step does
+        with meta_routing(routing), _reads_no_data():  # experts route meta tokens as a step does
             walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero=steps)
         for p in program.parameters():
             p.grad = None
@@ -584,6 +589,45 @@ def _buffer_bytes(stages: Sequence[fx.GraphModule], mine: Sequence[int]) -> int:
 
 def _batch_shape(inputs: Sequence[Any]) -> list[list[int]]:
     return [list(x.shape) for x in inputs if isinstance(x, Tensor)]
+
+
+@contextlib.contextmanager
+def _reads_no_data() -> Iterator[None]:
+    """The walk runs on the meta device: model code that reads a tensor's values (`.item()`,
+    `.tolist()`, a branch on one) outside an `experts` rule cannot run there. Said as the
+    user's mistake it is, at the model's line."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "meta tensor" not in str(e) and "data-dependent" not in str(e):
+            raise
+        # the model's line: in the captured node's own traceback (fx adds it to the error), or
+        # the deepest frame of the user's code
+        frames = [(f.filename, f.lineno, f.line or "") for f in traceback.extract_tb(e.__traceback__)]
+        frames += [(f, int(n), code) for f, n, code in _ORIGINAL.findall(str(e))]
+        mine = [f for f in frames if not _library(f[0])]
+        where = f"{mine[-1][0]}:{mine[-1][1]}: " if mine else ""
+        code = mine[-1][2].split("  #")[0].strip() if mine else ""  # without its comment
+        line = f" (`{code}`)" if code else ""
+        raise CompileError(
+            f"{where}the model reads a tensor's values{line}, which the estimate of memory and step "
+            "time cannot: it runs the program on shapes alone (hint: a routing step belongs under "
+            "an `experts` rule, whose routing meshplan prices itself)"
+        ) from None
+
+
+_ORIGINAL = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def _library(filename: str) -> bool:
+    """A frame of torch's or meshplan's own code (not the user's model)."""
+    import meshplan
+    import meshplan.dsl
+    import meshplan.runtime
+
+    path = Path(filename).resolve()
+    homes = (torch, meshplan, meshplan.dsl, meshplan.runtime, sys.modules[__package__])
+    return any(path.is_relative_to(Path(str(m.__file__)).resolve().parent) for m in homes)
 
 
 def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero: int) -> ZeroSteps | None:

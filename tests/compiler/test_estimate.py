@@ -92,3 +92,19 @@ def test_bad_input_is_one_located_error(capsys, tmp_path):
     assert main(["estimate", str(plan), "--model", LLAMA]) == 2
     err = capsys.readouterr().err
     assert "bad.plan:4" in err and "Traceback" not in err
+
+
+def test_a_model_that_reads_its_values_outside_an_experts_rule_is_a_located_error(capsys, tmp_path):
+    """The example MoE routes with `.tolist()`: under an `experts` rule meshplan prices the
+    routing itself; without one the walk (on shapes alone) cannot run that line, and says so."""
+    plan = tmp_path / "dp2.plan"
+    plan.write_text("mesh dp=2\n")
+    assert (
+        main(
+            ["estimate", str(plan), "--model", "examples/models/moe.py:build", "--batch", "2", "--seq", "16"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "examples/models/moe.py:" in err and "the model reads a tensor's values (`counts = " in err
+    assert "Traceback" not in err and err.count("error:") == 1

@@ -38,10 +38,8 @@ import itertools
 import math
 import re
 import sys
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -601,11 +599,9 @@ def _reads_no_data() -> Iterator[None]:
     except RuntimeError as e:
         if "meta tensor" not in str(e) and "data-dependent" not in str(e):
             raise
-        # the model's line: in the captured node's own traceback (fx adds it to the error), or
-        # the deepest frame of the user's code
-        frames = [(f.filename, f.lineno, f.line or "") for f in traceback.extract_tb(e.__traceback__)]
-        frames += [(f, int(n), code) for f, n, code in _ORIGINAL.findall(str(e))]
-        mine = [f for f in frames if not _library(f[0])]
+        # the model's line: the last frame of the failing node's own traceback, which fx adds to
+        # the error (the model's code as it was captured)
+        mine = [(f, int(n), code) for f, n, code in _ORIGINAL.findall(str(e))]
         where = f"{mine[-1][0]}:{mine[-1][1]}: " if mine else ""
         code = mine[-1][2].split("  #")[0].strip() if mine else ""  # without its comment
         line = f" (`{code}`)" if code else ""
@@ -617,17 +613,6 @@ def _reads_no_data() -> Iterator[None]:
 
 
 _ORIGINAL = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
-
-
-def _library(filename: str) -> bool:
-    """A frame of torch's or meshplan's own code (not the user's model)."""
-    import meshplan
-    import meshplan.dsl
-    import meshplan.runtime
-
-    path = Path(filename).resolve()
-    homes = (torch, meshplan, meshplan.dsl, meshplan.runtime, sys.modules[__package__])
-    return any(path.is_relative_to(Path(str(m.__file__)).resolve().parent) for m in homes)
 
 
 def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero: int) -> ZeroSteps | None:

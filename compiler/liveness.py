@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshplan.runtime.zero_nodes import graph_units
+from meshplan.runtime.zero_nodes import MAX_IN_FLIGHT, graph_units
 
 
 class Observer(Protocol):
@@ -241,8 +241,6 @@ class ZeroWalk:
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], tracker: LiveBytes, zero: ZeroSteps) -> None:
-        from meshplan.runtime.zero_grads import MAX_IN_FLIGHT
-
         self.tracker, self.zero, self.in_flight = tracker, zero, MAX_IN_FLIGHT
         named: dict[str, nn.Parameter] = {}
         for stage in stages:

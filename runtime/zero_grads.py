@@ -26,10 +26,7 @@ from . import watchdog
 from .collectives import reduce_scatter_single
 from .grad_sync import sum_of_squares
 from .zero_flats import Flat
-
-# Gradient reductions left running while backward goes on: enough to overlap, and a bound
-# on the full-size gradient buffers alive at once (each is one bucket or one stage-3 unit).
-MAX_IN_FLIGHT = 2
+from .zero_nodes import MAX_IN_FLIGHT
 
 
 class _Pending(NamedTuple):

@@ -18,6 +18,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, fx, nn
 
+# Gradient reductions the engine leaves running while backward goes on: enough to overlap, and
+# a bound on the full-size gradient buffers alive at once (each is one bucket or one stage-3
+# unit). Here, beside the nodes, because the compiler's estimate emulates the engine too.
+MAX_IN_FLIGHT = 2
+
 
 class Engine(Protocol):
     """What a bound node calls: ZeRO's engine, by index of the unit in program order."""

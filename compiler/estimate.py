@@ -329,7 +329,7 @@ def estimate(
     from meshplan.runtime.mesh import init_mesh
 
     from .capture import bind_inputs
-    from .liveness import in_flight, walk_stages
+    from .liveness import in_flight, most_kept, walk_stages
     from .lower import build_rank_program, place, stage_names
     from .stages import compiled_cuts, cut_stages
 
@@ -414,7 +414,14 @@ def estimate(
                 units=[u for u in units if held is None or set(u[1]) <= held],
             )
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
-            activations = sum(walks[s].saved * flight[s] for s in mine)
+            if schedule is None:
+                activations = sum(walks[s].saved for s in mine)
+            else:  # the most the rank's actions keep at once, its stages' microbatches together
+                saved = {s: walks[s].saved for s in mine}
+                # a split backward's gradients kept from I to W (none where the stage's inputs
+                # need none: the first stage's I is nothing, its W the whole backward)
+                joins = {s: walks[s].joins if s > 0 else 0 for s in mine}
+                activations = most_kept(schedule, position, saved, joins)
             receive = sum(walks[s].received * flight[s] for s in mine) if schedule is not None else 0
             extra = max(
                 mine, key=lambda s: max(walks[s].forward_peak, walks[s].backward_peak) - walks[s].saved

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplan.runtime.zero_nodes import MAX_IN_FLIGHT, graph_units
@@ -51,6 +52,9 @@ class LiveBytes(TorchDispatchMode):
         self._where = where
         self._storages: dict[int, tuple[int, weakref.ref]] = {}
         self._fresh: dict[Any, list[bool]] = {}
+        # storages of the parameters and of what only they make (a cast), by id while alive
+        self.weights: dict[int, weakref.ref] = {}
+        self.joins = 0  # bytes of the outputs where weights join activations, in forward
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
@@ -79,12 +83,28 @@ class LiveBytes(TorchDispatchMode):
             fresh = self._fresh[func] = [r.alias_info is None for r in func._schema.returns]
         if any(fresh):
             results = out if isinstance(out, tuple) else (out,)
-            for result, new in zip(results, fresh, strict=False):
-                if new:
-                    for t in result if isinstance(result, list) else (result,):
-                        if isinstance(t, Tensor) and t.layout == torch.strided:
-                            self._add(t.untyped_storage(), func)
+            made = [
+                t
+                for result, new in zip(results, fresh, strict=False)
+                if new
+                for t in (result if isinstance(result, list) else (result,))
+                if isinstance(t, Tensor) and t.layout == torch.strided
+            ]
+            for t in made:
+                self._add(t.untyped_storage(), func)
+            if self.weights and made and torch._C._current_graph_task_id() == -1:
+                self._joined(args, made)
         return out
+
+    def _joined(self, args: Any, made: list[Tensor]) -> None:
+        """Forward: an op reading weights (or what only weights make, a cast of one) and other
+        tensors is where a weight's gradient path joins the activations': a split backward keeps
+        the gradient of its output from I to W (`runtime/split_backward.py`)."""
+        weighted = [_weighs(self.weights, t) for t in pytree.tree_leaves(args) if isinstance(t, Tensor)]
+        if all(weighted):  # weights alone (a cast, a transpose): still the weight's side
+            self.weights.update(_by_id(t) for t in made)
+        elif any(weighted):
+            self.joins += sum(_nbytes(t) for t in made)
 
     def _add(self, storage: torch.UntypedStorage, func) -> None:
         key, nbytes = id(storage), storage.nbytes()
@@ -100,6 +120,19 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
 
+def _by_id(t: Tensor) -> tuple[int, weakref.ref]:
+    storage = t.untyped_storage()
+    return id(storage), weakref.ref(storage)
+
+
+def _weighs(weights: dict[int, weakref.ref], t: Tensor) -> bool:
+    """Whether `t` views a parameter's storage (or one only parameters made): the same storage
+    object, alive (an id of a dead one can come back)."""
+    storage = t.untyped_storage()
+    ref = weights.get(id(storage))
+    return ref is not None and ref() is storage
+
+
 @dataclass
 class StageWalk:
     """One stage's (or the whole program's) forward and backward on one microbatch."""
@@ -109,6 +142,7 @@ class StageWalk:
     backward_peak: int = 0  # over the live bytes when backward starts (the saved ones included)
     peak_at: str = ""
     received: int = 0  # bytes of the values it receives from the stage before
+    joins: int = 0  # bytes of the forward's outputs where a weight joins (kept from I to W if split)
     sends: list[Any] = field(default_factory=list)
 
 
@@ -154,6 +188,7 @@ def walk_stages(
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(free_grads))
     tracker = LiveBytes(_where_backward(note), observer)
+    tracker.weights = dict(_by_id(p) for st in stages for p in st.parameters() if p.requires_grad)
     engine = ZeroWalk(stages, tracker, zero) if zero is not None else None
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
     engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
@@ -169,8 +204,10 @@ def walk_stages(
                 walks[s].received = sum(_nbytes(t) for t in recv if isinstance(t, Tensor))
                 start, engine_at[s] = tracker.live, tracker.engine
                 tracker.reset_peak()
+                tracker.joins = 0
                 begin(s, "forward")
                 out = _Where(stage, note).run(*inputs, *recv)
+                walks[s].joins = tracker.joins
                 walks[s].forward_peak = tracker.peak - start
                 walks[s].peak_at = tracker.peak_at
                 walks[s].saved = tracker.live - start - (tracker.engine - engine_at[s])  # activations
@@ -377,6 +414,26 @@ class ZeroWalk:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def most_kept(schedule, owner: int, saved: dict[int, int], joins: dict[int, int]) -> int:
+    """The most bytes rank `owner`'s actions keep at once for backward: each stage's `saved`
+    bytes a microbatch from its forward (F) to its backward (B; W under a split backward), and
+    under a split backward its `joins` bytes from I to W (the gradients W starts from)."""
+    live = most = 0
+    for a in schedule.actions[owner]:
+        if a.stage not in saved:
+            continue
+        if a.kind == "F":
+            live += saved[a.stage]
+        elif a.kind in ("B", "W"):
+            live -= saved[a.stage]
+        if a.kind == "I":
+            live += joins[a.stage]
+        elif a.kind == "W":
+            live -= joins[a.stage]
+        most = max(most, live)
+    return most
 
 
 def in_flight(schedule, stage: int) -> int:

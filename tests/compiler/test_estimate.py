@@ -108,3 +108,23 @@ def test_a_model_that_reads_its_values_outside_an_experts_rule_is_a_located_erro
     err = capsys.readouterr().err
     assert "examples/models/moe.py:" in err and "the model reads a tensor's values (`counts = " in err
     assert "Traceback" not in err and err.count("error:") == 1
+
+
+def test_a_rank_keeps_its_stages_microbatches_from_forward_to_backward_and_a_split_backward_more():
+    """`most_kept` walks a rank's actions: 1F1B's last stage keeps one microbatch; interleaved
+    ranks add their virtual stages' at the moments they overlap (not each stage's own most);
+    under ZB-H1 the last stage keeps activations until W and, from I to W, what W starts from."""
+    from meshplan.compiler.liveness import most_kept
+    from meshplan.runtime.schedules import build
+
+    one_f_one_b = build("1f1b", 2, 4, None)
+    assert most_kept(one_f_one_b, 1, {1: 10}, {1: 0}) == 10
+    assert most_kept(one_f_one_b, 0, {0: 10}, {0: 0}) == 20  # (p - r) microbatches
+    interleaved = build("interleaved", 2, 4, 2)
+    stages = [s for s in range(4) if interleaved.owner[s] == 0]
+    both = most_kept(interleaved, 0, dict.fromkeys(stages, 10), dict.fromkeys(stages, 0))
+    each = sum(most_kept(interleaved, 0, {s: 10}, {s: 0}) for s in stages)
+    assert 0 < both <= each
+    zb = build("zero_bubble", 2, 4, None)
+    without = most_kept(zb, 1, {1: 10}, {1: 0})
+    assert most_kept(zb, 1, {1: 10}, {1: 1}) > without >= 10

@@ -23,7 +23,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshplan.runtime.zero_nodes import MAX_IN_FLIGHT, graph_units
+from meshplan.runtime.zero_nodes import MAX_IN_FLIGHT, graph_units, in_backward
 
 
 class Observer(Protocol):
@@ -92,7 +92,7 @@ class LiveBytes(TorchDispatchMode):
             ]
             for t in made:
                 self._add(t.untyped_storage(), func)
-            if self.weights and made and torch._C._current_graph_task_id() == -1:
+            if self.weights and made and not in_backward():
                 self._joined(args, made)
         return out
 
@@ -338,7 +338,7 @@ class ZeroWalk:
     def on_gather(self, index: int, params: Sequence[Tensor]) -> tuple[Tensor | None, ...] | None:
         self._gather(index)
         if (
-            not _in_backward()
+            not in_backward()
             and index + 1 < len(self.nodes)
             and self.program[index + 1] == self.program[index]
         ):
@@ -361,7 +361,7 @@ class ZeroWalk:
         return tuple(out)
 
     def on_release(self, index: int) -> None:
-        if not _in_backward():
+        if not in_backward():
             self.release_order.append(index)
             if not self.pins[index]:
                 self._free(index)
@@ -410,10 +410,6 @@ class ZeroWalk:
     def drain(self) -> None:
         """Backward is over: the reductions still in flight finish."""
         self._drain(0)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def most_kept(schedule, owner: int, saved: dict[int, int], joins: dict[int, int]) -> int:

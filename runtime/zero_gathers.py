@@ -38,12 +38,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from .zero_flats import Flat, Unit, unique
-from .zero_nodes import Gathered, ZeroGather, ZeroRelease
+from .zero_nodes import Gathered, ZeroGather, ZeroRelease, in_backward
 
 Record = Callable[[str, int], None]  # (op, bytes): the engine counts a collective for its ledger
 
@@ -127,7 +126,7 @@ class Gathers:
     def _before_root_forward(self, module: nn.Module, args: Any) -> None:
         """A step's forward starts: every flat counts its gradients afresh (`Zero`'s hook on
         each parameter), and the params no node waits for must be whole."""
-        if _in_backward():  # recomputation under activation checkpointing
+        if in_backward():  # recomputation under activation checkpointing
             return
         for f in self.flats:
             f.ready = 0
@@ -138,14 +137,14 @@ class Gathers:
         """A pipeline stage starts: the params no node waits for must be whole. Unlike the
         root's hook, it keeps the flats' counts of gradients: another stage's backward of the
         step may have run, and each flat is counted by its own program's backwards."""
-        if not _in_backward():
+        if not in_backward():
             for f in self._unwaited:
                 f.wait_gather()
 
     def _before_unit_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             unit.gather(self.record)
-            if _in_backward():
+            if in_backward():
                 return
             if unit not in self._forward_order:
                 self._forward_order.append(unit)  # learned on the first forward
@@ -158,7 +157,7 @@ class Gathers:
 
     def _after_unit_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():  # recomputation: backward frees it once its grads are in
+            if in_backward():  # recomputation: backward frees it once its grads are in
                 return
             unit.free()
             for t in tree_flatten(output)[0]:
@@ -187,7 +186,7 @@ class Gathers:
                 f.wait_gather()
             return None
         self.units[index].gather(self.record)
-        if not _in_backward() and self._same_program(index, index + 1):
+        if not in_backward() and self._same_program(index, index + 1):
             self.units[index + 1].prefetch(self.record)
         self._track()
         dtypes = self.nodes[index][0].dtypes
@@ -217,7 +216,7 @@ class Gathers:
     def on_release(self, index: int) -> None:
         """`ZeroRelease` node `index` runs in forward: the layer is done with its params until
         backward. A flat a backward still needs (`Flat.pins`) stays."""
-        if not _in_backward():
+        if not in_backward():
             for f in self.units[index].flats:
                 if not f.pins:
                     f.free_full()
@@ -255,7 +254,3 @@ class Gathers:
     def _track(self) -> None:
         now = sum(f.full_nbytes() for f in self.flats if f.is_gathered())
         self.peak = max(self.peak, now)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1

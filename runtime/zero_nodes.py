@@ -24,6 +24,12 @@ from torch import Tensor, fx, nn
 MAX_IN_FLIGHT = 2
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward now (a node's forward called again in it
+    is a recomputation, under activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Engine(Protocol):
     """What a bound node calls: ZeRO's engine, by index of the unit in program order."""
 

@@ -481,6 +481,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_diff_arguments(p)
 
+    from meshplan.suggest import add_arguments as add_suggest_arguments
+    from meshplan.suggest import cmd_suggest
+
+    p = _add(
+        sub,
+        "suggest",
+        cmd_suggest,
+        "write the plan for a model on N ranks of a memory: every layout screened, the best "
+        "estimated; the plan to stdout (or -o), exit 3 if none fits",
+        """
+             meshplan suggest --model examples/models/llama.py:build --world-size 4 --memory 1GiB
+             meshplan suggest --model hf.py:build --world-size 64 --memory 80GiB --hardware h100 --seq 4096 -o my.plan
+             """,
+    )
+    add_suggest_arguments(p)
+
     from meshplan.verify import cmd_verify
 
     p = _add(

@@ -135,6 +135,7 @@ def compile_plan(
     world_size: int | None = None,
     dynamic: bool = True,
     observe: Observer | None = None,
+    captured: Captured | None = None,
 ) -> Compiled:
     """Compile `plan` for the model in `source`. Raises `PlanError` listing every problem found.
 
@@ -147,16 +148,17 @@ def compile_plan(
     `observe` sees the graph after capture and after each pass that ran (`Observer`); when
     the dynamic compile falls back to the example's shapes, it sees the second run from
     its capture again.
+
+    `captured`: the model as `capture_for` captured it for a plan of the same compute dtype
+    and experts rules (`meshplan suggest` compiles many plans from one capture).
     """
     layout = _layout(plan, world_size)
-    compute = DTYPES[plan.precision.compute]
     # lists of experts an experts rule splits are held stacked from here on (`ExpertList`)
     expert_lists = stack_expert_lists(plan, source.model)
-    # Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`)
-    # are recorded in it; the rank program still gets the fp32 parameters (master weights).
-    traced = source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
-    with experts_as_units(plan, traced), heads_first(traced):
-        captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
+    traced = _traced(plan, source)
+    if captured is None:
+        with experts_as_units(plan, traced), heads_first(traced):
+            captured = capture(traced, source.args, source.kwargs, dynamic=dynamic)
     static_because = captured.static_reason
     if captured.dims is not None:
         try:
@@ -212,6 +214,22 @@ def compile_plan(
         grad_sums,
         expert_lists,
     )
+
+
+def capture_for(plan: Plan, source: ModelSource, *, dynamic: bool = False) -> Captured:
+    """The model captured as `compile_plan` captures it for `plan`: what every plan with the
+    same compute dtype and experts rules can be compiled from (`compile_plan(captured=...)`)."""
+    stack_expert_lists(plan, source.model)
+    traced = _traced(plan, source)
+    with experts_as_units(plan, traced), heads_first(traced):
+        return capture(traced, source.args, source.kwargs, dynamic=dynamic)
+
+
+def _traced(plan: Plan, source: ModelSource) -> nn.Module:
+    """Capture in the compute dtype, so the model's own casts (a norm's `.to(input_dtype)`) are
+    recorded in it; the rank program still gets the fp32 parameters (master weights)."""
+    compute = DTYPES[plan.precision.compute]
+    return source.model if compute == torch.float32 else cast_floating(copy.deepcopy(source.model), compute)
 
 
 def _every_name(by_name: dict[str, tuple[str, ...]], model: nn.Module) -> dict[str, tuple[str, ...]]:

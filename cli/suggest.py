@@ -1,0 +1,126 @@
+"""`meshplan suggest --model SPEC --world-size N --memory SIZE`: the plan for a model on N
+devices, written out (`compiler/suggest.py` finds it). The plan goes to stdout (or `-o FILE`)
+and the report to stderr, so `meshplan suggest ... > my.plan` keeps the plan alone; exit 3
+when no layout fits the memory, with the closest miss."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshplan.args import memory_size, positive_int
+from meshplan.errors import UsageError
+
+EXIT_OK, EXIT_DOES_NOT_FIT = 0, 3
+AXES = ("dp", "tp", "pp", "ep")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="SPEC", help="the model: path/to/file.py:factory")
+    p.add_argument("--world-size", required=True, type=positive_int, metavar="N", help="ranks to plan for")
+    p.add_argument("--memory", type=memory_size, metavar="SIZE", help="each rank's device memory (80GiB)")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        metavar="B",
+        help="sequences per step (default: one per rank, N)",
+    )
+    p.add_argument(
+        "--seq", type=positive_int, metavar="T", help="sequence length (default: the model's example)"
+    )
+    p.add_argument(
+        "--hardware",
+        metavar="NAME",
+        help="h100, h200, a100, cpu or a .json entry, as `estimate` takes it (default: this machine's kind)",
+    )
+    p.add_argument(
+        "--axes",
+        metavar="LIST",
+        help=f"only these parallel axes, comma-separated, from {','.join(AXES)} (default: all)",
+    )
+    p.add_argument(
+        "--top", type=positive_int, default=3, metavar="K", help="plans to estimate and show (default 3)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds for estimating candidates once one fits (default 60)",
+    )
+    p.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
+    p.add_argument("--json", action="store_true", help="the plan and the ranking as one JSON object")
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    from meshplan.compiler.hardware import hardware
+    from meshplan.compiler.load import load_model
+    from meshplan.compiler.print_suggest import suggest_json, suggest_text
+    from meshplan.compiler.suggest import suggest
+    from meshplan.compiler.suggest_plan import gib, seconds
+    from meshplan.for_model import this_machine
+
+    axes = _axes(args.axes)
+    if args.output and Path(args.output).is_dir():
+        raise UsageError(f"-o {args.output}: is a folder; name the plan file to write")
+    hw = hardware(args.hardware or this_machine())
+    batch = args.batch or args.world_size
+    found = suggest(
+        load_model(args.model, shapes_only=True),
+        world=args.world_size,
+        hw=hw,
+        limit=args.memory,
+        batch=batch,
+        seq=args.seq,
+        axes=axes,
+        top=args.top,
+        budget=args.budget,
+    )
+    if args.json:
+        print(json.dumps(suggest_json(found), indent=2))
+        return EXIT_OK if found.best is not None else EXIT_DOES_NOT_FIT
+    report = sys.stderr if args.output is None else sys.stdout
+    where = f"{args.model} on {args.world_size} ranks of {hw.name}"
+    memory = f", {gib(args.memory)} each" if args.memory else ""
+    print(
+        f"meshplan suggest: {where}{memory}, batch {batch}"
+        + ("" if args.batch else " (one sequence per rank)"),
+        file=report,
+    )
+    print(suggest_text(found, top=args.top), file=report)
+    best = found.best
+    if best is None:
+        closest = min(found.ranked, key=lambda c: c.estimated_peak or c.peak)
+        need = closest.estimated_peak or closest.peak
+        how = "by `meshplan estimate`" if closest.estimate is not None else "by the screen's arithmetic"
+        print(
+            f"meshplan: error: no layout of {args.world_size} ranks fits {gib(args.memory)} a rank; the closest, "
+            f"`mesh {closest.layout.mesh()}` (zero {closest.layout.zero}"
+            f"{', offload' if closest.layout.offload else ''}{', checkpointed' if closest.layout.checkpoint else ''}),"
+            f" needs {gib(need)} ({how})",
+            file=sys.stderr,
+        )
+        print("hint: more ranks, a smaller --batch or --seq, or devices with more memory", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if args.output:
+        Path(args.output).write_text(best.text)
+        print(
+            f"wrote {args.output}: `mesh {best.layout.mesh()}`, {gib(best.estimated_peak)} per rank at most, "
+            f"a step in {seconds(best.estimated_time)} (by `meshplan estimate`)",
+            file=report,
+        )
+    else:
+        sys.stdout.write(best.text)
+    return EXIT_OK
+
+
+def _axes(text: str | None) -> frozenset[str] | None:
+    if text is None:
+        return None
+    names = frozenset(a.strip() for a in text.split(",") if a.strip())
+    unknown = sorted(names - set(AXES))
+    if unknown:
+        raise UsageError(f"--axes: unknown axis {', '.join(unknown)} (known: {', '.join(AXES)})")
+    return names

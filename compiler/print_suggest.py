@@ -1,0 +1,104 @@
+"""`meshplan suggest`'s report: what it found in the model, what it searched, the runners-up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .structure import ModelShape
+from .suggest import Candidate, Suggestion
+from .suggest_plan import gib, seconds
+
+
+def suggest_text(found: Suggestion, *, top: int) -> str:
+    lines = []
+    if found.shape is not None:
+        lines.append(f"model: {parts_line(found.shape)}")
+    s = found.seconds
+    lines.append(
+        f"searched {found.searched} layouts in {seconds(s.get('screen'))} "
+        f"({found.screened_fit} under the limit by the screen); estimated "
+        f"{sum(1 for c in found.ranked if c.estimate is not None)} in {seconds(s.get('estimate'))} "
+        f"(capture and profile {seconds(s.get('capture'))})"
+    )
+    for feature, why in sorted(found.refusals.items()):
+        lines.append(f"the compiler refused {feature}: {why}")
+    shown = found.ranked[: max(top, 1)]
+    rows: list[tuple[str, ...]] = [("#", "mesh", "zero", "checkpoint", "pipeline", "peak/rank", "step", "")]
+    for i, c in enumerate(shown, 1):
+        rows.append(_row(i, c))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    lines.append("")
+    for r in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _row(i: int, c: Candidate) -> tuple[str, ...]:
+    lay = c.layout
+    zero = str(lay.zero) + (" +offload" if lay.offload else "")
+    pipeline = f"1f1b x {lay.microbatches}" if lay.pp > 1 else "-"
+    if c.estimate is not None:
+        peak, step, how = (
+            c.estimated_peak,
+            c.estimated_time,
+            "estimated" + ("" if c.fits else ", does not fit"),
+        )
+    else:
+        peak, step, how = c.peak, c.time, "screened" + (f", refused: {c.refused}" if c.refused else "")
+    mark = str(i)
+    return (
+        mark,
+        lay.mesh(),
+        zero,
+        "every block" if lay.checkpoint else "-",
+        pipeline,
+        gib(peak),
+        seconds(step),
+        how,
+    )
+
+
+def parts_line(shape: ModelShape) -> str:
+    if shape.blocks is None:
+        return "no repeated blocks found (data parallel only)"
+    pairs = "; ".join(f"{'/'.join(p.columns)} -> {p.row}" for p in shape.pairs) or "none"
+    ends = ", ".join(p for p in (shape.embedding, shape.head) if p) or "none"
+    experts = (
+        f"; experts {shape.block(shape.experts)} ({shape.num_experts}, top {shape.top_k})"
+        if shape.experts
+        else ""
+    )
+    tied = " (tied)" if shape.tied else ""
+    return f"{shape.layers} blocks `{shape.block()}`; pairs {pairs}; ends {ends}{tied}{experts}"
+
+
+def suggest_json(found: Suggestion) -> dict[str, Any]:
+    def entry(c: Candidate) -> dict[str, Any]:
+        lay = c.layout
+        out: dict[str, Any] = {
+            "mesh": {"dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "tp": lay.tp},
+            "zero": lay.zero,
+            "offload": lay.offload,
+            "checkpoint": lay.checkpoint,
+            "microbatches": lay.microbatches,
+            "sequence_parallel": lay.sp,
+            "vocab_parallel": lay.vocab,
+            "screened": {"peak": c.peak, "step_time_s": c.time},
+            "estimated": None,
+            "refused": c.refused or None,
+        }
+        if c.estimate is not None:
+            out["estimated"] = {"peak": c.estimated_peak, "step_time_s": c.estimated_time, "fits": c.fits}
+        return out
+
+    best = found.best
+    return {
+        "plan": best.text if best is not None else None,
+        "best": entry(best) if best is not None else None,
+        "ranked": [entry(c) for c in found.ranked[:20]],
+        "searched": found.searched,
+        "screened_fit": found.screened_fit,
+        "seconds": found.seconds,
+        "refused": found.refusals,
+        "assumptions": list(found.assumed),
+    }

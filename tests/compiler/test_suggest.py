@@ -1,0 +1,208 @@
+"""`meshplan suggest`: the parts found in real models, the screen's arithmetic, and the written
+plan held to what the compiler, `estimate` and a training run say of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshplan.compiler.capture import with_token_shape
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.errors import CompileError
+from meshplan.compiler.estimate import estimate
+from meshplan.compiler.hardware import hardware
+from meshplan.compiler.load import load_model, on_meta_inputs
+from meshplan.compiler.structure import model_shape
+from meshplan.compiler.suggest import Layout, suggest
+from meshplan.dsl import check_text
+from meshplan.dsl.fmt import format_plan
+from meshplan.dsl.parser import parse
+
+LLAMA = "examples/models/llama.py:build"
+MOE = "examples/models/moe.py:build"
+MiB = 2**20
+
+
+def source(spec: str):
+    """The model built on meta, its example inputs on the host: what `suggest` shapes per layout."""
+    return load_model(spec, shapes_only=True)
+
+
+def shaped(spec: str, batch: int, seq: int):
+    return on_meta_inputs(with_token_shape(load_model(spec, shapes_only=True), batch=batch, seq=seq))
+
+
+@pytest.fixture(scope="module")
+def llama_4():
+    """The example Llama suggested for 4 ranks of 64 MiB: too little for plain data parallelism."""
+    return suggest(source(LLAMA), world=4, hw=hardware("h100"), limit=3 * MiB, batch=8, seq=32)
+
+
+def test_parts_of_the_example_models():
+    llama = model_shape(load_model(LLAMA, shapes_only=True).model)
+    assert llama.blocks == "layers" and llama.layers == 4
+    assert [(p.columns, p.row) for p in llama.pairs] == [
+        (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj"),
+        (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+    ]
+    assert llama.norms == ("input_layernorm", "post_attention_layernorm")
+    assert (llama.embedding, llama.head, llama.final_norm, llama.tied) == (
+        "embed_tokens",
+        "lm_head",
+        "norm",
+        False,
+    )
+    assert llama.tp_sizes() == [1, 2, 4]  # 172 MLP features: not 8
+    gpt = model_shape(load_model("examples/models/gpt.py:build", shapes_only=True).model)
+    assert gpt.tied and gpt.blocks == "h" and gpt.final_norm == "ln_f"
+    moe = model_shape(load_model(MOE, shapes_only=True).model)
+    assert (moe.experts, moe.num_experts, moe.top_k) == ("mlp.experts", 4, 2)
+    assert [p.row for p in moe.pairs] == ["self_attn.o_proj"]  # the experts' own linears are not a pair
+
+
+def test_parts_of_a_hugging_face_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        shape = model_shape(LlamaForCausalLM(config))
+    assert shape.blocks == "model.layers" and shape.heads == 4
+    assert shape.block(shape.pairs[0].row) == "model.layers.*.self_attn.o_proj"
+    assert (shape.embedding, shape.head, shape.final_norm) == ("model.embed_tokens", "lm_head", "model.norm")
+
+
+def test_the_suggested_plan_is_formatted_checks_and_fits_by_estimate(llama_4):
+    best = llama_4.best
+    assert best is not None and best.fits
+    assert format_plan(parse(best.text), best.text) == best.text  # what `meshplan fmt` prints
+    assert best.text.count("# ") >= 2  # a header and a reason per block
+    # compiled again from the text alone, estimated again: the numbers the plan's comments state
+    plan = check_text(best.text, "suggested.plan", world_size=4)
+    rows = best.layout.rows(8)  # what one rank runs at once: 8 sequences a step over its data ranks
+    compiled = compile_plan(plan, shaped(LLAMA, rows, 32), world_size=4, dynamic=False)
+    est = estimate(compiled, limit=3 * MiB, hw=hardware("h100"))
+    assert est.fits and max(r.peak for r in est.ranks) == best.estimated_peak
+    assert best.layout != Layout(dp=4)  # plain data parallelism does not fit in 3 MiB
+
+
+def test_the_search_never_returns_a_plan_over_the_limit(llama_4):
+    estimated = [c for c in llama_4.ranked if c.estimate is not None]
+    assert estimated, "the search estimated candidates"
+    for c in estimated:
+        if c.fits:
+            assert c.estimated_peak <= 3 * MiB
+    # the pick is the one the ranking says: no estimated layout that fits is faster by more than the tie
+    fastest = min(c.estimated_time for c in estimated if c.fits)
+    assert llama_4.best.estimated_time <= fastest * 1.1
+
+
+def test_the_screen_follows_the_memory_arithmetic(llama_4):
+    from meshplan.compiler.compile import capture_for
+    from meshplan.compiler.profile import profile_model
+    from meshplan.compiler.suggest import Counts, Screen
+    from meshplan.compiler.suggest_plan import base_plan
+
+    src = shaped(LLAMA, 1, 32)
+    shape = model_shape(src.model)
+    captured = capture_for(check_text(base_plan(shape, "fp32"), "<base>", world_size=1), src)
+    hw = hardware("h100")
+    scr = Screen(shape, Counts.of(src.model, shape), profile_model(captured, shape, hw), hw, 4, 8)
+    n = sum(p.numel() for p in src.model.parameters())
+    assert scr.local_params(Layout(dp=4), 0, shape.layers) == n
+    states = [scr.state_bytes(Layout(dp=4, zero=z), n)[0] for z in range(4)]
+    assert states == [16 * n, 8 * n + 2 * n, 4 * n + 3 * n, 4 * n]
+    plain, ckpt = scr.peak(Layout(dp=4)), scr.peak(Layout(dp=4, checkpoint=True))
+    assert ckpt < plain
+    # tensor parallelism divides the pairs' parameters; the norms stay whole
+    split = scr.local_params(Layout(dp=2, tp=2, vocab=True), 0, shape.layers)
+    assert n // 2 < split < n * 0.51 + 2 * 4 * 64
+
+
+def test_a_model_with_experts_gets_an_experts_axis():
+    found = suggest(source(MOE), world=4, hw=hardware("h100"), limit=64 * MiB, batch=8, seq=32, top=2)
+    assert any(c.layout.ep > 1 for c in found.ranked)
+    assert found.best is not None and "experts over ep (top_k=2)" in found.best.text
+    check_text(found.best.text, "suggested.plan", world_size=4)
+
+
+def test_nothing_fits_is_an_error_the_cli_explains(tmp_path, capsys):
+    from meshplan.main import main
+
+    status = main(
+        ["suggest", "--model", LLAMA, "--world-size", "2", "--memory", "64KiB", "--hardware", "h100"]
+    )
+    err = capsys.readouterr().err
+    assert status == 3
+    assert "error: no layout of 2 ranks fits 64.0 KiB a rank; the closest, `mesh dp=2` (zero 3" in err
+    assert "needs 1.2 MiB" in err and "hint: more ranks" in err
+
+
+def test_the_cli_writes_the_plan_and_trains_it(tmp_path, capsys):
+    from runs import meshplan_run
+
+    from meshplan.main import main
+
+    out = tmp_path / "suggested.plan"
+    status = main(
+        [
+            "suggest",
+            "--model",
+            LLAMA,
+            "--world-size",
+            "2",
+            "--memory",
+            "1GiB",
+            "--hardware",
+            "cpu",
+            "-o",
+            str(out),
+        ]
+    )
+    report = capsys.readouterr().out
+    assert status == 0 and f"wrote {out}" in report and "estimated" in report
+    text = out.read_text()
+    assert text.startswith("# Suggested by `meshplan suggest` for 2 ranks")
+    records = meshplan_run(str(out), "--steps", "2", "--out", str(tmp_path / "run"))
+    assert len(records) == 2 and all(len(r) == 2 for r in records)
+    assert all(torch.isfinite(torch.tensor(r[-1]["loss"])) for r in records)
+
+
+def test_the_plan_alone_goes_to_stdout(capsys):
+    from meshplan.main import main
+
+    assert main(["suggest", "--model", LLAMA, "--world-size", "2", "--hardware", "h100", "--top", "1"]) == 0
+    captured = capsys.readouterr()
+    check_text(captured.out, "stdout.plan", world_size=2)  # nothing but the plan
+    assert "searched" in captured.err
+
+
+def test_unknown_axes_are_a_usage_error(capsys):
+    from meshplan.main import main
+
+    assert main(["suggest", "--model", LLAMA, "--world-size", "2", "--axes", "dp,zz"]) == 2
+    assert "--axes: unknown axis zz" in capsys.readouterr().err
+
+
+def test_a_refused_layout_is_never_written():
+    from meshplan.compiler.suggest import Candidate, search
+
+    def verify(c):
+        if c.layout.tp > 1:
+            raise CompileError("tensor parallelism refused here")
+        c.estimate = type("E", (), {"fits": True, "step_time": 1.0, "ranks": []})()
+
+    ranked = [
+        Candidate(Layout(dp=2, tp=2), 0, 0.5),
+        Candidate(Layout(dp=2, tp=2, zero=1), 0, 0.6),
+        Candidate(Layout(dp=4), 0, 0.7),
+    ]
+    tried, refused = search(ranked, None, verify, top=1)
+    assert [c.layout for c in tried] == [Layout(dp=2, tp=2), Layout(dp=4)]  # the second tp one skipped
+    assert refused == {"tp": "tensor parallelism refused here"}

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, fx, nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,6 +122,38 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+class FlashAttention(TorchFunctionMode):
+    """`scaled_dot_product_attention` on meta tensors as the kernels that run it keep memory.
+
+    On meta, SDPA has no fused kernel and decomposes into the math path, whose softmax keeps
+    batch x heads x seq x seq probabilities for backward. The runs it stands for never do:
+    CUDA picks a flash or memory-efficient kernel and the CPU its flash kernel, which keep the
+    output and one log-sum-exp per row. So on meta it is called as the CPU flash kernel (its
+    meta function gives those shapes, its backward their gradients; `step_time` prices it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA or func is F.scaled_dot_product_attention:
+            flash = _flash_call(*args, **kwargs)
+            if flash is not None:
+                return flash
+        return func(*args, **kwargs)
+
+
+def _flash_call(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+):
+    if query.device.type != "meta" or enable_gqa or query.shape[-1] != value.shape[-1]:
+        return None
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out
+
+
 def _by_id(t: Tensor) -> tuple[int, weakref.ref]:
     storage = t.untyped_storage()
     return id(storage), weakref.ref(storage)
@@ -193,7 +227,7 @@ def walk_stages(
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
     engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
     try:
-        with tracker:
+        with tracker, FlashAttention():
             sends: Sequence[Any] = ()
             for s, stage in enumerate(stages):
                 recv = [

@@ -33,7 +33,7 @@ from . import meta
 from .capture import Captured, bind_inputs
 from .graph import keep_loss_output, normalize
 from .hardware import Hardware
-from .liveness import LiveBytes
+from .liveness import FlashAttention, LiveBytes
 from .step_time import OpCosts
 from .structure import ModelShape
 
@@ -106,7 +106,7 @@ def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profil
         for x in bind_inputs(captured.model, gm, captured.args, captured.kwargs)
     ]
     tracker = _Parts(note, costs)
-    with tracker:
+    with tracker, FlashAttention():
         out = _Walk(gm, part_of, note, costs).run(*inputs)
         kept: dict[str, int] = {}
         for key, (nbytes, ref) in tracker._storages.items():

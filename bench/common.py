@@ -505,3 +505,28 @@ def same_work_medians(results: list[dict[str, list[tuple[float, float]]]], steps
     losses = [results[0][name][-1][1] for name in medians]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), f"the losses differ: {losses}"
     return medians
+
+
+def run_step_time(
+    plan: Path, model: str, *, steps: int, batch: int, seq: int, out: Path
+) -> tuple[float, int]:
+    """`meshplan run PLAN` for `steps` steps (torchrun, gloo on this machine's CPUs): the median
+    step time (a step's is its slowest rank's `time_s`; the steps after the first two, leaving
+    out those the CPU peak tracker slows) and the most live tensor bytes any rank measured."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "meshplan", "run", str(plan), "--model", model, "--steps", str(steps)]
+    argv += ["--batch", str(batch), "--seq", str(seq), "--out", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+    per_step: dict[int, float] = {}
+    peak = 0
+    for f in (out / "metrics").glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            peak = max(peak, rec.get("peak_tensor_bytes") or 0)
+            if rec["step"] > 2 and rec.get("peak_tensor_bytes") is None:
+                per_step[rec["step"]] = max(per_step.get(rec["step"], 0.0), rec["time_s"])
+    return statistics.median(per_step.values()), peak

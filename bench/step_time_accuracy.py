@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from common import run_step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = "examples/models/llama.py:build"
@@ -62,16 +62,7 @@ CELLS: dict[str, tuple[str, str, str]] = {
 
 def measured(plan: Path, model: str, args: argparse.Namespace, out: Path) -> float:
     """The median step time of `meshplan run` (the slowest rank's, per step)."""
-    argv = [sys.executable, "-m", "meshplan", "run", str(plan), "--model", model, "--steps", str(args.steps)]
-    argv += ["--batch", str(args.batch), "--seq", str(args.seq), "--out", str(out)]
-    subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
-    per_step: dict[int, float] = {}
-    for f in (out / "metrics").glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            if rec["step"] > 2 and rec.get("peak_tensor_bytes") is None:
-                per_step[rec["step"]] = max(per_step.get(rec["step"], 0.0), rec["time_s"])
-    return statistics.median(per_step.values())
+    return run_step_time(plan, model, steps=args.steps, batch=args.batch, seq=args.seq, out=out)[0]
 
 
 def estimated(plan: Path, model: str, args: argparse.Namespace) -> float:

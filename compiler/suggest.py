@@ -517,10 +517,7 @@ def suggest(
     ranked = screen(scr, layouts(shape, world, batch, seq, hw.devices_per_node, axes))
     seconds["screen"] = time.perf_counter() - t1
     if not ranked:
-        raise CompileError(
-            f"no layout of {world} ranks divides the batch of {batch} sequences and the model's sizes",
-            hint="pass a --batch that the data-parallel degree can divide, or another --world-size",
-        )
+        raise CompileError(_no_layout(shape, world, batch, hw, axes), hint=_NO_LAYOUT_HINT)
     screened_fit = sum(1 for c in ranked if limit is None or c.peak <= limit * MARGIN)
 
     def write(cand: Candidate) -> str:
@@ -555,6 +552,21 @@ def suggest(
         refusals,
         shape,
     )
+
+
+_NO_LAYOUT_HINT = "allow more axes (--axes), or pass a --batch the data ranks divide, or another --world-size"
+
+
+def _no_layout(shape: ModelShape, world: int, batch: int, hw: Hardware, axes: frozenset[str] | None) -> str:
+    """Why no layout of `world` ranks exists: what each axis may be."""
+    tps = [t for t in shape.tp_sizes() if t <= hw.devices_per_node]
+    why = [f"tp {'/'.join(map(str, tps))}" + ("" if shape.pairs else " (no column/row pairs found)")]
+    why.append(
+        f"pp at most {shape.layers} (its blocks)" if shape.blocks else "pp 1 (no repeated blocks found)"
+    )
+    why.append(f"dp x ep dividing the batch of {batch}")
+    only = f" over {', '.join(sorted(axes))}" if axes is not None else ""
+    return f"no layout of {world} ranks{only} for this model: it allows {'; '.join(why)}"
 
 
 def _example_shape(source) -> tuple[int, int | None]:

@@ -206,3 +206,34 @@ def test_a_refused_layout_is_never_written():
     tried, refused = search(ranked, None, verify, top=1)
     assert [c.layout for c in tried] == [Layout(dp=2, tp=2), Layout(dp=4)]  # the second tp one skipped
     assert refused == {"tp": "tensor parallelism refused here"}
+
+
+def test_gpt2s_transposed_linears_are_pairs_and_no_layout_says_what_each_axis_allows(capsys):
+    from meshplan.main import main
+
+    gpt2 = "tests/compiler/hf_factories.py:hf_gpt2"
+    shape = model_shape(load_model(gpt2, shapes_only=True).model)
+    assert [(p.columns, p.row) for p in shape.pairs] == [
+        (("attn.c_attn",), "attn.c_proj"),
+        (("mlp.c_fc",), "mlp.c_proj"),
+    ]
+    assert shape.tied and shape.blocks == "transformer.h" and shape.tp_sizes() == [1, 2, 4]
+    argv = [
+        "suggest",
+        "--model",
+        gpt2,
+        "--world-size",
+        "16",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--axes",
+        "tp,pp",
+    ]
+    assert main([*argv, "--hardware", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "no layout of 16 ranks over pp, tp for this model: it allows tp 1/2/4; pp at most 2 (its blocks)"
+        in err
+    )

@@ -1,0 +1,145 @@
+"""`meshplan suggest` against running every layout: is the suggested plan the fastest that fits?
+
+    meshplan estimate --calibrate              # once: this machine's entry (`--hardware cpu`)
+    python bench/suggest_quality.py [--models llama,hf_llama] [--world 4] [--batch 8] [--seq 64]
+                                    [--memory 24MiB] [--steps 10]
+
+For each model, every layout of a bounded space (`compiler.suggest.layouts` on `--world` ranks,
+ZeRO 0, 1 and 3, checkpointing or not, a pipeline's microbatches at twice its stages, no
+offload) is written as `suggest` writes it and trained with `meshplan run` (torchrun, gloo on
+this machine's CPUs) for `--steps` steps: its median step time (the slowest rank's) and its
+most live tensor bytes (the CPU tracker's `peak_tensor_bytes`). Then `meshplan suggest` runs
+once for the same model, ranks, batch and memory, priced on `--hardware cpu`.
+
+Goals (issue: suggest): the suggested plan's measured step time is the fastest measured of the
+layouts that fit `--memory` or within 5% of it, and none of suggest's top 3 measures over
+`--memory`. The table shows each layout's screened, estimated (for those suggest estimated)
+and measured numbers, in measured order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, human_bytes, run_step_time
+
+MODELS = {
+    "llama": f"{ROOT / 'examples/models/llama.py'}:build",
+    "hf_llama": f"{Path(__file__).resolve()}:hf_llama",
+}
+
+
+def hf_llama():
+    """A Hugging Face Llama from a config, random weights (4 layers, H=64, 4/2 heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config)
+
+
+def space(shape, args):
+    from meshplan.compiler.suggest import layouts
+
+    for lay in layouts(shape, args.world, args.batch, args.seq, per_node=args.world):
+        if lay.offload or lay.zero == 2:
+            continue  # ZeRO-2 is ZeRO-1's time on one machine; offload is ZeRO-3's plus the host
+        if lay.pp > 1 and lay.microbatches != 2 * lay.pp:
+            continue
+        yield lay
+
+
+def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool:
+    from meshplan.compiler.hardware import hardware
+    from meshplan.compiler.load import load_model
+    from meshplan.compiler.structure import model_shape
+    from meshplan.compiler.suggest import Candidate, suggest
+    from meshplan.compiler.suggest_plan import write_plan
+
+    hw = hardware(args.hardware)
+    source = load_model(spec, shapes_only=True)
+    found = suggest(source, world=args.world, hw=hw, limit=args.memory, batch=args.batch, seq=args.seq)
+    assert found.best is not None, f"{name}: suggest found nothing that fits"
+    shape = found.shape or model_shape(source.model)
+    by_layout = {c.layout: c for c in found.ranked}
+    rows = []
+    for i, lay in enumerate(space(shape, args)):
+        cand = by_layout.get(lay) or Candidate(lay, 0, 0.0)
+        text = write_plan(
+            shape, cand, compute="fp32", world=args.world, hw=hw, limit=None, batch=args.batch, seq=args.seq
+        )
+        plan = tmp / f"{name}_{i}.plan"
+        plan.write_text(text)
+        try:
+            step, peak = run_step_time(
+                plan,
+                spec,
+                steps=args.steps,
+                batch=lay.rows(args.batch),
+                seq=args.seq,
+                out=tmp / f"{name}_{i}",
+            )
+        except Exception as e:  # a layout that does not train is a finding, not a crash of the bench
+            print(f"  {lay.mesh()} zero {lay.zero}{' ckpt' if lay.checkpoint else ''}: did not run ({e})")
+            continue
+        rows.append((lay, cand, step, peak))
+    rows.sort(key=lambda r: r[2])
+    fitting = [r for r in rows if args.memory is None or r[3] <= args.memory]
+    fastest = fitting[0][2]
+    best = next(r for r in rows if r[0] == found.best.layout)
+    top3 = [c.layout for c in found.ranked[:3]]
+    print(f"\n{name} ({spec}): {len(rows)} layouts on {args.world} ranks, batch {args.batch} x {args.seq}")
+    print(f"  {'layout':34} {'screened':>9} {'estimated':>10} {'measured':>9} {'peak':>10}")
+    for lay, cand, step, peak in rows:
+        mark = "<- suggested" if lay == found.best.layout else ("top 3" if lay in top3 else "")
+        over = " over" if args.memory is not None and peak > args.memory else ""
+        estimated = f"{cand.estimated_time * 1e3:8.1f}ms" if cand.estimated_time else f"{'-':>10}"
+        what = f"{lay.mesh()}, zero {lay.zero}{', ckpt' if lay.checkpoint else ''}"
+        if lay.pp > 1:
+            what += f", {lay.microbatches} mb"
+        print(
+            f"  {what:34} {cand.time * 1e3:7.1f}ms {estimated} {step * 1e3:7.1f}ms "
+            f"{human_bytes(peak):>10}{over} {mark}"
+        )
+    ratio = best[2] / fastest
+    top_over = [
+        lay for lay, _, _, peak in rows if lay in top3 and args.memory is not None and peak > args.memory
+    ]
+    print(f"  suggested: {best[2] * 1e3:.1f} ms, {ratio:.3f} x the fastest that fits (goal <= 1.05)")
+    print(f"  top 3 over --memory when run: {len(top_over)} (goal 0)")
+    return ratio <= 1.05 and not top_over
+
+
+def main() -> int:
+    from meshplan.args import memory_size
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="sequences a step, over the data ranks")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--memory", type=memory_size, default=None)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--hardware", default="cpu")
+    args = ap.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            ok &= one_model(name, MODELS[name], args, Path(tmp))
+    print("\nall goals met" if ok else "\nsome goal missed")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -20,8 +20,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, fx, nn
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -125,29 +123,30 @@ class LiveBytes(TorchDispatchMode):
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-class FlashAttention(TorchFunctionMode):
-    """`scaled_dot_product_attention` on meta tensors as the kernels that run it keep memory.
+def flash_attention(gm: nn.Module) -> None:
+    """`scaled_dot_product_attention` in `gm`'s graphs (nested ones too: checkpoint regions)
+    called, on meta tensors, as the kernels that run it keep memory. Changes `gm` in place.
 
     On meta, SDPA has no fused kernel and decomposes into the math path, whose softmax keeps
     batch x heads x seq x seq probabilities for backward. The runs it stands for never do:
     CUDA picks a flash or memory-efficient kernel and the CPU its flash kernel, which keep the
     output and one log-sum-exp per row. So on meta it is called as the CPU flash kernel (its
     meta function gives those shapes, its backward their gradients; `step_time` prices it)."""
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        found = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+        for node in found:
+            node.target = _flash_on_meta
+        if found:
+            sub.recompile()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA or func is F.scaled_dot_product_attention:
-            flash = _flash_call(*args, **kwargs)
-            if flash is not None:
-                return flash
-        return func(*args, **kwargs)
 
-
-def _flash_call(
+def _flash_on_meta(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ):
     if query.device.type != "meta" or enable_gqa or query.shape[-1] != value.shape[-1]:
-        return None
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -210,8 +209,11 @@ def walk_stages(
     """Each stage run forward on `inputs` (plus what the one before sends), then backward from
     the last (the loss) to the first, on whatever device the tensors are (meta: no data);
     `observer` sees every op, told the stage and phase first. `zero`: ZeRO's engine,
-    whose buffers are counted as it makes and frees them (`ZeroWalk`)."""
+    whose buffers are counted as it makes and frees them (`ZeroWalk`). The stages' attention
+    is called as its kernels keep memory (`flash_attention`, in place)."""
     note = ["start"]
+    for stage in stages:
+        flash_attention(stage)
     walks = [StageWalk() for _ in stages]
     outputs: list[Any] = []
     received: list[list[Tensor | None]] = []  # per stage, one per value it receives
@@ -227,7 +229,7 @@ def walk_stages(
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
     engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
     try:
-        with tracker, FlashAttention():
+        with tracker:
             sends: Sequence[Any] = ()
             for s, stage in enumerate(stages):
                 recv = [

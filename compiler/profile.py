@@ -33,7 +33,7 @@ from . import meta
 from .capture import Captured, bind_inputs
 from .graph import keep_loss_output, normalize
 from .hardware import Hardware
-from .liveness import FlashAttention, LiveBytes
+from .liveness import LiveBytes, flash_attention
 from .step_time import OpCosts
 from .structure import ModelShape
 
@@ -97,6 +97,7 @@ class _Walk(fx.Interpreter):
 def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profile:
     """Run the captured model's forward on meta and measure it by part (see the module docstring)."""
     gm = keep_loss_output(normalize(captured.program.module()), captured.program.call_spec.out_spec)
+    flash_attention(gm)
     part_of = _parts(gm, shape)
     costs = OpCosts(hw)
     note = ["first"]
@@ -106,7 +107,7 @@ def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profil
         for x in bind_inputs(captured.model, gm, captured.args, captured.kwargs)
     ]
     tracker = _Parts(note, costs)
-    with tracker, FlashAttention():
+    with tracker:
         out = _Walk(gm, part_of, note, costs).run(*inputs)
         kept: dict[str, int] = {}
         for key, (nbytes, ref) in tracker._storages.items():

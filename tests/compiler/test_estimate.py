@@ -128,3 +128,14 @@ def test_a_rank_keeps_its_stages_microbatches_from_forward_to_backward_and_a_spl
     zb = build("zero_bubble", 2, 4, None)
     without = most_kept(zb, 1, {1: 10}, {1: 0})
     assert most_kept(zb, 1, {1: 10}, {1: 1}) > without >= 10
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_attention_keeps_what_its_kernels_keep_not_seq_squared(checkpointed):
+    """On meta, SDPA would run its math path and keep seq x seq probabilities for backward; the
+    flash kernels the runs use keep the output and a log-sum-exp per row. Doubling the sequence
+    then doubles what the blocks keep (the scores would quadruple), checkpointed or not (the
+    recomputation runs the same kernel, or checkpoint refuses its different shapes)."""
+    text = "mesh dp=1\n" + ("\nmodules {\n    layers.*: checkpoint\n}\n" if checkpointed else "")
+    kept = [estimate(compiled_for(text, batch=2, seq=seq)).ranks[0].activations for seq in (64, 128)]
+    assert 1.9 < kept[1] / kept[0] < 2.2, kept

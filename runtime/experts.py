@@ -111,6 +111,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from . import watchdog
 from .collectives import AxisCollective, all_gather_single
+from .zero_nodes import in_backward
 
 # attributes a module or its config counts its experts in (Mixtral's `num_experts`, DeepSeek's...)
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -530,7 +531,7 @@ class ExpertParallel(AxisCollective):
 def _counting(routing: Tensor) -> bool:
     """Whether a forward counts its routing for the metrics: in training, once (not when
     checkpointing recomputes it in backward), on real tensors (meta ones route by assumption)."""
-    return torch.is_grad_enabled() and not _in_backward() and not routing.is_meta
+    return torch.is_grad_enabled() and not in_backward() and not routing.is_meta
 
 
 class _HostRouting(TorchDispatchMode):
@@ -555,11 +556,6 @@ class _HostRouting(TorchDispatchMode):
 def _on_host(value: Any) -> bool:
     """A CPU tensor that is not a scalar (which any device's op takes)."""
     return isinstance(value, Tensor) and value.device.type == "cpu" and value.dim() > 0
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass (activation checkpointing recomputes there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def takes_counts(module: nn.Module) -> bool:

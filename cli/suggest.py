@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="seconds for estimating candidates once one fits (default 60)",
+        help="seconds the command may take once a plan fits: no further candidate is estimated "
+        "past them (default 60; the first plan that fits is always found)",
     )
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     p.add_argument("--json", action="store_true", help="the plan and the ranking as one JSON object")

@@ -14,10 +14,12 @@ def suggest_text(found: Suggestion, *, top: int) -> str:
     if found.shape is not None:
         lines.append(f"model: {parts_line(found.shape)}")
     s = found.seconds
+    estimated = [c for c in found.ranked if c.estimate is not None]
+    over = sum(1 for c in estimated if not c.fits)
     lines.append(
         f"searched {found.searched} layouts in {seconds(s.get('screen'))} "
-        f"({found.screened_fit} under the limit by the screen); estimated "
-        f"{sum(1 for c in found.ranked if c.estimate is not None)} in {seconds(s.get('estimate'))} "
+        f"({found.screened_fit} under the limit by the screen); estimated {len(estimated)}"
+        f"{f' ({over} over the limit)' if over else ''} in {seconds(s.get('estimate'))} "
         f"(capture and profile {seconds(s.get('capture'))})"
     )
     for feature, why in sorted(found.refusals.items()):

@@ -258,7 +258,8 @@ class Screen:
     ) -> None:
         self.shape, self.counts, self.profile, self.hw, self.world = shape, counts, profile, hw, world
         self.batch, self.top_k = batch, top_k
-        # fp32 parameters computed in 16 bits: each weight's cast is kept for its backward
+        # fp32 parameters computed in 16 bits: each weight's cast is kept for its backward, a
+        # copy per microbatch in flight (each forward casts again)
         self.cast_bytes = compute_bytes if compute_bytes < 4 else 0
         busy = min(world, hw.cores) if hw.cores else 1
         crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max((hw.cores or 1) - 1, 1) if hw.cores else 1.0
@@ -321,8 +322,10 @@ class Screen:
             in_flight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
             n = self.local_params(lay, s, blocks)
             state, unit = self.state_bytes(lay, n)
-            if lay.zero < 3:  # (ZeRO-3 casts a unit's weights as it gathers them: its buffers)
-                state += self.cast_bytes * n
+            # the casts are read from outside a checkpointed block (kept), but ZeRO-3 casts a
+            # unit's weights inside it, where checkpointing recomputes them
+            if lay.zero < 3 or not lay.checkpoint:
+                state += self.cast_bytes * n * in_flight
             acts = blocks * kept * in_flight
             if s == 0:
                 acts += self.profile.part("first").saved * f * in_flight
@@ -426,20 +429,29 @@ def search(
     top: int = 3,
     budget: float = 60.0,
     most: int = 24,
+    started: float | None = None,
 ) -> tuple[list[Candidate], dict[str, str]]:
-    """Estimate screened candidates in order until `top` fit by the estimate, `budget` seconds
-    pass (after the first that fits) or `most` are tried. `verify(candidate)` writes, checks,
-    compiles and estimates it (raising `CompileError` when the compiler refuses it)."""
-    started = time.perf_counter()
+    """Estimate screened candidates in order until `top` fit by the estimate, the next one would
+    end past `budget` seconds from `started` (once one fits: the first that fits is always
+    found) or `most` are tried. `verify(candidate)` writes, checks, compiles and estimates it
+    (raising `CompileError` when the compiler refuses it).
+
+    The screen learns from each estimate: a candidate is skipped when its screened peak, times
+    the most the screen has underestimated a layout of its kind (`_kind`: pipelined or not,
+    checkpointed or not), is over the limit. A compiler refusal skips the plans
+    sharing the refused feature."""
+    started = time.perf_counter() if started is None else started
     refused: dict[str, str] = {}
     tried: list[Candidate] = []
-    fitting = 0
+    under: dict[tuple[bool, ...], float] = {}  # kind -> the most estimate / screen seen
+    fitting, spent = 0, 0.0
     for cand in ranked:
-        if limit is not None and cand.peak > limit * MARGIN:
+        if limit is not None and cand.peak * max(MARGIN, under.get(_kind(cand.layout), 0.0)) > limit:
             continue
         if any(f in refused for f in cand.layout.features()):
             continue
-        if len(tried) >= most or (fitting and time.perf_counter() - started > budget):
+        now = time.perf_counter()
+        if len(tried) >= most or (fitting and now + spent / len(tried) > started + budget):
             break
         try:
             verify(cand)
@@ -448,13 +460,23 @@ def search(
             for feature in cand.layout.features() or {"plain"}:
                 refused.setdefault(feature, cand.refused)
             tried.append(cand)
+            spent += time.perf_counter() - now
             continue
         tried.append(cand)
+        spent += time.perf_counter() - now
+        if cand.estimated_peak and cand.peak:
+            kind = _kind(cand.layout)
+            under[kind] = max(under.get(kind, 0.0), cand.estimated_peak / cand.peak)
         if cand.fits:
             fitting += 1
             if fitting >= top:
                 break
     return tried, refused
+
+
+def _kind(lay: Layout) -> tuple[bool, ...]:
+    """Layouts whose memory the screen gets wrong alike."""
+    return (lay.pp > 1, lay.checkpoint)
 
 
 def suggest(
@@ -539,10 +561,13 @@ def suggest(
         cand.text = write(cand)  # again, with the estimate's numbers in its comments
 
     t2 = time.perf_counter()
-    tried, refusals = search(ranked, limit, verify, top=top, budget=budget)
+    tried, refusals = search(ranked, limit, verify, top=top, budget=budget, started=t0)
     seconds["estimate"] = time.perf_counter() - t2
     estimated = sorted((c for c in tried if c.fits), key=lambda c: c.rank_key(estimated=True))
-    rest = [c for c in ranked if c not in estimated]
+    # then the runners-up the screen keeps under the limit, then what the estimate or compiler ruled out
+    unfit = [c for c in tried if not c.fits]
+    kept = [c for c in ranked if c not in tried and (limit is None or c.peak <= limit * MARGIN)]
+    rest = kept + unfit + [c for c in ranked if c not in tried and c not in kept]
     return Suggestion(
         estimated[0] if estimated else None,
         estimated + rest,

@@ -237,3 +237,18 @@ def test_gpt2s_transposed_linears_are_pairs_and_no_layout_says_what_each_axis_al
         "no layout of 16 ranks over pp, tp for this model: it allows tp 1/2/4; pp at most 2 (its blocks)"
         in err
     )
+
+
+def test_json_has_the_plan_the_pick_and_the_ranking(capsys):
+    import json
+
+    from meshplan.main import main
+
+    argv = ["suggest", "--model", LLAMA, "--world-size", "2", "--hardware", "h100", "--top", "2", "--json"]
+    assert main([*argv, "--batch", "4", "--seq", "32", "--memory", "1GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"].startswith("# Suggested by `meshplan suggest`")
+    best = out["best"]
+    assert best["estimated"]["fits"] and best["estimated"]["peak"] <= 2**30
+    assert out["ranked"][0] == best and out["searched"] >= len(out["ranked"]) > 1
+    assert any("screen" in line for line in out["assumptions"])

@@ -126,7 +126,7 @@ def llama70b():
         num_hidden_layers=80,
         num_attention_heads=64,
         num_key_value_heads=8,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,
     )
 
 

@@ -28,6 +28,7 @@ schedules and selective checkpointing are not searched yet.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -508,6 +509,8 @@ def suggest(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     compute = compute or _compute_dtype(hw)
+    if hw.cores:  # a CPU entry prices a run on this one machine, as `estimate` does: one node
+        hw = dataclasses.replace(hw, devices_per_node=world)
     rows, example_seq = _example_shape(source)
     batch = batch or rows
     seq = seq or example_seq

@@ -73,7 +73,10 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
     shape = found.shape or model_shape(source.model)
     by_layout = {c.layout: c for c in found.ranked}
     rows = []
-    for i, lay in enumerate(space(shape, args)):
+    layouts = list(space(shape, args))
+    if found.best.layout not in layouts:  # the suggestion is measured whatever the bounded space leaves out
+        layouts.append(found.best.layout)
+    for i, lay in enumerate(layouts):
         cand = by_layout.get(lay) or Candidate(lay, 0, 0.0)
         text = write_plan(
             shape, cand, compute="fp32", world=args.world, hw=hw, limit=None, batch=args.batch, seq=args.seq

@@ -340,7 +340,7 @@ def estimate(
         raise RuntimeError("estimate builds rank programs on a fake process group of its own")
     if hw is not None and hw.cores:  # a CPU entry prices a run on this one machine
         hw = dataclasses.replace(hw, devices_per_node=layout.world_size)
-    slowdown = _shared_cores(hw, layout.world_size) if hw is not None else 1.0
+    slowdown = shared_cores(hw, layout.world_size) if hw is not None else 1.0
     costs = OpCosts(hw, slowdown) if hw is not None else None
     group_of = functools.lru_cache(maxsize=None)(functools.partial(_group, layout))
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:" to every traceback
@@ -537,7 +537,7 @@ def _engine_row(row) -> bool:
     return row.kind in ("dp_bucket", "zero_bucket", "zero_norm", "zero_gather")
 
 
-def _shared_cores(hw: Hardware, world: int) -> float:
+def shared_cores(hw: Hardware, world: int) -> float:
     """How much longer each op takes on a CPU whose cores the ranks share: more ranks than
     cores take turns; up to one a core, they crowd each other (`Hardware.crowding`, measured
     with every core busy) in proportion to how many cores they fill."""

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from .errors import CompileError
+from .estimate import shared_cores
 from .hardware import Hardware
 from .profile import Part, Profile
 from .step_time import collective_time, exposed
@@ -262,9 +263,7 @@ class Screen:
         # fp32 parameters computed in 16 bits: each weight's cast is kept for its backward, a
         # copy per microbatch in flight (each forward casts again)
         self.cast_bytes = compute_bytes if compute_bytes < 4 else 0
-        busy = min(world, hw.cores) if hw.cores else 1
-        crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max((hw.cores or 1) - 1, 1) if hw.cores else 1.0
-        self.slowdown = crowd * max(1.0, world / hw.cores) if hw.cores else 1.0
+        self.slowdown = shared_cores(hw, world)  # ranks sharing a CPU's cores, as `estimate` prices them
 
     # -- memory
 

@@ -145,7 +145,8 @@ def flash_attention(gm: nn.Module) -> None:
 def _flash_on_meta(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ):
-    if query.device.type != "meta" or enable_gqa or query.shape[-1] != value.shape[-1]:
+    learned_mask = isinstance(attn_mask, Tensor) and attn_mask.requires_grad  # T5's position bias
+    if query.device.type != "meta" or enable_gqa or learned_mask or query.shape[-1] != value.shape[-1]:
         return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale

@@ -252,3 +252,12 @@ def test_json_has_the_plan_the_pick_and_the_ranking(capsys):
     assert best["estimated"]["fits"] and best["estimated"]["peak"] <= 2**30
     assert out["ranked"][0] == best and out["searched"] >= len(out["ranked"]) > 1
     assert any("screen" in line for line in out["assumptions"])
+
+
+def test_an_encoder_decoder_with_a_learned_attention_bias_is_planned():
+    """T5 adds its learned position bias as SDPA's mask: the walk keeps the math path for it
+    (the flash kernel has no gradient for a mask)."""
+    t5 = load_model("tests/compiler/hf_factories.py:hf_t5", shapes_only=True)
+    found = suggest(t5, world=2, hw=hardware("h100"), top=1)
+    assert found.best is not None and found.best.fits
+    assert found.shape is not None and found.shape.blocks == "decoder.block"

@@ -54,8 +54,8 @@ def space(shape, args):
     for lay in layouts(shape, args.world, args.batch, args.seq, per_node=args.world):
         if lay.offload or lay.zero == 2:
             continue  # ZeRO-2 is ZeRO-1's time on one machine; offload is ZeRO-3's plus the host
-        if lay.pp > 1 and lay.microbatches != 2 * lay.pp:
-            continue
+        if lay.pp > 1 and (lay.microbatches != 2 * lay.pp or lay.virtual > 1):
+            continue  # one pipeline schedule: 1F1B over twice its stages
         yield lay
 
 

@@ -14,7 +14,7 @@ from meshplan.args import memory_size, positive_int
 from meshplan.errors import UsageError
 
 EXIT_OK, EXIT_DOES_NOT_FIT = 0, 3
-AXES = ("dp", "tp", "pp", "ep")
+AXES = ("dp", "tp", "pp", "ep", "cp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

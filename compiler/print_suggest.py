@@ -38,7 +38,8 @@ def suggest_text(found: Suggestion, *, top: int) -> str:
 def _row(i: int, c: Candidate) -> tuple[str, ...]:
     lay = c.layout
     zero = str(lay.zero) + (" +offload" if lay.offload else "")
-    pipeline = f"1f1b x {lay.microbatches}" if lay.pp > 1 else "-"
+    schedule = f"interleaved x{lay.virtual}" if lay.virtual > 1 else "1f1b"
+    pipeline = f"{schedule}, {lay.microbatches} microbatches" if lay.pp > 1 else "-"
     if c.estimate is not None:
         peak, step, how = (
             c.estimated_peak,
@@ -71,14 +72,16 @@ def parts_line(shape: ModelShape) -> str:
         else ""
     )
     tied = " (tied)" if shape.tied else ""
-    return f"{shape.layers} blocks `{shape.block()}`; pairs {pairs}; ends {ends}{tied}{experts}"
+    attention = f"; attention {shape.block(shape.attention)}" if shape.attention else ""
+    return f"{shape.layers} blocks `{shape.block()}`; pairs {pairs}; ends {ends}{tied}{attention}{experts}"
 
 
 def suggest_json(found: Suggestion) -> dict[str, Any]:
     def entry(c: Candidate) -> dict[str, Any]:
         lay = c.layout
         out: dict[str, Any] = {
-            "mesh": {"dp": lay.dp, "pp": lay.pp, "ep": lay.ep, "tp": lay.tp},
+            "mesh": dict(lay.sizes()),
+            "virtual_stages": lay.virtual,
             "zero": lay.zero,
             "offload": lay.offload,
             "checkpoint": lay.checkpoint,

@@ -51,6 +51,8 @@ class ModelShape:
     experts: str | None  # the experts module inside a block, by path inside it
     num_experts: int | None
     top_k: int | None
+    attention: str | None = None  # the module inside a block calling scaled_dot_product_attention
+    kv_width: int | None = None  # its keys' and values' features together (what a context ring passes)
 
     def block(self, inner: str = "") -> str:
         """The pattern naming `inner` in every block: `model.layers.*.self_attn`."""
@@ -80,7 +82,7 @@ def model_shape(model: nn.Module, captured: Captured | None = None) -> ModelShap
     order = _call_order(captured, modules)
     pairs: tuple[Pair, ...] = ()
     norms: tuple[str, ...] = ()
-    experts = None
+    experts = attention = None
     if blocks is not None:
         first = f"{blocks}.0"
         inside = {p[len(first) + 1 :]: m for p, m in modules.items() if p.startswith(first + ".")}
@@ -89,6 +91,7 @@ def model_shape(model: nn.Module, captured: Captured | None = None) -> ModelShap
         experts = next((p for p, m in inside.items() if _is_experts(p, m, model)), None)
         if experts is not None:  # an expert's own pair is the experts rule's to split
             pairs = tuple(pair for pair in pairs if not _within(pair.row, experts))
+        attention = _attention(captured, first)
     embedding = _embedding(modules, blocks)
     table = modules[embedding] if embedding is not None else None
     assert table is None or isinstance(table, nn.Embedding)
@@ -113,6 +116,8 @@ def model_shape(model: nn.Module, captured: Captured | None = None) -> ModelShap
         experts=experts,
         num_experts=num_experts(experts_module, model) if experts_module is not None else None,
         top_k=_top_k(model, modules, blocks, experts) if experts is not None else None,
+        attention=attention,
+        kv_width=_kv_width(pairs, attention),
     )
 
 
@@ -158,6 +163,28 @@ def _pairs(inside: dict[str, nn.Module], order: dict[str, int], first: str) -> t
         widths = (*(dims[c][1] for c in columns), dims[row][0])
         pairs.append(Pair(tuple(columns), row, widths))
     return tuple(pairs)
+
+
+def _attention(captured: Captured | None, first: str) -> str | None:
+    """The module of the first block whose code calls `scaled_dot_product_attention` (the
+    module a context rule names), by path inside the block."""
+    if captured is None:
+        return None
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for node in captured.graph_module.graph.nodes:
+        path = captured.node_modules.get(node.name, "")
+        if node.target is sdpa and path.startswith(first + "."):
+            return path[len(first) + 1 :]
+    return None
+
+
+def _kv_width(pairs: tuple[Pair, ...], attention: str | None) -> int | None:
+    """Keys' and values' output features: the attention pair's columns less the queries' width
+    (which the output projection reads back): k + v for separate q, k, v; 2h for a fused qkv."""
+    for pair in pairs:
+        if attention is not None and _within(pair.row, attention):
+            return sum(pair.widths[:-1]) - pair.widths[-1] or None
+    return None
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int] | None:

@@ -52,13 +52,21 @@ def write_plan(
         lines.append(
             f"# estimated: at most {gib(peak)} per rank, a step in {seconds(step)} (`meshplan estimate`)."
         )
-    sizes = [("dp", lay.dp), ("pp", lay.pp), ("ep", lay.ep), ("tp", lay.tp)]
     mesh = [
-        f"{n}={s}" for n, s in sizes if s > 1 or (n == "ep" and shape.experts) or (n == "dp" and world == 1)
+        f"{n}={s}"
+        for n, s in lay.sizes()
+        if s > 1 or (n == "ep" and shape.experts) or (n == "dp" and world == 1)
     ]
     lines += [f"mesh {', '.join(mesh) or 'dp=1'}", ""]
 
     rules: list[str] = []
+    if lay.cp > 1:
+        assert shape.attention is not None and seq is not None
+        rules.append(
+            f"# cp={lay.cp}: each sequence's {seq} tokens cut over {lay.cp} ranks (balanced for causal "
+            "attention); keys and values go around the ring"
+        )
+        rules.append(f"{shape.block(shape.attention)}: context ring over cp")
     if lay.tp > 1:
         rules.append(
             f"# tp={lay.tp}: each block's {_pair_names(shape)} split over {lay.tp} ranks of a node "
@@ -97,12 +105,14 @@ def write_plan(
     if rules:
         lines += ["modules {", *(f"    {r}" for r in rules), "}", ""]
     if lay.pp > 1:
-        bubble = (lay.pp - 1) / (lay.microbatches + lay.pp - 1)
+        v = lay.virtual
+        bubble = (lay.pp - 1) / (v * lay.microbatches + lay.pp - 1)
+        chunks = f"{lay.pp * v} chunks, {v} on each rank" if v > 1 else f"{lay.pp} stages"
         lines += [
-            f"# pp={lay.pp}: {shape.layers} blocks in {lay.pp} stages cut where the cost balances; "
-            f"bubble {bubble:.0%}",
+            f"# pp={lay.pp}: {shape.layers} blocks in {chunks}, cut where the cost balances; bubble {bubble:.0%}",
             "pipeline over pp {",
-            "    schedule = 1f1b",
+            f"    schedule = {'interleaved' if v > 1 else '1f1b'}",
+            *([f"    virtual_stages = {v}"] if v > 1 else []),
             f"    microbatches = {lay.microbatches}",
             "}",
             "",

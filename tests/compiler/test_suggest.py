@@ -106,7 +106,7 @@ def test_the_search_never_returns_a_plan_over_the_limit(llama_4):
 def test_the_screen_follows_the_memory_arithmetic(llama_4):
     from meshplan.compiler.compile import capture_for
     from meshplan.compiler.profile import profile_model
-    from meshplan.compiler.suggest import Counts, Screen
+    from meshplan.compiler.screen import Counts, Screen
     from meshplan.compiler.suggest_plan import base_plan
 
     src = shaped(LLAMA, 1, 32)
@@ -261,3 +261,63 @@ def test_an_encoder_decoder_with_a_learned_attention_bias_is_planned():
     found = suggest(t5, world=2, hw=hardware("h100"), top=1)
     assert found.best is not None and found.best.fits
     assert found.shape is not None and found.shape.blocks == "decoder.block"
+
+
+HF_LLAMA = "tests/compiler/hf_factories.py:hf_llama"
+
+
+def test_long_sequences_are_cut_over_a_context_axis():
+    """At 2,048 tokens a sequence (1,024 a rank), one sequence a step on two ranks: the
+    attention module (the one calling SDPA) gets a context ring, and the plan compiles."""
+    found = suggest(
+        source(HF_LLAMA), world=2, hw=hardware("h100"), batch=1, seq=2048, axes=frozenset({"cp"}), top=1
+    )
+    shape = found.shape
+    assert shape is not None and shape.attention == "self_attn"
+    assert shape.kv_width == 2 * 2 * 16  # keys and values, 2 kv heads of 16 features each
+    best = found.best
+    assert best is not None and best.fits and best.layout == Layout(cp=2)
+    assert "mesh cp=2" in best.text and "model.layers.*.self_attn: context ring over cp" in best.text
+    check_text(best.text, "suggested.plan", world_size=2)
+
+
+def test_a_context_axis_halves_the_activations_the_screen_prices():
+    from meshplan.compiler.compile import capture_for
+    from meshplan.compiler.profile import profile_model
+    from meshplan.compiler.screen import Counts, Screen
+    from meshplan.compiler.suggest_plan import base_plan
+
+    src = shaped(HF_LLAMA, 1, 2048)
+    captured = capture_for(check_text(base_plan(model_shape(src.model), "fp32"), "<b>", world_size=1), src)
+    shape = model_shape(src.model, captured)
+    hw = hardware("h100")
+    scr = Screen(shape, Counts.of(src.model, shape), profile_model(captured, shape, hw), hw, 2, 1)
+    whole, cut = scr.block_activations(Layout()), scr.block_activations(Layout(cp=2))
+    assert cut[0] == pytest.approx(whole[0] / 2)
+    assert scr.step_time(Layout(cp=2)) > scr.step_time(Layout()) / 2  # the ring is not free
+    # too short a sequence for a ring: not searched
+    from meshplan.compiler.suggest import layouts
+
+    assert all(lay.cp == 1 for lay in layouts(shape, 4, 4, 1024, per_node=8))
+    assert any(lay.cp == 2 for lay in layouts(shape, 4, 4, 2048, per_node=8))
+
+
+def test_an_interleaved_pipeline_is_searched_and_written():
+    from meshplan.compiler.suggest import Candidate, layouts
+    from meshplan.compiler.suggest_plan import write_plan
+
+    shape = model_shape(load_model(LLAMA, shapes_only=True).model)
+    space = list(layouts(shape, 2, 8, 32, per_node=8, axes=frozenset({"pp"})))
+    assert {lay.virtual for lay in space} == {1, 2}  # 4 blocks: 2 chunks on each of 2 ranks
+    lay = Layout(pp=2, microbatches=4, virtual=2)
+    hw = hardware("h100")
+    text = write_plan(
+        shape, Candidate(lay, 0, 0.0), compute="fp32", world=2, hw=hw, limit=None, batch=8, seq=32
+    )
+    assert "schedule = interleaved" in text and "virtual_stages = 2" in text and "bubble 11%" in text
+    plan = check_text(text, "suggested.plan", world_size=2)
+    compiled = compile_plan(plan, shaped(LLAMA, lay.rows(8), 32), world_size=2, dynamic=False)
+    assert estimate(compiled, hw=hw).fits
+    from meshplan.compiler.screen import Screen
+
+    assert Screen.in_flight(lay, 0) > Screen.in_flight(Layout(pp=2, microbatches=4), 0)

@@ -79,7 +79,14 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
     for i, lay in enumerate(layouts):
         cand = by_layout.get(lay) or Candidate(lay, 0, 0.0)
         text = write_plan(
-            shape, cand, compute="fp32", world=args.world, hw=hw, limit=None, batch=args.batch, seq=args.seq
+            shape,
+            cand,
+            compute=found.compute,
+            world=args.world,
+            hw=hw,
+            limit=None,
+            batch=args.batch,
+            seq=args.seq,
         )
         plan = tmp / f"{name}_{i}.plan"
         plan.write_text(text)
@@ -100,7 +107,7 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
     fitting = [r for r in rows if args.memory is None or r[3] <= args.memory]
     fastest = fitting[0][2]
     best = next(r for r in rows if r[0] == found.best.layout)
-    top3 = [c.layout for c in found.ranked[:3]]
+    top3 = [c.layout for c in found.runners_up(3)]
     print(f"\n{name} ({spec}): {len(rows)} layouts on {args.world} ranks, batch {args.batch} x {args.seq}")
     print(f"  {'layout':34} {'screened':>9} {'estimated':>10} {'measured':>9} {'peak':>10}")
     for lay, cand, step, peak in rows:

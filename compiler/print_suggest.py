@@ -24,7 +24,7 @@ def suggest_text(found: Suggestion, *, top: int) -> str:
     )
     for feature, why in sorted(found.refusals.items()):
         lines.append(f"the compiler refused {feature}: {why}")
-    shown = found.ranked[: max(top, 1)]
+    shown = found.runners_up(max(top, 1))
     rows: list[tuple[str, ...]] = [("#", "mesh", "zero", "checkpoint", "pipeline", "peak/rank", "step", "")]
     for i, c in enumerate(shown, 1):
         rows.append(_row(i, c))

@@ -21,7 +21,7 @@ Three steps, each cheaper than the next is sure:
    compiled from the one capture and estimated, until `top` plans fit by `estimate`'s own
    numbers or the time budget is spent. The suggestion is the fastest of those by
    `estimate`; a plan the compiler refuses is never written (its reason is kept, and plans
-   sharing the refused feature are skipped).
+   having every feature of the refused one are skipped).
 
 What the screen assumes is in `ASSUMED` (and printed). Not searched yet: selective
 checkpointing or every k blocks, gradient accumulation, 16-bit parameters, the zero-bubble
@@ -83,9 +83,22 @@ class Suggestion:
     searched: int  # layouts screened
     screened_fit: int  # of them, under the limit by the screen
     seconds: dict[str, float] = field(default_factory=dict)  # capture, screen, estimate
-    refusals: dict[str, str] = field(default_factory=dict)  # feature -> the compiler's reason
+    refusals: dict[str, str] = field(default_factory=dict)  # "tp + zero1" -> the compiler's reason
     shape: ModelShape | None = None
     assumed: tuple[str, ...] = ASSUMED
+    compute: str = "fp32"  # the plans' compute dtype (bf16 where the hardware's matmuls are faster in it)
+    limit: int | None = None  # bytes a rank
+
+    def runners_up(self, k: int) -> list[Candidate]:
+        """The best `k` a user may run: those that fit by the estimate, then those the screen
+        keeps under the limit (not estimated); never one the estimate or compiler ruled out."""
+
+        def kept(c: Candidate) -> bool:
+            return (
+                c.estimate is None and not c.refused and (self.limit is None or c.peak <= self.limit * MARGIN)
+            )
+
+        return [c for c in self.ranked if c.fits or kept(c)][:k]
 
 
 # ------------------------------------------------------------------------------ the space
@@ -117,7 +130,8 @@ def layouts(
     for t, e, c in itertools.product(tps, eps, cps):
         if world % (t * e * c):
             continue
-        sp = t > 1 and bool(shape.norms) and (seq is None or seq // c % t == 0)
+        # sequence parallelism under a context axis would cut the sequence twice: not lowered
+        sp = t > 1 and c == 1 and bool(shape.norms) and (seq is None or seq % t == 0)
         vocab = t > 1 and shape.vocab is not None and shape.vocab % t == 0 and shape.embedding is not None
         rest = world // (t * e * c)
         for p in _divisors(rest):
@@ -180,17 +194,17 @@ def search(
 
     The screen learns from each estimate: a candidate is skipped when its screened peak, times
     the most the screen has underestimated a layout of its kind (`_kind`: pipelined or not,
-    checkpointed or not), is over the limit. A compiler refusal skips the plans
-    sharing the refused feature."""
+    checkpointed or not), is over the limit. A compiler refusal skips the plans having every
+    feature of the refused one (`Layout.features`: its axes and choices) from then on."""
     started = time.perf_counter() if started is None else started
-    refused: dict[str, str] = {}
+    refused: dict[frozenset[str], str] = {}
     tried: list[Candidate] = []
     under: dict[tuple[bool, ...], float] = {}  # kind -> the most estimate / screen seen
     fitting, spent = 0, 0.0
     for cand in ranked:
         if limit is not None and cand.peak * max(MARGIN, under.get(_kind(cand.layout), 0.0)) > limit:
             continue
-        if any(f in refused for f in cand.layout.features()):
+        if any(features <= cand.layout.features() for features in refused):
             continue
         now = time.perf_counter()
         if len(tried) >= most or (fitting and now + spent / len(tried) > started + budget):
@@ -199,8 +213,7 @@ def search(
             verify(cand)
         except CompileError as e:
             cand.refused = str(e).splitlines()[0]
-            for feature in cand.layout.features() or {"plain"}:
-                refused.setdefault(feature, cand.refused)
+            refused.setdefault(cand.layout.features(), cand.refused)
             tried.append(cand)
             spent += time.perf_counter() - now
             continue
@@ -213,7 +226,7 @@ def search(
             fitting += 1
             if fitting >= top:
                 break
-    return tried, refused
+    return tried, {" + ".join(sorted(f)) or "plain data parallelism": why for f, why in refused.items()}
 
 
 def _kind(lay: Layout) -> tuple[bool, ...]:
@@ -320,6 +333,8 @@ def suggest(
         seconds,
         refusals,
         shape,
+        compute=compute,
+        limit=limit,
     )
 
 

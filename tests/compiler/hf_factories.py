@@ -6,7 +6,7 @@ No `example_inputs` here: meshplan makes token inputs for models with a config
 import torch
 
 
-def hf_llama():
+def hf_llama(max_position_embeddings: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -16,10 +16,15 @@ def hf_llama():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_position_embeddings,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+def hf_llama_long():
+    """`hf_llama` for sequences up to 4,096 tokens."""
+    return hf_llama(max_position_embeddings=4096)
 
 
 def hf_llama_eager():

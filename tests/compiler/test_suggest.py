@@ -263,7 +263,7 @@ def test_an_encoder_decoder_with_a_learned_attention_bias_is_planned():
     assert found.shape is not None and found.shape.blocks == "decoder.block"
 
 
-HF_LLAMA = "tests/compiler/hf_factories.py:hf_llama"
+HF_LLAMA = "tests/compiler/hf_factories.py:hf_llama_long"
 
 
 def test_long_sequences_are_cut_over_a_context_axis():

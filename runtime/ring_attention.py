@@ -22,9 +22,16 @@ every rank does the same work at every step (`visible`, c = T / 2n, the block's 
     src <  r   every query row, the block's first chunk only (c columns): 2c x c
     src >  r   the rank's second chunk only (c rows), every column: c x 2c
 
-The math is plain matmuls in float32 (scores, probabilities, the running statistics), so it
-runs wherever torch does, gloo and CPU included; the messages are `isend`/`irecv` on the axis's
-group. The whole-sequence result equals `scaled_dot_product_attention` with `is_causal`.
+Each block is one fused attention kernel where the device has one (`block_kernel`: the
+CPU's flash kernel, in every float dtype and on meta; FlashAttention on CUDA in 16 bits),
+which gives the block's log-sum-exp for the merge; its backward is the kernel's own, fed
+the merged output and log-sum-exp so it recomputes the whole softmax's probabilities. A
+model's own mask (and CUDA in float32) takes plain matmuls in float32 (float64 for float64
+inputs) instead, holding one
+block's scores at a time. Under `balanced` the own-block piece whose queries follow its keys
+is cut in two, so every causal piece is causal from its top-left corner, as kernels take it.
+The messages are `isend`/`irecv` on the axis's group. The whole-sequence result equals
+`scaled_dot_product_attention` with `is_causal`.
 """
 
 from __future__ import annotations
@@ -83,65 +90,181 @@ class _RingFunction(torch.autograd.Function):
         owner: RingAttention,
     ):
         ring = _RingPlace(owner)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        kernel = block_kernel(q, mask)
+        acc = _accumulating(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
         block = [k.contiguous(), v.contiguous()]
         t, rep = q.shape[-2], q.shape[1] // k.shape[1]  # rep: query heads per key/value head
+        extras: list[list[tuple]] = []  # a fused kernel's per-piece facts its backward takes
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             pending = ring.shift(block, "forward") if step < ring.n - 1 else None
+            extras.append([])
             for piece in visible(ring.rank, src, ring.n, t, causal, owner.balanced):
-                rows, cols, _ = piece
+                rows, cols, within = piece
                 kc, vc = _repeated(block[0][..., cols, :], rep), _repeated(block[1][..., cols, :], rep)
-                scores = _scores(q[..., rows, :], kc, scale, piece, _mask_of(mask, src, piece, owner))
-                block_lse = torch.logsumexp(scores, dim=-1)
-                # rows a mask hides from the whole block add nothing (and no NaN)
-                finite = torch.where(torch.isinf(block_lse), 0.0, block_lse)
-                block_out = torch.exp(scores - finite.unsqueeze(-1)) @ vc.float()
-                merged = torch.logaddexp(lse[..., rows], block_lse)
-                keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse[..., rows] - merged))
-                add = torch.where(torch.isinf(merged), 0.0, torch.exp(block_lse - merged))
-                out[..., rows, :] = out[..., rows, :] * keep.unsqueeze(-1) + block_out * add.unsqueeze(-1)
-                lse[..., rows] = merged
+                if kernel is not None:
+                    block_out, block_lse, extra = kernel.forward(q[..., rows, :], kc, vc, within, scale)
+                    extras[-1].append(extra)
+                else:
+                    block_out, block_lse = _math_forward(
+                        q, kc, vc, scale, piece, _mask_of(mask, src, piece, owner)
+                    )
+                _merge(out, lse, rows, block_out, block_lse)
             if pending is not None:
                 block = pending()
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        ctx.causal, ctx.scale, ctx.owner = causal, scale, owner
-        return out.to(q.dtype)
+        result = out.to(q.dtype)
+        # a kernel's backward reads the output in the inputs' dtype; the matmul path in lse's
+        kept = result if kernel is not None else out
+        ctx.save_for_backward(q, k, v, kept, lse, *([mask] if mask is not None else []))
+        ctx.causal, ctx.scale, ctx.owner, ctx.kernel, ctx.extras = causal, scale, owner, kernel, extras
+        return result
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, *masks = ctx.saved_tensors
         mask = masks[0] if masks else None
+        kernel: BlockKernel | None = ctx.kernel
         lse = torch.where(torch.isinf(lse), 0.0, lse)  # a row that attends nowhere has no gradient
         ring = _RingPlace(ctx.owner)
-        grad = grad.float()
-        delta = (grad * out).sum(-1, keepdim=True)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        zeros = functools.partial(
-            torch.zeros, dtype=torch.float32, device=k.device
-        )  # fp32 sums, on k's device
+        if kernel is not None:
+            grad = grad.contiguous()
+        else:
+            grad = grad.to(lse.dtype)
+            delta = (grad * out).sum(-1, keepdim=True)
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        zeros = functools.partial(torch.zeros, dtype=acc, device=k.device)  # on k's device
         block = [k.contiguous(), v.contiguous(), zeros(k.shape), zeros(v.shape)]
         t, rep = q.shape[-2], q.shape[1] // k.shape[1]
         for step in range(ring.n):
             src = (ring.rank - step) % ring.n
             kb, vb, dk, dv = block
-            for piece in visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced):
-                rows, cols, _ = piece
-                qr, gr = q[..., rows, :].float(), grad[..., rows, :]
-                kc, vc = _repeated(kb[..., cols, :], rep).float(), _repeated(vb[..., cols, :], rep).float()
-                scores = _scores(qr, kc, ctx.scale, piece, _mask_of(mask, src, piece, ctx.owner))
-                p = torch.exp(scores - lse[..., rows].unsqueeze(-1))
-                dv[..., cols, :] += _folded(p.transpose(-1, -2) @ gr, rep)
-                ds = p * (gr @ vc.transpose(-1, -2) - delta[..., rows, :]) * ctx.scale
-                dq[..., rows, :] += ds @ kc
-                dk[..., cols, :] += _folded(ds.transpose(-1, -2) @ qr, rep)
+            pieces = visible(ring.rank, src, ring.n, t, ctx.causal, ctx.owner.balanced)
+            for i, piece in enumerate(pieces):
+                rows, cols, within = piece
+                kc, vc = _repeated(kb[..., cols, :], rep), _repeated(vb[..., cols, :], rep)
+                if kernel is not None:
+                    gq, gk, gv = kernel.backward(
+                        grad[..., rows, :],
+                        q[..., rows, :],
+                        kc,
+                        vc,
+                        out[..., rows, :],
+                        lse[..., rows].contiguous(),
+                        within,
+                        ctx.scale,
+                        ctx.extras[step][i],
+                    )
+                else:
+                    piece_mask = _mask_of(mask, src, piece, ctx.owner)
+                    gq, gk, gv = _math_backward(grad, q, kc, vc, lse, delta, ctx.scale, piece, piece_mask)
+                dq[..., rows, :] += gq
+                dk[..., cols, :] += _folded(gk, rep)
+                dv[..., cols, :] += _folded(gv, rep)
             # the last step only takes each block's gradients home
             moving = block if step < ring.n - 1 else [dk, dv]
             received = ring.shift(moving, "backward")()
             block = received if step < ring.n - 1 else [kb, vb, *received]
         dk, dv = block[2], block[3]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _accumulating(dtype: torch.dtype) -> torch.dtype:
+    """Sums and softmax statistics in float32, or float64 for float64 inputs (`verify`)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _merge(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
+    """Fold one block's attention of query `rows` into the running output and log-sum-exp
+    (the online softmax). Rows a mask hides from the whole block add nothing (and no NaN)."""
+    merged = torch.logaddexp(lse[..., rows], block_lse)
+    keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse[..., rows] - merged))
+    add = torch.where(torch.isinf(merged), 0.0, torch.exp(block_lse - merged))
+    out[..., rows, :] = out[..., rows, :] * keep.unsqueeze(-1) + block_out.to(out.dtype) * add.unsqueeze(-1)
+    lse[..., rows] = merged
+
+
+def _math_forward(q, kc, vc, scale: float, piece: Piece, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One block by plain matmuls (float32 at least): its output (normalized by its own sum) and
+    log-sum-exp."""
+    scores = _scores(q[..., piece[0], :], kc, scale, piece, mask)
+    block_lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isinf(block_lse), 0.0, block_lse)
+    return torch.exp(scores - finite.unsqueeze(-1)) @ vc.to(scores.dtype), block_lse
+
+
+def _math_backward(grad, q, kc, vc, lse, delta, scale: float, piece: Piece, mask: Tensor | None):
+    """One block's share of dq, and its (repeated-head) dk, dv, from the whole output's
+    log-sum-exp and `delta` (rowsum of grad x out): the probabilities recomputed in `lse`'s dtype."""
+    rows = piece[0]
+    acc = lse.dtype
+    qr, gr = q[..., rows, :].to(acc), grad[..., rows, :]
+    kc, vc = kc.to(acc), vc.to(acc)
+    p = torch.exp(_scores(qr, kc, scale, piece, mask) - lse[..., rows].unsqueeze(-1))
+    ds = p * (gr @ vc.transpose(-1, -2) - delta[..., rows, :]) * scale
+    return ds @ kc, ds.transpose(-1, -2) @ qr, p.transpose(-1, -2) @ gr
+
+
+class BlockKernel:
+    """A device's fused attention for one block (no mask, causal top-left within the block or
+    none): `forward` gives the block's output and log-sum-exp (float32 at least) and what its backward
+    needs again; `backward` takes the whole output and log-sum-exp (so the probabilities it
+    recomputes are the merged softmax's) and gives the block's dq, dk, dv."""
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, tuple]:
+        raise NotImplementedError
+
+    def backward(
+        self, grad, q, k, v, out, lse, causal: bool, scale: float, extra: tuple
+    ) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+
+class _CpuFlash(BlockKernel):
+    """The CPU's flash kernel (every float dtype; on meta, what `estimate` walks)."""
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse, ()
+
+    def backward(self, grad, q, k, v, out, lse, causal, scale, extra):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+
+
+class _CudaFlash(BlockKernel):
+    """FlashAttention on CUDA (16-bit inputs, head size at most 256)."""
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(self, grad, q, k, v, out, lse, causal, scale, extra):
+        cum_q, cum_k, max_q, max_k, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        )
+
+
+def block_kernel(q: Tensor, mask: Tensor | None) -> BlockKernel | None:
+    """The fused kernel for blocks of `q`'s device and dtype, or None for the float32 matmul
+    path (a model's own mask; CUDA in float32 or with heads over 256 features)."""
+    if mask is not None:
+        return None
+    if q.device.type in ("cpu", "meta"):
+        return _CpuFlash()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        return _CudaFlash()
+    return None
 
 
 Piece = tuple[slice, slice, bool]  # query rows, key columns, causal within (by local index)
@@ -160,7 +283,7 @@ def visible(rank: int, src: int, n: int, t: int, causal: bool, balanced: bool) -
         return [(whole, whole, src == rank)] if src <= rank else []
     first, second = slice(0, t // 2), slice(t // 2, t)
     if src == rank:  # our first chunk never sees our second: a quarter of the block skipped
-        return [(first, first, True), (second, whole, True)]
+        return [(first, first, True), (second, first, False), (second, second, True)]
     if src < rank:  # its chunk src precedes both of ours; its chunk 2n-1-src follows both
         return [(whole, first, False)]
     return [(second, whole, False)]  # our chunk 2n-1-r follows both of its chunks
@@ -196,9 +319,10 @@ def _mask_of(mask: Tensor | None, src: int, piece: Piece, owner: RingAttention) 
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, piece: Piece, mask: Tensor | None = None) -> Tensor:
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    acc = _accumulating(q.dtype)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(acc)
     rows, cols, causal = piece
     if causal:  # within the rank's own block: a key after the query is hidden
         at = scores.device  # on the scores' device (a CPU mask cannot fill a CUDA or meta tensor)

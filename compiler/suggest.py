@@ -187,28 +187,47 @@ def search(
     most: int = 24,
     started: float | None = None,
 ) -> tuple[list[Candidate], dict[str, str]]:
-    """Estimate screened candidates in order until `top` fit by the estimate, the next one would
-    end past `budget` seconds from `started` (once one fits: the first that fits is always
-    found) or `most` are tried. `verify(candidate)` writes, checks, compiles and estimates it
-    (raising `CompileError` when the compiler refuses it).
+    """Estimate screened candidates, the most promising first, until `top` fit by the estimate
+    and no candidate left promises to beat them, the next one would end past `budget` seconds
+    from `started` (once one fits: the first that fits is always found) or `most` are tried.
+    `verify(candidate)` writes, checks, compiles and estimates it (raising `CompileError` when
+    the compiler refuses it).
 
-    The screen learns from each estimate: a candidate is skipped when its screened peak, times
-    the most the screen has underestimated a layout of its kind (`_kind`: pipelined or not,
-    checkpointed or not), is over the limit. A compiler refusal skips the plans having every
-    feature of the refused one (`Layout.features`: its axes and choices) from then on."""
+    The screen learns from each estimate. Its step times are wrong alike for layouts of one
+    shape (`_time_kind`: which axes, ZeRO-3 or not), so a candidate promises its screened time
+    times what the estimate made of its kind's screened times so far (a kind not estimated yet:
+    the least of those, so each kind gets its chance). A candidate is skipped when its
+    screened peak, times the most the screen has underestimated a layout of its memory kind
+    (`_kind`), is over the limit. A compiler refusal skips the plans having every feature of
+    the refused one (`Layout.features`: its axes and choices) from then on."""
     started = time.perf_counter() if started is None else started
     refused: dict[frozenset[str], str] = {}
     tried: list[Candidate] = []
-    under: dict[tuple[bool, ...], float] = {}  # kind -> the most estimate / screen seen
-    fitting, spent = 0, 0.0
-    for cand in ranked:
-        if limit is not None and cand.peak * max(MARGIN, under.get(_kind(cand.layout), 0.0)) > limit:
-            continue
-        if any(features <= cand.layout.features() for features in refused):
-            continue
-        now = time.perf_counter()
-        if len(tried) >= most or (fitting and now + spent / len(tried) > started + budget):
+    under: dict[tuple[bool, ...], float] = {}  # memory kind -> the most estimate / screen seen
+    slow: dict[tuple[bool, ...], float] = {}  # time kind -> the latest estimate / screen
+    fits: list[float] = []  # the estimated rank keys of those that fit, best first
+    spent = 0.0
+
+    def promise(c: Candidate) -> float:
+        return c.rank_key() * slow.get(_time_kind(c.layout), min(slow.values(), default=1.0))
+
+    def ruled_out(c: Candidate) -> bool:
+        if limit is not None and c.peak * max(MARGIN, under.get(_kind(c.layout), 0.0)) > limit:
+            return True
+        return any(features <= c.layout.features() for features in refused)
+
+    left = list(ranked)
+    while left:
+        left = [c for c in left if not ruled_out(c)]
+        if not left:
             break
+        cand = min(left, key=promise)
+        if len(fits) >= top and promise(cand) >= fits[top - 1]:
+            break  # nothing left promises to beat the `top` found
+        now = time.perf_counter()
+        if len(tried) >= most or (fits and now + spent / len(tried) > started + budget):
+            break
+        left.remove(cand)
         try:
             verify(cand)
         except CompileError as e:
@@ -222,16 +241,21 @@ def search(
         if cand.estimated_peak and cand.peak:
             kind = _kind(cand.layout)
             under[kind] = max(under.get(kind, 0.0), cand.estimated_peak / cand.peak)
+        if cand.estimated_time and cand.time:
+            slow[_time_kind(cand.layout)] = cand.estimated_time / cand.time
         if cand.fits:
-            fitting += 1
-            if fitting >= top:
-                break
+            fits = sorted([*fits, cand.rank_key(estimated=True)])
     return tried, {" + ".join(sorted(f)) or "plain data parallelism": why for f, why in refused.items()}
 
 
 def _kind(lay: Layout) -> tuple[bool, ...]:
     """Layouts whose memory the screen gets wrong alike."""
     return (lay.pp > 1, lay.checkpoint, lay.cp > 1)
+
+
+def _time_kind(lay: Layout) -> tuple[bool, ...]:
+    """Layouts whose step time the screen gets wrong alike: the axes they use, ZeRO-3's gathers."""
+    return (lay.pp > 1, lay.tp > 1, lay.cp > 1, lay.ep > 1, lay.zero == 3)
 
 
 def suggest(
@@ -373,7 +397,10 @@ def _shaped(source, rows: int, seq: int | None):
 
 
 def _compute_dtype(hw: Hardware) -> str:
-    """bf16 where the hardware's matmuls are faster in it (a GPU), else fp32 (a CPU)."""
+    """bf16 on an accelerator whose matmuls are faster in it; fp32 on a CPU (whose bf16
+    matmuls may be fast, but a step's casts and its many small ops are not)."""
+    if hw.cores:
+        return "fp32"
     return "bf16" if hw.flops.get("bfloat16", 0.0) > 1.5 * hw.flops.get("float32", 0.0) else "fp32"
 
 

@@ -512,21 +512,33 @@ def run_step_time(
 ) -> tuple[float, int]:
     """`meshplan run PLAN` for `steps` steps (torchrun, gloo on this machine's CPUs): the median
     step time (a step's is its slowest rank's `time_s`; the steps after the first two, leaving
-    out those the CPU peak tracker slows) and the most live tensor bytes any rank measured."""
+    out those the CPU peak tracker slows) and the most live tensor bytes any rank measured in
+    a step after the first (whose optimizer has no state yet until its end: the tracker
+    measures the first step and one halfway)."""
     import json
     import statistics
     import subprocess
     import sys
 
     argv = [sys.executable, "-m", "meshplan", "run", str(plan), "--model", model, "--steps", str(steps)]
-    argv += ["--batch", str(batch), "--seq", str(seq), "--out", str(out)]
+    argv += [
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--out",
+        str(out),
+        "--log-every",
+        str(max(steps // 2, 1)),
+    ]
     subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
     per_step: dict[int, float] = {}
     peak = 0
     for f in (out / "metrics").glob("rank*.jsonl"):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
-            peak = max(peak, rec.get("peak_tensor_bytes") or 0)
+            if rec["step"] > 1 or steps == 1:
+                peak = max(peak, rec.get("peak_tensor_bytes") or 0)
             if rec["step"] > 2 and rec.get("peak_tensor_bytes") is None:
                 per_step[rec["step"]] = max(per_step.get(rec["step"], 0.0), rec["time_s"])
     return statistics.median(per_step.values()), peak

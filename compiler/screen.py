@@ -214,7 +214,8 @@ class Screen:
         for s, blocks in enumerate(self.stages(lay)):
             in_flight = self.in_flight(lay, s)
             n = self.local_params(lay, s, blocks)
-            state, unit = self.state_bytes(lay, n)
+            held, unit = self.state_bytes(lay, n)
+            state = float(held)
             # the casts are read from outside a checkpointed block (kept), but ZeRO-3 casts a
             # unit's weights inside it, where checkpointing recomputes them
             if lay.zero < 3 or not lay.checkpoint:

@@ -22,9 +22,16 @@ that fails or hangs is reported and the next one still runs:
 3. `llama-8b-tp8-memory`: Llama-3-8B's config built on the meta device, compiled for `tp=8`
    (bf16 compute, every layer checkpointed), and one rank of it run alone on the device under
    the fake process group (collectives that keep shapes only): two steps at seq 2048, its
-   peak device memory (`peak_tensor_bytes`, the allocator's) beside its training state
-   (`state_bytes`). The comparison with `meshplan estimate`'s prediction waits for that command.
-4. `cpu-offload-step`: listed and skipped (`on cpu` placement is not lowered yet).
+   peak device memory (`torch.cuda.max_memory_allocated`; `peak_tensor_bytes` beside it) and its
+   training state (`state_bytes`), against `meshplan estimate`'s prediction for that same rank
+   (its peak and state, from the same plan compiled at the same shape: `estimate_gib`, and the
+   ratio `estimate_over_measured`; the estimate leaves out the allocator's caching and
+   fragmentation, kernel workspaces and the CUDA context, as it says).
+4. `cpu-offload-step`: the 1B Llama with its embedding and LM head (one tied weight, 263M
+   parameters) placed `on cpu`: their weights, gradients and AdamW state in host memory, their
+   matmuls on the host, the activations copied at their boundaries (`meshplan explain` lists the
+   copies); its step time and peak device memory beside the same run with everything on the
+   device, at a shape that fits the part's budget (the head's matmul runs on the CPU).
 
 It writes `device_check.json` (every part: status, seconds, numbers, the tail of its output)
 and `device_check.md` (the same as tables) into `--out`, after each part, so a check cut short
@@ -275,7 +282,7 @@ def llama_tiny():
 
 def llama_8b_tp8(out: Path, budget_s: int) -> dict:
     output = _run([sys.executable, "-m", "bench.device_check", "--one-rank-8b"], budget_s)
-    return json.loads(output.strip().splitlines()[-1])
+    return compared(json.loads(output.strip().splitlines()[-1]))
 
 
 def one_rank_8b(device: str = "cuda", seq: int = SEQ, model: str = "llama_8b") -> dict:
@@ -322,8 +329,91 @@ def one_rank_8b(device: str = "cuda", seq: int = SEQ, model: str = "llama_8b") -
         "state_gib": records[-1]["state_bytes"] / gib,
         "peak_tensor_gib": max(r["peak_tensor_bytes"] or 0 for r in records) / gib,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if device == "cuda" else None,
-        "estimate_gib": None,  # `meshplan estimate` does not exist yet
+    } | estimated(model, seq)
+
+
+def estimated(model: str, seq: int, rank: int = 3) -> dict:
+    """`meshplan estimate`'s prediction for the rank `one_rank_8b` runs (the same plan, model and
+    shape, compiled as `meshplan estimate PLAN --model SPEC --batch 1 --seq T` compiles it). Runs
+    without a process group (the estimate makes its own)."""
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.load import load_model, on_meta_inputs
+    from meshplan.dsl.check import check_text
+
+    source = with_token_shape(load_model(f"{__file__}:{model}", shapes_only=True), batch=1, seq=seq)
+    compiled = compile_plan(check_text(TP8, "tp8.plan", world_size=8), on_meta_inputs(source), dynamic=False)
+    predicted = estimate(compiled).ranks[rank]
+    gib = 2**30
+    return {
+        "estimate_gib": predicted.peak / gib,
+        "estimate_state_gib": predicted.state / gib,
+        "estimate_peak_at": predicted.peak_op,
     }
+
+
+def compared(numbers: dict) -> dict:
+    """The measured peak (the allocator's on a GPU, the tensors' on a CPU) beside the estimate's,
+    and their ratio."""
+    measured = numbers["peak_allocated_gib"] or numbers["peak_tensor_gib"]
+    return numbers | {"measured_gib": measured, "estimate_over_measured": numbers["estimate_gib"] / measured}
+
+
+OFFLOAD = """# the device check's offload run: the 1B Llama's embedding and LM head (one tied weight)
+# in host memory, the layers on the device
+mesh dp=1
+
+modules {
+    model.embed_tokens: on cpu
+    lm_head:            on cpu
+}
+
+precision {
+    compute = bf16
+    params = fp32
+}
+"""
+# the head's matmuls (2 x 2048 x 128256 FLOPs a token forward, twice that backward) run on the CPU:
+# 1024 tokens a step keep the part in its budget
+OFFLOAD_BATCH, OFFLOAD_SEQ, OFFLOAD_WARMUP, OFFLOAD_MEASURED = 2, 512, 2, 3
+
+
+def cpu_offload_step(out: Path, budget_s: int) -> dict:
+    """The `on cpu` run's step time and peak device memory, then (in the time left) the same run
+    with everything on the device, each a `meshplan run` of its own."""
+    deadline = time.monotonic() + budget_s
+    numbers: dict = {"model": "llama_1b", "batch": OFFLOAD_BATCH, "seq": OFFLOAD_SEQ}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in (("on_cpu", OFFLOAD), ("on_device", DP1_BF16)):
+            plan = Path(folder) / f"{name}.plan"
+            plan.write_text(text)
+            run_dir = Path(folder) / name
+            try:
+                _run(
+                    [sys.executable, "-m", "meshplan", "run", str(plan), "--model", f"{__file__}:llama_1b",
+                     "--batch", str(OFFLOAD_BATCH), "--seq", str(OFFLOAD_SEQ),
+                     "--steps", str(OFFLOAD_WARMUP + OFFLOAD_MEASURED), "--warmup", "1", "--lr", "3e-4",
+                     "--out", str(run_dir), "--log-every", "1"],
+                    deadline - time.monotonic(),
+                )  # fmt: skip
+            except PartFailed as e:
+                e.numbers = numbers
+                raise
+            lines = (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()
+            records = [json.loads(line) for line in lines]
+            step_s = statistics.median(r["time_s"] for r in records[OFFLOAD_WARMUP:])
+            numbers[name] = {
+                "step_s": step_s,
+                "tokens_per_s": OFFLOAD_BATCH * OFFLOAD_SEQ / step_s,
+                "peak_memory_gib": max(r["peak_memory"] for r in records) / 2**30,
+                "losses": [round(r["loss"], 4) for r in records],
+            }
+    numbers["slowdown"] = numbers["on_cpu"]["step_s"] / numbers["on_device"]["step_s"]
+    numbers["device_memory_saved_gib"] = (
+        numbers["on_device"]["peak_memory_gib"] - numbers["on_cpu"]["peak_memory_gib"]
+    )
+    return numbers
 
 
 def plain_loop(batch: int) -> dict:
@@ -369,27 +459,27 @@ def plain_loop(batch: int) -> dict:
 
 
 PARTS = (
-    Part("gpu-tier", "pytest -m gpu tests/gpu: meshplan's tests on the device", 180, gpu_tier),
+    Part("gpu-tier", "pytest -m gpu tests/gpu: meshplan's tests on the device", 150, gpu_tier),
     Part(
         "llama-1b-step",
         f"1B Llama, seq {SEQ}, bf16, dp=1: meshplan's step time and MFU against a plain PyTorch loop "
         f"(target ratio <= {TARGET})",
-        180,
+        150,
         llama_1b_step,
     ),
     Part(
         "llama-8b-tp8-memory",
         "Llama-3-8B (built on meta) at tp=8, one rank alone under the fake process group, bf16, checkpointing, "
-        "seq 2048: peak device memory and training state (`meshplan estimate` to compare with: not yet)",
-        120,
+        "seq 2048: peak device memory and training state beside `meshplan estimate`'s for that rank",
+        100,
         llama_8b_tp8,
     ),
     Part(
         "cpu-offload-step",
-        "a plan with modules placed `on cpu`: step time",
-        0,
-        None,
-        "`on cpu` placement is not lowered yet (the compiler refuses it with a located error)",
+        f"1B Llama, embedding and LM head `on cpu`, batch {OFFLOAD_BATCH} x seq {OFFLOAD_SEQ}, bf16: step time "
+        "and peak device memory, beside the same run all on the device",
+        80,
+        cpu_offload_step,
     ),
 )
 
@@ -437,6 +527,18 @@ def _headline(o: Outcome) -> str:
             f"batch {n['batch']}: meshplan {n['meshplan']['step_s'] * 1e3:.0f} ms/step, MFU "
             f"{_pct(n['meshplan']['mfu'])}; plain {n['plain']['step_s'] * 1e3:.0f} ms/step, MFU "
             f"{_pct(n['plain']['mfu'])}; ratio {n['ratio']:.3f} (target {n['target']})"
+        )
+    if o.name == "llama-8b-tp8-memory" and "estimate_over_measured" in n:
+        return (
+            f"rank 3: measured {n['measured_gib']:.2f} GiB peak, estimate {n['estimate_gib']:.2f} GiB "
+            f"(x{n['estimate_over_measured']:.3f}); state {n['state_gib']:.2f} GiB"
+        )
+    if o.name == "cpu-offload-step" and "slowdown" in n:
+        placed, plain = n["on_cpu"], n["on_device"]
+        return (
+            f"on cpu {placed['step_s'] * 1e3:.0f} ms/step, peak {placed['peak_memory_gib']:.1f} GiB; all on the "
+            f"device {plain['step_s'] * 1e3:.0f} ms/step, peak {plain['peak_memory_gib']:.1f} GiB "
+            f"(x{n['slowdown']:.2f} the time, {n['device_memory_saved_gib']:.1f} GiB less)"
         )
     return n.get("summary", o.note)
 

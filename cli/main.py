@@ -39,7 +39,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(summarize(compiled.plan))
         print(
             f"  model      {args.model}: {len(compiled.resolution.placements)} modules placed, "
-            f"{compiled.ledger.count()} collectives per step"
+            f"{compiled.ledger.collectives().count()} collectives per step"
         )
         return EXIT_OK
     for path in args.plans:

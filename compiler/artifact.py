@@ -46,8 +46,10 @@ def write_artifact(compiled: Compiled, out: Path, *, model_spec: str) -> list[Pa
         "mesh": dict(zip(layout.names, layout.sizes, strict=True)),
         "world_size": layout.world_size,
         "tensor_axes": list(compiled.tensor_axes),
-        "collectives_per_step": compiled.ledger.count(),
-        "bytes_per_step": compiled.ledger.total_bytes(),
+        "collectives_per_step": compiled.ledger.collectives().count(),
+        "bytes_per_step": compiled.ledger.collectives().total_bytes(),
+        "device_copies_per_step": compiled.ledger.copies().count(),
+        "device_copy_bytes_per_step": compiled.ledger.copies().total_bytes(),
     }
     written = {
         "manifest.json": json.dumps(manifest, indent=2) + "\n",

@@ -20,24 +20,29 @@ reason, each linted after it runs (`lint.py`):
              call with its parameters split over the axis; after tensor parallelism, whose
              walk sees the unit's inputs whole, and before checkpoint, which must outline
              the call with its layer.
-6. checkpoint outlines each region into a submodule called through
+6. devices   (`lm_head: on cpu`, `on cuda:N`): each node's device, a `DeviceCopy` node where
+             an activation crosses into or out of a placed module; after the passes that
+             insert collectives (a placed module must issue none), before checkpoint (a copy
+             is outlined, and recomputed, with the module that reads it) and ZeRO (which
+             leaves placed parameters out of its units).
+7. checkpoint outlines each region into a submodule called through
              torch.utils.checkpoint; after tensor parallelism so its collectives are
              recomputed too. The ledger is built at the end and counts recomputed collectives.
-7. unsupported: a check, not a rewrite: rules accepted by the language that the compiler
+8. unsupported: a check, not a rewrite: rules accepted by the language that the compiler
              cannot lower yet are located errors.
-8. pipeline  (`pipeline over pp`): the stage cuts, explicit or balanced, and each
+9. pipeline  (`pipeline over pp`): the stage cuts, explicit or balanced, and each
              activation's stage; the graph is not changed (each pipeline rank builds its
              stage programs from it). After checkpoint, so a checkpointed layer is never split.
-9. zero      (`data_parallel { zero = N }`): gather/release nodes around each layer's
+10. zero     (`data_parallel { zero = N }`): gather/release nodes around each layer's
              parameter uses; last, because a checkpointed layer must be one call node
              (its recomputation then runs between the release's backward gather and the
              layer's backward, never re-gathering or freeing).
-10. overlap  the linears reading an entry collective (f, SP's all-gather) grouped into one
+11. overlap  the linears reading an entry collective (f, SP's all-gather) grouped into one
              node whose backward issues the entry's reduction before the weight gradients;
              last, on the final graph and its regions (it only regroups nodes).
 
 A plan with errors still goes through the passes marked `checks_after_errors` (precision,
-the tensor rules, experts, unsupported), so one compile reports every problem; the others are skipped.
+the tensor rules, experts, devices, unsupported), so one compile reports every problem; the others are skipped.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from .passes import (
     Context,
     Pass,
     checkpoint,
+    devices,
     experts,
     overlap,
     pipeline,
@@ -120,6 +126,7 @@ PASSES: tuple[Pass, ...] = (
     precision.PASS,
     tensor_parallel.PASS,
     experts.PASS,
+    devices.PASS,
     checkpoint.PASS,
     unsupported.PASS,
     pipeline.PASS,

@@ -330,7 +330,7 @@ def estimate(
 
     from .capture import bind_inputs
     from .liveness import in_flight, most_kept, walk_stages
-    from .lower import build_rank_program, place, stage_names
+    from .lower import build_rank_program, place, placed_names, stage_names
     from .stages import compiled_cuts, cut_stages
 
     plan, layout, source = compiled.plan, compiled.layout, compiled.source
@@ -400,6 +400,12 @@ def estimate(
                 stage_names(compiled, rank, axis=spec.axis, schedule=schedule) if spec and schedule else None
             )
             params = local_params(compiled.graph, model, compiled.param_placements, layout, held)
+            # a device rule's (`on cpu`): their state is on the host, ZeRO-2 at most (`session.sync`)
+            on_cpu = {
+                n: params.pop(n)
+                for n, d in placed_names(compiled.graph).items()
+                if d == "cpu" and n in params
+            }
             st = state_of(
                 params,
                 zero=zero,
@@ -413,6 +419,15 @@ def estimate(
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
             )
+            if on_cpu:
+                kept = state_of(
+                    on_cpu,
+                    zero=min(zero, 2),
+                    group_size=group_size,
+                    engine=engine,
+                    bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
+                )
+                st.host += kept.params + kept.grads + kept.optimizer
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
             if schedule is None:
                 activations = sum(walks[s].saved for s in mine)

@@ -50,6 +50,7 @@ from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
 from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
 from meshplan.runtime.collectives import COLLECTIVES, Wire
+from meshplan.runtime.device_copy import DEVICE, HOST, DeviceCopy
 from meshplan.runtime.experts import expert_capacity
 from meshplan.runtime.mesh import MeshLayout, axes_of
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
@@ -58,10 +59,12 @@ from . import meta
 from .graph import arg_node, hint, shape, value
 from .meta import Collective
 from .passes.checkpoint import collective_nodes
+from .passes.devices import copy_nodes
 from .passes.zero import reduce_axes
 from .placement import Placement, Shard
 
 PHASES = ("forward", "backward", "step")  # a row's phase, in the order a step runs them
+COPY = DeviceCopy.kind  # the kind of a device copy's rows: not a collective, a copy within the rank
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class LedgerRow:
 
     @property
     def traffic(self) -> float:
+        if self.kind == COPY:  # one copy, not a ring
+            return self.bytes * self.count
         n = self.group_size
         factor = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
         return factor * self.bytes * self.count
@@ -107,12 +112,33 @@ class Ledger:
             if (op is None or r.op == op) and (phase is None or r.phase == phase)
         )
 
+    def collectives(self) -> Ledger:
+        """The rows on the wire, between ranks: all but the device copies."""
+        return Ledger(tuple(r for r in self.rows if r.kind != COPY))
+
+    def copies(self) -> Ledger:
+        """The device copies of placed modules' boundaries, within the rank."""
+        return Ledger(tuple(r for r in self.rows if r.kind == COPY))
+
     def summary(self) -> str:
-        """`29 collectives per step (10 forward, 18 backward, 1 after the optimizer step), 2.444 MB`"""
-        phases = [f"{self.count(phase='forward')} forward", f"{self.count(phase='backward')} backward"]
-        if self.count(phase="step"):
-            phases.append(f"{self.count(phase='step')} after the optimizer step")
-        return f"{self.count()} collectives per step ({', '.join(phases)}), {self.total_bytes() / 1e6:.3f} MB"
+        """`29 collectives per step (10 forward, 18 backward, 1 after the optimizer step), 2.444 MB`,
+        and where a device rule placed modules, `; 4 device copies per step (2 forward, 2 backward),
+        0.278 MB`."""
+        wire = self.collectives()
+        phases = [f"{wire.count(phase='forward')} forward", f"{wire.count(phase='backward')} backward"]
+        if wire.count(phase="step"):
+            phases.append(f"{wire.count(phase='step')} after the optimizer step")
+        text = f"{wire.count()} collectives per step ({', '.join(phases)}), {wire.total_bytes() / 1e6:.3f} MB"
+        copies = self.copies()
+        if copies.rows:
+            phases = [
+                f"{copies.count(phase=p)} {p}" for p in ("forward", "backward") if copies.count(phase=p)
+            ]
+            text += (
+                f"; {copies.count()} device copies per step ({', '.join(phases)}), "
+                f"{copies.total_bytes() / 1e6:.3f} MB"
+            )
+        return text
 
     def to_json(self) -> list[dict]:
         return [
@@ -147,6 +173,9 @@ class DataParallelFacts:
     norm_sums: int = (
         2  # float64 sums the gradient norm all-reduces: one per set of sharding axes, one for the rest
     )
+    # params a device rule placed off the rank's device (`on cpu`): an engine of their own reduces
+    # them (buckets; under ZeRO flats of at most stage 2), after the device's
+    host: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -187,8 +216,20 @@ def data_parallel_facts(
         for name in params
     }
     norm_sums = len(kinds - {()}) + 1
+    host = frozenset(
+        str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and meta.device(n) is not None
+    )
     return DataParallelFacts(
-        dp.axis, dp.zero, dp.bucket_bytes, reduce, list(params.items()), aliases, decays, where, norm_sums
+        dp.axis,
+        dp.zero,
+        dp.bucket_bytes,
+        reduce,
+        list(params.items()),
+        aliases,
+        decays,
+        where,
+        norm_sums,
+        host & set(params),
     )
 
 
@@ -292,7 +333,55 @@ def build_ledger(
         rows += _data_parallel_rows(gm, layout, data, accumulation)
     if experts_data is not None:
         rows += _expert_data_rows(gm, experts_data, accumulation)
+    rows += _copy_rows(gm, layout, accumulation)
     return Ledger(tuple(rows))
+
+
+def _copy_rows(gm: fx.GraphModule, layout: MeshLayout, accumulation: int) -> list[LedgerRow]:
+    """Each device copy (`passes/devices.py`): its tensor, as this rank holds it, copied in forward
+    (and again where its checkpoint region is recomputed), its gradient copied back in backward.
+    The `axis` column names the other end of the link: `host`, or the placed device `cuda:N`."""
+    rows = []
+    for node, recomputed in copy_nodes(gm):
+        fact = meta.device_copy(node)
+        assert fact is not None, "copy_nodes yields device copies"
+        held = held_shape(node, shape(node), "", layout)
+        if not all(isinstance(d, int) for d in held):
+            continue  # a data-dependent size (a list of experts' rows): not in a placed module
+        nbytes = math.prod(held) * value(node).element_size()
+        link = (
+            "host"
+            if HOST in (fact.to, fact.source)
+            else next(d for d in (fact.to, fact.source) if d != DEVICE)
+        )
+        copies = [("forward", fact.to, False)]
+        if fact.grad:
+            copies.append(("backward", fact.source, False))
+        if recomputed:
+            copies.append(("backward", fact.to, True))
+        where = fact.rule.span
+        rows += [
+            LedgerRow(
+                node.name,
+                COPY,
+                f"copy_to_{_side(to)}",
+                phase,
+                link,
+                held,
+                nbytes,
+                accumulation,
+                1,
+                where,
+                again,
+            )
+            for phase, to, again in copies
+        ]
+    return rows
+
+
+def _side(to: str) -> str:
+    """`host`, `device` (the rank's own) or `cuda:1`: where a copy goes, as an op names it."""
+    return "host" if to == HOST else to
 
 
 def held_shape(
@@ -475,6 +564,7 @@ def _zero_bucket_rows(
     reduce_dtype: torch.dtype | None,
     decay: Callable[[str, torch.Tensor], bool],
     where: Span,
+    label: str = "bucket",
 ) -> list[LedgerRow]:
     """ZeRO-1/2's flats: each gradient flat reduced in backward (all-reduce for stage 1,
     reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards."""
@@ -489,7 +579,7 @@ def _zero_bucket_rows(
         )
         rows += [
             LedgerRow(
-                f"bucket {i}", "zero_bucket", op, phase, axis, (numel,), numel * dtype.itemsize, 1, n, where
+                f"{label} {i}", "zero_bucket", op, phase, axis, (numel,), numel * dtype.itemsize, 1, n, where
             )
             for op, phase, dtype in dtypes
         ]
@@ -544,46 +634,35 @@ def _zero_unit_rows(
 def _data_parallel_rows(
     gm: fx.GraphModule, layout: MeshLayout, data: DataParallelFacts, accumulation: int
 ) -> list[LedgerRow]:
-    n = layout.size(data.axis)
-    params = list(data.params)
+    """The engine's rows, then those of the engine of the parameters a device rule placed on the
+    host (`DataParallelFacts.host`): buckets of their own, under ZeRO flats of at most stage 2,
+    and its own gradient-norm sums."""
+    axis, n, where = data.axis, layout.size(data.axis), data.where
+    params = [(name, p) for name, p in data.params if name not in data.host]
+    host = [(name, p) for name, p in data.params if name in data.host]
     if data.zero == 0:
-        sizes = bucket_sizes([p for _, p in params], data.bucket_bytes, data.reduce_dtype)
         return [
-            LedgerRow(
-                f"bucket {i}",
-                "dp_bucket",
-                "all_reduce",
-                "backward",
-                data.axis,
-                (nbytes,),
-                nbytes,
-                1,
-                n,
-                data.where,
-            )
-            for i, nbytes in enumerate(sizes)
+            LedgerRow(f"{label} {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)
+            for label, ps in (("bucket", params), ("host bucket", host))
+            for i, b in enumerate(bucket_sizes([p for _, p in ps], data.bucket_bytes, data.reduce_dtype))
         ]
     rows = []
-    if data.zero in (1, 2):
+    if params and data.zero in (1, 2):
         rows += _zero_bucket_rows(
-            params, data.axis, n, data.zero, data.bucket_bytes, data.reduce_dtype, data.decay, data.where
+            params, axis, n, data.zero, data.bucket_bytes, data.reduce_dtype, data.decay, where
         )
-    else:
+    elif params:
         rows += _zero_unit_rows(
-            gm, params, data.aliases, data.axis, n, data.decay, data.reduce_dtype, data.where, accumulation
+            gm, params, data.aliases, axis, n, data.decay, data.reduce_dtype, where, accumulation
         )
-    rows.append(
-        LedgerRow(
-            "grad norm",
-            "zero_norm",
-            "all_reduce",
-            "step",
-            data.axis,
-            (data.norm_sums,),
-            8 * data.norm_sums,
-            1,
-            n,
-            data.where,
+    if host:
+        stage = min(data.zero, 2)
+        rows += _zero_bucket_rows(
+            host, axis, n, stage, data.bucket_bytes, data.reduce_dtype, data.decay, where, label="host bucket"
         )
-    )
-    return rows
+    sums = data.norm_sums
+    return rows + [
+        LedgerRow(label, "zero_norm", "all_reduce", "step", axis, (sums,), 8 * sums, 1, n, where)
+        for label, ps in (("grad norm", params), ("host grad norm", host))
+        if ps
+    ]

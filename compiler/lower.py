@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import fx, nn
 
+from meshplan.runtime.device_copy import DeviceCopy
 from meshplan.runtime.hollow import defer as deferred
 from meshplan.runtime.hollow import hollow, is_hollow, moved
 from meshplan.runtime.mesh import MeshLayout
@@ -150,21 +151,64 @@ def place(program: fx.GraphModule, device: str | torch.device) -> fx.GraphModule
     into the graph (`arange(..., device=cpu)` for positions and masks, a buffer's `.to(cpu)`; the
     meta device for a model built on it), so a program moved as modules alone would compute
     those elsewhere and mix devices. Each graph is copied before it is changed: the compiled
-    program is left as it was."""
-    device = torch.device(device)
+    program is left as it was.
+
+    What a device rule placed elsewhere (`on cpu`, `on cuda:N`: `passes/devices.py`) goes
+    there instead, tensors and the devices its nodes name; its `DeviceCopy` nodes learn the
+    rank's device (`"device"`). On the meta device (the estimate's walk) everything goes there."""
+    device = _indexed(torch.device(device))
+    placed = _placed_tensors(program) if device.type != "meta" else {}
     for module in list(program.modules()):
+        if isinstance(module, DeviceCopy):
+            module.bind(device)
         if not isinstance(module, fx.GraphModule) or not any(
-            _names_another(n, device) for n in module.graph.nodes
+            _names_another(n, _node_device(n, device)) for n in module.graph.nodes
         ):
             continue
         graph = copy.deepcopy(module.graph)
         for node in graph.nodes:
-            node.args, node.kwargs = _on(node.args, device), _on(node.kwargs, device)
+            where = _node_device(node, device)
+            node.args, node.kwargs = _on(node.args, where), _on(node.kwargs, where)
         module.graph = graph
         module.recompile()
-    # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`); a hollow
-    # parameter moves without bytes, its value still to be made
-    return program._apply(lambda t: t if t.is_meta else moved(t, device) if is_hollow(t) else t.to(device))
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        # another pipeline rank's tensors stay shapes (`keep` of `build_rank_program`); a hollow
+        # parameter moves without bytes, its value still to be made
+        where = placed.get(id(t), device)
+        return t if t.is_meta else moved(t, where) if is_hollow(t) else t.to(where)
+
+    return program._apply(to)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as the device it means now (`cuda:0`): what the tensors moved there report."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _node_device(node: fx.Node, device: torch.device) -> torch.device:
+    """Where a node of a rank's program runs: where a device rule placed it, else `device`."""
+    where = meta.device(node)
+    return torch.device(where) if where is not None and device.type != "meta" else device
+
+
+def _placed_tensors(program: fx.GraphModule) -> dict[int, torch.device]:
+    """The tensors (by id) a device rule placed off the rank's device, and where."""
+    return {
+        id(_get_attr(program, name)): torch.device(where) for name, where in placed_names(program).items()
+    }
+
+
+def placed_names(program: fx.GraphModule) -> dict[str, str]:
+    """The parameters and buffers of a rank's program (by the names its graph reads them by) that
+    a device rule placed off the rank's device (`passes/devices.py`), and where: `"cpu"`, `"cuda:N"`."""
+    return {
+        str(node.target): where
+        for node in program.graph.nodes
+        if node.op == "get_attr" and (where := meta.device(node)) is not None
+    }
 
 
 def _names_another(node: fx.Node, device: torch.device) -> bool:

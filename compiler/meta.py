@@ -20,6 +20,8 @@ error and every line of `explain` can say which plan rule and which module a nod
 | `meshplan.routing`       | `Routing`                      | expert rows             | an experts unit joined from a list's calls: its example's pairs, k and top-k node |
 | `meshplan.token_chunks`  | `int`                          | tensor-parallel pass    | an experts unit borrowing a tensor axis: the chunks of tokens each rank's rows are |
 | `meshplan.rows_cut`      | `list[str]`                    | tensor-parallel pass    | an experts unit: the axes that cut its tokens by rows, each rank routing its own |
+| `meshplan.device`        | `str`                          | devices pass            | the node runs (a `get_attr`: the tensor lives) off the rank's device: `"cpu"`, `"cuda:N"` |
+| `meshplan.device_copy`   | `DeviceCopyFact`               | devices pass            | the node is a device copy: where it goes, what it copies from, the module and rule behind it |
 
 `program.pt` keeps the facts a rank program needs (`RUNTIME_FACTS`), pickled with the graph.
 Export's own facts (`val`, `nn_module_stack`, `stack_trace`) are read through `graph.py`.
@@ -55,6 +57,10 @@ TOKEN_CHUNKS = "meshplan.token_chunks"
 # on an experts unit whose tokens tensor, sequence or context axes cut by rows, each rank routing
 # its own (`list[str]`): those axes; under a capacity their ranks queue their pairs together
 ROWS_CUT = "meshplan.rows_cut"
+# on a node placed off the rank's device by an `on cpu` / `on cuda:N` rule (`passes/devices.py`):
+# that device; `compiler.lower.place` leaves such nodes' tensors and devices where they are
+DEVICE = "meshplan.device"
+DEVICE_COPY = "meshplan.device_copy"
 
 
 class Collective(TypedDict, total=False):
@@ -95,6 +101,19 @@ class Routing:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceCopyFact:
+    """`meta[DEVICE_COPY]` on a device copy node (`runtime.device_copy.DeviceCopy`): where it
+    copies to and from (`"cpu"`, `"device"`: the rank's own, `"cuda:N"`), whether backward
+    copies a gradient back, and the placed module whose boundary it is, with its rule."""
+
+    to: str
+    source: str
+    grad: bool
+    module: str
+    rule: PlanRule
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointRegion:
     """`meta[CHECKPOINT]` on the call node of an outlined checkpoint region."""
 
@@ -108,7 +127,7 @@ class CheckpointRegion:
 # (a region's placeholder, a call's getitem) does not inherit them (`outline.value_meta`)
 OP_FACTS = frozenset({MODULE, COLLECTIVE})
 # the facts a rank program needs, which `program.pt` keeps (`executable.py`)
-RUNTIME_FACTS = (CHECKPOINT, COLLECTIVE, MODULE)
+RUNTIME_FACTS = (CHECKPOINT, COLLECTIVE, MODULE, DEVICE)
 
 
 def module_tag(node: fx.Node) -> str | None:
@@ -220,6 +239,28 @@ def rows_cut(node: fx.Node) -> tuple[str, ...]:
 
 def add_rows_cut(node: fx.Node, axis: str) -> None:
     node.meta.setdefault(ROWS_CUT, []).append(axis)
+
+
+def device(node: fx.Node) -> str | None:
+    """The device the node runs on (its tensor lives on) when not the rank's: `"cpu"`,
+    `"cuda:N"`; None for the rank's own."""
+    return node.meta.get(DEVICE)
+
+
+def set_device(node: fx.Node, where: str | None) -> None:
+    if where is None:
+        node.meta.pop(DEVICE, None)
+    else:
+        node.meta[DEVICE] = where
+
+
+def device_copy(node: fx.Node) -> DeviceCopyFact | None:
+    """The device copy a node is, or None for any other node."""
+    return node.meta.get(DEVICE_COPY)
+
+
+def set_device_copy(node: fx.Node, fact: DeviceCopyFact) -> None:
+    node.meta[DEVICE_COPY] = fact
 
 
 def copy_facts(src: fx.Node, dst: fx.Node, *keys: str) -> None:

@@ -22,9 +22,10 @@ from meshplan.runtime.zero_nodes import ZeroGather
 from . import meta
 from .compile import Compiled
 from .graph import module_path, shape, value
-from .ledger import PHASES, held_shape, unit_capacity
+from .ledger import COPY, PHASES, held_shape, unit_capacity
 from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
+from .passes.devices import device_of
 from .passes.zero import reduce_axes
 from .placement import Shard
 from .print_schedule import unit_costs
@@ -94,7 +95,9 @@ def explain(compiled: Compiled) -> str:
             lines.append(
                 f"    {path}: overridden by line {winner.span.line} ({winner.pattern}, more specific)"
             )
-        rows = by_rule_line.get(rule.span.line, [])
+        rows = [r for r in by_rule_line.get(rule.span.line, []) if r.kind != COPY]
+        if rule.kind == "device":
+            lines += _device_lines(compiled, rule, by_rule_line.get(rule.span.line, []))
         if rows:
             counts: dict[tuple[str, str], int] = defaultdict(int)
             for r in rows:
@@ -119,6 +122,47 @@ def explain(compiled: Compiled) -> str:
         lines.append("replicated on every rank (no tensor rule):")
         lines += [f"    {p}" for p in compress_paths(replicated)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _device_lines(compiled: Compiled, rule, rows: list) -> list[str]:
+    """A device rule: the tensors that live where it puts them, and the copies at its boundary
+    per step, by direction, with their bytes."""
+    held = sorted(
+        str(n.target)
+        for n in compiled.graph.graph.nodes
+        if n.op == "get_attr" and meta.device(n) is not None and placed_by(compiled, n) == rule.order
+    )
+    lines = []
+    if held:
+        where = "the host" if device_of(rule) == "cpu" else device_of(rule)
+        lines.append(
+            f"    held on {where} with their gradients and optimizer state: {', '.join(compress_paths(held))}"
+        )
+    copies: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in rows:
+        if r.kind == COPY:
+            entry = copies[(r.phase, r.op)]
+            entry[0] += r.count
+            entry[1] += r.bytes * r.count
+    if copies:
+        text = ", ".join(
+            f"{n} {op} {phase} ({_kb(nbytes)})"
+            for (phase, op), (n, nbytes) in sorted(
+                copies.items(), key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1])
+            )
+        )
+        lines.append(f"    device copies per step: {text}")
+    return lines
+
+
+def placed_by(compiled: Compiled, node) -> int | None:
+    """The order of the device rule that placed a model tensor (its owner module's)."""
+    path = str(node.target).rpartition(".")[0]
+    while True:
+        rule = compiled.resolution.rule_for(path, "device")
+        if rule is not None or not path:
+            return rule.order if rule is not None else None
+        path = path.rpartition(".")[0]
 
 
 def _data_parallel_lines(compiled: Compiled) -> list[str]:
@@ -160,6 +204,16 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)})",
         f"    each rank keeps {keeps}",
     ]
+    if any(r.node.startswith("host ") for r in compiled.ledger.rows):
+        how = (
+            "in buckets of their own"
+            if not dp.zero
+            else f"their gradients and optimizer state in ZeRO-{min(dp.zero, 2)} flats of their own, on the host"
+        )
+        lines.append(
+            f"    parameters a device rule holds on the host are reduced apart, {how} "
+            "(over gloo where the device's group is NCCL)"
+        )
     units = [
         str(info["unit"]) or "root"
         for n in compiled.graph.graph.nodes

@@ -17,7 +17,7 @@ from meshplan.runtime.mesh import MeshLayout
 from . import meta
 from .compile import Compiled
 from .graph import shape_text
-from .meta import Collective
+from .meta import Collective, DeviceCopyFact
 from .passes import overlap
 from .passes.checkpoint import region_modules
 
@@ -55,8 +55,13 @@ def annotated_code(compiled: Compiled) -> str:
 def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
     notes = {}
     for node in gm.graph.nodes:
-        info, region = meta.collective(node), meta.checkpoint_region(node)
-        if node.op == "get_attr" and str(node.target) in sums:
+        info, region, copy = meta.collective(node), meta.checkpoint_region(node), meta.device_copy(node)
+        if copy is not None:
+            notes[node.name] = _copy_note(node, copy, ledger)
+        elif node.op == "get_attr" and (where := meta.device(node)) is not None:
+            where = "the host" if where == "cpu" else where
+            notes[node.name] = f"  # held on {where} by a device rule, with its gradient and optimizer state"
+        elif node.op == "get_attr" and str(node.target) in sums:
             axes = " x ".join(sums[str(node.target)])
             notes[node.name] = (
                 f"  # its gradient is partial over {axes}: summed by the gradient sync, in a bucket"
@@ -89,6 +94,16 @@ def _annotated(gm, ledger, sums: dict[str, tuple[str, ...]]) -> str:
         m = re.match(r"\s+(\w+) = ", line)
         body.append(line.split(";  ")[0] + notes[m.group(1)] if m and m.group(1) in notes else line)
     return "\n".join(body)
+
+
+def _copy_note(node, copy: DeviceCopyFact, ledger) -> str:
+    """`# copy to the host, (2, 16, 64) 8,192 B; backward copies the gradient back <- p.plan:4`."""
+    where = {"cpu": "the host", "device": "the rank's device"}.get(copy.to, copy.to)
+    nbytes = sum(
+        r.bytes for r in ledger.rows if r.node == node.name and r.phase == "forward" and not r.recompute
+    )
+    back = "; backward copies the gradient back" if copy.grad else ""
+    return f"  # copy to {where} ({copy.module}), {shape_text(node)} {nbytes:,} B{back}{_line(copy.rule)}"
 
 
 def _where(info: Collective) -> str:

@@ -255,24 +255,28 @@ def param_grad_squares(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequenc
     """`GradSync.grad_squares` of gradients held whole in `.grad` (LocalParams, DataParallel):
     summed where the gradients are, in float64, read back once. Each kind's gradients go
     through one foreach norm (one dispatch, not a few ops a tensor); one larger than
-    `SQUARES_CHUNK` chunk by chunk."""
+    `SQUARES_CHUNK` chunk by chunk. Gradients on several devices (a module a device rule holds on
+    the host) are summed on each, read back once per device."""
     by_kind: list[list[Tensor]] = [[] for _ in range(len(kinds) + 1)]
     for name, p in named:
         if p.grad is not None:
             kind = next((i for i, names in enumerate(kinds) if name in names), len(kinds))
             by_kind[kind].append(p.grad.detach())
-    device = next((g[0].device for g in by_kind if g), torch.device("cpu"))
-    sums = []
-    for grads in by_kind:
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        small = [g for g in grads if g.numel() <= SQUARES_CHUNK]
-        if small:
-            total = total + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float64)).square().sum()
-        for g in grads:
-            if g.numel() > SQUARES_CHUNK:
-                total = total + sum_of_squares(g)
-        sums.append(total)
-    return torch.stack(sums).cpu()
+    devices = list(dict.fromkeys(g.device for grads in by_kind for g in grads)) or [torch.device("cpu")]
+    out = torch.zeros(len(by_kind), dtype=torch.float64)
+    for device in devices:
+        sums = []
+        for grads in by_kind:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            small = [g for g in grads if g.numel() <= SQUARES_CHUNK and g.device == device]
+            if small:
+                total = total + torch.stack(torch._foreach_norm(small, 2, dtype=torch.float64)).square().sum()
+            for g in grads:
+                if g.numel() > SQUARES_CHUNK and g.device == device:
+                    total = total + sum_of_squares(g)
+            sums.append(total)
+        out += torch.stack(sums).cpu()
+    return out
 
 
 SQUARES_CHUNK = 1 << 22  # elements: the float64 copy `sum_of_squares` makes is 32 MiB at most

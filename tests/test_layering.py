@@ -1,7 +1,7 @@
 """The layering rules (STYLE.md, docs/ARCHITECTURE.md): `dsl` imports neither torch nor
 `compiler` nor `runtime`; `runtime` imports neither `dsl` nor `compiler`, nor `examples` nor
 the command line; `compiler` imports from `runtime` only the library compiled programs are
-made of (collectives, the experts unit and stacked expert lists, ZeRO nodes, the mesh, how tensors are cut and parameters grouped,
+made of (collectives, device copies, the experts unit and stacked expert lists, ZeRO nodes, the mesh, how tensors are cut and parameters grouped,
 pipeline schedules),
 never the training loop, the engines, checkpoints or export; only `cli` composes them all.
 
@@ -41,6 +41,7 @@ FOLDERS = {
 # what compiled programs are made of: the only runtime modules the compiler may import
 PROGRAM_LIBRARY = {
     "collectives",
+    "device_copy",
     "experts",
     "expert_list",
     "hollow",

@@ -58,7 +58,8 @@ def check_supported(plan: Plan) -> None:
     if (pr.params, pr.grads) != ("fp32", "fp32"):
         missing.append(f"{pr.params} parameters / {pr.grads} gradients (master weights stay fp32)")
     kinds = sorted(
-        {r.kind for r in plan.rules} - {"tensor", "sequence", "dtype", "checkpoint", "context", "experts"}
+        {r.kind for r in plan.rules}
+        - {"tensor", "sequence", "dtype", "checkpoint", "context", "experts", "device"}
     )
     missing += [f"`{kind}` rules" for kind in kinds]
     if missing:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.expert_data_parallel import ExpertDataParallel
     from meshplan.runtime.expert_zero import ExpertZero
+    from meshplan.runtime.mesh import MeshLayout
     from meshplan.runtime.zero import Zero, ZeroOptions
 
     from .pipeline import PipelineRank, ZeroShards
@@ -56,9 +57,12 @@ def gradient_sync(
     experts_over = {x for r in plan.rules_of("experts") for x in axes_of(r.axis)}
     experts = tuple(a for a in layout.names if a in experts_over)
     engine: Engine | None = None
+    host = _host_names(rank_program)
     if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
         dp_group = mesh.get_group(dp_axis)
-        if dp_spec.zero > 0:
+        if host:
+            engine = _host_apart(rank_program, dp_group, dp_spec, plan, host, layout)
+        elif dp_spec.zero > 0:
             engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline)
         else:
             from meshplan.runtime.data_parallel import DataParallel
@@ -80,6 +84,96 @@ def gradient_sync(
     if pipeline is not None and engine is not None and dp_spec is not None and dp_spec.zero > 0:
         pipeline.zero = cast("ZeroShards", engine)  # a tied weight's gradient is summed piece by piece
     return Sync(engine, axes, experts)
+
+
+def _host_names(rank_program: fx.GraphModule) -> frozenset[str]:
+    """The trainable parameters a device rule holds on the host (`on cpu`)."""
+    from meshplan.compiler.lower import placed_names
+
+    trainable = {n for n, p in rank_program.named_parameters() if p.requires_grad}
+    return frozenset(
+        n for n, where in placed_names(rank_program).items() if where == "cpu" and n in trainable
+    )
+
+
+def _host_apart(
+    rank_program: fx.GraphModule,
+    dp_group: torch.distributed.ProcessGroup,
+    dp_spec: DataParallelSpec,
+    plan: Plan,
+    host: frozenset[str],
+    layout: MeshLayout,
+) -> ExpertDataParallel | ExpertZero:
+    """Data parallelism when a device rule holds some parameters on the host (`on cpu`): those
+    are reduced apart, by an engine of their own over the same ranks, after the device's (what the
+    compiler's ledger lists: `ledger.DataParallelFacts.host`). Without ZeRO, each engine's
+    buckets; under ZeRO, the device's flats and units as the plan asks, the host's flats sharded
+    at most as ZeRO-2 shards them (the ZeRO pass put no host parameter in a unit), on the host.
+    On a GPU the host engine reduces over a gloo group of the same ranks (`_host_group`): NCCL
+    reduces device tensors only, and backward's hooks run on two threads there, so the two
+    engines' collectives could interleave differently on two ranks of one group."""
+    from meshplan.runtime.data_parallel import DataParallel, broadcast_parameters
+    from meshplan.runtime.expert_data_parallel import ExpertDataParallel
+    from meshplan.runtime.expert_zero import ExpertZero
+    from meshplan.runtime.zero import Zero
+
+    # in the order the graph reads them, as the ledger buckets them (a module's own order differs)
+    by_name = dict(rank_program.named_parameters())
+    reads = dict.fromkeys(str(n.target) for n in rank_program.graph.nodes if n.op == "get_attr")
+    named = [(n, by_name[n]) for n in [*reads, *by_name] if n in by_name and by_name[n].requires_grad]
+    named = list(dict(named).items())
+    sides = [
+        ([p for n, p in named if n not in host], dp_group, "device"),
+        ([p for n, p in named if n in host], _host_group(dp_group, layout, dp_spec.axis, named), "host"),
+    ]
+    sides = [side for side in sides if side[0]]
+    if dp_spec.zero == 0:
+        return ExpertDataParallel(
+            rank_program,
+            [
+                DataParallel(
+                    rank_program,
+                    group,
+                    bucket_bytes=dp_spec.bucket_bytes,
+                    reduce_dtype=_reduce_dtype(plan),
+                    axis=dp_spec.axis,
+                    params=params,
+                )
+                for params, group, _ in sides
+            ],
+        )
+    options = _zero_options(dp_spec, plan)
+    engines = []
+    for params, group, side in sides:
+        broadcast_parameters(params, group)  # every rank built the same seeded model: make it exact
+        engines.append(
+            Zero(
+                rank_program,
+                group,
+                options if side == "device" else dataclasses.replace(options, stage=min(options.stage, 2)),
+                axis=dp_spec.axis,
+                only=[n for n, p in named if any(p is q for q in params)],
+                node_axis=None if side == "device" else "(host)",  # the ZeRO pass's nodes are the device's
+            )
+        )
+    return ExpertZero(rank_program, engines)
+
+
+def _host_group(
+    dp_group: torch.distributed.ProcessGroup,
+    layout: MeshLayout,
+    axis: str,
+    named: list[tuple[str, nn.Parameter]],
+) -> torch.distributed.ProcessGroup:
+    """The group the host parameters' engine reduces over: the data axis's own where the rank's
+    program is on the host too (a CPU run), else a gloo group of the same ranks, made by every rank."""
+    import torch.distributed as dist
+
+    if all(p.device.type == "cpu" for _, p in named):
+        return dp_group
+    groups = sorted({tuple(layout.group_ranks(axis, r)) for r in range(layout.world_size)})
+    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+    return group
 
 
 def rank_axes(program: Program, mesh, data: tuple[str, ...] = ()) -> Axes:

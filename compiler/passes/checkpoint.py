@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -280,9 +280,15 @@ def recomputed_collectives(region: fx.GraphModule) -> list[fx.Node]:
     row-split reductions only the first is recomputed. Which ops save tensors is judged
     from `_SAVES_NOTHING`, conservatively: an op not listed counts as saving.
     """
+    return recomputed_nodes(region, lambda n: meta.collective(n) is not None)
+
+
+def recomputed_nodes(region: fx.GraphModule, which: Callable[[fx.Node], bool]) -> list[fx.Node]:
+    """The nodes of an outlined region, of those `which` picks, that its recomputation runs
+    again (`recomputed_collectives`; the device copies, `passes/devices.py`)."""
     nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_module")]
     last = max((i for i, n in enumerate(nodes) if _saves_tensors(n)), default=-1)
-    return [n for n in nodes[:last] if meta.collective(n) is not None]
+    return [n for n in nodes[:last] if which(n)]
 
 
 # Ops whose backward needs no saved tensor (only shapes, or nothing).
@@ -317,6 +323,8 @@ _SAVES_NOTHING = frozenset(
 
 # The collectives whose autograd functions save no tensor (their backward is a collective).
 def _saves_tensors(node: fx.Node) -> bool:
+    if node.op == "call_module" and meta.device_copy(node) is not None:
+        return False  # a copy's backward copies the gradient back
     if node.op == "call_module":  # a collective says so itself (`runtime.collectives`)
         info = meta.collective(node)
         declared = COLLECTIVES.get(info["kind"]) if info is not None else None

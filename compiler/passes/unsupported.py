@@ -1,14 +1,14 @@
 """Constructs the language has and the compiler does not lower yet: refused, never ignored.
 
-Device placement (`on cpu`) parses and passes `meshplan check`, but no pass lowers it yet:
-a program compiled from such a plan would simply lack it and train as if it were not
-there. So every command that compiles against a model refuses it, one located error per
-rule:
+Selective checkpointing under a schedule that splits the backward (`zero_bubble`, `zbv`)
+parses and passes `meshplan check`, but a region computed under selective checkpointing can be
+backwarded once only. So every command that compiles against a model refuses it, one located
+error per rule:
 
-    p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet: this plan would train without it
-            norm: on cuda:1
-                  ^~~~~~~~~
-    hint: remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only
+    p.plan:4:15: error: selective checkpointing under `schedule = zero_bubble` is not lowered yet: ...
+            layers.0: checkpoint selective
+                      ^~~~~~~~~~~~~~~~~~~~
+    hint: use `checkpoint full` here, or `schedule = 1f1b` / `interleaved`
 
 Before that, the sizes the constructs need are checked against the model, because a size
 that can never work is the more useful message (and stays true once they are lowered): no
@@ -18,7 +18,8 @@ sizes (microbatches vs stages) are `dsl.settings`'s.
 
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
 size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
-the experts an expert axis splits: the experts pass).
+the experts an expert axis splits: the experts pass; device placement, `on cpu`: the
+devices pass, which keeps its own refusals).
 
 Golden: `tests/compiler/golden/passes/unsupported.diff`, this pass's before/after (empty: a check changes nothing),
 kept equal by `tests/compiler/test_pass_golden.py`.
@@ -37,9 +38,6 @@ from ..match import Resolution
 from ..stages import layer_list
 from . import Context, Pass
 
-_REMOVE_RULE = (
-    "remove the rule to compile this plan; `meshplan check PLAN` without --model checks the language only"
-)
 _CONFIG_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
@@ -53,9 +51,9 @@ def check_unsupported(plan: Plan, source: ModelSource, resolution: Resolution) -
 
 
 def not_lowered(plan: Plan) -> list[Diagnostic]:
-    """One error per `on DEVICE` rule (no pass lowers them), and per selective checkpoint rule
-    under a schedule that splits the backward (a region computed under selective
-    checkpointing can be backwarded once only; the split runs it in two halves)."""
+    """One error per selective checkpoint rule under a schedule that splits the backward (a
+    region computed under selective checkpointing can be backwarded once only; the split runs
+    it in two halves)."""
     out: list[Diagnostic] = []
     split = plan.pipeline is not None and plan.pipeline.schedule in ("zero_bubble", "zbv")
     for rule in plan.rules_of("checkpoint"):
@@ -70,18 +68,6 @@ def not_lowered(plan: Plan) -> list[Diagnostic]:
                     hint="use `checkpoint full` here, or `schedule = 1f1b` / `interleaved`",
                 )
             )
-    for rule in plan.rules:
-        action = rule.action
-        if isinstance(action, ast.Device):
-            device = action.kind if action.index is None else f"{action.kind}:{action.index}"
-            what = f"device placement (`on {device}`)"
-        else:
-            continue
-        out.append(
-            Diagnostic(
-                action.span, f"{what} is not lowered yet: this plan would train without it", hint=_REMOVE_RULE
-            )
-        )
     return out
 
 

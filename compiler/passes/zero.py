@@ -3,7 +3,8 @@
 Requires: the final graph of the other passes (after activation checkpointing: a
 checkpointed layer is one call node whose inputs include its parameters), a plan with
 `data_parallel { zero = N }` over an axis of size > 1.
-Ensures: every trainable parameter belongs to one *unit*, the layer that owns it (the
+Ensures: every trainable parameter belongs to one *unit* (but those a device rule placed off
+the rank's device, `on cpu`: `passes/devices.py`), the layer that owns it (the
 first numbered module on its path: `layers.3`, `model.layers.3`, `h.3`) or the root for
 the rest (embeddings, final norm, LM head). Each unit gets
 
@@ -162,7 +163,12 @@ def shard_parameters(gm: fx.GraphModule, spec: ZeroSpec, *, groups: Groups | Non
     over no other rank: it is in no unit."""
     graph = gm.graph
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    reads = [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in trainable and n.users]
+    # a parameter a device rule placed elsewhere (`on cpu`) is in no unit: its engine is its own
+    reads = [
+        n
+        for n in graph.nodes
+        if n.op == "get_attr" and str(n.target) in trainable and n.users and meta.device(n) is None
+    ]
     pipeline = meta.stage_cuts(gm) is not None
     _hoist(graph, reads)
     if pipeline:

@@ -67,6 +67,12 @@ CASES = {
         lambda: llama.build(num_hidden_layers=2),
         "examples/models/llama.py:build, 2 layers",
     ),
+    # the LM head held on the host under data parallelism
+    "llama_on_cpu": Case(
+        plan("\n    lm_head: on cpu\n", mesh="dp=2", extra=data_parallel(zero=0)),
+        lambda: llama.build(num_hidden_layers=2),
+        "examples/models/llama.py:build, 2 layers",
+    ),
     "moe_ep": Case(
         plan(EXPERTS, mesh="ep=2"),
         lambda: moe.build(num_hidden_layers=2),
@@ -85,6 +91,7 @@ CASE_OF = {
     "precision": "llama_mixed_zero3",
     "tensor-parallel": "llama_tp_sp",
     "experts": "moe_ep",
+    "devices": "llama_on_cpu",
     "checkpoint": "llama_mixed_zero3",
     "unsupported": "llama_mixed_zero3",
     "pipeline": "llama_pipeline",

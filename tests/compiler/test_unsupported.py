@@ -2,7 +2,8 @@
 
 `check` without a model accepts them (the language is ahead of the compiler); every command
 that compiles against a model refuses them with one located error per rule, so a plan never
-compiles into a program that silently lacks its device placement.
+compiles into a program that silently lacks what it asks for. (Device placement, `on cpu`, is
+lowered now: its own refusals are `tests/compiler/test_devices.py`'s.)
 """
 
 from __future__ import annotations
@@ -63,11 +64,10 @@ def test_a_pipeline_alone_compiles_into_stages():
     assert compiled.graph.meta["meshplan.stages"] == (("before", "layers.2"),)
 
 
-def test_device_rule_is_refused():
-    text = "mesh dp=1\n\nmodules {\n    embed_tokens: on cpu\n    norm: on cuda:1\n}\n"
-    rendered = _refusal(text)
-    assert "p.plan:4:19: error: device placement (`on cpu`) is not lowered yet" in rendered
-    assert "p.plan:5:11: error: device placement (`on cuda:1`) is not lowered yet" in rendered
+SELECTIVE_UNDER_ZB = (
+    "mesh pp=2\n\nmodules {\n    layers.0: checkpoint selective\n}\n\npipeline over pp {\n"
+    "    schedule = zero_bubble\n}\n"
+)
 
 
 def test_one_error_per_rule_and_block():
@@ -75,24 +75,25 @@ def test_one_error_per_rule_and_block():
         "mesh pp=2, cp=2\n\nmodules {\n"
         "    layers.{0,1}.self_attn: context ring over cp\n"
         "    layers.{2,3}.self_attn: context ulysses over cp\n"
-        "    lm_head: on cpu\n"
-        "    norm: on cuda:1\n"
+        "    layers.0: checkpoint selective\n"
+        "    layers.1: checkpoint selective\n"
         "}\n\npipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     plan = check_text(text, "p.plan")
-    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(6, 14), (7, 11)]  # context runs
+    assert [(d.span.line, d.span.col) for d in not_lowered(plan)] == [(6, 15), (7, 15)]  # context runs
     assert _refusal(text).count("error:") == 2
 
 
 def test_refusals_come_with_the_other_problems_of_the_plan():
     """A tensor rule that does not divide and a rule not lowered: both reported in one run."""
     text = (
-        "mesh tp=3\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
-        "    layers.*.mlp.down_proj: row over tp\n    norm: on cpu\n}\n"
+        "mesh tp=3, pp=2\n\nmodules {\n    layers.*.mlp.{gate,up}_proj: column over tp\n"
+        "    layers.*.mlp.down_proj: row over tp\n    layers.0: checkpoint selective\n}\n\n"
+        "pipeline over pp {\n    schedule = zero_bubble\n}\n"
     )
     rendered = _refusal(text)
     assert "not divisible by 3 ranks over `tp`" in rendered
-    assert "device placement (`on cpu`) is not lowered yet" in rendered
+    assert "selective checkpointing under `schedule = zero_bubble` is not lowered yet" in rendered
 
 
 def test_plans_without_these_constructs_still_compile():
@@ -163,7 +164,7 @@ def test_fewer_microbatches_than_stages_is_refused_before_the_model_loads(capsys
 # ---------------------------------------------------------------------------- the command line
 
 
-EXAMPLES_NOT_LOWERED = ["ulysses_gpipe", "llama_interleaved"]  # their `on cuda:1` rules
+EXAMPLES_NOT_LOWERED = ["ulysses_gpipe", "llama_interleaved"]  # their device rules under a pipeline
 
 
 @pytest.mark.parametrize("name", EXAMPLES_NOT_LOWERED)
@@ -176,17 +177,18 @@ def test_check_without_a_model_accepts_them(name: str, capsys):
 def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("NO_COLOR", "1")
-    plan = tmp_path / "device.plan"
-    plan.write_text("mesh dp=1\n\nmodules {\n    norm: on cpu\n}\n")
+    plan = tmp_path / "selective.plan"
+    plan.write_text(SELECTIVE_UNDER_ZB)
     argv = [command[0], str(plan), "--model", LLAMA]
     argv += [str(tmp_path / "out") if a == "OUT" else a for a in command[1:]]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert (
-        f"{plan}:4:11: error: device placement (`on cpu`) is not lowered yet: this plan would train without it\n"
-        "        norm: on cpu\n"
-        "              ^~~~~~\n"
+        f"{plan}:4:15: error: selective checkpointing under `schedule = zero_bubble` is not lowered yet: "
+        "its backward runs in two halves, and a selective region can be backwarded once\n"
+        "        layers.0: checkpoint selective\n"
+        "                  ^~~~~~~~~~~~~~~~~~~~\n"
     ) in err
     assert err.endswith(f"{plan}: 1 error\n")
     assert not (tmp_path / "out").exists()

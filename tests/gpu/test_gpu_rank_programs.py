@@ -1,10 +1,12 @@
 """One rank's program on a CUDA device, in this process: a `tp=4` rank and a `dp=2, pp=2` rank
 alone on the device under the fake process group (collectives that only keep shapes), so one GPU
 runs every kind of per-rank program; and a `dp=1` rank on a real process group, whose training
-state must live on the device, stepped by the fused AdamW, with no weight copied to the host."""
+state must live on the device, stepped by the fused AdamW, with no weight copied to the host;
+and a `dp=1` rank whose embedding and LM head a device rule holds on the host (`on cpu`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -51,6 +53,11 @@ precision {
 """
 
 
+# the embedding and the LM head held on the host (`on cpu`), the rest of the rank on the device
+ON_CPU = plan("\n    lm_head:      on cpu\n    embed_tokens: on cpu\n", mesh="dp=1")
+HOST = {"lm_head.weight", "embed_tokens.weight"}
+
+
 class HostCopies(TorchDispatchMode):
     """Records every copy of a tensor of more than one element from the device to the host
     (`.item()` of a loss or a norm reads a scalar and is not one)."""
@@ -58,6 +65,7 @@ class HostCopies(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -66,6 +74,7 @@ class HostCopies(TorchDispatchMode):
             target = args[0] if func is aten.copy_.default else out
             if source.device.type != "cpu" and target.device.type == "cpu" and source.numel() > 1:
                 self.seen.append(f"{func}: {tuple(source.shape)} {source.dtype}")
+                self.shapes.append(tuple(source.shape))
         return out
 
 
@@ -107,6 +116,42 @@ def test_dp1_training_state_lives_on_the_device_and_no_weight_visits_the_host(tm
     assert adamw.defaults["fused"]  # one kernel over every tensor of the device
     assert on_device(t for state in adamw.state.values() for t in state.values())
     assert copies == []
+
+
+def test_an_on_cpu_module_keeps_its_state_on_the_host_and_trains_as_without_it(tmp_path, monkeypatch):
+    """`lm_head`/`embed_tokens: on cpu`: their weights and AdamW state in host memory, the rest of
+    the rank's on the device; the only tensors that reach the host are the activations (and their
+    gradients) at the modules' boundaries, never a weight; and the losses are those of the same run
+    with everything on the device (fp32: the head's matmul on another processor, rounding apart)."""
+    steps = ("--steps", "4", "--warmup", "1", "--batch", "4", "--seq", "32")
+    from meshplan.session import train_session
+
+    runs = {}
+    with adamw_instances(monkeypatch) as made:
+        for name, text in (("placed", ON_CPU), ("plain", "mesh dp=1\n")):
+            with process_group(real_backend()):
+                session = open_rank_session(
+                    write_plan(tmp_path, text, f"{name}.plan"), tmp_path / name, 0, *steps
+                )
+                copies = HostCopies()
+                with copies:
+                    summary = train_session(session, show_progress=False)
+            runs[name] = (session, summary, copies)
+    adamw = made[0]  # the placed run's
+    session, summary, copies = runs["placed"]
+    params = dict(session.program.named_parameters())
+    assert all(params[n].device.type == "cpu" for n in HOST)
+    assert on_device(p for n, p in params.items() if n not in HOST)
+    held = {n: adamw.state[p] for n, p in params.items()}
+    assert all(t.device.type == "cpu" for n in HOST for t in held[n].values() if t.dim() > 0)
+    assert on_device(t for n, state in held.items() if n not in HOST for t in state.values())
+    weights = {tuple(p.shape) for p in params.values()}
+    assert not weights & set(copies.shapes), copies.seen  # activations only: (4, 32), (4, 32, 64), ...
+    if DEVICE == "cuda":
+        assert copies.shapes, "the head's input and the embedding's gradient reach the host"
+    placed, plain = runs["placed"][1].losses, runs["plain"][1].losses
+    assert len(placed) == 4 and all(map(math.isfinite, placed))
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(placed, plain, strict=True)), (placed, plain)
 
 
 def test_a_tp4_rank_trains_alone_on_the_device_under_the_fake_process_group(tmp_path):

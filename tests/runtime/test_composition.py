@@ -84,11 +84,13 @@ FP32_TOL = 400 * torch.finfo(torch.float32).eps  # 4.8e-5
 # epsilon (2**-8). Partitioning rounds activations at other points (a row split's partial sums
 # are rounded to bf16 before they are reduced, as in Megatron): one more bf16 rounding of the
 # size the yardstick measures. Over the whole model the drift stays within twice the
-# yardstick; a single tensor, a noisy sample of it, within `BF16_TENSOR_YARDSTICK` times. A
-# bug (a lost reduction, a wrong shard) is off by orders of magnitude, and moves the loss.
+# yardstick; a single tensor, a noisy sample of it, within `BF16_TENSOR_YARDSTICK` times (how
+# noisy depends on the CPU's bf16 matmul: a norm weight's sample stayed under 6 on the CPUs
+# this was first run on, and was 6.04 on an AMD EPYC). A bug (a lost reduction, a wrong
+# shard) is off by orders of magnitude, and moves the loss.
 BF16_LOSS_TOL = torch.finfo(torch.bfloat16).eps / 4
 BF16_YARDSTICK = 2.0
-BF16_TENSOR_YARDSTICK = 6.0
+BF16_TENSOR_YARDSTICK = 10.0
 
 
 def plan_text(cell: str) -> str:

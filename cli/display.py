@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class Progress:
     """A `runtime.train.Display` for a person at a terminal: a progress bar, or plain lines every
-    `log_every` steps when the output is not a terminal; a summary table at the end."""
+    `log_every` steps when the output is not a terminal; a summary table at the end (`report`)."""
 
     def begin(self, config: TrainConfig, start: int) -> None:
         self.config = config
@@ -52,8 +52,13 @@ class Progress:
         (self.console if self.progress is None else self.progress.console).print(text)
 
     def close(self, summary: Summary) -> None:
+        """The loop ended, or a failure stopped it: the bar stops. The table is `report`'s, which
+        only a run that ended is given: a failed run's last lines are its failure, not a summary."""
         if self.progress is not None:
             self.progress.stop()
+
+    def report(self, summary: Summary) -> None:
+        """The summary table of a run whose loop ended."""
         table = Table(title="meshplan run: summary", show_header=False)
         ran = summary.steps_done - summary.start_step
         first = f"{summary.losses[0]:.4f}" if summary.losses else "-"

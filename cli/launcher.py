@@ -1,39 +1,69 @@
 """The `meshplan run` launcher: check what can be checked before any process starts, start
 torchrun with one worker per rank of the mesh, and turn its outcome into one message and an
-exit code (0 success, 2 the user's input, 3 a rank lost or stuck, 1 a meshplan bug).
+exit code (0 success, 2 the user's input, 3 a run lost to something outside it: a rank killed
+or stuck, a node unreachable, a rendezvous that never completed; 1 a meshplan bug).
 
-Workers that stop on a user mistake leave their message in a folder (`ERRORS_ENV`), read
-after torchrun is done: printing from the worker races with torchrun stopping it.
+torchrun runs watched (`torchrun.py`: a run that cannot end by itself is ended) and its outcome
+is said by `outcome.py`. Workers that stop on a user mistake leave their message in the
+launcher's private folder (`ERRORS_ENV`), read after torchrun is done: printing from the
+worker races with torchrun stopping it.
+
+A multi-node run's nodes share the run folder, and each node's launcher prepares it: every
+write is one no other node's can break (a probe file of its own name, `program.pt` written under
+a name of its own and renamed into place, a removal that tolerates the other's), and a
+launcher's probe file is never taken for a run.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
+import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshplan.errors import ERRORS_ENV, EXIT_INTERNAL, EXIT_PEER, EXIT_USER, HINT, RunError, report
+from meshplan.errors import ERRORS_ENV, RunError, report
 from meshplan.faults import parse_fault
 from meshplan.options import TORCHRUN_FLAGS, RunOptions, run_dir
 
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
+    from meshplan.compiler.executable import Executable
     from meshplan.compiler.load import ModelSource
     from meshplan.dsl.check import Plan
 
+DEFAULT_JOIN_S = 600  # torchrun's own rendezvous timeout (static and c10d)
+# torchrun's join timeout -> when the launcher ends a torchrun whose workers never started
+JOIN_MARGIN_S = 60
+# every local worker ended, one failed: how long torchrun may take to end before the launcher ends it
+LINGER_S = 10.0
+
 
 def launch(options: RunOptions) -> int:
-    """Check what can be checked before starting processes, then exec torchrun and return its status."""
+    """Check what can be checked before starting processes, then run torchrun, watched, and
+    return the exit code of its outcome."""
     import tempfile
 
-    command = torchrun_command(*prepare(options))
+    from meshplan.outcome import announce_node, summarize
+    from meshplan.torchrun import Watch, supervise
+
+    prepared, world_size = prepare(options)
+    command = torchrun_command(prepared, world_size)
+    join_s = join_seconds(options)
+    restarts = int(options.max_restarts) if str(options.max_restarts).isdigit() else 0
+    # with restarts, torchrun's agent waits for a new rendezvous once its workers have ended
+    linger_s = LINGER_S + restarts * (join_s + JOIN_MARGIN_S)
     with tempfile.TemporaryDirectory(prefix="meshplan-errors-") as errors:
+        watch = Watch(Path(errors), nproc_per_node(prepared, world_size), join_s + JOIN_MARGIN_S, linger_s)
+        if str(options.nnodes) != "1":
+            where = options.rdzv_endpoint or "127.0.0.1:29500"
+            print(
+                f"meshplan: waiting up to {join_s} s for {options.nnodes} nodes at {where}", file=sys.stderr
+            )
+            watch = replace(watch, on_start=lambda ranks: announce_node(run_dir(options), ranks))
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
         env.setdefault("OMP_NUM_THREADS", "1")
-        return _run_torchrun(command, env, Path(errors))
+        return summarize(supervise(command, env, watch), options, Path(errors))
 
 
 def prepare(options: RunOptions) -> tuple[RunOptions, int]:
@@ -71,166 +101,99 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     return options.replace(program=str(_compile_once(options, world_size, source))), world_size
 
 
-# Signals that end a run: passed on to torchrun, which stops its workers (a worker killed
-# mid-save leaves the previous checkpoint: saves are atomic). The launcher then exits with
-# 128 + the signal's number, as a shell reports a process ended by it.
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _die_with_parent() -> None:
-    """In torchrun's process, before it starts: a SIGTERM when the launcher dies, even by SIGKILL,
-    so torchrun never trains on as an orphan (Linux; elsewhere the launcher's handlers only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-# torchrun's own log lines: "E1122 03:54:31.754000 4560 .../torch/distributed/elastic/...] failed (exitcode: 2)"
-_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
-_USER_ERROR_EXIT = re.compile(r"exitcode\s*:\s*2\b")
-# a worker's report of a collective that failed (`PeerFailure`, runtime/watchdog.py), and its hint line
-_PEER_FAILURE = re.compile(r"^meshplan: error: (rank (\d+) (?:waited|timed out|failed)\b.*)$", re.M)
-
-
-def _run_torchrun(command: list[str], env: dict[str, str], errors: Path) -> int:
-    """Run torchrun, passing the workers' stderr through live. When a worker stopped on a user
-    mistake (exit 2), its message (left in `errors`) is the report: torchrun's failure report
-    and traceback are noise and are dropped; for any other failure they are shown. A worker's
-    report of a failed collective is held back too: when that rank failed first it is the summary."""
-    proc = subprocess.Popen(
-        command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
-    )
-    assert proc.stderr is not None
-    received: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
-    held: list[str] = []
-    try:
-        for line in proc.stderr:
-            failing = _PEER_FAILURE.match(line) or (
-                _TORCHRUN_LOG.match(line) and ("closing signal" in line or line.startswith("E"))
-            )
-            if held or failing:
-                held.append(line)  # the failure reports (and all after them), kept for later
-            else:
-                sys.stderr.write(line)
-        status = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:
-        name = signal.Signals(received[0]).name
-        print(
-            f"meshplan: stopped by {name}: every worker has ended; checkpoints already written are "
-            "complete (continue with --resume)",
-            file=sys.stderr,
-        )
-        return 128 + received[0]
-    report = "".join(held)
-    if status != 0 and _USER_ERROR_EXIT.search(report):
-        said = sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem[4:]))
-        sys.stderr.write(said[0].read_text() if said else report)
-        return EXIT_USER
-    found = _first_failure(report) if status != 0 else None
-    if found is None:
-        sys.stderr.writelines(held)
-        return status
-    culprit, code = found
-    if os.environ.get("MESHPLAN_DEBUG"):
-        sys.stderr.writelines(held)
-    else:
-        reports = [line for line in held if _PEER_FAILURE.match(line) and culprit not in line]
-        hints = [line for line in held if line.startswith(HINT)]
-        sys.stderr.writelines(reports)  # the other ranks' collectives
-        print(
-            f"meshplan: error: {culprit}; torchrun stopped the other ranks "
-            "(MESHPLAN_DEBUG=1 shows torchrun's report)",
-            file=sys.stderr,
-        )
-        sys.stderr.writelines(hints[:1])
-    # torchrun itself exits 1 whatever failed: a worker that exited 1 hit a meshplan bug (and said
-    # so); one killed, crashed or stopped in a collective is a rank lost or stuck
-    return EXIT_INTERNAL if code == EXIT_INTERNAL else EXIT_PEER
-
-
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def first_failure(report: str) -> str | None:
-    """`rank 1 failed first (exit code 137: killed)`, from torchrun's failure report; when that
-    rank gave up on a collective and said so in `report`, its own line: `rank 0 waited 10 s in
-    all_reduce over dp (...); rank 1 did not join it (stuck or dead)`.
-
-    torchrun's root cause is the failure it observed first, which can be a peer of a rank that
-    died (both exit within milliseconds): a rank that died on its own (killed, crashed) is the
-    cause whenever the root cause is only a collective that failed because of it."""
-    found = _first_failure(report)
-    return found[0] if found is not None else None
-
-
-def _first_failure(report: str) -> tuple[str, int] | None:
-    """`first_failure`'s line and the exit code of the rank it names."""
-    m = _ROOT_CAUSE.search(report)
-    if m is None:
-        return None
-    rank, code = int(m.group(1)), int(m.group(2))
-    if code == EXIT_PEER:
-        died = [(r, c) for r, c in _failures(report) if c not in (EXIT_PEER, -signal.SIGTERM)]
-        rank, code = died[0] if died else (rank, code)
-    said = {int(p.group(2)): p.group(1) for p in _PEER_FAILURE.finditer(report)}
-    if code == EXIT_PEER and rank in said:
-        return said[rank], code
-    if code < 0:
-        how = f"killed by signal {-code}"
-    elif code == 137:
-        how = "exit code 137: killed"
-    elif code == EXIT_PEER:
-        how = "a collective failed"
-    else:
-        how = f"exit code {code}"
-    return f"rank {rank} failed first ({how})", code
-
-
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def _failures(report: str) -> list[tuple[int, int]]:
-    """(rank, exit code) of every failed worker torchrun's report lists."""
-    return [(int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(report)]
-
-
 def most_processes_per_node() -> int:
     """The most workers `run` starts on one node: a few per core (CPU runs oversubscribe on
     purpose: tests run 4 ranks on 2 cores), never thousands by a typo in a mesh size."""
     return max(64, 8 * (os.cpu_count() or 1))
 
 
-def torchrun_command(options: RunOptions, world_size: int) -> list[str]:
-    """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
-    nnodes = str(options.nnodes)
-    nproc = options.nproc_per_node or _per_node(world_size, nnodes)
+def nproc_per_node(options: RunOptions, world_size: int) -> int:
+    """How many workers torchrun starts on this node: `--nproc-per-node`, else the mesh's ranks
+    over `--nnodes`; refused past `most_processes_per_node`."""
+    nproc = options.nproc_per_node or _per_node(world_size, str(options.nnodes))
     if nproc > most_processes_per_node():
         raise RunError(
             f"the mesh needs {world_size:,} processes, {nproc:,} on this node, which has "
             f"{os.cpu_count()} CPUs; meshplan starts at most {most_processes_per_node()} per node "
             "(hint: check the mesh sizes, or spread the run over nodes with --nnodes)"
         )
+    return nproc
+
+
+def torchrun_command(options: RunOptions, world_size: int) -> list[str]:
+    """`python -m torch.distributed.run ... -m meshplan.run PLAN <worker options>`."""
+    nnodes = str(options.nnodes)
+    nproc = nproc_per_node(options, world_size)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if options.rdzv_endpoint is None and nnodes == "1":
         cmd.append("--standalone")  # a free local port: runs side by side never collide
     for dest in TORCHRUN_FLAGS:
         value = getattr(options, dest)
-        if dest in ("nproc_per_node", "nnodes"):  # given above
+        if dest in ("nproc_per_node", "nnodes", "rdzv_conf", "rdzv_timeout"):  # given above, or below
             continue
         if value is not None:
             cmd.append(f"--{dest.replace('_', '-')}={value}")
+    conf = rendezvous_conf(options)
+    if conf:
+        cmd.append(f"--rdzv-conf={conf}")
     return [*cmd, "-m", "meshplan.run", *options.worker_argv()]
+
+
+def rendezvous_conf(options: RunOptions) -> str:
+    """torchrun's `--rdzv-conf`: the user's, with `--rdzv-timeout S` as the keys the rendezvous
+    backend reads (a key the user gave wins): a static rendezvous's `timeout`; c10d's
+    `join_timeout`, and its `read_timeout` (how long connecting to the store may take, and each
+    store call after) at most 60 s, torchrun's default."""
+    pairs = _conf_pairs(options.rdzv_conf)
+    if options.rdzv_timeout is not None:
+        s = options.rdzv_timeout
+        if options.rdzv_backend in (None, "static"):
+            pairs.setdefault("timeout", str(s))
+        else:
+            pairs.setdefault("join_timeout", str(s))
+            if options.rdzv_backend == "c10d":
+                pairs.setdefault("read_timeout", str(min(s, 60)))
+    return ",".join(f"{key}={value}" for key, value in pairs.items())
+
+
+def join_seconds(options: RunOptions) -> int:
+    """How long torchrun waits for the nodes to join: `--rdzv-timeout`, else a timeout in
+    `--rdzv-conf`, else torchrun's own."""
+    if options.rdzv_timeout is not None:
+        return options.rdzv_timeout
+    pairs = _conf_pairs(options.rdzv_conf)
+    for key in ("join_timeout", "timeout"):
+        if pairs.get(key, "").isdigit():
+            return int(pairs[key])
+    return DEFAULT_JOIN_S
+
+
+def _conf_pairs(text: str | None) -> dict[str, str]:
+    """`key=value,key=value` -> a dict; anything else is the user's mistake, said before launch."""
+    pairs: dict[str, str] = {}
+    for part in (text or "").split(","):
+        key, eq, value = part.partition("=")
+        if not part.strip():
+            continue
+        if not eq or not key.strip() or not value.strip():
+            raise RunError(
+                f"--rdzv-conf {text!r}: {part!r} is not KEY=VALUE (hint: pairs separated by commas, "
+                "e.g. join_timeout=900,read_timeout=120)"
+            )
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """`--rdzv-endpoint HOST[:PORT]`: a port that is a port (the host is torchrun's to find)."""
+    host, colon, port = endpoint.rpartition(":")
+    if not colon:
+        host, port = endpoint, ""
+    if not host.strip("[]") or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise RunError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (hint: the address of the node that "
+            "hosts the rendezvous, e.g. node0:29500)"
+        )
 
 
 def _per_node(world_size: int, nnodes: str) -> int:
@@ -273,6 +236,9 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
             "--init and --resume: a resumed run continues from its own checkpoint (hint: drop --init)"
         )
     _check_run_folder(options)
+    _conf_pairs(options.rdzv_conf)
+    if options.rdzv_endpoint is not None:
+        _check_endpoint(options.rdzv_endpoint)
     if os.environ.get("MESHPLAN_FAULT"):
         parse_fault(os.environ["MESHPLAN_FAULT"])
     if options.export:
@@ -348,7 +314,7 @@ def _compile_once(options: RunOptions, world_size: int, source: ModelSource) -> 
     run's micro-batch and kept in the run folder (`program.pt`)."""
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.errors import CompileError
-    from meshplan.compiler.executable import PROGRAM, save_executable, to_executable
+    from meshplan.compiler.executable import PROGRAM, to_executable
     from meshplan.dsl import PlanError, load_plan
     from meshplan.session import load_program
 
@@ -366,25 +332,38 @@ def _compile_once(options: RunOptions, world_size: int, source: ModelSource) -> 
         raise RunError(f"{options.plan} does not fit the model (see above)") from None
     except CompileError as e:
         raise RunError(str(e)) from None
-    out = run_dir(options)
-    out.mkdir(parents=True, exist_ok=True)
-    save_executable(to_executable(compiled), out / PROGRAM)
-    return out / PROGRAM
+    return save_program(to_executable(compiled), run_dir(options))
+
+
+def save_program(executable: Executable, folder: Path) -> Path:
+    """`folder/program.pt`, written under a name of this launcher's own and renamed into place:
+    the launchers of a multi-node run write the same program into the shared folder at once."""
+    import secrets
+
+    from meshplan.compiler.executable import PROGRAM, save_executable
+
+    folder.mkdir(parents=True, exist_ok=True)
+    own = folder / f".{PROGRAM}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    save_executable(executable, own)
+    own.replace(folder / PROGRAM)
+    return folder / PROGRAM
 
 
 # what a run leaves in its folder: `--overwrite` removes these, and only these
 RUN_PARTS = ("checkpoints", "metrics")
+PROBE = ".meshplan-probe-"  # a launcher's short-lived file, that a folder can be written: not a run
 
 
 def _check_run_folder(options: RunOptions) -> None:
     """Never lose a run: a folder that holds one is continued (`--resume`) or replaced on request
-    (`--overwrite`), not trained over; `--resume` with nothing to resume is said, not ignored."""
-    import shutil
+    (`--overwrite`), not trained over; `--resume` with nothing to resume is said, not ignored.
+    Every node of a multi-node run checks the shared folder (see the module docstring)."""
+    from meshplan.outcome import clear_outcomes
 
     folder = run_dir(options)
     if folder.exists() and not folder.is_dir():
         raise RunError(f"--out {folder} is a file, not a folder (hint: pass a folder for the run)")
-    checkpoints = sorted(folder.glob("checkpoints/step*/.metadata"))
+    checkpoints = _found(folder, "checkpoints/step*/.metadata")
     if options.resume and options.overwrite:
         raise RunError("--resume continues the run in --out and --overwrite replaces it: pass one")
     if options.resume:
@@ -394,8 +373,9 @@ def _check_run_folder(options: RunOptions) -> None:
                 f"--resume: {where} {folder} (hint: pass the --out of the run to resume, or leave "
                 "out --resume to start from step 0)"
             )
+        clear_outcomes(folder)
         return
-    held = [part for part in RUN_PARTS if any((folder / part).glob("*"))]
+    held = [part for part in RUN_PARTS if _holds_a_run(folder / part)]
     if held and not options.overwrite:
         what = f"{len(checkpoints)} checkpoint{'s' * (len(checkpoints) != 1)}" if checkpoints else "metrics"
         raise RunError(
@@ -403,8 +383,41 @@ def _check_run_folder(options: RunOptions) -> None:
             "--out, or pass --overwrite to replace it)"
         )
     for part in held:
-        shutil.rmtree(folder / part)
-    _check_writable(folder / "metrics" / "rank0.jsonl")
+        _remove(folder / part)
+    _check_writable(folder / "program.pt")  # a probe beside the parts, which another node may remove
+    clear_outcomes(folder)
+
+
+def _holds_a_run(part: Path) -> bool:
+    """Whether a part of a run folder holds anything but a launcher's probe files."""
+    return any(not p.name.startswith(PROBE) for p in _found(part, "*"))
+
+
+def _found(folder: Path, pattern: str) -> list[Path]:
+    """`folder.glob(pattern)`, sorted; what another node's launcher removes meanwhile is not found."""
+    for _ in range(10):
+        try:
+            return sorted(folder.glob(pattern))
+        except FileNotFoundError:
+            continue
+    return []
+
+
+def _remove(part: Path) -> None:
+    """Remove a part of a run (`--overwrite`), which another node's launcher may be removing too."""
+    import shutil
+
+    for _ in range(10):
+        if not part.exists():
+            return
+        try:
+            shutil.rmtree(part)
+        except FileNotFoundError:
+            continue  # removed meanwhile, in part: look again
+        except OSError as e:
+            raise RunError(f"--overwrite: cannot remove {part}: {e.strerror or e}") from None
+    if part.exists():
+        raise RunError(f"--overwrite: cannot remove {part}: it keeps changing (is a run writing it?)")
 
 
 def _check_export(export: Path, *, overwrite: bool) -> None:
@@ -436,7 +449,7 @@ def _check_writable(path: Path) -> None:
         raise RunError(f"{path} is a folder; name a file to write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".meshplan-probe-"):
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=PROBE):
             pass
     except OSError as e:
         raise RunError(f"cannot write {path}: {e.strerror or e} (hint: pick a writable place)") from None

@@ -119,6 +119,15 @@ class RunOptions:
     rdzv_endpoint: str | None = flag(None, torchrun=True, metavar="HOST:PORT")
     rdzv_backend: str | None = flag(None, torchrun=True, metavar="NAME")
     rdzv_id: str | None = flag(None, torchrun=True, metavar="ID")
+    rdzv_conf: str | None = flag(None, torchrun=True, metavar="KEY=VALUE,...")
+    rdzv_timeout: int | None = flag(
+        "seconds to wait for every node to join the rendezvous, then end with one line saying what "
+        "to check (default: torchrun's, 600)",
+        torchrun=True,
+        type=positive_int,
+        metavar="S",
+    )
+    local_addr: str | None = flag(None, torchrun=True, metavar="ADDR")
     max_restarts: str | None = flag(None, torchrun=True, metavar="N")
 
     @classmethod
@@ -142,6 +151,25 @@ class RunOptions:
 
 # torchrun's own options: passed to torchrun, never to the workers
 TORCHRUN_FLAGS = tuple(f.name for f in dataclasses.fields(RunOptions) if f.metadata.get("torchrun"))
+
+
+def command_line(options: RunOptions, *, add: str) -> str:
+    """`meshplan run PLAN ...` as the user gave it (every option that is not its default, this
+    node's torchrun options included), without `--resume` and `--overwrite`, and with `add`: the
+    command a failed run's last line gives to continue it (`add="--resume"`)."""
+    import shlex
+
+    from meshplan.args import given
+
+    words = ["meshplan", "run", options.plan]
+    for f in _flags():
+        value = getattr(options, f.name)
+        if f.metadata["help"] is argparse.SUPPRESS or f.name in ("resume", "overwrite"):
+            continue  # the launcher's own additions (the program, the vocabulary)
+        if value is False or not given(value) or (type(value) is type(f.default) and value == f.default):
+            continue  # not given, or given as its default (a compile folder's 8 given is kept)
+        words += [_spelling(f)] if value is True else [_spelling(f), str(value)]
+    return shlex.join([*words, add])
 
 
 def _flags() -> list[dataclasses.Field]:

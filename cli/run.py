@@ -3,7 +3,7 @@
     meshplan run examples/tiny_dp.plan                       # tiny Llama, shipped corpus, 2 CPU processes
     meshplan run examples/tiny_dp.plan --steps 500 --data my.txt --batch 16 --seq 128 --out runs/mine
     meshplan run examples/tiny_dp.plan --save-every 50 --resume          # continue from the last checkpoint
-    meshplan run plan.plan --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500   # multi-node
+    meshplan run plan.plan --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 --rdzv-timeout 300  # multi-node
     torchrun --nproc-per-node 2 -m meshplan.run examples/tiny_dp.plan   # or call torchrun yourself
 
 Outside torchrun (`cli/launcher.py`), the plan is compiled once for the micro-batch each
@@ -25,8 +25,9 @@ does share the agent's store namespaces its keys by `TORCHELASTIC_RESTART_COUNT`
 Failures: a worker whose collective times out (`--timeout`) or loses its peer prints one
 line naming the collective and the ranks that never joined it (`runtime/watchdog.py`) and
 exits with 3; torchrun stops the others, and the launcher's summary is that line when this
-rank failed first, else the rank that died first and how. `MESHPLAN_FAULT` injects a dead
-or stuck rank for tests (`injected_fault`).
+rank failed first, else the rank that died first and how (`cli/outcome.py`). Under the
+launcher a worker leaves its process id and exit code for it (`cli/torchrun.py`), and ends
+when torchrun does. `MESHPLAN_FAULT` injects a dead or stuck rank for tests (`injected_fault`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def under_torchrun() -> bool:
 
 
 def _worker(options: RunOptions) -> int:
+    from meshplan.torchrun import announce_worker
+
+    announce_worker(int(os.environ["RANK"]))  # first: the launcher watches for it (cli/torchrun.py)
     import torch
     import torch.distributed as dist
 
@@ -86,7 +90,17 @@ def _worker(options: RunOptions) -> int:
             print(
                 f"meshplan: restart {restart_attempt()}: resuming from the last checkpoint", file=sys.stderr
             )
-    _init_process_group(options.timeout)
+    try:
+        _init_process_group(options.timeout)
+    except (dist.DistNetworkError, dist.DistStoreError) as e:  # the network's, not meshplan's
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        print(
+            f"meshplan: error: rank {rank} failed to join the process group at {where}: "
+            f"{watchdog.reason(e)} (check: can every node reach {where}? a node is reached at its "
+            "host name unless --local-addr gives its address)",
+            file=sys.stderr,
+        )
+        return EXIT_PEER
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         summary = train_rank(options, rank, dist.get_world_size())
@@ -184,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
+    if under_torchrun():
+        from meshplan.torchrun import record_exit
+
+        record_exit(int(os.environ["RANK"]), code)
     # The process group is gone; skip the interpreter's teardown of torch's C++ state, which is
     # where an abort at exit could still turn a finished run into a failed one.
     sys.stdout.flush()

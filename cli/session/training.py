@@ -222,16 +222,20 @@ def train_session(prepared: Session, *, show_progress: bool | None = None):
 
     if show_progress is None:
         show_progress = (dist.get_rank() if dist.is_initialized() else 0) == 0
-    return train(
+    display = Progress() if show_progress else None
+    summary = train(
         prepared.program,
         prepared.loss_of,
         prepared.batches,
         train_config(prepared),
         axes=prepared.axes,
         sync=prepared.dp,
-        display=Progress() if show_progress else None,
+        display=display,
         forward_backward=prepared.forward_backward,
         step_metrics=prepared.step_metrics,
         after_backward=prepared.after_backward,
         between_steps=prepared.between_steps,
     )
+    if display is not None:  # not when the loop raised: a failed run is not summarized as if it ended
+        display.report(summary)
+    return summary

@@ -63,6 +63,18 @@ BENCHES = (
     ),
     Bench("zero_memory", "per-rank training-state bytes vs analytical, ZeRO 0-3", headline=r"^largest|= "),
     Bench(
+        "optimizer_state",
+        "optimizer state bytes per rank for each optimizer, measured vs the formula and vs AdamW",
+        quick=("--layers", "2"),
+        headline=r"^largest",
+    ),
+    Bench(
+        "compression",
+        "compressed gradient all-reduce (bf16, PowerSGD): bytes, step time and loss vs exact",
+        quick=("--steps", "30"),
+        headline=r"^exact|^powersgd|^bf16",
+    ),
+    Bench(
         "compile_time",
         "compile time by layer count",
         quick=("--layers", "2", "4", "--repeats", "1"),

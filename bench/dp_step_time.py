@@ -84,7 +84,7 @@ def _setup(
     def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return wrapped(*bind_inputs(model, compiled.graph, (ids, labels), {}))[0]
 
-    config = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
+    config = TrainConfig(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"])
     if stage == 0:
         dp = wrapped = DataParallel(program, dist.group.WORLD, bucket_bytes=args.bucket_mib * 2**20)
         opt = make_optimizer(program, config)  # `meshplan run`'s: fused, no decay on 1-D weights

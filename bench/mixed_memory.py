@@ -42,7 +42,7 @@ from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 WORLD, BATCH, SEQ = 2, 2, 48  # 96 tokens: no activation has a weight's shape
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 # ZeRO's AdamW (its eps, 1e-8, is the default)
-SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
+SETTINGS = TrainConfig(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"])
 PLAN = "mesh dp=2\n\nprecision {\n    compute = bf16\n}\n\ndata_parallel over dp {\n    zero = 3\n}\n"
 
 

@@ -48,7 +48,7 @@ from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 LAYOUTS = ("meshplan", "fsdp2", "fsdp2-full")
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 # ZeRO's AdamW (its eps, 1e-8, is the default)
-SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])
+SETTINGS = TrainConfig(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"])
 BATCH, SEQ = 2, 32
 
 

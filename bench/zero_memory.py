@@ -49,7 +49,7 @@ from meshplan.runtime.train import TrainConfig
 from meshplan.runtime.zero import Zero, ZeroOptions, shard_for_zero
 
 WORLD = 2
-SETTINGS = TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)  # AdamW's (eps 1e-8)
+SETTINGS = TrainConfig(lr=1e-4, weight_decay=0.1)  # AdamW, betas (0.9, 0.95), eps 1e-8
 BYTES_PER_PARAM = {"weight": 2, "grad": 2, "optimizer": 12}
 
 

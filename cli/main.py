@@ -296,6 +296,7 @@ def summarize(plan: Plan) -> str:
         ]
         detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {_size(d.bucket_bytes)}"
         detail += f", offload {' + '.join(offload)}" if offload else ""
+        detail += f", compress {d.compress.text}" if d.compress is not None else ""
         lines.append(f"  data       {detail}")
     pr = plan.precision
     scale = "" if pr.loss_scale is None else f", loss scale {pr.loss_scale}"

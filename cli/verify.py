@@ -41,6 +41,10 @@ An op PyTorch has here only in lower precision is computed in the reference by a
 stand-in held to its kernel (`float64_kernels.py`: `torch._grouped_mm`, the grouped matmul of
 Hugging Face's MoE experts). A model that still cannot run in float64 is compared with the
 yardstick instead, against fixed bounds (`FALLBACK`), and verify says so.
+
+A plan that compresses its gradients (`compress`) is lossy on purpose: it is held to the
+convergence of the same plan trained uncompressed instead (`verify_lossy.py`), and the report
+says so.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshplan.batches import token_batches, whole_job_batches
 from meshplan.float64_kernels import float64_kernels
+from meshplan.verify_lossy import LOSS_MARGIN, convergence_measures, uncompressed_job
 from meshplan.verify_measure import (  # noqa: F401  (verify's constants, read by the tests)
     FALLBACK,
     FLOOR,
@@ -119,6 +124,8 @@ class Report:
     # the model decides by comparing values (a router's top-k): rounding can flip a near-tie
     routes: bool = False
     flip: float = 0.0  # > 0: a tensor's distance leaves out one Adam sign flip (`adam_flip`)
+    lossy: str = ""  # the compression held to the uncompressed run's convergence (`verify_lossy.py`)
+    optimizer: str = "AdamW"  # the plan's, as `OptimizerChoice.title` names it: every run steps it
 
     @property
     def ok(self) -> bool:
@@ -366,6 +373,32 @@ def verify(
         )
         losses, grad_norms, config, dp_size = spawn(worker, world, (job,), timeout_s=timeout_s)[0]
         partitioned = Trajectory(losses, grad_norms, torch.load(Path(out) / "partitioned.pt"))
+        if plan.data_parallel is not None and plan.data_parallel.compress is not None:
+
+            def compile_program(path: Path, folder: Path) -> Path:
+                again = replace(source, model=copy.deepcopy(source.model))
+                compiled = compile_plan(
+                    load_plan(path, world_size=world), again, world_size=world, dynamic=False
+                )
+                save_executable(to_executable(compiled), folder / PROGRAM)
+                return folder / PROGRAM
+
+            plain = uncompressed_job(job, plan, compile_program)
+            losses, grad_norms, _, _ = spawn(worker, world, (plain,), timeout_s=timeout_s)[0]
+            reference = Trajectory(losses, grad_norms, torch.load(Path(plain.out) / "partitioned.pt"))
+            measures = convergence_measures(partitioned, reference)
+            compress = plan.data_parallel.compress.text
+            return Report(
+                job,
+                world,
+                reference,
+                partitioned,
+                None,
+                measures,
+                False,
+                lossy=compress,
+                optimizer=config.optimizer.title,
+            )
 
         def one_device(model, loss_of, name, update=None):
             return _train_one_device(model, loss_of, job, config, dp_size, name, update)
@@ -438,6 +471,7 @@ def verify(
         why_not,
         routes,
         flip,
+        optimizer=config.optimizer.title,
     )
 
 
@@ -553,7 +587,8 @@ def render(report: Report) -> str:
     job = report.job
     lines = [
         f"verify {job.plan} on {report.world_size} rank{'s' * (report.world_size != 1)}: {job.steps} steps "
-        f"of `meshplan run`'s AdamW ({f'clipped at {job.grad_clip:g}' if job.grad_clip else 'no clipping'}), "
+        f"of `meshplan run`'s {report.optimizer} "
+        f"({f'clipped at {job.grad_clip:g}' if job.grad_clip else 'no clipping'}), "
         + (
             f"{job.batch} x {job.seq} random token ids (< {job.vocab})"
             if job.example is None
@@ -566,7 +601,13 @@ def render(report: Report) -> str:
             else "micro-step"
         ),
     ]
-    if report.float64:
+    if report.lossy:
+        lines.append(f"  reference  the same plan without `compress = {report.lossy}`, on its ranks")
+        lines.append(
+            f"  yardstick  convergence: compression is lossy, so each step's loss is held within "
+            f"{LOSS_MARGIN:.0%} of the uncompressed run's, not to float64 parity"
+        )
+    elif report.float64:
         lines.append("  reference  the unpartitioned model in float64")
         lines.append(
             "  yardstick  the unpartitioned model as the plan computes on one device: rounding alone"
@@ -593,9 +634,17 @@ def render(report: Report) -> str:
         verdict = "ok" if m.ok else "FAILED"
         lines.append(f"  {m.what:<{width}}  {m.partitioned:11.2e}  {theirs}  {m.limit:8.2e}  {verdict}")
     lines.append("")
-    if report.ok:
+    if report.ok and report.lossy:
+        lines.append(f"ok: the program with `compress = {report.lossy}` converges as it does uncompressed")
+    elif report.ok:
         what = "as close to float64 as one device is" if report.float64 else "within the fixed bounds"
         lines.append(f"ok: the partitioned program trains {what}")
+    elif report.lossy:
+        lines.append(
+            f"FAILED: with `compress = {report.lossy}` the losses leave the uncompressed run's by more than "
+            f"{LOSS_MARGIN:.0%}: the compression loses too much for this model (a higher rank, a warm-up) "
+            "or meshplan's compression is wrong"
+        )
     else:
         failed = ", ".join(m.what for m in report.measures if not m.ok)
         bug = "a meshplan bug: please report it with the plan"

@@ -8,7 +8,7 @@ Two halves, both read off the program every rank runs rather than a formula per 
 - **Training state** (`state_of`): each rank's parameters at their local shapes (the placements
   `build_rank_program` cuts by; under a pipeline only the stages the schedule gives the rank),
   then the engine the plan asks for (`cli/session/sync.py`'s choice) laid out as it lays them
-  out: whole parameters, gradients and AdamW's two moments and step counter per tensor without
+  out: whole parameters, gradients and the plan's optimizer's state (`optimizer_state.py`) without
   ZeRO; under ZeRO the flats of `runtime/buckets.py` (stages 1/2: gradient buckets; stage 3:
   the program's gather units), padded to the data group, each rank holding its shard of what
   the stage shards, fp32 masters where the shard is not fp32 or the optimizer is offloaded.
@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from meshplan.dsl.axes import axes_of
+from meshplan.dsl.optimizer import OptimizerSpec
 from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
 from meshplan.runtime.experts import meta_routing
 from meshplan.runtime.mesh import MeshLayout
@@ -54,6 +55,7 @@ from meshplan.runtime.zero_nodes import graph_units
 from .errors import CompileError
 from .hardware import Hardware
 from .liveness import ZeroSteps
+from .optimizer_state import describe, shard_state_bytes, whole_state_bytes
 from .passes.experts.capacity import capacity_factor
 from .placement import Placement, Shard
 from .step_time import (
@@ -64,9 +66,6 @@ from .step_time import (
     pipeline_timeline,
     rank_time,
 )
-
-STEP_COUNTER = 4  # AdamW's step, an fp32 scalar tensor per optimized tensor (fused or not)
-MOMENTS = 2  # exp_avg, exp_avg_sq: each the size of the tensor it optimizes
 
 
 @dataclass(frozen=True)
@@ -209,6 +208,7 @@ def state_of(
     accumulation: int = 1,
     bucketed: Callable[[str], bool] = lambda name: False,
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
+    optimizer: OptimizerSpec | None = None,
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
     `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
@@ -216,14 +216,16 @@ def state_of(
     program order (name, its parameters, the dtype each is gathered in). `on_host`: the ranks
     run on CPUs, where offloading moves nothing (no fp32 copy of an fp32 shard is made).
     `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`).
-    `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket)."""
+    `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket).
+    `optimizer`: the plan's, whose state is counted (`optimizer_state.py`; None: AdamW)."""
+    optimizer = optimizer or OptimizerSpec()
     s = State(engine=engine)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     s.params = sum(_nbytes(p) for p in params.values() if not p.requires_grad)
     if zero == 0:
         s.params += sum(_nbytes(p) for p in trainable.values())
         s.grads = sum(_nbytes(p) for p in trainable.values())
-        s.optimizer = sum(MOMENTS * _nbytes(p) + STEP_COUNTER for p in trainable.values())
+        s.optimizer = sum(whole_state_bytes(optimizer, p) for p in trainable.values())
         # a data-parallel engine's buckets outlive zero_grad (the per-axes engine's hold the
         # gradients it reduces: averaged over a data axis or summed over `grad_sums`' axes);
         # gradients nothing reduces are freed with it
@@ -269,10 +271,10 @@ def state_of(
                 s.params += shard * size
             s.grads += shard * size  # made by the reductions, dropped by `zero_grad`
             unit_bytes[i] = padded * gathered.itemsize
-        # the engine's fp32 master is the shard itself when that is fp32 and where AdamW runs
+        # the engine's fp32 master is the shard itself when that is fp32 and where the optimizer runs
         moved = offload_optimizer and not (offload_params or on_host)
         master = shard * 4 if dtype != torch.float32 or moved else 0
-        optim = master + MOMENTS * shard * 4 + STEP_COUNTER
+        optim = master + shard_state_bytes(optimizer, shard)
         if offload_optimizer:
             s.host += optim
         else:
@@ -418,6 +420,7 @@ def estimate(
                 accumulation=plan.train.gradient_accumulation,
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
+                optimizer=plan.train.optimizer,
             )
             if on_cpu:
                 kept = state_of(
@@ -426,6 +429,7 @@ def estimate(
                     group_size=group_size,
                     engine=engine,
                     bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
+                    optimizer=plan.train.optimizer,
                 )
                 st.host += kept.params + kept.grads + kept.optimizer
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
@@ -502,7 +506,7 @@ def estimate(
         "mesh": {a: layout.size(a) for a in layout.names},
         "engine": engine,
         "zero": zero,
-        "optimizer": "AdamW: two moments and an fp32 step counter per optimized tensor",
+        "optimizer": describe(plan.train.optimizer),
         "microbatches": schedule.microbatches if schedule is not None else 1,
         "schedule": spec.schedule if spec is not None else None,
         "activations": "measured by running each rank's program forward and backward on meta tensors",

@@ -16,6 +16,9 @@ the collectives `meshplan run` issues, byte for byte (a test compares them):
 
     zero  backward                         step
     0     all_reduce per bucket            -
+          under `compress`: per bucket, bf16: one all_reduce of half the bytes; powersgd: one of
+          the tensors sent whole, one of the P factors, one of the Q factors
+          (`buckets.compressed_wire`; PowerSGD's warm-up steps are uncompressed and not counted)
     1     all_reduce per bucket            all_gather per bucket (waited for in the next forward)
     2     reduce_scatter per bucket        all_gather per bucket
     3     reduce_scatter per unit flat;    -
@@ -48,7 +51,8 @@ from torch import fx, nn
 
 from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
-from meshplan.runtime.buckets import bucket_params, bucket_sizes, group_by_kind
+from meshplan.dsl.settings import CompressSpec
+from meshplan.runtime.buckets import bucket_params, bucket_sizes, compressed_wire, dp_buckets, group_by_kind
 from meshplan.runtime.collectives import COLLECTIVES, Wire
 from meshplan.runtime.device_copy import DEVICE, HOST, DeviceCopy
 from meshplan.runtime.experts import expert_capacity
@@ -176,6 +180,7 @@ class DataParallelFacts:
     # params a device rule placed off the rank's device (`on cpu`): an engine of their own reduces
     # them (buckets; under ZeRO flats of at most stage 2), after the device's
     host: frozenset[str] = frozenset()
+    compress: CompressSpec | None = None  # the buckets' all-reduce compressed (zero = 0 only)
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,7 @@ def data_parallel_facts(
         where,
         norm_sums,
         host & set(params),
+        dp.compress,
     )
 
 
@@ -640,6 +646,13 @@ def _data_parallel_rows(
     axis, n, where = data.axis, layout.size(data.axis), data.where
     params = [(name, p) for name, p in data.params if name not in data.host]
     host = [(name, p) for name, p in data.params if name in data.host]
+    if data.zero == 0 and data.compress is not None:  # `dsl.check` refuses it with `on cpu`
+        method, rank = data.compress.method, data.compress.rank
+        return [
+            LedgerRow(f"bucket {i} {what}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)
+            for i, (ps, _) in enumerate(dp_buckets([p for _, p in params], data.bucket_bytes, None))
+            for what, b in compressed_wire(ps, method, rank)
+        ]
     if data.zero == 0:
         return [
             LedgerRow(f"{label} {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)

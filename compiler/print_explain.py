@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 
 from meshplan.dsl.fmt import action_text
+from meshplan.dsl.optimizer import OptimizerSpec
+from meshplan.runtime.buckets import low_rank_shape
 from meshplan.runtime.collectives import AxisCollective
 from meshplan.runtime.mesh import axes_of
 from meshplan.runtime.zero_nodes import ZeroGather
@@ -22,7 +24,8 @@ from meshplan.runtime.zero_nodes import ZeroGather
 from . import meta
 from .compile import Compiled
 from .graph import module_path, shape, value
-from .ledger import COPY, PHASES, held_shape, unit_capacity
+from .ledger import COPY, PHASES, data_parallel_facts, held_shape, unit_capacity
+from .optimizer_state import describe, whole_state_bytes
 from .passes import overlap
 from .passes.checkpoint import collective_nodes, region_modules
 from .passes.devices import device_of
@@ -114,6 +117,7 @@ def explain(compiled: Compiled) -> str:
             lines += _context_lines(compiled, rule)
         lines.append("")
     lines += _data_parallel_lines(compiled)
+    lines += _optimizer_lines(compiled)
     lines += _expert_lines(compiled)
     lines += _grad_sum_lines(compiled)
     lines += _pipeline_lines(compiled)
@@ -246,7 +250,59 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         )
         nbytes = sum(r.bytes * r.count for r in rows)
         lines.append(f"    collectives per step: {summary} ({nbytes / 1e6:.3f} MB)")
+        lines += _compression_lines(compiled, nbytes)
     return [*lines, ""]
+
+
+def _optimizer_lines(compiled: Compiled) -> list[str]:
+    """`train { optimizer = ... }`, where the plan names one: its state and what it costs this
+    model beside AdamW's (`optimizer_state.py`), and that an elementwise one adds no collective."""
+    spec, dp = compiled.plan.train.optimizer, compiled.plan.data_parallel
+    if spec.span is None:
+        return []
+    trainable = [p for p in compiled.captured.model.parameters() if p.requires_grad]
+    mine = sum(whole_state_bytes(spec, p) for p in trainable)
+    adamw = sum(whole_state_bytes(OptimizerSpec(), p) for p in trainable)
+    sharded = f", 1/{compiled.layout.size(dp.axis)} of it on each rank under ZeRO" if dp and dp.zero else ""
+    lines = [
+        f"line {spec.span.line}: optimizer = {spec.text}",
+        f"    {describe(spec)}",
+        f"    state of the whole model: {mine / 1e6:.3f} MB{sharded} "
+        f"(AdamW's: {adamw / 1e6:.3f} MB, {mine / adamw:.2f}x)",
+    ]
+    if spec.kind != "adafactor":
+        lines.append("    elementwise: each rank steps its own elements, no collective of its own")
+    else:
+        lines.append("    steps whole parameters: each rank holds every parameter whole (no ZeRO, no split)")
+    return [*lines, ""]
+
+
+def _compression_lines(compiled: Compiled, sent: int) -> list[str]:
+    """`compress`: what it sends against the exact all-reduce's bytes, and what it keeps exact."""
+    dp = compiled.plan.data_parallel
+    if dp is None or dp.compress is None or compiled.source is None:
+        return []
+    c = dp.compress
+    facts = data_parallel_facts(
+        compiled.plan, compiled.graph, compiled.source.model, compiled.param_placements, compiled.layout
+    )
+    assert facts is not None
+    params = [p for _, p in facts.params]
+    exact = sum(p.numel() * p.element_size() for p in params)
+    if c.method == "bf16":
+        how = "rounded to bf16, each rank's rounding error added to its next step's gradients"
+    else:
+        matrices = sum(low_rank_shape(p, c.rank) is not None for p in params)
+        how = (
+            f"{matrices} of {len(params)} gradients as rank-{c.rank} factors P and Q (error feedback, "
+            "Q warm-started), the rest whole"
+            + (f"; the first {c.warmup} steps uncompressed" if c.warmup else "")
+        )
+    return [
+        f"    gradients compressed ({c.text}, line {c.span.line if c.span else dp.span.line}): {how}",
+        f"    {sent / 1e6:.3f} MB per step instead of {exact / 1e6:.3f} MB ({exact / max(sent, 1):.1f}x less); "
+        "lossy: verify holds it to the uncompressed run's losses",
+    ]
 
 
 def _reduce_groups(compiled: Compiled) -> Counter[tuple[str, ...]]:

@@ -169,7 +169,46 @@ class ModulesBlock:
 # ------------------------------------------------------------------ settings blocks
 
 Dtype: TypeAlias = Literal["fp32", "bf16", "fp16"]
-SettingValue: TypeAlias = int | float | str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class CompressArg:
+    """`rank=4` in `compress = powersgd(rank=4)`."""
+
+    name: Name
+    value: int
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """The value of `compress = METHOD(ARG=N, ...)`: the method and its arguments as written,
+    each with its span, so the checker can point at the one that is wrong."""
+
+    method: Name
+    args: tuple[CompressArg, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerArg:
+    """`momentum=0.9` in `optimizer = sgd(momentum=0.9)`; `text` as written, for the formatter."""
+
+    name: Name
+    value: float
+    text: str
+    span: Span = _span()
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerChoice:
+    """The value of `optimizer = NAME(KEY=NUMBER, ...)`: the optimizer and its hyperparameters as
+    written, each with its span, so the checker can point at the one that is wrong."""
+
+    name: Name
+    args: tuple[OptimizerArg, ...] = ()
+
+
+SettingValue: TypeAlias = int | float | str | tuple[str, ...] | Compression | OptimizerChoice | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from .errors import (
     one_of,
 )
 from .limits import read_plan_text
+from .optimizer import optimizer_composes
 from .parser import parse_recovering
 from .patterns import Glob
 from .settings import DataParallelSpec, PipelineSpec, PrecisionSpec, SettingsChecker, TrainSpec
@@ -176,6 +177,10 @@ class _Checker(SettingsChecker):
         train = self.train(first(ast.TrainBlock))  # type: ignore[arg-type]
         self.check_roles()
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
+        if data_parallel is not None and data_parallel.compress is not None and self.complete(modules):
+            self.compression_composes(data_parallel, pipeline, rules, precision)
+        if self.complete(first(ast.TrainBlock)) and self.complete(modules):
+            optimizer_composes(train.optimizer, data_parallel, rules, self.error)
         self.check_unused_axes(mesh)
         warnings = tuple(self.found.of("warning"))
         return Plan(
@@ -331,6 +336,67 @@ class _Checker(SettingsChecker):
                     rule.span,
                     f"`precision {rule.action.dtype}` has no effect: compute is already {precision.compute}",
                 )
+
+    def compression_composes(
+        self,
+        dp: DataParallelSpec,
+        pipeline: PipelineSpec | None,
+        rules: tuple[PlanRule, ...],
+        precision: PrecisionSpec,
+    ) -> None:
+        """`compress` runs in the plain data-parallel engine, over whole replicated gradients in
+        fp32: what hands the gradients to another engine, or rounds them first, is refused at it."""
+        assert dp.compress is not None and dp.compress.span is not None
+        at = dp.compress.span
+        first = {r.kind: r for r in reversed(rules)}
+        host = next((r for r in rules if isinstance(r.action, ast.Device) and r.action.kind == "cpu"), None)
+        why = [
+            (
+                pipeline is not None,
+                "a pipeline reduces a weight several stages read after its last backward, by hand",
+                pipeline.span if pipeline else None,
+            ),
+            (
+                "experts" in first,
+                "expert parallelism averages each parameter over its own data axes (one engine per set)",
+                first["experts"].span if "experts" in first else None,
+            ),
+            *[
+                (
+                    kind in first,
+                    f"{what} leaves weight gradients partial over `{first[kind].axis}`, summed by the "
+                    "per-axes engine"
+                    if kind in first
+                    else "",
+                    first[kind].span if kind in first else None,
+                )
+                for kind, what in (("sequence", "sequence parallelism"), ("context", "context parallelism"))
+            ],
+            (
+                host is not None,
+                "parameters on the host (`on cpu`) are reduced by an engine of their own",
+                host.span if host else None,
+            ),
+        ]
+        for refused, reason, span in why:
+            if refused:
+                assert span is not None
+                self.error(
+                    at,
+                    f"`compress` cannot compose with this plan yet: {reason}",
+                    hint="remove `compress`, or the construct it cannot compose with",
+                    related=[(span, "here")],
+                )
+                return
+        if precision.reduce != "fp32":
+            # the reduce dtype defaults to the gradients', which default to the parameters'
+            key = next(k for k in ("reduce", "grads", "params") if k in precision.spans)
+            self.error(
+                at,
+                f"`compress` needs fp32 gradients to compress, but they are reduced in {precision.reduce}",
+                hint="`compress` sets how gradients travel: keep them fp32 in `precision` with it",
+                related=[(precision.spans[key], f"`{key} = {precision.reduce}` here")],
+            )
 
 
 def _statement_word(stmt: ast.Statement) -> str:

@@ -105,6 +105,7 @@ def plan_facts(plan: Plan) -> dict[str, str]:
             "data_parallel.bucket": _bytes(d.bucket_bytes),
             "data_parallel.offload_optimizer": _flag(d.offload_optimizer),
             "data_parallel.offload_params": _flag(d.offload_params),
+            "data_parallel.compress": d.compress.text if d.compress is not None else "none",
         }
     pr = plan.precision
     facts |= {
@@ -114,6 +115,7 @@ def plan_facts(plan: Plan) -> dict[str, str]:
         "precision.reduce": pr.reduce,
         "precision.loss_scale": str(pr.loss_scale) if pr.loss_scale is not None else "none",
         "train.gradient_accumulation": str(plan.train.gradient_accumulation),
+        "train.optimizer": plan.train.optimizer.text,
     }
     for rule in plan.rules:
         for path in expanded(rule.pattern):

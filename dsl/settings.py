@@ -18,6 +18,7 @@ from . import ast
 from .axes import Axis, MeshSpec
 from .errors import Collector, Diagnostic, Span, did_you_mean
 from .limits import MAX_INT
+from .optimizer import OptimizerSpec, check_optimizer
 from .patterns import Glob, PatternSyntaxError
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
@@ -36,6 +37,35 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
+class CompressSpec:
+    """`compress = ...` in `data_parallel`: the gradient all-reduce made lossy to send fewer bytes
+    (`runtime/compression.py` has the design). `rank`: PowerSGD's approximation rank; `warmup`: the
+    optimizer steps all-reduced uncompressed first (torch's `start_powerSGD_iter`)."""
+
+    method: str  # "powersgd" or "bf16"
+    rank: int = 0  # powersgd only
+    warmup: int = 0  # powersgd only
+    span: Span | None = None  # the setting's value
+
+    @property
+    def text(self) -> str:
+        """As `explain` and verify's report name it: `powersgd(rank=4)`, `bf16`."""
+        if self.method != "powersgd":
+            return self.method
+        return f"powersgd(rank={self.rank}" + (f", warmup={self.warmup})" if self.warmup else ")")
+
+
+# compress methods and their arguments with defaults (PowerSGD's rank: torch's hook's default is 1;
+# 4 is the rank its paper trains with, and small matrices of a tiny model still compress at it)
+COMPRESS_METHODS: dict[str, dict[str, int]] = {"powersgd": {"rank": 4, "warmup": 0}, "bf16": {}}
+# named so their refusal can say why, rather than "unknown method"
+_COMPRESS_REFUSED = {
+    "fp8": "neither gloo nor NCCL sums float8 tensors (an all-reduce needs the backend to add them): "
+    "an fp8 payload would have to be all-gathered and summed by each rank, n times the bytes",
+}
+
+
+@dataclass(frozen=True)
 class DataParallelSpec:
     axis: str
     zero: int
@@ -44,6 +74,7 @@ class DataParallelSpec:
     offload_params: bool
     span: Span
     spans: Mapping[str, Span] = field(default_factory=dict)
+    compress: CompressSpec | None = None  # None: gradients all-reduced exactly
 
 
 @dataclass(frozen=True)
@@ -60,6 +91,7 @@ class PrecisionSpec:
 class TrainSpec:
     gradient_accumulation: int = 1
     spans: Mapping[str, Span] = field(default_factory=dict)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)  # `dsl/optimizer.py`
 
 
 # What an axis is used for; an axis may serve several purposes only within one group.
@@ -318,7 +350,7 @@ class SettingsChecker:
         if node is None:
             return None
         axis = self.axis_ref(node.axis, mesh, "data")
-        s = self.settings(node.items, ("zero", "bucket", "offload"))
+        s = self.settings(node.items, ("zero", "bucket", "offload", "compress"))
         zero = s["zero"].value if "zero" in s else 0
         assert isinstance(zero, int)
         if not 0 <= zero <= 3:
@@ -341,6 +373,19 @@ class SettingsChecker:
                 "offloading parameters needs `zero = 3`",
                 hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU",
             )
+        compress = self.compress(s["compress"]) if "compress" in s else None
+        if compress is not None and zero and self.complete(node):
+            self.error(
+                s["compress"].value_span,
+                f"`compress` composes with plain data parallelism only, not ZeRO-{zero}: "
+                + (
+                    "ZeRO-1's buckets are reduced by the ZeRO engine, which compresses nothing yet"
+                    if zero == 1
+                    else f"ZeRO-{zero} reduce-scatters its gradients, and a low-rank or rounded "
+                    "reduce-scatter is not written yet"
+                ),
+                hint="use `zero = 0` with `compress`, or remove `compress`",
+            )
         return DataParallelSpec(
             axis or node.axis.text,
             zero,
@@ -349,7 +394,51 @@ class SettingsChecker:
             "params" in offload,
             node.span,
             MappingProxyType({k: v.span for k, v in s.items()}),
+            compress,
         )
+
+    def compress(self, setting: ast.Setting) -> CompressSpec | None:
+        """`compress = METHOD(ARG=N, ...)` checked: a known method, its own arguments in range."""
+        value = setting.value
+        assert isinstance(value, ast.Compression)  # the grammar's `compress` rule makes one
+        method = value.method.text
+        if method in _COMPRESS_REFUSED:
+            self.error(
+                value.method.span,
+                f"`compress = {method}` cannot run: {_COMPRESS_REFUSED[method]}",
+                hint="use `compress = bf16` (half the bytes, error feedback) or `compress = powersgd`",
+            )
+            return None
+        if method not in COMPRESS_METHODS:
+            guess = did_you_mean(method, [*COMPRESS_METHODS, *_COMPRESS_REFUSED])
+            known = ", ".join(f"`{m}`" for m in COMPRESS_METHODS)
+            self.error(
+                value.method.span,
+                f"unknown compression `{method}`",
+                hint=f"did you mean `{guess}`?" if guess else f"the methods are {known}",
+            )
+            return None
+        allowed = COMPRESS_METHODS[method]
+        args = dict(allowed)
+        seen: set[str] = set()
+        for arg in value.args:
+            name = arg.name.text
+            if name not in allowed:
+                guess = did_you_mean(name, list(allowed))
+                takes = ", ".join(f"`{a}`" for a in allowed) or "no arguments"
+                self.error(
+                    arg.name.span,
+                    f"`{method}` has no argument `{name}`",
+                    hint=f"did you mean `{guess}`?" if guess else f"`{method}` takes {takes}",
+                )
+            elif name in seen:
+                self.error(arg.span, f"`{name}` is given twice", hint="keep one")
+            elif name == "rank" and arg.value < 1:
+                self.error(arg.span, "PowerSGD's rank must be at least 1", hint="`rank=1` sends the least")
+            else:
+                args[name] = arg.value
+            seen.add(name)
+        return CompressSpec(method, args.get("rank", 0), args.get("warmup", 0), setting.value_span)
 
     def precision(self, node: ast.PrecisionBlock | None) -> PrecisionSpec:
         if node is None:
@@ -404,12 +493,13 @@ class SettingsChecker:
     def train(self, node: ast.TrainBlock | None) -> TrainSpec:
         if node is None:
             return TrainSpec()
-        s = self.settings(node.items, ("gradient_accumulation",))
+        s = self.settings(node.items, ("gradient_accumulation", "optimizer"))
         steps = s["gradient_accumulation"].value if "gradient_accumulation" in s else 1
         assert isinstance(steps, int)
         if steps < 1:
             self.error(s["gradient_accumulation"].value_span, "`gradient_accumulation` must be at least 1")
-        return TrainSpec(steps, MappingProxyType({k: v.span for k, v in s.items()}))
+        optimizer = check_optimizer(s["optimizer"], self.error) if "optimizer" in s else OptimizerSpec()
+        return TrainSpec(steps, MappingProxyType({k: v.span for k, v in s.items()}), optimizer)
 
 
 def _product_up_to(cap: int, values: list[int]) -> int:

@@ -207,6 +207,15 @@ class ToAst(Transformer):
     def offload_none(self, meta):
         return None
 
+    def compress(self, meta, method, *args):
+        value = ast.Compression(self._name(method), tuple(args))
+        text = str(method) + (f"({', '.join(f'{a.name.text}={a.value}' for a in args)})" if args else "")
+        return self._setting(meta, "compress", value, text)
+
+    def compress_arg(self, meta, name, tok):
+        value = self._int(tok, f"`{name}`", f"0 to {MAX_INT:,}")
+        return ast.CompressArg(self._name(name), value, self._span(meta))
+
     # -- precision
     def precision(self, meta, *items):
         return ast.PrecisionBlock(tuple(items), self._span(meta))
@@ -246,6 +255,17 @@ class ToAst(Transformer):
     def gradient_accumulation(self, meta, tok):
         count = self._int(tok, "accumulation count", _ONE_UP)
         return self._setting(meta, "gradient_accumulation", count, str(tok))
+
+    def optimizer(self, meta, name, *args):
+        value = ast.OptimizerChoice(self._name(name), tuple(args))
+        text = str(name) + (f"({', '.join(f'{a.name.text}={a.text}' for a in args)})" if args else "")
+        return self._setting(meta, "optimizer", value, text)
+
+    def optimizer_arg(self, meta, name, number):
+        unsigned = number.update(value=number.lstrip("-"))  # the limit is the magnitude's
+        magnitude = self._number(unsigned, f"`{name}`", FP32_MAX, "fp32's largest, 3.4e38")
+        value = -magnitude if number.startswith("-") else magnitude
+        return ast.OptimizerArg(self._name(name), value, str(number), self._span(meta))
 
     def _setting(self, meta, key: str, value, text: str) -> ast.Setting:
         span = self._span(meta)

@@ -5,7 +5,8 @@ construction (tests compare them with what was issued).
 - `decays`: which parameters AdamW decays; the others get flats and buckets of their own;
 - `dp_buckets`: `DataParallel`'s gradient buckets;
 - `bucket_params`: ZeRO-1/2's flats (gradient buckets by dtype and decay class);
-- `group_by_kind`: a ZeRO-3 unit's flats.
+- `group_by_kind`: a ZeRO-3 unit's flats;
+- `compressed_wire`: the all-reduces of a bucket under `compress` (`runtime/compression.py`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,31 @@ def dp_buckets(
 def bucket_sizes(params: Sequence[Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None) -> list[int]:
     """Bytes of each bucket `DataParallel` makes of these params, in launch order (for ledgers)."""
     return [nbytes for _, nbytes in dp_buckets(params, bucket_bytes, reduce_dtype)]
+
+
+def low_rank_shape(param: Tensor, rank: int) -> tuple[int, int] | None:
+    """The (rows, cols) matrix PowerSGD approximates `param`'s gradient as, at `rank`: its first
+    dim by the rest; None (sent whole) for a 1-D tensor (biases, norms) or a matrix whose factors
+    would not be at least twice smaller than it (torch's `min_compression_rate`)."""
+    if param.dim() < 2:
+        return None
+    rows = param.shape[0]
+    cols = param.numel() // rows
+    return (rows, cols) if 2 * (rows + cols) * rank < rows * cols else None
+
+
+def compressed_wire(params: Sequence[Tensor], method: str, rank: int = 0) -> list[tuple[str, int]]:
+    """The all-reduces one bucket of `params` issues under a compression, in issue order, as
+    (what, bytes): `bf16`, the whole bucket in bf16; `powersgd`, the tensors sent whole, then
+    the factors P (rows x rank per matrix) and Q (cols x rank), in the gradients' dtype.
+    A part with no bytes is not issued."""
+    if method == "bf16":
+        return [("bf16", sum(p.numel() for p in params) * torch.bfloat16.itemsize)]
+    shapes = [(p, low_rank_shape(p, rank)) for p in params]
+    whole = sum(p.numel() * p.element_size() for p, s in shapes if s is None)
+    factor_p = sum(s[0] * rank * p.element_size() for p, s in shapes if s is not None)
+    factor_q = sum(s[1] * rank * p.element_size() for p, s in shapes if s is not None)
+    return [(what, b) for what, b in (("whole", whole), ("P", factor_p), ("Q", factor_q)) if b]
 
 
 def bucket_params(

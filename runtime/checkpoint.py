@@ -16,11 +16,14 @@ mid-save leaves only a `.tmp-` folder, which `latest()` never picks: the previou
 checkpoint still loads. (Multi-node runs need `--out` on a filesystem all nodes share.)
 
 What is saved, so that a resumed run is the same computation as an uninterrupted one:
-the model's parameters and buffers and AdamW's state (`step`, `exp_avg`, `exp_avg_sq`),
-keyed by parameter name, the number of optimizer steps done (the LR schedule and the
-data position are functions of it: see `runtime/data.py`), and each rank's RNG state.
-The optimizer's param groups (learning rate, betas, ...) are configuration, not state:
-a resumed run takes them from its own command line.
+the model's parameters and buffers and the optimizer's state (AdamW's `step`, `exp_avg`,
+`exp_avg_sq`; SGD's `momentum_buffer`, ...: `optimizers.STATE`), keyed by parameter name, the
+number of optimizer steps done (the LR schedule and the data position are functions of it: see
+`runtime/data.py`), and each rank's RNG state. The optimizer's kind is saved as the name of a
+key (`train/optimizer/sgd`), so `.metadata` alone tells it and resuming with another optimizer
+is one message before anything is read (a checkpoint without it was AdamW's). The optimizer's
+param groups (learning rate, betas, ...) are configuration, not state: a resumed run takes them
+from its own command line and plan.
 
     replicated/model/layers.0.mlp.up_proj.weight            fp32, shape of the whole tensor
     replicated/optim/state/layers.0.mlp.up_proj.weight/exp_avg
@@ -70,6 +73,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .axes import Axes
 from .grad_sync import Elements, GradSync, Held, TrainingState
+from .optimizers import PARAMETER_SHAPED
 from .pieces import Box, LoadPlanner, Pieces, SavePlanner
 
 _FINAL = re.compile(r"^step(\d{8})$")
@@ -234,6 +238,13 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
     folder (trusted input)."""
     _verified_once(Path(path))
     state, own = _state(sync, 0, axes)
+    saved = _saved_optimizer(Path(path))
+    if saved is not None and saved != own.kind:
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved}'s state, but this run's optimizer is {own.kind} "
+            f"(hint: resume with `optimizer = {saved}` in the plan's `train` block, or start a new run)"
+        )
+    del state["train"]["optimizer"]  # told by its key's name, read above
     # a checkpoint written where there was no GPU holds no CUDA generator state: this run keeps
     # its seeded one (and one written on a GPU resumes on a CPU, which ignores it)
     cuda_key = "cuda_" + _rng_key()
@@ -331,6 +342,17 @@ def _first_cause(error: BaseException, path: Path) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+def _saved_optimizer(path: Path) -> str | None:
+    """The optimizer whose state the checkpoint at `path` holds: the name under `train.optimizer`,
+    "adamw" where there is none (written before the choice existed), None where its metadata
+    cannot be read (DCP's load then says why)."""
+    keys = _saved_keys(path)
+    if not keys:
+        return None
+    prefix = "train.optimizer."
+    return next((k[len(prefix) :] for k in keys if k.startswith(prefix)), "adamw")
+
+
 def _saved_keys(path: Path) -> set[str]:
     """The flattened keys the checkpoint at `path` holds (`rng.rank0`, ...); empty where its
     metadata cannot be read (DCP's load then says why)."""
@@ -382,13 +404,10 @@ def _state(sync: GradSync, step: int, axes: Axes | None = None) -> tuple[dict, T
         rng["cuda_" + _rng_key()] = torch.cuda.get_rng_state()
     state = {
         _REPLICATED: _placed(own, axes or Axes()),
-        "train": {"step": torch.tensor(step, dtype=torch.int64)},
+        "train": {"step": torch.tensor(step, dtype=torch.int64), "optimizer": {own.kind: torch.tensor(0)}},
         "rng": rng,
     }
     return state, own
-
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _placed(own: TrainingState, axes: Axes) -> dict:
@@ -405,7 +424,7 @@ def _placed(own: TrainingState, axes: Axes) -> dict:
 
     model = {name: place(name, t) for name, t in own.model.items()}
     state = {
-        name: {key: place(name, t) if key in _MOMENTS else t for key, t in moments.items()}
+        name: {key: place(name, t) if key in PARAMETER_SHAPED else t for key, t in moments.items()}
         for name, moments in own.optim.items()
     }
     return {"model": model, "optim": {"state": state}}

@@ -33,6 +33,10 @@ How it works (the design of PyTorch's DDP, written out so the collectives are vi
   the average is written in place: no copy in, none out, and no second copy of the
   gradients alive. Under a reduce dtype other than the gradients' (`reduce = bf16` on fp32
   gradients) the bucket is converted into a flat of that dtype and back, as before.
+- Under `compression` (`compress = powersgd(...)` or `bf16`), a bucket's flat goes to its
+  `compression.BucketCompressor` instead of one all-reduce: the parts it can send while backward
+  runs are launched then, the rest when `finish()` waits for the bucket, in bucket order on
+  every rank. `launches` then lists each all-reduce it issued, in its compressed bytes.
 
 Rank arithmetic: the group is the mesh's dp axis. With `mesh dp=2, tp=2` (last axis
 fastest) ranks 0 and 2 hold tp shard 0 and form dp group {0, 2}; ranks 1 and 3 form
@@ -57,7 +61,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import watchdog
-from .buckets import dp_buckets
+from .buckets import compressed_wire, dp_buckets
+from .compression import BucketCompressor, Compression, Reduction, compressor
 from .grad_sync import Accumulates, WholeParams, param_grad_squares, scale_param_grads_
 from .hollow import is_deferred
 
@@ -70,7 +75,8 @@ class Bucket:
     params: list[Tensor]
     nbytes: int  # bytes on the wire (in the reduce dtype)
     ready: int = 0  # parameters whose gradient is accumulated this step
-    work: dist.Work | None = None
+    work: dist.Work | Reduction | None = None  # a Reduction under compression
+    compressor: BucketCompressor | None = None
     flat: Tensor | None = None  # (sum of numels,) the buffer being reduced
     # the gradients themselves, each param's `.grad` a view of its slice (None: another reduce dtype)
     buffer: Tensor | None = None
@@ -100,6 +106,7 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         params: Sequence[nn.Parameter] | None = None,
         late: Collection[nn.Parameter] = (),
         divisor: int | None = None,
+        compression: Compression | None = None,
     ) -> None:
         """`divisor`: what the summed gradient is divided by (default: the group's size; the
         data ranks alone where the group also spans an axis the gradient is partial over, whose
@@ -108,7 +115,8 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         expert parallelism averages its experts over fewer ranks than the rest. `late`: those
         whose gradient is whole only when `finish()` runs (a weight several stages of a pipeline
         rank read: each stage's last backward is synchronized, neither is the weight's last);
-        they go in the last buckets, which `finish()` launches."""
+        they go in the last buckets, which `finish()` launches. `compression`: the buckets'
+        all-reduce made lossy (the module docstring; gradients reduced in their own dtype)."""
         nn.Module.__init__(self)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -118,6 +126,7 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         self.world = dist.get_world_size(group)
         self.divisor = divisor or self.world
         self.reduce_dtype = reduce_dtype
+        self.compression = compression
         self.launches: list[Launch] = []
         self._sync = True
         self._next = 0  # the next bucket to launch, in bucket order
@@ -127,7 +136,12 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         params = [p for p in params if id(p) in self._late] + [p for p in params if id(p) not in self._late]
         self.params = params
         broadcast_parameters(params, group)
+        if compression is not None and reduce_dtype is not None:
+            raise ValueError("DataParallel: a compressed bucket is reduced in the gradients' dtype")
         self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
+        if compression is not None:
+            for bucket in self.buckets:
+                bucket.compressor = compressor(compression, bucket.params, bucket.index)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {
             id(p): v
@@ -141,8 +155,12 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         return self.module(*args, **kwargs)
 
     def ledger(self) -> list[tuple[int, int]]:
-        """(bytes, all-reduces per optimizer step) for each bucket, in launch order."""
-        return [(b.nbytes, 1) for b in self.buckets]
+        """(bytes, all-reduces per optimizer step) for each bucket, in launch order; a compressed
+        bucket's parts each (`buckets.compressed_wire`: after PowerSGD's warm-up)."""
+        if self.compression is None:
+            return [(b.nbytes, 1) for b in self.buckets]
+        method, rank = self.compression.method, self.compression.rank
+        return [(nbytes, 1) for b in self.buckets for _, nbytes in compressed_wire(b.params, method, rank)]
 
     def finish(self) -> None:
         """Launch the buckets backward left, wait for all, and write the averaged gradients back."""
@@ -156,8 +174,12 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
             assert bucket.work is not None and bucket.flat is not None
             where = f"bucket {bucket.index + 1} of {len(self.buckets)}, {watchdog.size_text(bucket.nbytes)}"
             watchdog.note("all_reduce", self.axis, where, self.group)
-            bucket.work.wait()
-            bucket.flat.div_(self.divisor)
+            if isinstance(bucket.work, Reduction):  # averaged by its compressor, which may send more
+                for nbytes in bucket.work.wait():
+                    self.launches.append(Launch(bucket.index, nbytes, during_backward=False))
+            else:
+                bucket.work.wait()
+                bucket.flat.div_(self.divisor)
             if bucket.buffer is None:
                 _unflatten_into_grads(bucket.flat, bucket.params)
             for p in bucket.missing:  # the zeros it contributed are no gradient: as on one device
@@ -210,8 +232,14 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
             bucket.flat = bucket.buffer
         else:
             bucket.flat = _flatten_grads(bucket.params, self.reduce_dtype)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        self.launches.append(Launch(bucket.index, bucket.nbytes, during_backward=not self._in_finish))
+        during_backward = not self._in_finish
+        if bucket.compressor is not None:
+            reduction = bucket.compressor.launch(bucket.flat, self.group, self.divisor)
+            self.launches += [Launch(bucket.index, nbytes, during_backward) for nbytes in reduction.launched]
+            bucket.work = reduction
+        else:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self.launches.append(Launch(bucket.index, bucket.nbytes, during_backward))
         self._next += 1
 
 

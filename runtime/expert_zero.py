@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .axes import Axes
 from .data_parallel import broadcast_parameters
 from .expert_data_parallel import PerGroup, averaged_over, data_ranks
-from .grad_sync import AdamWSettings, TrainingState
+from .grad_sync import OptimizerSettings, TrainingState
 from .zero import Collective, Zero, ZeroOptions
 from .zero_optim import load_buffers, read_steps, training_state
 
@@ -40,7 +40,7 @@ from .zero_optim import load_buffers, read_steps, training_state
 class ExpertZero(PerGroup[Zero]):
     """Several `Zero` engines over one module, each over the group that averages its params."""
 
-    def optimizer(self, config: AdamWSettings) -> ExpertZero:
+    def optimizer(self, config: OptimizerSettings) -> ExpertZero:
         """`Zero.optimizer` of every engine; this object steps them all."""
         for e in self.engines:
             e.optimizer(config)
@@ -48,7 +48,7 @@ class ExpertZero(PerGroup[Zero]):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The engines' AdamWs' param groups, in one list (the loop sets the LR in each)."""
+        """The engines' optimizers' param groups, in one list (the loop sets the LR in each)."""
         return [g for e in self.engines for g in e.param_groups]
 
     def step(self) -> None:
@@ -92,7 +92,7 @@ class ExpertZero(PerGroup[Zero]):
         """`Zero.own_state` of every engine's elements together: the engines own disjoint names."""
         elements = {name: held for e in self.engines for name, held in e.own_elements().items()}
         steps = {name: step for e in self.engines for name, step in e.steps().items()}
-        return training_state(self.module, elements, steps)
+        return training_state(self.module, elements, steps, self.engines[0].optim.choice.kind)
 
     def loaded(self, state: TrainingState) -> None:
         steps = read_steps(state)

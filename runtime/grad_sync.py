@@ -17,9 +17,10 @@ loop then sums each kind over the axes that shard it (`Axes.sum_over`).
 The engine also says how its optimizer state is kept, so neither the loop, nor checkpoints,
 nor an export ask which engine they have:
 
-    optimizer(config)    what the loop steps: the fused AdamW of `make_optimizer` where each rank
-                         holds whole gradients (`WholeParams`); ZeRO steps itself, AdamW over its shards
-    own_state()          this rank's parameters, buffers and AdamW state as a checkpoint saves them
+    optimizer(config)    what the loop steps: the plan's optimizer (`optimizers.py`) over the module
+                         where each rank holds whole gradients (`WholeParams`); ZeRO steps itself,
+                         the same optimizer over its shards
+    own_state()          this rank's parameters, buffers and optimizer state as a checkpoint saves them
     loaded(state)        a checkpoint was read into `own_state()`'s tensors in place
     gathered_by_unit()   groups of parameter names whose values are whole together, for an export:
                          every name at once, or ZeRO-3's units one at a time
@@ -38,19 +39,21 @@ import torch
 from torch import Tensor, nn
 
 from .buckets import decays, fusable
+from .optimizers import OptimizerChoice, build
 
 
-class AdamWSettings(Protocol):
-    """AdamW's hyperparameters (`train.TrainConfig` has them); eps is AdamW's default, 1e-8."""
+class OptimizerSettings(Protocol):
+    """What builds the optimizer (`train.TrainConfig` has it): which one with its hyperparameters,
+    the first LR (the loop sets it each step) and the weight decay of the decayed group."""
 
     @property
     def lr(self) -> float: ...
 
     @property
-    def betas(self) -> tuple[float, float]: ...
+    def weight_decay(self) -> float: ...
 
     @property
-    def weight_decay(self) -> float: ...
+    def optimizer(self) -> OptimizerChoice: ...
 
 
 class Optimizer(Protocol):
@@ -83,11 +86,13 @@ Held = Tensor | Elements  # a tensor this rank holds whole (or its tensor-parall
 class TrainingState:
     """This rank's training state as a checkpoint saves it, by the model's names: `model` every
     parameter's value (a tied one under each of its names) and the buffers, `optim` each
-    parameter's AdamW state ("step", "exp_avg", "exp_avg_sq") by its first name. The tensors
+    parameter's optimizer state (AdamW's "step", "exp_avg", "exp_avg_sq"; `optimizers.STATE`) by
+    its first name, and `kind` the optimizer's name (`checkpoint` saves it). The tensors
     are the engine's own, never copies: a checkpoint loads into them in place."""
 
     model: dict[str, Held]
     optim: dict[str, dict[str, Held]]
+    kind: str = "adamw"
 
 
 class GradSync(Protocol):
@@ -108,7 +113,7 @@ class GradSync(Protocol):
         """Multiply the averaged gradient by `factor` (unscaling a loss scale, clipping)."""
         ...
 
-    def optimizer(self, config: AdamWSettings) -> Optimizer:
+    def optimizer(self, config: OptimizerSettings) -> Optimizer:
         """Build the optimizer the loop steps, with `config`'s hyperparameters (once, first)."""
         ...
 
@@ -131,11 +136,12 @@ class GradSync(Protocol):
         ...
 
 
-def make_optimizer(module: nn.Module, config: AdamWSettings) -> torch.optim.AdamW:
-    """AdamW; no weight decay where `decays` says so (ZeRO's optimizer follows the same rule).
-    Fused (one kernel over every tensor of a device, `fused_adamw`) where PyTorch has the kernel:
-    torch.optim.AdamW's default steps each parameter with its own dozen ops, which on a CPU cost
-    a fifth of a small model's step; the values are the same up to rounding."""
+def make_optimizer(module: nn.Module, config: OptimizerSettings) -> torch.optim.Optimizer:
+    """The plan's optimizer (`optimizers.build`); no weight decay where `decays` says so (ZeRO's
+    optimizer follows the same rule). AdamW fused (one kernel over every tensor of a device,
+    `fused_adamw`) where PyTorch has the kernel: torch.optim.AdamW's default steps each parameter
+    with its own dozen ops, which on a CPU cost a fifth of a small model's step; the values are
+    the same up to rounding."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
@@ -143,40 +149,43 @@ def make_optimizer(module: nn.Module, config: AdamWSettings) -> torch.optim.Adam
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
+    return build(
+        config.optimizer,
         [g for g in groups if g["params"]],
         lr=config.lr,
-        betas=config.betas,
         fused=fusable([p for _, p in named]),
     )
 
 
 class WholeParams:
     """The optimizer state of the engines that leave each parameter and its averaged gradient
-    whole on every rank of the data axis (`Local`, `DataParallel`, `ExpertDataParallel`): one
-    AdamW over `module` (`make_optimizer`), checkpointed through DCP's state-dict API."""
+    whole on every rank of the data axis (`Local`, `DataParallel`, `ExpertDataParallel`): the
+    plan's optimizer over `module` (`make_optimizer`), checkpointed through DCP's state-dict API."""
 
     module: nn.Module
-    _adamw: torch.optim.AdamW | None = None
+    _optimizer: torch.optim.Optimizer | None = None
+    _kind: str = "adamw"
 
-    def optimizer(self, config: AdamWSettings) -> torch.optim.AdamW:
-        self._adamw = make_optimizer(self.module, config)
-        return self._adamw
+    def optimizer(self, config: OptimizerSettings) -> torch.optim.Optimizer:
+        self._optimizer, self._kind = make_optimizer(self.module, config), config.optimizer.kind
+        return self._optimizer
 
     def own_state(self) -> TrainingState:
         from torch.distributed.checkpoint.state_dict import get_state_dict  # 1.5 s: checkpoints only
 
         model_sd, optim_sd = get_state_dict(self.module, self._built())
-        return TrainingState(cast(dict[str, Held], model_sd), cast(dict, optim_sd.get("state", {})))
+        return TrainingState(
+            cast(dict[str, Held], model_sd), cast(dict, optim_sd.get("state", {})), self._kind
+        )
 
     def loaded(self, state: TrainingState) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        adamw = self._built()
-        groups = get_state_dict(self.module, adamw)[1]["param_groups"]  # this run's configuration
+        optimizer = self._built()
+        groups = get_state_dict(self.module, optimizer)[1]["param_groups"]  # this run's configuration
         model = cast(dict[str, Any], state.model)  # tensors only: no `Elements` here
         optim: dict[str, Any] = {"state": state.optim, "param_groups": groups}
-        set_state_dict(self.module, adamw, model_state_dict=model, optim_state_dict=optim)
+        set_state_dict(self.module, optimizer, model_state_dict=model, optim_state_dict=optim)
 
     def gathered_by_unit(self) -> Iterator[set[str]]:
         """Every parameter is whole already: all names at once."""
@@ -184,13 +193,13 @@ class WholeParams:
 
     def memory(self) -> dict[str, int]:
         """`GradSync.memory`: the module's parameters, their gradients (with the buffers that hold
-        them, `grad_buffers`) and AdamW's state, its step counters included."""
+        them, `grad_buffers`) and the optimizer's state, its step counters included."""
         seen: set[int] = set()
         params = list(self.module.parameters())  # a tied weight once
         param_bytes = storage_bytes(params, seen)
         grads = [*self.grad_buffers(), *(p.grad for p in params if p.grad is not None)]
         grad_bytes = storage_bytes(grads, seen)
-        state = self._adamw.state.values() if self._adamw is not None else ()
+        state = self._optimizer.state.values() if self._optimizer is not None else ()
         optim_bytes = storage_bytes((t for s in state for t in s.values() if isinstance(t, Tensor)), seen)
         total = param_bytes + grad_bytes + optim_bytes
         return {"params": param_bytes, "grads": grad_bytes, "optimizer": optim_bytes, "total": total}
@@ -199,10 +208,10 @@ class WholeParams:
         """Buffers the engine keeps the gradients in while `.grad` is None (between steps)."""
         return ()
 
-    def _built(self) -> torch.optim.AdamW:
-        if self._adamw is None:
+    def _built(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
             raise RuntimeError("no optimizer yet: call the engine's optimizer(config) first")
-        return self._adamw
+        return self._optimizer
 
 
 class Accumulates:

@@ -1,4 +1,4 @@
-"""The training loop behind `meshplan run`: AdamW, warmup + cosine LR, global-norm clipping,
+"""The training loop behind `meshplan run`: the plan's optimizer, warmup + cosine LR, global-norm clipping,
 gradient accumulation, checkpoints, JSONL metrics on every rank, and what a person watching sees
 through a `Display` the caller gives (the command line's progress bar on rank 0).
 
@@ -24,7 +24,7 @@ split, ("ep", "tp") later for an expert's matrix); the engine sums each group's 
 the data axis (`grad_squares`), and each sum is then summed over the axes that shard its
 group. A whole parameter is identical on every rank of those axes and counts once.
 
-Under ZeRO the optimizer is the engine itself, stepping AdamW over this rank's fp32 shards,
+Under ZeRO the optimizer is the engine itself, stepping the plan's over this rank's fp32 shards,
 and each data rank holds only its shard of the averaged gradient; each rank checkpoints its
 own elements (`zero.own_state()`).
 
@@ -90,6 +90,7 @@ from . import checkpoint, watchdog, zero_flats
 from .axes import Axes
 from .collectives import label_collectives
 from .grad_sync import GradSync, Local, Optimizer, storage_bytes
+from .optimizers import OptimizerChoice
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (input_ids, labels) -> scalar loss of one micro-batch
 BatchFn = Callable[[int, int], tuple[Tensor, Tensor]]  # (step, micro_step) -> (input_ids, labels)
@@ -108,7 +109,7 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)  # the plan's; AdamW (0.9, 0.95)
     grad_clip: float = 1.0  # 0 disables clipping
     accumulation: int = 1
     seed: int = 0
@@ -345,7 +346,7 @@ def train(
     axes = axes or Axes()
     torch.manual_seed(config.seed)
     grads: GradSync = sync if sync is not None else Local(program)
-    # the fused AdamW over `program`, or ZeRO's engine stepping its own over its shards
+    # the plan's optimizer over `program`, or ZeRO's engine stepping it over its shards
     optimizer = grads.optimizer(config)
     ckpt_root = config.run_dir / "checkpoints"
     start = _maybe_resume(ckpt_root, grads, config, axes)

@@ -5,7 +5,7 @@ The training loop wraps a module (a compiled per-rank GraphModule, or any nn.Mod
 and steps this object instead of an optimizer:
 
     zero = shard_for_zero(model, dp_group, ZeroOptions(stage=2, decay=decays))
-    zero.optimizer(TrainConfig(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))  # AdamW over the shards
+    zero.optimizer(TrainConfig(lr=3e-4, weight_decay=0.1))  # the config's optimizer (AdamW) over the shards
     for micro in range(k):
         with zero.no_sync() if micro < k - 1 else contextlib.nullcontext():
             model(x[micro], y[micro]).backward()
@@ -15,15 +15,18 @@ and steps this object instead of an optimizer:
 launched like any meshplan program (`torchrun --nproc-per-node 2 -m meshplan.run PLAN`).
 
     stage  kept per rank                     backward (per flat)        step
-    1      params, full grads, 1/N opt       all-reduce grads           AdamW on own slice, all-gather params
-    2      params, 1/N grads, 1/N opt        reduce-scatter grads       AdamW on own slice, all-gather params
-    3      1/N params, grads, opt            reduce-scatter grads       AdamW on own slice (gathered before use)
+    1      params, full grads, 1/N opt       all-reduce grads           step own slice, all-gather params
+    2      params, 1/N grads, 1/N opt        reduce-scatter grads       step own slice, all-gather params
+    3      1/N params, grads, opt            reduce-scatter grads       step own slice (gathered before use)
+
+The step is the plan's optimizer over this rank's slice, which must be elementwise (AdamW, SGD,
+Lion: `optimizers.ELEMENTWISE`); Adafactor is refused.
 
 The pieces, one module each:
 
     zero_flats.py   parameters as flats (padded 1-D buffers, a shard per rank) and stage 3's units
     zero_grads.py   the gradient reductions per flat, and the averaged gradient shards they leave
-    zero_optim.py   AdamW over the fp32 shards (`zero.optimizer()`), offload, each rank's state for checkpoints
+    zero_optim.py   the optimizer over the fp32 shards (`zero.optimizer()`), offload, each rank's state for checkpoints
     zero_gathers.py when each unit is gathered and freed: hooks on the modules, the compiled program's nodes
     zero_nodes.py   the gather/release nodes of a compiled program, which `zero_gathers.py` binds itself to
 
@@ -51,12 +54,12 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from . import watchdog
-from .grad_sync import Accumulates, AdamWSettings, TrainingState
+from .grad_sync import Accumulates, OptimizerSettings, TrainingState
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
 from .zero_nodes import ZeroGather, ZeroRelease, graph_units
-from .zero_optim import OwnElements, ShardedAdamW, load_buffers, read_steps, training_state
+from .zero_optim import OwnElements, ShardedOptimizer, load_buffers, read_steps, training_state
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Collective(NamedTuple):
 
 
 class Zero(Accumulates):
-    """Sharded AdamW plus gradient (and, for stage 3, parameter) sharding for one module.
+    """A sharded optimizer plus gradient (and, for stage 3, parameter) sharding for one module.
 
     Build it with `shard_for_zero`. It registers hooks on the module and its parameters:
     gradients are reduced per flat as soon as backward has produced all of them, so the
@@ -116,7 +119,7 @@ class Zero(Accumulates):
         divisor: int | None = None,
     ) -> None:
         """Shard `module`'s training state over `group` (the mesh axis `axis`) as `options` say;
-        every rank calls it (as `shard_for_zero`). Then `optimizer(config)` builds its AdamW.
+        every rank calls it (as `shard_for_zero`). Then `optimizer(config)` builds its optimizer.
 
         `units` (stage 3) names the modules whose forward gathers their params, e.g. the
         plan's `layers.0` ... `layers.N`; by default every numbered child of a container.
@@ -181,7 +184,7 @@ class Zero(Accumulates):
         # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
         self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
-        self._adam: ShardedAdamW | None = None  # `optimizer()` builds it
+        self._optim: ShardedOptimizer | None = None  # `optimizer()` builds it
         self._sync = True  # False inside `no_sync`: gradients accumulate full size, at every stage
         self._grads = ShardedGrads(
             self.flats,
@@ -202,11 +205,11 @@ class Zero(Accumulates):
 
     # ------------------------------------------------------------------ public API
 
-    def optimizer(self, config: AdamWSettings) -> Zero:
-        """Build the AdamW over this rank's fp32 shards with `config`'s hyperparameters (once,
+    def optimizer(self, config: OptimizerSettings) -> Zero:
+        """Build `config`'s optimizer over this rank's fp32 shards (once,
         before the first step). The engine itself is what the loop steps: `step()` finishes the
         reduction, updates the shards and shares the new params."""
-        self._adam = ShardedAdamW(
+        self._optim = ShardedOptimizer(
             self.flats,
             self.group,
             self._decays,
@@ -217,16 +220,16 @@ class Zero(Accumulates):
         return self
 
     @property
-    def adamw(self) -> ShardedAdamW:
-        """The AdamW over this rank's shards, once `optimizer()` built it."""
-        if self._adam is None:
+    def optim(self) -> ShardedOptimizer:
+        """The optimizer over this rank's shards, once `optimizer()` built it."""
+        if self._optim is None:
             raise RuntimeError(f"ZeRO over {self.axis} has no optimizer yet: call optimizer(config) first")
-        return self._adam
+        return self._optim
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The AdamW's param groups, where the loop sets the LR (an LR scheduler's too)."""
-        return self.adamw.optimizer.param_groups
+        """The optimizer's param groups, where the loop sets the LR (an LR scheduler's too)."""
+        return self.optim.optimizer.param_groups
 
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's shard, and share the new params.
@@ -236,7 +239,7 @@ class Zero(Accumulates):
         """
         self._grads.finish(sync=self._sync)
         self.wait_params()
-        self.adamw.step()
+        self.optim.step()
         if self.options.stage == 3:
             for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
                 u.free()
@@ -373,19 +376,19 @@ class Zero(Accumulates):
         )
         grads += sum(_storage_bytes(p.buffer, seen) for p in self._grads.pending)  # in flight
         optimizer = 0
-        if self._adam is not None:  # built by `optimizer()`
-            state = self._adam.optimizer.state
-            for m in self._adam.masters:
+        if self._optim is not None:  # built by `optimizer()`
+            state = self._optim.optimizer.state
+            for m in self._optim.masters:
                 optimizer += _storage_bytes(m, seen)
                 optimizer += sum(_storage_bytes(t, seen) for t in state[m].values())
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
     def own_state(self) -> TrainingState:
-        """`GradSync.own_state`: this rank's elements of every parameter's fp32 value and AdamW
-        moments (`own_elements`), under the keys a run without ZeRO saves, and the buffers.
+        """`GradSync.own_state`: this rank's elements of every parameter's fp32 value and optimizer
+        state (`own_elements`), under the keys a run without ZeRO saves, and the buffers.
         Each rank checkpoints its own, placed in the whole tensor (`runtime/checkpoint.py`), so
         any stage, bucket size or dp size (or no ZeRO) resumes it."""
-        return training_state(self.module, self.own_elements(), self.steps())
+        return training_state(self.module, self.own_elements(), self.steps(), self.optim.choice.kind)
 
     def loaded(self, state: TrainingState) -> None:
         """`GradSync.loaded`: a checkpoint was read into `own_state()`'s views."""
@@ -393,20 +396,21 @@ class Zero(Accumulates):
         load_buffers(self.module, state)
 
     def own_elements(self) -> OwnElements:
-        """This rank's elements of every parameter's fp32 value and AdamW moments, by name, as
+        """This rank's elements of every parameter's fp32 value and optimizer state, by name, as
         views (no copy, no collective)."""
         self.wait_params()
-        return self.adamw.own_elements()
+        return self.optim.own_elements()
 
     def steps(self) -> dict[str, Tensor]:
-        """Every parameter's AdamW step count, by name (a plain AdamW's `state[p]["step"]`)."""
-        return self.adamw.steps()
+        """Every parameter's step count, by name (a plain AdamW's `state[p]["step"]`; none for
+        an optimizer that counts no steps)."""
+        return self.optim.steps()
 
     def reload(self, steps: Mapping[str, Tensor]) -> None:
         """A checkpoint was read into `own_elements()`'s views: take the step counts, refresh
         the shards the masters stand for, and drop stage 3's gathered copies of the parameters
         or gather stages 1/2's again."""
-        self.adamw.loaded(steps)
+        self.optim.loaded(steps)
         if self.options.stage == 3:
             for u in self.units:
                 u.free()

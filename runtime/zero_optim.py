@@ -1,9 +1,11 @@
-"""ZeRO's optimizer state: a real `torch.optim.AdamW` over this rank's fp32 shards of the flats,
-and this rank's elements of it by parameter name for checkpoints.
+"""ZeRO's optimizer state: the plan's optimizer (`optimizers.build`: a real torch.optim.AdamW or
+SGD, or `Lion`) over this rank's fp32 shards of the flats, and this rank's elements of it by
+parameter name for checkpoints. Only elementwise optimizers step a shard as they would the whole
+(`optimizers.ELEMENTWISE`): Adafactor is refused here, as the plan checker refuses it.
 
 The master copy is the shard itself when the shard is fp32 and on the optimizer's device;
 otherwise (bf16/fp16 parameters, or the state offloaded to the CPU) an fp32 copy that each
-step writes back into the shard. LR schedulers work on `ShardedAdamW.optimizer` unchanged.
+step writes back into the shard. LR schedulers work on `ShardedOptimizer.optimizer` unchanged.
 
 Checkpoints do not see flats: `own_elements()` gives, per parameter name, where this rank's
 elements lie in the parameter and views of its value and moments there, and `training_state`
@@ -22,16 +24,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .buckets import fusable
-from .grad_sync import AdamWSettings, Elements, Held, TrainingState
+from .grad_sync import Elements, Held, OptimizerSettings, TrainingState
+from .optimizers import ELEMENTWISE, build, initial_state
 from .zero_flats import Flat
 
-_OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
-OwnElements = dict[str, dict[str, Elements]]  # name -> "master", "exp_avg", "exp_avg_sq": 1-D views
+MASTER = "master"
+OwnElements = dict[str, dict[str, Elements]]  # name -> "master" and each state key: 1-D views
 
 
-class ShardedAdamW:
-    """AdamW over the fp32 masters of `flats` (this rank's shards); decayed and undecayed flats
-    (`decays` by id of a flat's first param: a flat holds only one class) in two param groups."""
+class ShardedOptimizer:
+    """The plan's optimizer over the fp32 masters of `flats` (this rank's shards); decayed and
+    undecayed flats (`decays` by id of a flat's first param: a flat holds only one class) in two
+    param groups."""
 
     def __init__(
         self,
@@ -41,45 +45,46 @@ class ShardedAdamW:
         *,
         device: torch.device,
         offload: bool,
-        config: AdamWSettings,
+        config: OptimizerSettings,
     ) -> None:
-        self.flats, self.group = flats, group
+        if config.optimizer.kind not in ELEMENTWISE:
+            raise ValueError(
+                f"ZeRO shards cut through parameters: {config.optimizer.kind} is not elementwise "
+                f"(the elementwise optimizers are {', '.join(sorted(ELEMENTWISE))})"
+            )
+        self.flats, self.group, self.choice = flats, group, config.optimizer
         self.opt_device = torch.device("cpu") if offload else device
         self.masters = [self._master_for(f) for f in flats]
         param_groups: list[dict[str, Any]] = [
-            {"params": [m for f, m in zip(flats, self.masters, strict=True) if decays[id(f.params[0])]]},
             {
                 "params": [
-                    m for f, m in zip(flats, self.masters, strict=True) if not decays[id(f.params[0])]
+                    m for f, m in zip(flats, self.masters, strict=True) if decays[id(f.params[0])] == decayed
                 ],
-                "weight_decay": 0.0,
-            },
+                "weight_decay": config.weight_decay if decayed else 0.0,
+            }
+            for decayed in (True, False)
         ]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = build(
+            self.choice,
             [g for g in param_groups if g["params"]],
             lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-            fused=fusable(self.masters),  # one kernel per flat, as `train.make_optimizer`
+            fused=fusable(self.masters),  # AdamW: one kernel per flat, as `grad_sync.make_optimizer`
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
-            self.optimizer.state[m] = {
-                "step": torch.tensor(0.0, device=m.device),  # the fused kernel's: on its device
-                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
-            }
+            self.optimizer.state[m] = initial_state(self.choice, m)
 
     def _master_for(self, f: Flat) -> Tensor:
-        """The fp32 tensor AdamW updates: the shard itself when it is fp32 and already in place."""
+        """The fp32 tensor the optimizer updates: the shard itself when it is fp32 and already in place."""
         if f.dtype == torch.float32 and f.shard.device == self.opt_device:
             return f.shard
         return f.shard.detach().to(self.opt_device, torch.float32, copy=True)
 
     def step(self) -> None:
-        """One AdamW step on each master from its flat's reduced gradient shard (zero if none),
-        written back into the shard when the master is a copy. A parameter that got no gradient
-        at all this step (`Flat.missing`) is left as it was, value and moments, as AdamW on one
-        device leaves a parameter whose `.grad` is None (no weight decay, no moment decay)."""
+        """One optimizer step on each master from its flat's reduced gradient shard (zero if
+        none), written back into the shard when the master is a copy. A parameter that got no
+        gradient at all this step (`Flat.missing`) is left as it was, value and state, as the
+        optimizer on one device leaves a parameter whose `.grad` is None (no weight decay, no
+        moment decay)."""
         for f, master in zip(self.flats, self.masters, strict=True):
             grad = f.own_grad()
             master.grad = (
@@ -98,7 +103,7 @@ class ShardedAdamW:
 
     def _untouched(self) -> list[tuple[Tensor, Tensor]]:
         """(view, copy of it) of this rank's elements of each parameter without a gradient, in
-        the master and both moments: what `step` puts back after AdamW."""
+        the master and its state: what `step` puts back after the optimizer's."""
         missing = frozenset[str]().union(*(f.missing for f in self.flats))
         if not missing:
             return []
@@ -110,22 +115,25 @@ class ShardedAdamW:
         ]
 
     def own_elements(self) -> OwnElements:
-        """This rank's elements of every parameter's fp32 value ("master") and moments, by
-        name, as views of the masters and the optimizer's state (`Zero.own_elements`)."""
+        """This rank's elements of every parameter's fp32 value ("master") and its state
+        (`OptimizerChoice.state_keys`), by name, as views of the masters and the optimizer's
+        state (`Zero.own_elements`)."""
         out = {}
         for f, master in zip(self.flats, self.masters, strict=True):
             state = self.optimizer.state[master]
+            tensors = {MASTER: master} | {key: state[key] for key in self.choice.state_keys}
             shapes = dict(zip(f.names, (p.shape for p in f.params), strict=True))
             for name, mine, theirs in f.own_slices():
-                tensors = (master, state["exp_avg"], state["exp_avg_sq"])
                 out[name] = {
-                    key: Elements(name, shapes[name], theirs.start, t[mine])
-                    for key, t in zip(_OPTIMIZER_KEYS, tensors, strict=True)
+                    key: Elements(name, shapes[name], theirs.start, t[mine]) for key, t in tensors.items()
                 }
         return out
 
     def steps(self) -> dict[str, Tensor]:
-        """Every parameter's AdamW step count: its flat's (one tensor per flat, shared)."""
+        """Every parameter's step count: its flat's (one tensor per flat, shared); none where
+        the optimizer counts no steps (SGD, Lion)."""
+        if not self.choice.counts_steps:
+            return {}
         return {
             name: self.optimizer.state[m]["step"]
             for f, m in zip(self.flats, self.masters, strict=True)
@@ -137,21 +145,25 @@ class ShardedAdamW:
         masters copied into the shards they stand for (the caller refreshes gathered copies)."""
         with torch.no_grad():
             for f, master in zip(self.flats, self.masters, strict=True):
-                step = torch.as_tensor(steps[f.names[0]]).to(master.device, torch.float32, copy=True)
-                self.optimizer.state[master]["step"] = step
+                if self.choice.counts_steps:
+                    step = torch.as_tensor(steps[f.names[0]]).to(master.device, torch.float32, copy=True)
+                    self.optimizer.state[master]["step"] = step
                 if master is not f.shard:
                     f.shard.copy_(master)
 
 
-def training_state(module: nn.Module, elements: OwnElements, steps: Mapping[str, Tensor]) -> TrainingState:
+def training_state(
+    module: nn.Module, elements: OwnElements, steps: Mapping[str, Tensor], kind: str
+) -> TrainingState:
     """The same keys as without ZeRO: each param by every name it has (tied ones too), its
-    moments and step by its first name, and `module`'s buffers; each param's value and moments
-    this rank's `elements` of them, views of the engine's fp32 masters and moments."""
+    state and step by its first name, and `module`'s buffers; each param's value and state
+    this rank's `elements` of them, views of the engine's fp32 masters and state; `kind` the
+    optimizer's."""
     values: dict[str, Held] = {}
     moments: dict[str, dict[str, Held]] = {}
     for name, held in elements.items():
-        values[name] = held["master"]
-        moments[name] = {key: held[key] for key in _OPTIMIZER_KEYS[1:]}
+        values[name] = held[MASTER]
+        moments[name] = {key: t for key, t in held.items() if key != MASTER}
     for name, step in steps.items():
         moments.setdefault(name, {})["step"] = step
     first = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
@@ -160,13 +172,16 @@ def training_state(module: nn.Module, elements: OwnElements, steps: Mapping[str,
         for n, p in module.named_parameters(remove_duplicate=False)
         if first[id(p)] in values
     }
-    return TrainingState(params | _buffers(module, module.state_dict()), moments)
+    return TrainingState(params | _buffers(module, module.state_dict()), moments, kind)
 
 
 def read_steps(state: TrainingState) -> dict[str, Tensor]:
-    """The step counts a checkpoint read into a `training_state`: a tensor per parameter."""
+    """The step counts a checkpoint read into a `training_state`: a tensor per parameter (none
+    where the optimizer counts no steps)."""
     steps = {}
     for name, moments in state.optim.items():
+        if "step" not in moments:
+            continue
         step = moments["step"]
         assert isinstance(step, Tensor), f"{name}: a step count is one tensor"
         steps[name] = step

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from meshplan.options import RunOptions
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.data import BatchFn
+    from meshplan.runtime.optimizers import OptimizerChoice
 
     from .sync import Engine
 
@@ -54,6 +55,7 @@ class Session:
     between_steps: Callable[[], None] | None = None  # --between-steps: the model's update of its buffers
     # lists of experts held stacked (`runtime.expert_list`): path -> the expert's parameter names
     expert_lists: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    optimizer: OptimizerChoice | None = None  # the plan's `train { optimizer = ... }` (None: AdamW)
 
 
 def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
@@ -70,6 +72,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.hollow import fill
     from meshplan.runtime.mesh import init_mesh
+    from meshplan.runtime.optimizers import OptimizerChoice
 
     options = with_folder(options)
     torch.manual_seed(options.seed)
@@ -128,6 +131,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
         if options.between_steps
         else None,
         stacked_lists(source.model),
+        OptimizerChoice(plan.train.optimizer.kind, dict(plan.train.optimizer.args)),
     )
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from meshplan.dsl.check import Plan
     from meshplan.dsl.settings import DataParallelSpec
     from meshplan.runtime.axes import Axes
+    from meshplan.runtime.compression import Compression
     from meshplan.runtime.data_parallel import DataParallel
     from meshplan.runtime.expert_data_parallel import ExpertDataParallel
     from meshplan.runtime.expert_zero import ExpertZero
@@ -74,6 +75,7 @@ def gradient_sync(
                 reduce_dtype=_reduce_dtype(plan),
                 axis=dp_spec.axis,
                 late=_late(rank_program, pipeline),
+                compression=compression(dp_spec),
             )
     axes = rank_axes(program, mesh, data=(dp_spec.axis,) if dp_spec is not None else ())
     if experts or program.grad_sums:
@@ -299,6 +301,15 @@ def _late(rank_program: fx.GraphModule, pipeline: PipelineRank | None) -> list[n
     if pipeline is None:
         return []
     return [rank_program.get_parameter(n) for n in pipeline.parts.shared_here]
+
+
+def compression(dp_spec: DataParallelSpec) -> Compression | None:
+    """The plan's `compress` as the plain data-parallel engine takes it (`dsl.check` and the
+    compiler refuse it wherever another engine would reduce the gradients)."""
+    from meshplan.runtime.compression import Compression
+
+    c = dp_spec.compress
+    return None if c is None else Compression(c.method, c.rank, c.warmup)
 
 
 def _reduce_dtype(plan: Plan) -> torch.dtype | None:

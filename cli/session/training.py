@@ -186,7 +186,9 @@ def _own_tensors(prepared: Session) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def train_config(prepared: Session):
-    """The `TrainConfig` of a run: its options, with the plan's accumulation and loss scale."""
+    """The `TrainConfig` of a run: its options, with the plan's accumulation, loss scale and
+    optimizer."""
+    from meshplan.runtime.optimizers import OptimizerChoice
     from meshplan.runtime.train import TrainConfig
 
     options = prepared.options
@@ -196,6 +198,7 @@ def train_config(prepared: Session):
         warmup_steps=options.warmup,
         min_lr_ratio=options.min_lr_ratio,
         weight_decay=options.weight_decay,
+        optimizer=prepared.optimizer or OptimizerChoice(),
         grad_clip=options.grad_clip,
         accumulation=prepared.accumulation,
         seed=options.seed,

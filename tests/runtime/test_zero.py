@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3}
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
-SETTINGS = TrainConfig(lr=ADAMW["lr"], betas=ADAMW["betas"], weight_decay=ADAMW["weight_decay"])  # eps 1e-8
+SETTINGS = TrainConfig(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"])  # eps 1e-8
 BATCH, SEQ, STEPS = 4, 16, 3
 FP32_RTOL = 1e-5
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -346,7 +346,7 @@ def bf16_worker(rank: int, world: int) -> dict:
     return {
         "param_rel": worst,
         "param_dtypes": {p.dtype for p in model.parameters()},
-        "master_dtype": zero.adamw.masters[0].dtype,
+        "master_dtype": zero.optim.masters[0].dtype,
     }
 
 

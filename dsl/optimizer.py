@@ -1,0 +1,132 @@
+"""`train { optimizer = ... }` checked: which optimizer, its hyperparameters, what it composes with.
+
+    train {
+        optimizer = sgd(momentum=0.9)
+    }
+
+The names and keys are `meshplan.grammar.OPTIMIZERS` (`runtime.optimizers` builds from the same
+table); a key not given takes its default there, and the learning rate, its schedule and the
+weight decay stay the run's options (`--lr`, `--weight-decay`). Without the setting a plan trains
+with AdamW, as before the choice existed.
+
+What is refused, at the setting, with the rule it cannot compose with:
+
+- Adafactor under ZeRO (`zero = 1` to 3). Its step reads a whole parameter three times: the row
+  and column means of grad^2 (its factored second moment), the parameter's RMS (the relative step
+  size) and the update's RMS (its clipping). A ZeRO shard is an arbitrary element range of a flat
+  that cuts through parameters, so each would be a per-parameter all-reduce of partial sums, in
+  two rounds (the update's RMS needs the moments first); not written yet.
+- Adafactor with a parameter split by a rule (`column`, `row`, `vocab`, `experts`): a rank's
+  slice would step with its slice's statistics, which is not the one-device Adafactor.
+
+AdamW, SGD and Lion are elementwise: a shard steps exactly as its elements would whole, so they
+compose with every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from meshplan.grammar import OPTIMIZERS
+
+from . import ast
+from .errors import Span, did_you_mean
+
+if TYPE_CHECKING:
+    from .check import PlanRule
+    from .settings import DataParallelSpec
+
+DEFAULT = "adamw"
+# each hyperparameter's allowed values: (test, how the hint says it)
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "beta1": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "beta2": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "momentum": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "eps": (lambda v: v > 0, "positive"),
+    "eps1": (lambda v: v > 0, "positive"),
+    "eps2": (lambda v: v > 0, "positive"),
+    "d": (lambda v: v > 0, "positive"),
+    "beta2_decay": (lambda v: -1 <= v <= 0, "from -1 to 0 (torch.optim.Adafactor's range)"),
+}
+Error = Callable[..., None]  # `SettingsChecker.error(span, message, hint=..., related=...)`
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The plan's optimizer: its name, every hyperparameter (defaults filled in) and the
+    setting's span (None: not set, AdamW)."""
+
+    kind: str = DEFAULT
+    args: Mapping[str, float] = field(default_factory=lambda: MappingProxyType(dict(OPTIMIZERS[DEFAULT])))
+    span: Span | None = None
+
+    @property
+    def text(self) -> str:
+        """As `explain` and `diff` name it: `sgd(momentum=0.9)`, every hyperparameter given."""
+        return f"{self.kind}({', '.join(f'{k}={v:g}' for k, v in self.args.items())})"
+
+
+def check_optimizer(setting: ast.Setting, error: Error) -> OptimizerSpec:
+    """`optimizer = NAME(KEY=NUMBER, ...)` checked: a known optimizer, its own keys, each once and
+    in range. What is wrong is reported at the name or key and AdamW stands in."""
+    value = setting.value
+    assert isinstance(value, ast.OptimizerChoice)  # the grammar's `optimizer` rule makes one
+    kind = value.name.text
+    if kind not in OPTIMIZERS:
+        guess = did_you_mean(kind, list(OPTIMIZERS))
+        known = ", ".join(f"`{k}`" for k in OPTIMIZERS)
+        error(
+            value.name.span,
+            f"unknown optimizer `{kind}`",
+            hint=f"did you mean `{guess}`?" if guess else f"the optimizers are {known}",
+        )
+        return OptimizerSpec()
+    allowed = OPTIMIZERS[kind]
+    args = dict(allowed)
+    seen: set[str] = set()
+    for arg in value.args:
+        key = arg.name.text
+        if key not in allowed:
+            guess = did_you_mean(key, list(allowed))
+            takes = ", ".join(f"`{a}`" for a in allowed)
+            error(
+                arg.name.span,
+                f"`{kind}` has no hyperparameter `{key}`",
+                hint=f"did you mean `{guess}`?" if guess else f"`{kind}` takes {takes}",
+            )
+        elif key in seen:
+            error(arg.span, f"`{key}` is given twice", hint="keep one")
+        elif not _RANGES[key][0](arg.value):
+            error(arg.span, f"`{key}` of {arg.text} is out of range", hint=f"`{key}` is {_RANGES[key][1]}")
+        else:
+            args[key] = arg.value
+        seen.add(key)
+    return OptimizerSpec(kind, MappingProxyType(args), setting.value_span)
+
+
+def optimizer_composes(
+    spec: OptimizerSpec, dp: DataParallelSpec | None, rules: tuple[PlanRule, ...], error: Error
+) -> None:
+    """Refuse, at the setting, what the optimizer cannot run with exactly (the module docstring)."""
+    if spec.kind != "adafactor" or spec.span is None:
+        return
+    if dp is not None and dp.zero:
+        error(
+            spec.span,
+            f"Adafactor cannot run under ZeRO-{dp.zero} yet: its factored second moment and its "
+            "relative step read whole parameters, and a ZeRO shard cuts through them",
+            hint="use `zero = 0` with Adafactor, or an elementwise optimizer (adamw, sgd, lion) with ZeRO",
+            related=[(dp.spans.get("zero", dp.span), f"`zero = {dp.zero}` here")],
+        )
+    split = next((r for r in rules if r.kind in ("tensor", "experts") and r.axis is not None), None)
+    if split is not None:
+        error(
+            spec.span,
+            "Adafactor cannot step a parameter split over ranks yet: its row and column statistics "
+            "and its step size are of the whole matrix, and each rank holds a slice",
+            hint="remove the rule splitting parameters, or use an elementwise optimizer (adamw, sgd, lion)",
+            related=[(split.span, "this rule splits parameters")],
+        )

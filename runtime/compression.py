@@ -1,0 +1,217 @@
+"""Compressed gradient all-reduce: what `DataParallel` sends for a bucket under `compress`.
+
+    data_parallel over dp { compress = powersgd(rank=4) }      # or: compress = bf16
+
+Both methods are lossy and keep each rank's error for the next step (error feedback), so what
+one step rounds away is sent later instead of lost: the sum over steps of what was applied
+tracks the sum of the true averages. Both keep the parameters replicated bit for bit: every
+rank ends the step with the same all-reduced result (verify holds them to a short run's
+convergence, not to float64 parity: `cli/verify.py`).
+
+`bf16` (half the bytes): each rank adds its residual to its gradients, sends them rounded to
+bf16, keeps `grad - bf16(grad)` as the next residual. The sum is the backend's, in bf16.
+
+`powersgd(rank=r, warmup=k)` (Vogels et al. 2019, as torch's `powerSGD_hook` does it, on
+meshplan's buckets): each matrix gradient M (rows x cols: the first dim by the rest) is sent as
+two thin factors, r (rows + cols) numbers instead of rows cols:
+
+    M += error                      # error feedback: what the last step's approximation missed
+    P = M Q                         # (rows, r); Q (cols, r) is last step's (warm start)
+    all-reduce P; orthonormalize P's columns (Gram-Schmidt: the same on every rank, it is one P)
+    Q = M^T P                       # (cols, r)
+    all-reduce Q; Q /= ranks
+    M_hat = P Q^T                   # the average of the Ms projected on P's columns; every rank's
+    error = M - M_hat               # this rank's, kept for the next step
+
+1-D tensors (biases, norms) and matrices too small to gain at least 2x (`buckets.low_rank_shape`)
+are all-reduced whole, exactly. Q starts as an orthonormalized Gaussian from a generator seeded
+by (seed, bucket, matrix): the same on every rank without a broadcast, and not the global RNG.
+The first `warmup` optimizer steps all-reduce the bucket uncompressed (torch's
+`start_powerSGD_iter`), so the approximation starts from trained-in gradients if asked.
+
+Per bucket, the whole tensors and P are launched during backward (when the bucket is ready),
+Q when `finish()` waits for the bucket: Q needs P reduced first. The bytes of each part are
+`buckets.compressed_wire`'s, which the compiler's ledger lists too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .buckets import low_rank_shape
+
+
+@dataclass(frozen=True)
+class Compression:
+    """The plan's `compress` setting as the engine takes it."""
+
+    method: str  # "powersgd" or "bf16"
+    rank: int = 4  # powersgd's approximation rank
+    warmup: int = 0  # powersgd: optimizer steps all-reduced uncompressed first
+    seed: int = 0  # powersgd: Q's initial values (the same on every rank)
+
+
+class Reduction:
+    """A compressed bucket's reduction in flight: the bytes it issued when launched (`launched`),
+    and `wait()`, which completes it (writing the average into the bucket's flat) and returns the
+    bytes of the all-reduces it issued on the way."""
+
+    def __init__(self, launched: list[int], finish: Callable[[], list[int]]) -> None:
+        self.launched = launched
+        self._finish = finish
+
+    def wait(self) -> list[int]:
+        return self._finish()
+
+
+class BucketCompressor(Protocol):
+    """One bucket's compression and the state it keeps across steps."""
+
+    def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
+        """Start reducing `flat` (the bucket's gradients, (numel,)); on `wait()` it holds the average."""
+        ...
+
+
+def compressor(compression: Compression, params: Sequence[Tensor], index: int) -> BucketCompressor:
+    """The compressor of bucket `index`, which holds `params` (in bucket order)."""
+    if compression.method == "bf16":
+        return Bf16Feedback()
+    if compression.method == "powersgd":
+        return PowerSGD(params, compression, index)
+    raise ValueError(f"unknown gradient compression {compression.method!r}: powersgd or bf16")
+
+
+class Bf16Feedback:
+    """The bucket sent in bf16; the rounding each rank dropped added back the next step."""
+
+    def __init__(self) -> None:
+        self.residual: Tensor | None = None  # (numel,) in the gradients' dtype
+
+    def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
+        if self.residual is not None:
+            flat.add_(self.residual)
+        sent = flat.to(torch.bfloat16)
+        self.residual = flat - sent.to(flat.dtype)
+        work = dist.all_reduce(sent, group=group, async_op=True)
+
+        def finish() -> list[int]:
+            work.wait()
+            flat.copy_(sent).div_(divisor)
+            return []
+
+        return Reduction([sent.numel() * sent.element_size()], finish)
+
+
+class PowerSGD:
+    """Rank-r PowerSGD over one bucket, with error feedback and warm start (the module docstring)."""
+
+    def __init__(self, params: Sequence[Tensor], compression: Compression, index: int) -> None:
+        self.rank = compression.rank
+        self.warmup = compression.warmup
+        self.steps = 0
+        self.whole: list[slice] = []  # the flat's slices sent exactly
+        self.matrices: list[tuple[slice, int, int]] = []  # (slice, rows, cols) sent as factors
+        offset = 0
+        for p in params:
+            part = slice(offset, offset + p.numel())
+            shape = low_rank_shape(p, self.rank)
+            if shape is None:
+                self.whole.append(part)
+            else:
+                self.matrices.append((part, *shape))
+            offset += p.numel()
+        dtype, device = params[0].dtype, params[0].device
+        self.errors = [torch.zeros(rows, cols, dtype=dtype, device=device) for _, rows, cols in self.matrices]
+        # Q of every matrix in one flat (one all-reduce), each warm-started from the last step's
+        self.q_flat = torch.empty(sum(cols for _, _, cols in self.matrices) * self.rank, dtype=dtype)
+        self.qs = _split(self.q_flat, [(cols, self.rank) for _, _, cols in self.matrices])
+        for i, q in enumerate(self.qs):
+            generator = torch.Generator().manual_seed(compression.seed * 1_000_003 + index * 10_007 + i)
+            q.copy_(torch.randn(q.shape, generator=generator, dtype=dtype))
+            _orthonormalize_(q)
+        self.q_flat = self.q_flat.to(device)
+        self.qs = _split(self.q_flat, [(cols, self.rank) for _, _, cols in self.matrices])
+
+    def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return _exact(flat, group, divisor)
+        launched = []
+        whole = torch.cat([flat[s] for s in self.whole]) if self.whole else None
+        whole_work = None
+        if whole is not None:
+            whole_work = dist.all_reduce(whole, group=group, async_op=True)
+            launched.append(whole.numel() * whole.element_size())
+        ms = [flat[s].view(rows, cols) for s, rows, cols in self.matrices]  # views: M in place
+        for m, error in zip(ms, self.errors, strict=True):
+            m.add_(error)
+        p_flat = torch.empty(
+            sum(rows for _, rows, _ in self.matrices) * self.rank, dtype=flat.dtype, device=flat.device
+        )
+        ps = _split(p_flat, [(rows, self.rank) for _, rows, _ in self.matrices])
+        for m, q, p in zip(ms, self.qs, ps, strict=True):
+            torch.mm(m, q, out=p)  # (rows, r)
+        p_work = None
+        if ms:
+            p_work = dist.all_reduce(p_flat, group=group, async_op=True)
+            launched.append(p_flat.numel() * p_flat.element_size())
+
+        def finish() -> list[int]:
+            if whole_work is not None and whole is not None:
+                whole_work.wait()
+                whole.div_(divisor)
+                offset = 0
+                for s in self.whole:
+                    flat[s].copy_(whole[offset : offset + s.stop - s.start])
+                    offset += s.stop - s.start
+            if p_work is None:
+                return []
+            p_work.wait()
+            for p in ps:
+                _orthonormalize_(p)
+            for m, p, q in zip(ms, ps, self.qs, strict=True):
+                torch.mm(m.t(), p, out=q)  # (cols, r)
+            dist.all_reduce(self.q_flat, group=group)
+            self.q_flat.div_(divisor)
+            for m, p, q, error in zip(ms, ps, self.qs, self.errors, strict=True):
+                approx = p @ q.t()  # (rows, cols): the same on every rank
+                torch.sub(m, approx, out=error)
+                m.copy_(approx)
+            return [self.q_flat.numel() * self.q_flat.element_size()]
+
+        return Reduction(launched, finish)
+
+
+def _exact(flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
+    """The bucket all-reduced uncompressed (PowerSGD's warm-up steps)."""
+    work = dist.all_reduce(flat, group=group, async_op=True)
+
+    def finish() -> list[int]:
+        work.wait()
+        flat.div_(divisor)
+        return []
+
+    return Reduction([flat.numel() * flat.element_size()], finish)
+
+
+def _split(flat: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:
+    """Views of consecutive pieces of `flat`, one per shape."""
+    pieces = flat.split([rows * cols for rows, cols in shapes])
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+
+
+def _orthonormalize_(matrix: Tensor, eps: float = 1e-8) -> None:
+    """Gram-Schmidt on `matrix`'s columns, in place: (n, r) with r <= n. `eps` keeps a zero
+    column (a gradient that was all zeros) zero instead of NaN."""
+    for i in range(matrix.shape[1]):
+        col = matrix[:, i]
+        col.div_(col.norm() + eps)
+        if i + 1 < matrix.shape[1]:
+            rest = matrix[:, i + 1 :]
+            rest.sub_(torch.outer(col, col @ rest))

@@ -1,0 +1,74 @@
+"""`compress` end to end: `explain` shows the compressed bytes, `verify` holds a compressed plan
+to the convergence of the same plan uncompressed (and says so), on plain data parallelism and
+on tensor x data parallelism (the same engine, over the dp groups of each tp shard)."""
+
+from pathlib import Path
+
+import pytest
+from gloo_pool import shared_processes
+
+from meshplan.compiler.compile import compile_plan
+from meshplan.compiler.load import load_model
+from meshplan.compiler.print_explain import explain
+from meshplan.dsl import check_text
+from meshplan.verify import render, verify
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = f"{ROOT}/examples/models/llama.py:build"
+DP = "mesh dp=2\n\ndata_parallel over dp {{\n    compress = {compress}\n}}\n"
+TP_DP = """mesh dp=2, tp=2
+
+modules {{
+    layers.*.self_attn.{{q,k,v}}_proj: column over tp
+    layers.*.self_attn.o_proj:       row over tp
+    layers.*.mlp.{{gate,up}}_proj:     column over tp
+    layers.*.mlp.down_proj:          row over tp
+}}
+
+data_parallel over dp {{
+    compress = {compress}
+}}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "compress.plan"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("template", "compress"),
+    [(DP, "bf16"), (TP_DP, "powersgd(rank=2)")],
+    ids=["dp-bf16", "tp-x-dp-powersgd"],
+)
+def test_verify_holds_compression_to_the_uncompressed_run(tmp_path, template, compress):
+    report = verify(write(tmp_path, template.format(compress=compress)), LLAMA, steps=3)
+    text = render(report)
+    assert report.ok, text
+    assert report.lossy == compress
+    assert "yardstick  convergence" in text and "not to float64 parity" in text
+    assert len(report.partitioned.losses) == 3
+    assert report.partitioned.losses != report.reference.losses  # the compression acted
+
+
+def test_explain_shows_the_compressed_bytes():
+    def dp_bytes(text: str) -> tuple[int, str]:
+        compiled = compile_plan(check_text(text, "c.plan"), load_model(LLAMA), world_size=2)
+        rows = [r for r in compiled.ledger.rows if r.kind == "dp_bucket"]
+        return sum(r.bytes * r.count for r in rows), explain(compiled)
+
+    exact, _ = dp_bytes("mesh dp=2\n\ndata_parallel over dp {\n}\n")
+    half, bf16 = dp_bytes(DP.format(compress="bf16"))
+    low, powersgd = dp_bytes(DP.format(compress="powersgd(rank=1, warmup=5)"))
+    assert half * 2 == exact
+    assert low < exact / 10
+    assert f"{half / 1e6:.3f} MB per step instead of {exact / 1e6:.3f} MB" in bf16
+    assert "gradients compressed (powersgd(rank=1, warmup=5), line 4)" in powersgd
+    assert "the first 5 steps uncompressed" in powersgd

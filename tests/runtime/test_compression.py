@@ -1,0 +1,123 @@
+"""Compressed gradient all-reduce (`compress = powersgd(...)`, `bf16`) on 2 gloo processes.
+
+One spawn trains the small Llama with `DataParallel` over 2 ranks four ways on the same
+batches: exactly (the yardstick), with PowerSGD at rank 2 (and again with one warm-up step),
+and with bf16 plus error feedback. Compression is lossy, so the runs are held to the exact one
+by their losses (the convergence yardstick of `cli/verify_lossy.py`), and to each other's ranks
+bit for bit: every rank applies the same all-reduced approximation. The bytes each engine
+issued in its last step are the ledger's (`buckets.compressed_wire`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_pool import spawn
+
+from meshplan.examples import CORPUS
+from meshplan.examples.models.llama import build
+from meshplan.runtime.axes import Axes
+from meshplan.runtime.buckets import compressed_wire, low_rank_shape
+from meshplan.runtime.compression import Compression
+from meshplan.runtime.data import TextBatches, read_bytes
+from meshplan.runtime.data_parallel import DataParallel
+from meshplan.runtime.train import TrainConfig, train
+from meshplan.verify_lossy import LOSS_MARGIN
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+SEQ = 32
+BUCKET_BYTES = 100_000  # the 2-layer model has ~140k params (560 KB): several buckets
+CASES = {
+    "exact": None,
+    "powersgd": Compression("powersgd", rank=2),
+    "warmup": Compression("powersgd", rank=2, warmup=1),
+    "bf16": Compression("bf16"),
+}
+
+
+def run(rank: int, tokens: torch.Tensor, tmp: str, name: str) -> dict:
+    model = build(num_hidden_layers=2)
+    dp = DataParallel(model, dist.group.WORLD, bucket_bytes=BUCKET_BYTES, compression=CASES[name])
+    batches = TextBatches(tokens, batch=4, seq=SEQ, seed=0, dp_rank=rank, dp_size=2)
+    cfg = TrainConfig(steps=STEPS, lr=3e-3, warmup_steps=1, run_dir=Path(tmp) / name, seed=0)
+    summary = train(
+        model,
+        lambda x, y: dp(x, y),
+        batches,
+        cfg,
+        axes=Axes(groups={"dp": dist.group.WORLD}, data=("dp",)),
+        sync=dp,
+    )
+    last = [launch.nbytes for launch in dp.launches][-len(dp.ledger()) :]
+    return {
+        "losses": summary.losses,
+        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+        "issued": last,
+        "ledger": [nbytes for nbytes, _ in dp.ledger()],
+        "first_step": [launch.nbytes for launch in dp.launches[: len(dp.buckets)]],
+        "bucket_bytes": [b.nbytes for b in dp.buckets],
+    }
+
+
+def worker(rank: int, world_size: int, tmp: str) -> dict:
+    tokens = read_bytes(CORPUS)
+    return {name: run(rank, tokens, tmp, name) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn(worker, 2, (str(tmp_path_factory.mktemp("compress")),))
+
+
+@pytest.mark.parametrize("name", ["powersgd", "warmup", "bf16"])
+def test_converges_as_the_exact_all_reduce_does(results: list[dict], name: str) -> None:
+    exact, lossy = results[0]["exact"]["losses"], results[0][name]["losses"]
+    for loss, ref in zip(lossy, exact, strict=True):
+        assert abs(loss - ref) / ref < LOSS_MARGIN, (name, lossy, exact)
+    assert lossy[-1] < lossy[0]  # it trains
+
+
+@pytest.mark.parametrize("name", ["powersgd", "bf16"])
+def test_lossy_means_not_exact(results: list[dict], name: str) -> None:
+    """The compression did act: the weights left the exact run's (bitwise equal would mean the
+    compressor was never called)."""
+    exact, lossy = results[0]["exact"]["params"], results[0][name]["params"]
+    assert any((exact[n] != lossy[n]).any() for n in exact)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replicas_stay_bitwise_identical(results: list[dict], name: str) -> None:
+    a, b = results[0][name]["params"], results[1][name]["params"]
+    assert all((a[n] == b[n]).all() for n in a), name
+
+
+@pytest.mark.parametrize("name", ["powersgd", "warmup", "bf16"])
+def test_the_engine_sends_the_ledgers_bytes(results: list[dict], name: str) -> None:
+    run = results[0][name]
+    # as multisets: Q's all-reduces are issued after every bucket's P, the ledger lists a bucket's together
+    assert sorted(run["issued"]) == sorted(run["ledger"])
+    exact = sum(run["bucket_bytes"])
+    assert sum(run["ledger"]) <= exact / 2  # bf16: half; PowerSGD rank 2: far less
+
+
+def test_warm_up_steps_send_the_whole_buckets(results: list[dict]) -> None:
+    assert results[0]["warmup"]["first_step"] == results[0]["warmup"]["bucket_bytes"]
+
+
+def test_the_wire_of_a_bucket() -> None:
+    """PowerSGD sends a matrix as (rows + cols) x rank numbers when that is at least 2x fewer,
+    1-D tensors and small matrices whole; bf16 sends every element in two bytes."""
+    params = [torch.empty(64, 32), torch.empty(64), torch.empty(4, 4)]
+    assert low_rank_shape(params[0], 2) == (64, 32)
+    assert low_rank_shape(params[2], 2) is None
+    assert compressed_wire(params, "powersgd", 2) == [
+        ("whole", (64 + 16) * 4),
+        ("P", 64 * 2 * 4),
+        ("Q", 32 * 2 * 4),
+    ]
+    assert compressed_wire(params, "bf16") == [("bf16", (64 * 32 + 64 + 16) * 2)]

@@ -1,0 +1,290 @@
+"""The documentation is tested: every plan it shows passes `meshplan check`, every command it
+shows parses with meshplan's own argument parsers and runs, so a renamed flag, a stale plan or
+a changed command fails here, not a reader.
+
+What is read: README.md and every Markdown file under docs/, their fenced blocks. A `bash`
+block's lines are commands (a `# comment` after one is the reader's, `&&` chains several); a
+block holding a plan (tagged `plan`, or an untagged one whose first statement is `mesh`) is a
+plan, and one that names its example file in its first comment (`# examples/llama_3d.plan:`)
+must be that file's plan.
+
+How commands run: each document's commands in order, in one folder of their own (the
+repository's `examples/` linked into it), so a command may use what an earlier one made
+(`compile -o build/x`, then `inspect build/x`; a run, then its `--resume`). A training run is
+shortened (and started over where it does not `--resume`: the runs a page shows are
+alternatives, most in their plan's default `--out`), its step counts (`--steps`, `--save-every`, `--log-every`, default 200 steps)
+divided by `STEP_SCALE`, so that a resumed run still finds the checkpoint the first one saved.
+A block is skipped only where the HTML comment right above it says why:
+`<!-- docs-test: skip, needs several nodes -->`, `<!-- docs-test: skip, needs a GPU -->` or
+`<!-- docs-test: skip, a benchmark (minutes) -->` (`bench/` runs those, not the tests); a
+block whose commands end with another exit status says which (`<!-- docs-test: exits 1 -->`:
+`meshplan diff` of two plans that differ); a
+command naming files the reader brings (`my.plan`, `hf.py`) that no earlier command made is
+skipped with that reason; the install commands (`pip`, `pytest`) are what CI runs itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from meshplan.dsl import PlanError, check_text
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+STEP_SCALE = 25
+DEFAULT_STEPS = 200  # `meshplan run`'s
+SKIP = re.compile(
+    r"<!--\s*docs-test:\s*skip,\s*((?:needs several nodes|needs a GPU|a benchmark)[^>]*?)\s*-->"
+)
+EXITS = re.compile(r"<!--\s*docs-test:\s*exits (\d+)")
+INSTALL = ("pip", "pytest")
+# arguments that name what a command writes: never required to exist before it
+OUTPUT_FLAGS = ("-o", "--out", "--export", ">")
+
+
+@dataclass(frozen=True)
+class Block:
+    document: Path
+    line: int  # of the opening fence
+    info: str  # the fence's tag: bash, python, plan, or ""
+    text: str
+    skip: str | None  # the reason the comment above it gives
+    exits: int = 0  # the exit status its commands end with (`<!-- docs-test: exits 1 -->`)
+
+    @property
+    def where(self) -> str:
+        return f"{self.document.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(document: Path) -> list[Block]:
+    found, lines = [], document.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^(```+)\s*(\S*)", lines[i])
+        if fence is None:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(fence.group(1)))
+        above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        skip, exits = SKIP.search(above), EXITS.search(above)
+        text = "\n".join(lines[i + 1 : end])
+        found.append(
+            Block(
+                document,
+                i + 1,
+                fence.group(2),
+                text,
+                skip and skip.group(1),
+                int(exits.group(1)) if exits else 0,
+            )
+        )
+        i = end + 1
+    return found
+
+
+ALL_BLOCKS = [b for d in DOCUMENTS for b in blocks(d)]
+
+
+def is_plan(block: Block) -> bool:
+    if block.info == "plan":
+        return True
+    statements = [line for line in block.text.splitlines() if line.strip() and not line.startswith("#")]
+    return block.info == "" and bool(statements) and statements[0].startswith("mesh ")
+
+
+@dataclass(frozen=True)
+class Command:
+    block: Block
+    argv: tuple[str, ...]
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.block.document.relative_to(ROOT)}:{self.line}"
+
+
+def commands(block: Block) -> list[Command]:
+    """A bash block's commands: each line (with `\\` continuations), its comment dropped, `&&`
+    chains split."""
+    found, pending, start = [], "", 0
+    for offset, line in enumerate(block.text.splitlines(), start=block.line + 1):
+        if not pending:
+            start = offset
+        pending += line.rstrip("\\") + " "
+        if line.endswith("\\"):
+            continue
+        words = shlex.split(pending, comments=True)
+        pending = ""
+        while words:
+            cut = words.index("&&") if "&&" in words else len(words)
+            found.append(Command(block, tuple(words[:cut]), start))
+            words = words[cut + 1 :]
+    return found
+
+
+ALL_COMMANDS = [c for b in ALL_BLOCKS if b.info == "bash" for c in commands(b)]
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if is_plan(b)], ids=lambda b: b.where)
+def test_every_plan_shown_checks(block: Block) -> None:
+    plan = check_text(block.text, path=block.where)  # raises PlanError with the located message
+    assert plan.mesh.axes
+    named = re.match(r"#\s*(examples/\S+\.plan)", block.text)
+    if named:
+        assert statements(block.text) == statements((ROOT / named.group(1)).read_text()), (
+            f"{block.where} is not {named.group(1)}"
+        )
+
+
+def statements(plan: str) -> list[str]:
+    """A plan's lines without comments and blank lines: what it says, not how it explains it."""
+    return [kept for line in plan.splitlines() if (kept := line.partition("#")[0].rstrip())]
+
+
+# ---------------------------------------------------------------------------- commands, parsed
+
+
+def meshplan_argv(command: Command) -> list[str] | None:
+    """The arguments after `meshplan` (`torchrun ... -m meshplan.run` is `run`), or None."""
+    argv = list(command.argv)
+    if argv[:1] == ["meshplan"]:
+        return argv[1:]
+    if argv[:1] == ["torchrun"] and "meshplan.run" in argv:
+        return ["run", *argv[argv.index("meshplan.run") + 1 :]]
+    return None
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in ALL_COMMANDS if meshplan_argv(c) is not None], ids=lambda c: c.where
+)
+def test_every_command_shown_parses(command: Command) -> None:
+    """meshplan's own parsers take the command as shown: no renamed command or flag."""
+    argv = _before_redirect(meshplan_argv(command) or [])
+    assert parses(argv), f"{command.where}: `meshplan {shlex.join(argv)}` does not parse"
+
+
+def parses(argv: list[str]) -> bool:
+    from meshplan.main import build_parser
+    from meshplan.options import parse
+
+    try:
+        if argv[0] == "run":
+            parse(argv[1:])
+        else:
+            build_parser().parse_args(argv)
+    except SystemExit:
+        return False
+    return True
+
+
+def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(capsys) -> None:
+    """The tests above can fail: a flag the parsers do not know, a plan the checker refuses."""
+    page = Block(ROOT / "README.md", 1, "bash", "meshplan run examples/tiny_dp.plan --stepz 3  # typo", None)
+    (typo,) = commands(page)
+    assert typo.argv == ("meshplan", "run", "examples/tiny_dp.plan", "--stepz", "3")
+    assert not parses(list(typo.argv[1:])) and parses(["check", "examples/tiny_dp.plan"])
+    with pytest.raises(PlanError):
+        check_text("mesh tp=2\nmodules {\n    q_proj: colum over tp\n}\n")
+    assert statements("mesh tp=2  # two\n\n# a comment\n") == ["mesh tp=2"]
+    capsys.readouterr()  # argparse's own message
+
+
+def _before_redirect(argv: list[str]) -> list[str]:
+    return argv[: argv.index(">")] if ">" in argv else argv
+
+
+# ---------------------------------------------------------------------------- commands, run
+
+
+def shortened(argv: list[str]) -> list[str]:
+    """A `meshplan run` at `STEP_SCALE` times fewer steps (see the module docstring)."""
+    argv = list(argv)
+    for flag in ("--steps", "--save-every", "--log-every"):
+        if flag in argv:
+            i = argv.index(flag) + 1
+            argv[i] = str(max(1, math.ceil(int(argv[i]) / STEP_SCALE)))
+    if "--steps" not in argv:
+        argv += ["--steps", str(DEFAULT_STEPS // STEP_SCALE)]
+    # the commands of a page are alternatives, each starting its own run in the default --out,
+    # except the one that continues a run
+    return argv if "--resume" in argv else [*argv, "--overwrite"]
+
+
+def readers_files(argv: list[str], cwd: Path) -> list[str]:
+    """The files a command reads that are not there: the reader's own."""
+    missing = []
+    for before, word in zip(["", *argv], argv, strict=False):
+        if before in OUTPUT_FLAGS or word.startswith("-"):
+            continue
+        path = word.partition(":")[0]
+        if re.search(r"\.(plan|py|pt|safetensors)$|/$", path) and not (cwd / path).exists():
+            missing.append(path)
+    return missing
+
+
+def runnable(document: Path) -> list[Command]:
+    return [c for c in ALL_COMMANDS if c.block.document == document]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_command_shown_runs(document: Path, tmp_path: Path, monkeypatch, capfd) -> None:
+    """Each command of the document, in order, ends as the document says (see the module
+    docstring). `meshplan` runs in this process, as its console script would (`main`), the rest
+    as processes; measured hardware goes to a folder of the test's own."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("MESHPLAN_CONFIG", str(tmp_path / "config"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `python -m bench...` from here
+    skipped, timings, ran = [], [], set()
+    for command in runnable(document):
+        argv = list(command.argv)
+        if command.block.skip:
+            skipped.append(f"{command.where}: {command.block.skip}")
+            continue
+        if argv[0] in INSTALL or tuple(argv) in ran:
+            continue  # the install and the tests (CI runs them as the README says), or shown twice
+        ran.add(tuple(argv))
+        missing = readers_files(argv, tmp_path)
+        if missing:
+            skipped.append(f"{command.where}: uses the reader's own {', '.join(missing)}")
+            continue
+        mp = meshplan_argv(command)
+        if mp is not None and mp[0] == "run":
+            argv = [*argv[: len(argv) - len(mp) + 1], *shortened(mp[1:])]
+        out = None
+        if ">" in argv:
+            out, argv = tmp_path / argv[argv.index(">") + 1], argv[: argv.index(">")]
+        started = time.monotonic()
+        status, stdout, stderr = execute(argv, capfd)
+        assert status == command.block.exits, f"{command.where}: {shlex.join(argv)}\n{stdout}\n{stderr}"
+        timings.append(f"{time.monotonic() - started:5.1f} s  {command.where}")
+        if out is not None:
+            out.write_text(stdout)
+    print("\n".join([*skipped, *timings]))
+
+
+def execute(argv: list[str], capfd) -> tuple[int, str, str]:
+    """Run one command: its exit status, stdout and stderr."""
+    from meshplan.main import main
+
+    capfd.readouterr()
+    if argv[0] == "meshplan":
+        status = main(argv[1:])
+        return (status, *capfd.readouterr())
+    program = [sys.executable] if argv[0] == "python" else [argv[0]]
+    done = subprocess.run([*program, *argv[1:]], capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout, done.stderr

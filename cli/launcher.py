@@ -236,6 +236,10 @@ def _check_before_launch(options: RunOptions) -> tuple[RunOptions, Plan]:
             "--init and --resume: a resumed run continues from its own checkpoint (hint: drop --init)"
         )
     _check_run_folder(options)
+    if options.tensorboard:
+        from meshplan.tensorboard import check_available
+
+        check_available()
     _conf_pairs(options.rdzv_conf)
     if options.rdzv_endpoint is not None:
         _check_endpoint(options.rdzv_endpoint)
@@ -332,21 +336,38 @@ def _compile_once(options: RunOptions, world_size: int, source: ModelSource) -> 
         raise RunError(f"{options.plan} does not fit the model (see above)") from None
     except CompileError as e:
         raise RunError(str(e)) from None
-    return save_program(to_executable(compiled), run_dir(options))
+    from meshplan.compiler.print_ledger import ledger_table
+    from meshplan.tensorboard import LEDGER
+
+    program = save_program(to_executable(compiled), run_dir(options))
+    _replace(program.parent / LEDGER, ledger_table(compiled).encode())  # for `--tensorboard`, and a reader
+    return program
 
 
 def save_program(executable: Executable, folder: Path) -> Path:
     """`folder/program.pt`, written under a name of this launcher's own and renamed into place:
     the launchers of a multi-node run write the same program into the shared folder at once."""
-    import secrets
-
     from meshplan.compiler.executable import PROGRAM, save_executable
 
     folder.mkdir(parents=True, exist_ok=True)
-    own = folder / f".{PROGRAM}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    own = _own_name(folder / PROGRAM)
     save_executable(executable, own)
     own.replace(folder / PROGRAM)
     return folder / PROGRAM
+
+
+def _own_name(path: Path) -> Path:
+    """A temporary name beside `path` that no other launcher (of this node or another) uses."""
+    import secrets
+
+    return path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`path` written whole under a name of this launcher's own, then renamed into place."""
+    own = _own_name(path)
+    own.write_bytes(data)
+    own.replace(path)
 
 
 # what a run leaves in its folder: `--overwrite` removes these, and only these

@@ -101,6 +101,11 @@ class RunOptions:
     out: str | None = flag(
         "run folder for metrics and checkpoints (default: runs/<plan name>)", metavar="DIR"
     )
+    tensorboard: str | None = flag(
+        "also write the metrics as TensorBoard scalars into DIR (rank 0's curves, every rank's "
+        "memory and pipeline idle, the plan and the ledger as text; needs the `tensorboard` extra)",
+        metavar="DIR",
+    )
     log_every: int = flag(
         "print every N steps when not on a terminal", default=10, type=positive_int, metavar="N"
     )

@@ -56,6 +56,7 @@ class Session:
     # lists of experts held stacked (`runtime.expert_list`): path -> the expert's parameter names
     expert_lists: dict[str, tuple[str, ...]] = field(default_factory=dict)
     optimizer: OptimizerChoice | None = None  # the plan's `train { optimizer = ... }` (None: AdamW)
+    plan_text: str = ""  # the plan as written (`--tensorboard` shows it)
 
 
 def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
@@ -132,6 +133,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
         else None,
         stacked_lists(source.model),
         OptimizerChoice(plan.train.optimizer.kind, dict(plan.train.optimizer.args)),
+        plan.source,
     )
 
 

@@ -221,11 +221,21 @@ def train_session(prepared: Session, *, show_progress: bool | None = None):
     import torch.distributed as dist
 
     from meshplan.display import Progress
-    from meshplan.runtime.train import train
+    from meshplan.runtime.train import Display, train
 
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if show_progress is None:
-        show_progress = (dist.get_rank() if dist.is_initialized() else 0) == 0
-    display = Progress() if show_progress else None
+        show_progress = rank == 0
+    progress = Progress() if show_progress else None
+    display: Display | None = progress
+    if prepared.options.tensorboard:
+        from meshplan.tensorboard import Displays, TensorBoard
+
+        program = Path(prepared.options.program) if prepared.options.program else None
+        board = TensorBoard(
+            Path(prepared.options.tensorboard), rank, plan_text=prepared.plan_text, program=program
+        )
+        display = board if progress is None else Displays(progress, board)
     summary = train(
         prepared.program,
         prepared.loss_of,
@@ -239,6 +249,6 @@ def train_session(prepared: Session, *, show_progress: bool | None = None):
         after_backward=prepared.after_backward,
         between_steps=prepared.between_steps,
     )
-    if display is not None:  # not when the loop raised: a failed run is not summarized as if it ended
-        display.report(summary)
+    if progress is not None:  # not when the loop raised: a failed run is not summarized as if it ended
+        progress.report(summary)
     return summary

@@ -56,15 +56,22 @@ def test_user_mistakes_are_one_line_errors(argv: list[str], message: str, capsys
 @pytest.mark.slow
 def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path, capfd, monkeypatch) -> None:
     monkeypatch.setenv("NO_COLOR", "1")
+    board = tmp_path / "tensorboard"
     done = meshplan_command(
-        capfd, "run", TINY_DP, "--steps", "30", "--out", str(tmp_path), "--log-every", "10"
-    )
+        capfd, "run", TINY_DP, "--steps", "30", "--out", str(tmp_path), "--log-every", "10",
+        "--tensorboard", str(board),
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step    30/30" in done.stdout and "summary" in done.stdout
+    scalars = tensorboard_scalars(board)
     for rank in (0, 1):
         records = [
             json.loads(line) for line in (tmp_path / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
         ]
+        # TensorBoard shows what the JSONL holds: rank 0's curves, every rank's memory
+        if rank == 0:
+            assert scalars[".", "train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
+        assert scalars[f"rank{rank}", "memory/peak"] == [(r["step"], r["peak_memory"]) for r in records]
         assert [r["step"] for r in records] == list(range(1, 31))
         assert set(records[0]) >= {
             "loss",
@@ -77,6 +84,32 @@ def test_meshplan_run_trains_the_tiny_llama_through_torchrun(tmp_path: Path, cap
         }
         first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
         assert first > 5.0 and last < first - 1.0, (first, last)
+
+
+def tensorboard_scalars(folder: Path) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(run, tag) -> [(step, value)] of every scalar TensorBoard reads in `folder`; the plan and
+    ledger texts checked on the way."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    runs = EventMultiplexer().AddRunsFromDirectory(str(folder))
+    runs.Reload()
+    texts = runs.Runs()["."]["tensors"]
+    assert {"plan/text_summary", "ledger/text_summary"} <= set(texts)
+    plan = runs.Tensors(".", "plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "mesh dp=2" in plan
+    return {
+        (run, tag): [(e.step, e.value) for e in runs.Scalars(run, tag)]
+        for run, tags in runs.Runs().items()
+        for tag in tags["scalars"]
+    }
+
+
+def test_tensorboard_without_its_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` raises ImportError
+    assert main(["run", TINY_DP, "--out", str(tmp_path), "--tensorboard", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshplan: error: --tensorboard needs the `tensorboard` package (hint: pip install")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "tb").exists()
 
 
 def test_injected_faults_kill_or_hang_one_rank_on_the_first_attempt_only(monkeypatch) -> None:

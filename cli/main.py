@@ -315,7 +315,7 @@ def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, e
     p = sub.add_parser(
         name,
         help=help,
-        description=help,
+        description=textwrap.fill(help, 88),
         epilog="example:\n" + textwrap.indent(textwrap.dedent(example).strip(), "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
              meshplan inspect build/llama_tp --rank 0
              meshplan inspect build/llama_tp --rank 0 --format dot > rank0.dot
              meshplan inspect build/llama_tp --rank 0 --format html > rank0.html
-             meshplan inspect build/llama_pipeline --schedule [--format svg > schedule.svg]
+             meshplan inspect build/llama_pipeline --schedule                # the timeline, as text
+             meshplan inspect build/llama_pipeline --schedule --format svg > schedule.svg
              """,
     )
     p.add_argument("folder", metavar="DIR", help="a folder written by `meshplan compile`")
@@ -563,10 +564,21 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "run",
         cmd_run,
-        "train a model under a plan on torchrun, every axis the plan names, with checkpoints",
+        "train a model under a plan: the plan compiled once, one torchrun worker per rank of its "
+        "mesh (gloo on CPU, NCCL on GPUs), every axis it names (data parallel and ZeRO 0-3, "
+        "tensor and sequence parallel, pipelines, experts, context parallel, checkpointing, "
+        "precision, module placement), with checkpoints, resume and one message when it fails",
         """
-             meshplan run examples/tiny_dp.plan
+             meshplan run examples/tiny_dp.plan                           # data parallel, the built-in tiny Llama
+             meshplan run examples/llama_tp.plan                          # tensor + sequence parallel
+             meshplan run examples/llama_pipeline.plan --batch 2          # pipeline x tensor parallel
+             meshplan run examples/llama_3d.plan --nproc-per-node 8       # data x pipeline x tensor, ZeRO-1, bf16
+             meshplan run examples/gpt_zero3.plan --model examples/models/gpt.py:build --nproc-per-node 2
+             meshplan run examples/moe_ep.plan --model examples/models/moe.py:build --nproc-per-node 4
+             meshplan run examples/long_context.plan --seq 128             # context (ring) x pipeline x tensor
+             meshplan run examples/llama_host_head.plan                   # embedding and head on the host
              meshplan run examples/tiny_dp.plan --steps 500 --save-every 100 --out runs/demo --resume
+             meshplan run plan.plan --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 --rdzv-timeout 300
              """,
     )
     add_arguments(p)

@@ -25,6 +25,7 @@ skipped with that reason; the install commands (`pip`, `pytest`) are what CI run
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import shlex
@@ -187,6 +188,31 @@ def parses(argv: list[str]) -> bool:
     except SystemExit:
         return False
     return True
+
+
+def help_examples() -> list[tuple[str, list[str]]]:
+    """Every command's `--help` examples: (command, the example's words after `meshplan`)."""
+    from meshplan.main import build_parser
+
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for name, parser in sub.choices.items():
+        for line in (parser.epilog or "").splitlines()[1:]:  # under "example:"
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["meshplan"]:
+                found.append((name, words[1:]))
+    return found
+
+
+def test_every_help_example_parses_and_names_files_that_exist() -> None:
+    """`meshplan COMMAND --help` shows examples: each one parses, and the examples it names are there."""
+    examples = help_examples()
+    assert {name for name, _ in examples} >= {"check", "explain", "compile", "run", "verify", "suggest"}
+    for name, argv in examples:
+        assert parses(_before_redirect(argv)), f"`meshplan {name} --help`: {shlex.join(argv)}"
+        for word in argv:
+            path = word.partition(":")[0]
+            assert not path.startswith("examples/") or "*" in path or (ROOT / path).exists(), word
 
 
 def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(capsys) -> None:

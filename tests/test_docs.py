@@ -20,7 +20,10 @@ A block is skipped only where the HTML comment right above it says why:
 block whose commands end with another exit status says which (`<!-- docs-test: exits 1 -->`:
 `meshplan diff` of two plans that differ); a
 command naming files the reader brings (`my.plan`, `hf.py`) that no earlier command made is
-skipped with that reason; the install commands (`pip`, `pytest`) are what CI runs itself.
+skipped with that reason; the install commands (`pip`, `pytest`) are what CI runs itself. A
+block with a title (```` ```python title="hf.py" ````, Material for MkDocs' spelling) is a file
+the reader saves: it is written into the folder where the reader meets it, so the commands after
+it can use it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Block:
     text: str
     skip: str | None  # the reason the comment above it gives
     exits: int = 0  # the exit status its commands end with (`<!-- docs-test: exits 1 -->`)
+    title: str | None = None  # ```python title="hf.py"```: the file the reader saves it as
 
     @property
     def where(self) -> str:
@@ -70,7 +74,7 @@ def blocks(document: Path) -> list[Block]:
     found, lines = [], document.read_text().splitlines()
     i = 0
     while i < len(lines):
-        fence = re.match(r"^(```+)\s*(\S*)", lines[i])
+        fence = re.match(r"^(```+)\s*(\S*)(?:.*?\btitle=\"([^\"]+)\")?", lines[i])
         if fence is None:
             i += 1
             continue
@@ -86,6 +90,7 @@ def blocks(document: Path) -> list[Block]:
                 text,
                 skip and skip.group(1),
                 int(exits.group(1)) if exits else 0,
+                fence.group(3),
             )
         )
         i = end + 1
@@ -215,7 +220,7 @@ def test_every_help_example_parses_and_names_files_that_exist() -> None:
             assert not path.startswith("examples/") or "*" in path or (ROOT / path).exists(), word
 
 
-def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(capsys) -> None:
+def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(tmp_path: Path, capsys) -> None:
     """The tests above can fail: a flag the parsers do not know, a plan the checker refuses."""
     page = Block(ROOT / "README.md", 1, "bash", "meshplan run examples/tiny_dp.plan --stepz 3  # typo", None)
     (typo,) = commands(page)
@@ -224,6 +229,12 @@ def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(capsys) -> None:
     with pytest.raises(PlanError):
         check_text("mesh tp=2\nmodules {\n    q_proj: colum over tp\n}\n")
     assert statements("mesh tp=2  # two\n\n# a comment\n") == ["mesh tp=2"]
+    page = tmp_path / "page.md"
+    page.write_text(
+        'Save it:\n\n```python title="hf.py"\nx = 1\n```\n\n```bash\nmeshplan check my.plan\n```\n'
+    )
+    saved, shown = blocks(page)
+    assert (saved.title, saved.text, shown.title) == ("hf.py", "x = 1", None)
     capsys.readouterr()  # argparse's own message
 
 
@@ -260,8 +271,13 @@ def readers_files(argv: list[str], cwd: Path) -> list[str]:
     return missing
 
 
-def runnable(document: Path) -> list[Command]:
-    return [c for c in ALL_COMMANDS if c.block.document == document]
+def runnable(document: Path) -> list[Command | Block]:
+    """The document's commands, and the files it has the reader save (a block with a `title`),
+    in the order a reader meets them."""
+    steps: list[Command | Block] = []
+    for block in (b for b in ALL_BLOCKS if b.document == document):
+        steps += commands(block) if block.info == "bash" else [block] if block.title else []
+    return steps
 
 
 @pytest.mark.slow
@@ -277,6 +293,10 @@ def test_every_command_shown_runs(document: Path, tmp_path: Path, monkeypatch, c
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `python -m bench...` from here
     skipped, timings, ran = [], [], set()
     for command in runnable(document):
+        if isinstance(command, Block):  # a file the reader saves
+            (tmp_path / str(command.title)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / str(command.title)).write_text(command.text + "\n")
+            continue
         argv = list(command.argv)
         if command.block.skip:
             skipped.append(f"{command.where}: {command.block.skip}")

@@ -94,11 +94,15 @@ class Suggestion:
         keeps under the limit (not estimated); never one the estimate or compiler ruled out."""
 
         def kept(c: Candidate) -> bool:
-            return (
-                c.estimate is None and not c.refused and (self.limit is None or c.peak <= self.limit * MARGIN)
-            )
+            return c.estimate is None and not c.refused and screened_under(c, self.limit)
 
         return [c for c in self.ranked if c.fits or kept(c)][:k]
+
+
+def screened_under(c: Candidate, limit: int | None) -> bool:
+    """Whether the screen keeps `c` under the memory limit (with its margin): a runner-up a user
+    may run, until the estimate says otherwise."""
+    return limit is None or c.peak <= limit * MARGIN
 
 
 # ------------------------------------------------------------------------------ the space
@@ -347,7 +351,7 @@ def suggest(
     estimated = sorted((c for c in tried if c.fits), key=lambda c: c.rank_key(estimated=True))
     # then the runners-up the screen keeps under the limit, then what the estimate or compiler ruled out
     unfit = [c for c in tried if not c.fits]
-    kept = [c for c in ranked if c not in tried and (limit is None or c.peak <= limit * MARGIN)]
+    kept = [c for c in ranked if c not in tried and screened_under(c, limit)]
     rest = kept + unfit + [c for c in ranked if c not in tried and c not in kept]
     return Suggestion(
         estimated[0] if estimated else None,

@@ -452,7 +452,9 @@ def estimate(
             time = None
             if costs is not None:
                 share = _share(params, model) if held is not None else 1.0
-                opt_bytes, tensors = optimizer_state_bytes(params, zero=zero, group_size=group_size)
+                opt_bytes, tensors = optimizer_state_bytes(
+                    params, zero=zero, group_size=group_size, spec=compiled.plan.train.optimizer
+                )
                 offload = bool(dp and dp.offload_optimizer and zero > 0)
                 price = engine_cost(
                     [r for r in compiled.ledger.rows if _engine_row(r)],

@@ -18,8 +18,10 @@ What is assumed (and said in the report):
   parameter all-gathers after the step can overlap the next forward. How much of what can
   hide does is the hardware's `overlap` (a GPU's collectives run beside its compute: 1; gloo
   on a CPU whose cores the ranks already use: what `--calibrate` measures).
-- The optimizer step reads and writes each local parameter's state once (AdamW: parameter,
-  gradient, two moments, an fp32 master under mixed precision), plus a cost per tensor.
+- The optimizer step reads and writes each local parameter's state once: the parameter, its
+  gradient, an fp32 master under mixed precision, and the plan's optimizer's own state (AdamW's
+  two moments, one for Lion and SGD with momentum; Adafactor a few passes over the parameter's
+  size), plus a cost per tensor.
 - A pipeline's forward and backward actions cost their stage's priced forward and backward
   (a split backward half each), plus the send of what the next stage receives.
 """
@@ -36,6 +38,8 @@ import torch.distributed as dist
 import torch.utils.flop_counter as flop_counter
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
+
+from meshplan.dsl.optimizer import OptimizerSpec
 
 from .hardware import Hardware, Link
 
@@ -372,12 +376,27 @@ def pipeline_timeline(
     return simulate(schedule, cost)
 
 
+# passes over a parameter-sized tensor an Adafactor step makes beyond reading the gradient and
+# reading and writing the parameter: the squared gradient, the update written and read back, the
+# parameter's and the update's RMS (its factored moments are rows + cols: nothing beside these)
+ADAFACTOR_PASSES = 4
+
+
 def optimizer_state_bytes(
-    params: Mapping[str, Tensor], *, zero: int, group_size: Callable[[str], int]
+    params: Mapping[str, Tensor],
+    *,
+    zero: int,
+    group_size: Callable[[str], int],
+    spec: OptimizerSpec | None = None,
 ) -> tuple[float, int]:
-    """Bytes the optimizer step reads and writes on this rank and the tensors it steps:
-    AdamW reads the gradient and reads and writes the parameter (or fp32 master) and two fp32
-    moments; a 16-bit parameter is also written back from its master."""
+    """Bytes the optimizer step reads and writes on this rank and the tensors it steps: it reads
+    the gradient and reads and writes the parameter (or fp32 master: a 16-bit parameter is also
+    written back from it), and reads and writes each fp32 moment an elementwise optimizer keeps
+    (AdamW two, Lion and SGD with momentum one; `spec` None: AdamW); Adafactor makes
+    `ADAFACTOR_PASSES` more passes instead."""
+    from .optimizer_state import moments
+
+    spec = spec or OptimizerSpec()
     total, tensors = 0.0, 0
     for name, p in params.items():
         if not p.requires_grad:
@@ -385,6 +404,7 @@ def optimizer_state_bytes(
         numel = math.ceil(p.numel() / (group_size(name) if zero else 1))
         size = p.element_size()
         master = 4 * numel * 2 if p.dtype != torch.float32 else 0  # read and write the fp32 copy
-        total += numel * size * 3 + master + 4 * numel * 4  # grad r, param r/w; moments r/w
+        state = ADAFACTOR_PASSES * size * numel if spec.kind == "adafactor" else moments(spec) * 2 * 4 * numel
+        total += numel * size * 3 + master + state  # grad r, param r/w; the optimizer's own
         tensors += 1
     return total, tensors

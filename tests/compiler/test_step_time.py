@@ -19,9 +19,10 @@ from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.estimate import estimate
 from meshplan.compiler.hardware import TABLE, Hardware, Link, calibrate, hardware, write_entry
 from meshplan.compiler.load import load_model, on_meta_inputs
-from meshplan.compiler.step_time import collective_time
+from meshplan.compiler.step_time import ADAFACTOR_PASSES, collective_time, optimizer_state_bytes
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build
+from meshplan.grammar import OPTIMIZERS
 from meshplan.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,24 @@ def test_collectives_cost_what_a_ring_moves():
     assert collective_time("all_gather", 4e6, 4, link) == pytest.approx(3e-5 + 3e6 / 1e9)
     assert collective_time("send", 4e6, 2, link) == pytest.approx(1e-5 + 4e6 / 1e9)
     assert collective_time("all_reduce", 4e6, 1, link) == 0.0
+
+
+def test_the_optimizer_step_moves_the_state_of_the_plans_optimizer():
+    """Per fp32 parameter element: gradient read, parameter read and written (12 B), then each
+    moment read and written (8 B a moment): AdamW 28, Lion and SGD with momentum 20, plain SGD 12."""
+    from meshplan.dsl.optimizer import OptimizerSpec
+
+    params = {"w": torch.zeros(10, 100, requires_grad=True), "frozen": torch.zeros(7)}
+
+    def per_element(kind: str, **args: float) -> float:
+        spec = OptimizerSpec(kind, {**OPTIMIZERS[kind], **args})
+        total, tensors = optimizer_state_bytes(params, zero=0, group_size=lambda name: 1, spec=spec)
+        assert tensors == 1  # the frozen one is not stepped
+        return total / 1000
+
+    assert per_element("adamw") == 28 and per_element("lion") == 20
+    assert per_element("sgd", momentum=0.9) == 20 and per_element("sgd") == 12
+    assert per_element("adafactor") == 12 + 4 * ADAFACTOR_PASSES
 
 
 def test_the_walk_counts_the_flops_the_model_runs():

@@ -63,6 +63,12 @@ BENCHES = (
     ),
     Bench("zero_memory", "per-rank training-state bytes vs analytical, ZeRO 0-3", headline=r"^largest|= "),
     Bench(
+        "disk_offload",
+        "optimizer state on disk vs in host memory: host bytes per rank and step time, ZeRO-1",
+        quick=("--layers", "2", "--hidden", "256", "--bucket-mib", "1", "--steps", "3"),
+        headline=r"ratio|goal|/ in memory",
+    ),
+    Bench(
         "optimizer_state",
         "optimizer state bytes per rank for each optimizer, measured vs the formula and vs AdamW",
         quick=("--layers", "2"),

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from meshplan.errors import ERRORS_ENV, RunError, report
 from meshplan.faults import parse_fault
-from meshplan.options import TORCHRUN_FLAGS, RunOptions, run_dir
+from meshplan.options import TORCHRUN_FLAGS, RunOptions, offload_dir, run_dir
 
 if TYPE_CHECKING:  # torch stays unimported until the checks that need it
     from meshplan.compiler.executable import Executable
@@ -98,6 +98,8 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
             load_function(options.between_steps, "--between-steps")
         except CompileError as e:
             raise RunError(str(e)) from None
+    if plan.data_parallel is not None and plan.data_parallel.optimizer_on_disk:
+        _check_offload_dir(options, plan, source, world_size)
     return options.replace(program=str(_compile_once(options, world_size, source))), world_size
 
 
@@ -460,6 +462,44 @@ def _check_export(export: Path, *, overwrite: bool) -> None:
             "--overwrite to replace the weights in it)"
         )
     _check_writable(export / "model.safetensors")
+
+
+OFFLOAD_MARGIN = 1.1  # free space asked of `optimizer:disk`'s folder, over what its files take
+
+
+def _check_offload_dir(options: RunOptions, plan: Plan, source: ModelSource, world_size: int) -> None:
+    """`offload = optimizer:disk`: that its folder can be written and holds this node's ranks'
+    files (`runtime/disk_offload.py`), with `OFFLOAD_MARGIN`, before any worker starts. The
+    bytes are an upper bound: the trainable parameters over the data-parallel size, as if no
+    other axis cut them, times an fp32 master and two moments (AdamW's; no optimizer has more).
+    Files a resumed run left there are overwritten in place, so they count as free."""
+    import shutil
+    import tempfile
+
+    from meshplan.runtime.disk_offload import state_bytes
+
+    folder = offload_dir(options)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=PROBE):
+            pass
+    except OSError as e:
+        raise RunError(
+            f"`offload = optimizer:disk` cannot write its files in {folder}: {e.strerror or e} "
+            "(hint: pass --offload-dir with a writable folder)"
+        ) from None
+    assert plan.data_parallel is not None
+    dp = plan.mesh.size(plan.data_parallel.axis) or 1
+    numel = sum(p.numel() for p in source.model.parameters() if p.requires_grad)
+    need = nproc_per_node(options, world_size) * state_bytes(-(-numel // dp), 2)
+    need -= sum(f.stat().st_size for f in folder.glob("rank*/flat*.bin"))
+    free = shutil.disk_usage(folder).free
+    if free < need * OFFLOAD_MARGIN:
+        raise RunError(
+            f"--offload-dir {folder} has {free / 2**20:,.0f} MiB free, but `offload = optimizer:disk` "
+            f"needs up to {need * OFFLOAD_MARGIN / 2**20:,.0f} MiB there for this node's ranks "
+            "(hint: free space, or pass --offload-dir on a larger disk)"
+        )
 
 
 def _check_writable(path: Path) -> None:

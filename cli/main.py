@@ -292,7 +292,12 @@ def summarize(plan: Plan) -> str:
         lines.append(f"  pipeline   {detail}")
     if d := plan.data_parallel:
         offload = [
-            name for name, on in (("optimizer", d.offload_optimizer), ("params", d.offload_params)) if on
+            name
+            for name, on in (
+                ("optimizer:disk" if d.optimizer_on_disk else "optimizer", d.offload_optimizer),
+                ("params", d.offload_params),
+            )
+            if on
         ]
         detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {_size(d.bucket_bytes)}"
         detail += f", offload {' + '.join(offload)}" if offload else ""

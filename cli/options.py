@@ -101,6 +101,11 @@ class RunOptions:
     out: str | None = flag(
         "run folder for metrics and checkpoints (default: runs/<plan name>)", metavar="DIR"
     )
+    offload_dir: str | None = flag(
+        "folder for the optimizer state of `offload = optimizer:disk` (default: OUT/offload); put it "
+        "on a fast local disk",
+        metavar="DIR",
+    )
     tensorboard: str | None = flag(
         "also write the metrics as TensorBoard scalars into DIR (rank 0's curves, every rank's "
         "memory and pipeline idle, the plan and the ledger as text; needs the `tensorboard` extra)",
@@ -183,6 +188,11 @@ def _flags() -> list[dataclasses.Field]:
 
 def _spelling(f: dataclasses.Field) -> str:
     return "--" + f.name.replace("_", "-")
+
+
+def offload_dir(options: RunOptions) -> Path:
+    """`--offload-dir`, else the run folder's `offload/`: where `optimizer:disk` keeps its files."""
+    return Path(options.offload_dir) if options.offload_dir else run_dir(options) / "offload"
 
 
 def run_dir(options: RunOptions) -> Path:

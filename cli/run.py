@@ -79,6 +79,7 @@ def _worker(options: RunOptions) -> int:
     from meshplan.runtime import watchdog
     from meshplan.runtime.checkpoint import CheckpointError
     from meshplan.runtime.data import DataError
+    from meshplan.runtime.disk_offload import OffloadError
     from meshplan.runtime.train import PeerFailure, is_peer_failure
 
     rank = int(os.environ["RANK"])
@@ -105,7 +106,8 @@ def _worker(options: RunOptions) -> int:
     try:
         summary = train_rank(options, rank, dist.get_world_size())
         _teardown_in_order()
-    except (PlanError, CompileError, DataError, CheckpointError, RunError) as e:
+    except (PlanError, CompileError, DataError, CheckpointError, RunError, OffloadError) as e:
+        # OffloadError: the offload folder failed (a full disk): the user's to fix, then --resume
         leave_for_launcher(e, rank)
         return EXIT_USER
     except RuntimeError as e:  # a collective timed out or lost its peer: one line naming it and who

@@ -5,14 +5,15 @@
 
 Two halves, both read off the program every rank runs rather than a formula per model:
 
-- **Training state** (`state_of`): each rank's parameters at their local shapes (the placements
+- **Training state** (`engine_state.state_of`): each rank's parameters at their local shapes (the placements
   `build_rank_program` cuts by; under a pipeline only the stages the schedule gives the rank),
   then the engine the plan asks for (`cli/session/sync.py`'s choice) laid out as it lays them
   out: whole parameters, gradients and the plan's optimizer's state (`optimizer_state.py`) without
   ZeRO; under ZeRO the flats of `runtime/buckets.py` (stages 1/2: gradient buckets; stage 3:
   the program's gather units), padded to the data group, each rank holding its shard of what
   the stage shards, fp32 masters where the shard is not fp32 or the optimizer is offloaded.
-  Offloaded state is counted on the host (`host`), not in the device's total.
+  Offloaded state is counted on the host (`host`), not in the device's total; offloaded to disk
+  (`optimizer:disk`), in files (`disk`), the host holding the few flats a step has in memory.
 - **A step** (`walk`): the rank program run forward and backward on the meta device under a
   fake process group (no weights, no data), a dispatch mode adding up the storages the ops
   create while they live: the activations kept for backward (live when the forward ends),
@@ -34,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import re
 import sys
@@ -46,16 +46,16 @@ import torch
 from torch import Tensor, fx, nn
 
 from meshplan.dsl.axes import axes_of
-from meshplan.dsl.optimizer import OptimizerSpec
-from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
+from meshplan.runtime.buckets import bucket_params, decays
 from meshplan.runtime.experts import meta_routing
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
 
+from .engine_state import nbytes, state_of
 from .errors import CompileError
 from .hardware import Hardware
 from .liveness import ZeroSteps
-from .optimizer_state import describe, shard_state_bytes, whole_state_bytes
+from .optimizer_state import describe
 from .passes.experts.capacity import capacity_factor
 from .placement import Placement, Shard
 from .step_time import (
@@ -81,6 +81,7 @@ class RankMemory:
     peak: int  # most live tensor bytes over a step (state + buffers + the walk's peak)
     peak_op: str  # where the peak occurs
     host: int = 0  # offloaded to CPU memory (optimizer state, ZeRO-3 parameter shards)
+    disk: int = 0  # `offload = optimizer:disk`: the optimizer's state in this rank's files
     model_buffers: int = 0  # the model's own buffers (rotary tables, masks)
     stages: tuple[int, ...] = ()  # under a pipeline, the stages this rank runs
     time: StepTime | None = None  # the step, priced against `Estimate.hardware`
@@ -135,7 +136,7 @@ class Estimate:
         ranks = []
         for r in self.ranks:
             entry: dict[str, Any] = {"rank": r.rank, **r.parts(), "peak": r.peak, "peak_op": r.peak_op}
-            entry.update({"host": r.host, "state": r.state, "model_buffers": r.model_buffers})
+            entry.update({"host": r.host, "disk": r.disk, "state": r.state, "model_buffers": r.model_buffers})
             entry["stages"] = list(r.stages)
             entry["fits"] = self.fits_rank(r)
             entry["time"] = r.time.to_json() if r.time is not None else None
@@ -146,20 +147,6 @@ class Estimate:
 
 
 # ------------------------------------------------------------------------------------ state
-
-
-@dataclass
-class State:
-    params: int = 0
-    grads: int = 0
-    optimizer: int = 0
-    host: int = 0
-    gathered: int = 0  # ZeRO-3: bytes of the largest unit, gathered
-    reducing: int = 0  # ZeRO: the largest flat's whole gradient, made for its reduction
-    accumulating: int = 0  # ZeRO-2/3 under gradient accumulation: whole gradients between micro-steps
-    grads_between_steps: int = 0  # gradient storage held across steps (data-parallel buckets)
-    engine: str = "none"
-    flats: int = 0  # ZeRO: the flats the optimizer steps (one fused update each)
 
 
 def local_params(
@@ -189,119 +176,6 @@ def local_params(
         t = torch.empty(shape, dtype=full[name].dtype, device="meta")
         out[name] = nn.Parameter(t, requires_grad=full[name].requires_grad)
     return out
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def state_of(
-    params: dict[str, Tensor],
-    *,
-    zero: int,
-    group_size: Callable[[str], int],
-    engine: str,
-    bucket_bytes: int,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    on_host: bool = False,
-    accumulation: int = 1,
-    bucketed: Callable[[str], bool] = lambda name: False,
-    units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
-    optimizer: OptimizerSpec | None = None,
-) -> State:
-    """The training state the engine keeps for `params` (this rank's, local shapes), as
-    `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
-    a parameter's ZeRO state is cut over (1: not cut). `units`: ZeRO-3's gather units in
-    program order (name, its parameters, the dtype each is gathered in). `on_host`: the ranks
-    run on CPUs, where offloading moves nothing (no fp32 copy of an fp32 shard is made).
-    `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`).
-    `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket).
-    `optimizer`: the plan's, whose state is counted (`optimizer_state.py`; None: AdamW)."""
-    optimizer = optimizer or OptimizerSpec()
-    s = State(engine=engine)
-    trainable = {n: p for n, p in params.items() if p.requires_grad}
-    s.params = sum(_nbytes(p) for p in params.values() if not p.requires_grad)
-    if zero == 0:
-        s.params += sum(_nbytes(p) for p in trainable.values())
-        s.grads = sum(_nbytes(p) for p in trainable.values())
-        s.optimizer = sum(whole_state_bytes(optimizer, p) for p in trainable.values())
-        # a data-parallel engine's buckets outlive zero_grad (the per-axes engine's hold the
-        # gradients it reduces: averaged over a data axis or summed over `grad_sums`' axes);
-        # gradients nothing reduces are freed with it
-        kept = trainable if engine == "data parallel" else {n: p for n, p in trainable.items() if bucketed(n)}
-        s.grads_between_steps = sum(_nbytes(p) for p in kept.values()) if engine != "none" else 0
-        return s
-    dec = {id(p): decays(n, p) for n, p in trainable.items()}
-    flats: list[tuple[list[str], torch.dtype, torch.dtype]] = []  # names, dtype, gather dtype
-    if zero < 3:
-        # one engine per group size (the per-axes engines cut each set of parameters over its own)
-        by_group: dict[int, list[tuple[str, Tensor]]] = {}
-        for n, p in trainable.items():
-            by_group.setdefault(group_size(n), []).append((n, p))
-        for named in by_group.values():
-            for names, ps in bucket_params(named, bucket_bytes, dec):
-                flats.append((names, ps[0].dtype, ps[0].dtype))
-    else:
-        left = dict(trainable)
-        for _, names, dtypes in units:
-            named = [(n, left.pop(n)) for n in names if n in left]
-            gather = {id(p): d for (n, p), d in zip(named, dtypes, strict=False) if d is not None}
-            for group in group_by_kind(named, dec, gather):
-                p0 = group[0][1]
-                flats.append(([n for n, _ in group], p0.dtype, gather.get(id(p0), p0.dtype)))
-        for group in group_by_kind(list(left.items()), dec):
-            flats.append(([n for n, _ in group], group[0][1].dtype, group[0][1].dtype))
-    s.flats = len(flats)
-    unit_bytes: dict[int, int] = {}
-    grad_bytes: dict[int, int] = {}
-    for i, (names, dtype, gathered) in enumerate(flats):
-        world = group_size(names[0])
-        numel = sum(trainable[n].numel() for n in names)
-        shard = math.ceil(numel / world)
-        padded, size = shard * world, dtype.itemsize
-        grad_bytes[i] = padded * size
-        if zero < 3:
-            s.params += padded * size  # every parameter whole, the shard a view
-            s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`
-        else:
-            if offload_params:
-                s.host += shard * size
-            else:
-                s.params += shard * size
-            s.grads += shard * size  # made by the reductions, dropped by `zero_grad`
-            unit_bytes[i] = padded * gathered.itemsize
-        # the engine's fp32 master is the shard itself when that is fp32 and where the optimizer runs
-        moved = offload_optimizer and not (offload_params or on_host)
-        master = shard * 4 if dtype != torch.float32 or moved else 0
-        optim = master + shard_state_bytes(optimizer, shard)
-        if offload_optimizer:
-            s.host += optim
-        else:
-            s.optimizer += optim
-    if zero >= 2 and accumulation > 1:
-        s.accumulating = sum(grad_bytes.values())
-    if zero == 3:
-        s.gathered = _largest_unit(flats, unit_bytes, units)
-        # a unit's gradients, whole, and the flat they are copied into before the reduce-scatter
-        s.reducing = 2 * _largest_unit(flats, grad_bytes, units, pairs=False)
-    else:
-        s.reducing = max(grad_bytes.values(), default=0)  # one bucket's flat in flight
-    return s
-
-
-def _largest_unit(flats, unit_bytes: dict[int, int], units, *, pairs: bool = True) -> int:
-    """Bytes of the two largest consecutive units gathered at once (the current and the
-    prefetched; `pairs=False`: the largest one), with the root's parameters, which stay
-    gathered through the step."""
-    member = {n: u for u, (_, names, _) in enumerate(units) for n in names}
-    per_unit: dict[int, int] = {}
-    for i, (names, _, _) in enumerate(flats):
-        u = member.get(names[0], -1)
-        per_unit[u] = per_unit.get(u, 0) + unit_bytes.get(i, 0)
-    order = [per_unit.get(u, 0) for u in range(len(units))]
-    sums = ([a + b for a, b in itertools.pairwise(order)] if pairs else []) or order or [0]
-    return max(sums) + per_unit.get(-1, 0)
 
 
 def zero_units(program: fx.GraphModule, axis: str | None = None):
@@ -416,6 +290,7 @@ def estimate(
                 bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
                 offload_optimizer=bool(dp and dp.offload_optimizer and zero > 0),
                 offload_params=bool(dp and dp.offload_params and zero == 3),
+                on_disk=bool(dp and dp.optimizer_on_disk and zero > 0),
                 on_host=on_host,
                 accumulation=plan.train.gradient_accumulation,
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
@@ -497,6 +372,7 @@ def estimate(
                 + shared,
                 walks[extra].peak_at,
                 host=st.host,
+                disk=st.disk,
                 model_buffers=model_buffers,
                 stages=tuple(mine) if schedule is not None else (),
                 time=time,
@@ -587,8 +463,8 @@ def _group(layout: MeshLayout, *axes: str) -> list[int]:
 
 def _share(params: dict[str, Tensor], model: nn.Module) -> float:
     """The share of the model's parameter bytes `params` holds (a pipeline rank's stages)."""
-    total = sum(_nbytes(p) for p in model.parameters())
-    return sum(_nbytes(p) for p in params.values()) / total if total else 1.0
+    total = sum(nbytes(p) for p in model.parameters())
+    return sum(nbytes(p) for p in params.values()) / total if total else 1.0
 
 
 def _free_grad(p: nn.Parameter) -> None:
@@ -609,7 +485,7 @@ def _buffer_bytes(stages: Sequence[fx.GraphModule], mine: Sequence[int]) -> int:
         for b in stages[s].buffers():
             if id(b) not in seen:
                 seen.add(id(b))
-                total += _nbytes(b)
+                total += nbytes(b)
     return total
 
 

@@ -26,6 +26,9 @@ the collectives `meshplan run` issues, byte for byte (a test compares them):
           (not for the unit released last)
     1-3   an all_reduce of 8 bytes per sum of squares the gradient norm needs (one per set of
           axes that shard parameters, one for the rest)
+          under `compress`, each flat's reduction is `buckets.zero_compressed_wire`'s: bf16, the
+          padded flat in bf16 (all_reduce at stage 1, reduce_scatter at 2 and 3); powersgd, the
+          all_reduces of the whole tensors, P and Q at every stage
 
 An experts unit (`experts over ep`) issues three all-to-alls in forward: the token counts
 ((E,) int64), the dispatch of every (token, slot) pair's row ((N k, H)) and the combine that
@@ -52,15 +55,20 @@ from torch import fx, nn
 from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
 from meshplan.dsl.settings import CompressSpec
-from meshplan.runtime.buckets import bucket_params, bucket_sizes, compressed_wire, dp_buckets, group_by_kind
+from meshplan.runtime.buckets import (
+    bucket_sizes,
+    compressed_wire,
+    dp_buckets,
+)
 from meshplan.runtime.collectives import COLLECTIVES, Wire
-from meshplan.runtime.device_copy import DEVICE, HOST, DeviceCopy
+from meshplan.runtime.device_copy import DEVICE, HOST
 from meshplan.runtime.experts import expert_capacity
 from meshplan.runtime.mesh import MeshLayout, axes_of
-from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from . import meta
 from .graph import arg_node, hint, shape, value
+from .ledger_row import COPY, LedgerRow, plan_line
+from .ledger_zero import zero_bucket_rows, zero_unit_rows
 from .meta import Collective
 from .passes.checkpoint import collective_nodes
 from .passes.devices import copy_nodes
@@ -68,36 +76,6 @@ from .passes.zero import reduce_axes
 from .placement import Placement, Shard
 
 PHASES = ("forward", "backward", "step")  # a row's phase, in the order a step runs them
-COPY = DeviceCopy.kind  # the kind of a device copy's rows: not a collective, a copy within the rank
-
-
-@dataclass(frozen=True)
-class LedgerRow:
-    node: str  # the graph node that issues it (`bucket 3` for a data-parallel bucket)
-    kind: str  # the collective module's kind (copy_to, all_reduce, zero_gather, dp_bucket, ...)
-    op: str  # the collective on the wire: all_reduce, all_gather, reduce_scatter
-    phase: str  # forward, backward, or step (after the optimizer step)
-    axis: str
-    shape: tuple[int | torch.SymInt, ...]  # the full tensor's (a data-dependent size stays symbolic)
-    bytes: int
-    count: int
-    group_size: int
-    rule: Span | None  # where the plan rule (or block) behind it is
-    recompute: bool = False  # re-issued in backward by activation checkpointing's recomputation
-
-    @property
-    def traffic(self) -> float:
-        if self.kind == COPY:  # one copy, not a ring
-            return self.bytes * self.count
-        n = self.group_size
-        factor = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
-        return factor * self.bytes * self.count
-
-
-def plan_line(span: Span | None) -> str:
-    """`llama.plan:7`: the plan line a row comes from, as the table and `ledger.json` print it
-    ("" for none)."""
-    return f"{span.path}:{span.line}" if span is not None else ""
 
 
 @dataclass(frozen=True)
@@ -180,7 +158,7 @@ class DataParallelFacts:
     # params a device rule placed off the rank's device (`on cpu`): an engine of their own reduces
     # them (buckets; under ZeRO flats of at most stage 2), after the device's
     host: frozenset[str] = frozenset()
-    compress: CompressSpec | None = None  # the buckets' all-reduce compressed (zero = 0 only)
+    compress: CompressSpec | None = None  # the buckets' (or ZeRO flats') reduction compressed
 
 
 @dataclass(frozen=True)
@@ -547,93 +525,17 @@ def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: 
             ]
             continue
         if facts.zero == 3 and axes:
-            rows += _zero_unit_rows(
+            rows += zero_unit_rows(
                 gm, params, facts.aliases, axis, n, decay, facts.reduce_dtype, facts.where, accumulation
             )
         else:
             stage = min(facts.zero, 2)
-            rows += _zero_bucket_rows(
+            rows += zero_bucket_rows(
                 params, axis, n, stage, facts.bucket_bytes, facts.reduce_dtype, decay, facts.where
             )
         rows.append(
             LedgerRow("grad norm", "zero_norm", "all_reduce", "step", axis, (2,), 16, 1, n, facts.where)
         )
-    return rows
-
-
-def _zero_bucket_rows(
-    params: Sequence[tuple[str, torch.Tensor]],
-    axis: str,
-    n: int,
-    zero: int,
-    bucket_bytes: int,
-    reduce_dtype: torch.dtype | None,
-    decay: Callable[[str, torch.Tensor], bool],
-    where: Span,
-    label: str = "bucket",
-) -> list[LedgerRow]:
-    """ZeRO-1/2's flats: each gradient flat reduced in backward (all-reduce for stage 1,
-    reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards."""
-    decays = {id(p): decay(name, p) for name, p in params}
-    reduce = "all_reduce" if zero == 1 else "reduce_scatter"
-    rows = []
-    for i, (_, group) in enumerate(bucket_params(params, bucket_bytes, decays)):
-        numel = math.ceil(sum(p.numel() for p in group) / n) * n
-        dtypes = (
-            (reduce, "backward", reduce_dtype or group[0].dtype),
-            ("all_gather", "step", group[0].dtype),
-        )
-        rows += [
-            LedgerRow(
-                f"{label} {i}", "zero_bucket", op, phase, axis, (numel,), numel * dtype.itemsize, 1, n, where
-            )
-            for op, phase, dtype in dtypes
-        ]
-    return rows
-
-
-def _zero_unit_rows(
-    gm: fx.GraphModule,
-    params: Sequence[tuple[str, torch.Tensor]],
-    aliases: dict[str, str],
-    axis: str,
-    n: int,
-    decay: Callable[[str, torch.Tensor], bool],
-    reduce_dtype: torch.dtype | None,
-    where: Span,
-    accumulation: int,
-) -> list[LedgerRow]:
-    """ZeRO-3's units, from the graph's `ZeroGather` nodes over `axis` (under expert
-    parallelism a layer has one per group): each unit's flats gathered before its forward
-    (and again before its backward unless it stays gathered), its gradients reduce-scattered."""
-    decays = {id(p): decay(name, p) for name, p in params}
-    params_by_name = dict(params)
-    left = dict(params)  # not yet in a unit
-    released = {m.unit for m in gm.modules() if isinstance(m, ZeroRelease)}
-    rows = []
-    for node in gm.graph.nodes:
-        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        if not isinstance(module, ZeroGather) or module.axis != axis:
-            continue
-        names = [aliases[p] for p in module.params if p in aliases]
-        named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
-        phases = ["forward", "backward"] if module.unit in released else ["forward"]
-        read_as = {  # gathered in the dtype the graph reads them in (bf16 compute)
-            id(params_by_name[aliases[p]]): d
-            for p, d in zip(module.params, module.dtypes, strict=True)
-            if d is not None and p in aliases
-        }
-        for group in group_by_kind(named, decays, read_as):
-            numel = math.ceil(sum(p.numel() for _, p in group) / n) * n
-            reduced = reduce_dtype or group[0][1].dtype
-            dtype = read_as.get(id(group[0][1]), group[0][1].dtype)
-            gathers = [("all_gather", phase, dtype, accumulation) for phase in phases]
-            rows += [
-                LedgerRow(
-                    node.name, "zero_gather", op, phase, axis, (numel,), numel * t.itemsize, k, n, where
-                )
-                for op, phase, t, k in [*gathers, ("reduce_scatter", "backward", reduced, 1)]
-            ]
     return rows
 
 
@@ -661,16 +563,18 @@ def _data_parallel_rows(
         ]
     rows = []
     if params and data.zero in (1, 2):
-        rows += _zero_bucket_rows(
-            params, axis, n, data.zero, data.bucket_bytes, data.reduce_dtype, data.decay, where
+        stage, bucket_bytes, reduce = data.zero, data.bucket_bytes, data.reduce_dtype
+        rows += zero_bucket_rows(
+            params, axis, n, stage, bucket_bytes, reduce, data.decay, where, "bucket", data.compress
         )
     elif params:
-        rows += _zero_unit_rows(
-            gm, params, data.aliases, axis, n, data.decay, data.reduce_dtype, where, accumulation
+        reduce, decay, compress = data.reduce_dtype, data.decay, data.compress
+        rows += zero_unit_rows(
+            gm, params, data.aliases, axis, n, decay, reduce, where, accumulation, compress
         )
     if host:
         stage = min(data.zero, 2)
-        rows += _zero_bucket_rows(
+        rows += zero_bucket_rows(
             host, axis, n, stage, data.bucket_bytes, data.reduce_dtype, data.decay, where, label="host bucket"
         )
     sums = data.norm_sums

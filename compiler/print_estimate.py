@@ -4,6 +4,7 @@ plan changes would free them."""
 
 from __future__ import annotations
 
+from .engine_state import DISK_RESIDENT_FLATS
 from .estimate import Estimate, RankMemory
 from .step_time import StepTime
 
@@ -48,6 +49,11 @@ def estimate_text(est: Estimate) -> str:
             lines.append(f"  {name:<12}{size(value):>12}")
         if r.host:
             lines.append(f"  {'host':<12}{size(r.host):>12}  (offloaded to CPU memory)")
+        if r.disk:
+            lines.append(
+                f"  {'disk':<12}{size(r.disk):>12}  (optimizer:disk files; the host holds "
+                f"{DISK_RESIDENT_FLATS} flats' of it in a step)"
+            )
         lines.append(f"  {'peak':<12}{size(r.peak):>12}  at {r.peak_op}")
         if r.time is not None:
             lines.extend("  " + line for line in time_lines(r.time))

@@ -23,6 +23,7 @@ from meshplan.runtime.zero_nodes import ZeroGather
 
 from . import meta
 from .compile import Compiled
+from .engine_state import DISK_RESIDENT_FLATS
 from .graph import module_path, shape, value
 from .ledger import COPY, PHASES, data_parallel_facts, held_shape, unit_capacity
 from .optimizer_state import describe, whole_state_bytes
@@ -208,6 +209,13 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)})",
         f"    each rank keeps {keeps}",
     ]
+    if dp.optimizer_on_disk:
+        lines.append(
+            "    offload = optimizer:disk: each rank's fp32 masters and optimizer moments live in files, "
+            "one per flat, under --offload-dir (default: the run folder's offload/rank<r>); a step "
+            "reads flat i+1 while flat i steps and flat i-1 is written back, so at most "
+            f"{DISK_RESIDENT_FLATS} flats' state is in host memory (bytes per rank: `meshplan estimate`)"
+        )
     if any(r.node.startswith("host ") for r in compiled.ledger.rows):
         how = (
             "in buckets of their own"
@@ -250,7 +258,8 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         )
         nbytes = sum(r.bytes * r.count for r in rows)
         lines.append(f"    collectives per step: {summary} ({nbytes / 1e6:.3f} MB)")
-        lines += _compression_lines(compiled, nbytes)
+        reduced = sum(r.bytes * r.count for r in rows if r.phase == "backward" and r.op != "all_gather")
+        lines += _compression_lines(compiled, reduced)
     return [*lines, ""]
 
 
@@ -278,7 +287,8 @@ def _optimizer_lines(compiled: Compiled) -> list[str]:
 
 
 def _compression_lines(compiled: Compiled, sent: int) -> list[str]:
-    """`compress`: what it sends against the exact all-reduce's bytes, and what it keeps exact."""
+    """`compress`: what its gradient reductions send (`sent` bytes) against the exact ones', what
+    it keeps exact, and under ZeRO-2/3 what it costs the memory ZeRO saves."""
     dp = compiled.plan.data_parallel
     if dp is None or dp.compress is None or compiled.source is None:
         return []
@@ -298,11 +308,22 @@ def _compression_lines(compiled: Compiled, sent: int) -> list[str]:
             "Q warm-started), the rest whole"
             + (f"; the first {c.warmup} steps uncompressed" if c.warmup else "")
         )
-    return [
+    lines = [
         f"    gradients compressed ({c.text}, line {c.span.line if c.span else dp.span.line}): {how}",
         f"    {sent / 1e6:.3f} MB per step instead of {exact / 1e6:.3f} MB ({exact / max(sent, 1):.1f}x less); "
         "lossy: verify holds it to the uncompressed run's losses",
     ]
+    if dp.zero >= 2:
+        sends = (
+            "reduce-scattered in bf16"
+            if c.method == "bf16"
+            else "P and Q all-reduced (no reduce-scatter form), each rank keeping its shard of P Q^T"
+        )
+        lines.append(
+            f"    under ZeRO-{dp.zero}: {sends}; error feedback keeps a residual of every gradient on "
+            f"each rank ({exact / 1e6:.3f} MB), the memory ZeRO-{dp.zero} saves on gradients"
+        )
+    return lines
 
 
 def _reduce_groups(compiled: Compiled) -> Counter[tuple[str, ...]]:

@@ -344,7 +344,7 @@ class _Checker(SettingsChecker):
         rules: tuple[PlanRule, ...],
         precision: PrecisionSpec,
     ) -> None:
-        """`compress` runs in the plain data-parallel engine, over whole replicated gradients in
+        """`compress` runs in the data-parallel or ZeRO engine, over whole replicated gradients in
         fp32: what hands the gradients to another engine, or rounds them first, is refused at it."""
         assert dp.compress is not None and dp.compress.span is not None
         at = dp.compress.span

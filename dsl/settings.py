@@ -75,6 +75,7 @@ class DataParallelSpec:
     span: Span
     spans: Mapping[str, Span] = field(default_factory=dict)
     compress: CompressSpec | None = None  # None: gradients all-reduced exactly
+    optimizer_on_disk: bool = False  # `offload = optimizer:disk` (offload_optimizer is True too)
 
 
 @dataclass(frozen=True)
@@ -363,29 +364,34 @@ class SettingsChecker:
         assert isinstance(bucket, int)
         if bucket <= 0:
             self.error(s["bucket"].value_span, "bucket size must be positive")
-        offload = s["offload"].value if "offload" in s else ()
-        assert isinstance(offload, tuple)
+        targets = s["offload"].value if "offload" in s else ()
+        assert isinstance(targets, tuple)
+        offload = tuple(t.split(":")[0] for t in targets)  # "optimizer:disk" -> "optimizer"
         if len(set(offload)) != len(offload):
             self.error(s["offload"].value_span, "an offload target is listed twice")
+        if "params:disk" in targets:
+            self.error(
+                s["offload"].value_span,
+                "offloading parameters to disk is not written yet: ZeRO-3 would have to read each "
+                "unit's parameter shards back before its all-gather, in forward and again in backward",
+                hint="keep the parameters on the host (`params`) and the optimizer state on disk "
+                "(`optimizer:disk`)",
+            )
+        if "optimizer:disk" in targets and zero == 0 and self.complete(node):
+            self.error(
+                s["offload"].value_span,
+                "offloading the optimizer state to disk needs ZeRO (`zero = 1` or more)",
+                hint="the disk holds each rank's shards of the state, which only ZeRO cuts",
+            )
         if self.complete(node) and "params" in offload and zero != 3:
             self.error(
                 s["offload"].value_span,
                 "offloading parameters needs `zero = 3`",
                 hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU",
             )
+        # every ZeRO stage takes it: PowerSGD's factors are all-reduced under ZeRO-2/3 too
+        # (`runtime/compression.py`)
         compress = self.compress(s["compress"]) if "compress" in s else None
-        if compress is not None and zero and self.complete(node):
-            self.error(
-                s["compress"].value_span,
-                f"`compress` composes with plain data parallelism only, not ZeRO-{zero}: "
-                + (
-                    "ZeRO-1's buckets are reduced by the ZeRO engine, which compresses nothing yet"
-                    if zero == 1
-                    else f"ZeRO-{zero} reduce-scatters its gradients, and a low-rank or rounded "
-                    "reduce-scatter is not written yet"
-                ),
-                hint="use `zero = 0` with `compress`, or remove `compress`",
-            )
         return DataParallelSpec(
             axis or node.axis.text,
             zero,
@@ -395,6 +401,7 @@ class SettingsChecker:
             node.span,
             MappingProxyType({k: v.span for k, v in s.items()}),
             compress,
+            "optimizer:disk" in targets,
         )
 
     def compress(self, setting: ast.Setting) -> CompressSpec | None:

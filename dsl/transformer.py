@@ -201,8 +201,9 @@ class ToAst(Transformer):
             return self._setting(meta, "offload", (), "none")
         return self._setting(meta, "offload", tuple(targets), ", ".join(targets))
 
-    def offload_target(self, meta, tok):
-        return str(tok)
+    def offload_target(self, meta, what, colon=None, tier=None):
+        # "optimizer" or "optimizer:disk": `:cpu` is the default, so it reads as no tier at all
+        return str(what) if tier is None or str(tier) == "cpu" else f"{what}:{tier}"
 
     def offload_none(self, meta):
         return None

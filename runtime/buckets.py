@@ -6,7 +6,8 @@ construction (tests compare them with what was issued).
 - `dp_buckets`: `DataParallel`'s gradient buckets;
 - `bucket_params`: ZeRO-1/2's flats (gradient buckets by dtype and decay class);
 - `group_by_kind`: a ZeRO-3 unit's flats;
-- `compressed_wire`: the all-reduces of a bucket under `compress` (`runtime/compression.py`).
+- `compressed_wire`: the all-reduces of a bucket under `compress` (`runtime/compression.py`);
+  `zero_compressed_wire`: a ZeRO flat's.
 """
 
 from __future__ import annotations
@@ -80,6 +81,19 @@ def compressed_wire(params: Sequence[Tensor], method: str, rank: int = 0) -> lis
     factor_p = sum(s[0] * rank * p.element_size() for p, s in shapes if s is not None)
     factor_q = sum(s[1] * rank * p.element_size() for p, s in shapes if s is not None)
     return [(what, b) for what, b in (("whole", whole), ("P", factor_p), ("Q", factor_q)) if b]
+
+
+def zero_compressed_wire(
+    params: Sequence[Tensor], padded: int, stage: int, method: str, rank: int = 0
+) -> list[tuple[str, str, int]]:
+    """The reductions of one ZeRO flat of `params` (`padded` elements) under a compression, in
+    issue order, as (op, what, bytes): `bf16`, the padded flat in bf16, all-reduced under stage
+    1 and reduce-scattered under 2 and 3; `powersgd`, `compressed_wire`'s all-reduces at every
+    stage (P and Q have no reduce-scatter form: `runtime/compression.py`)."""
+    if method == "bf16":
+        op = "all_reduce" if stage == 1 else "reduce_scatter"
+        return [(op, "bf16", padded * torch.bfloat16.itemsize)]
+    return [("all_reduce", what, b) for what, b in compressed_wire(params, method, rank)]
 
 
 def bucket_params(

@@ -32,6 +32,30 @@ The first `warmup` optimizer steps all-reduce the bucket uncompressed (torch's
 Per bucket, the whole tensors and P are launched during backward (when the bucket is ready),
 Q when `finish()` waits for the bucket: Q needs P reduced first. The bytes of each part are
 `buckets.compressed_wire`'s, which the compiler's ledger lists too.
+
+Under ZeRO (`zero_grads.py`) a bucket is a flat, padded to a multiple of the group size:
+
+    stage  bf16                                   powersgd
+    1      all-reduce, as above                   all-reduce of the parts, as above
+    2, 3   reduce-scatter in bf16                 all-reduce of the parts, then each rank keeps
+           (`Bf16Feedback.launch_scatter`)        its shard of M_hat (no reduce-scatter form)
+
+ZeRO-1 all-reduces full gradients anyway, so both methods apply unchanged: the flat holds
+whole parameters, each matrix's view is there, and every rank then steps its own shard.
+
+Under ZeRO-2/3, bf16 becomes a bf16 reduce-scatter: each rank sent the whole flat, so it keeps
+the residual of the whole flat, and the shard it receives is its average. PowerSGD has no
+reduce-scatter form: P and Q are sums over ranks of every rank's product, all-reduced, and
+M_hat = P Q^T is the same on every rank. Reducing the factors and keeping this rank's shard of
+M_hat is exactly PowerSGD's math (the same update as ZeRO-1's, bit for bit), and the factors
+are what the bytes are saved on; the alternative, a reduce-scatter of something, would not be
+PowerSGD. What it costs: M_hat is made whole, in the (padded,) buffer the flat's gradients were
+gathered into before the reduction anyway, and freed when the shard is kept.
+
+The memory both methods cost under ZeRO-2/3, said plainly: error feedback keeps a residual of
+the whole flat per rank across steps (bf16's `residual`, PowerSGD's `errors`), so the gradient
+memory ZeRO-2 saves comes back as compression state, one full gradient per rank. `state()`
+hands it out; `Zero.memory()` counts it under "grads".
 """
 
 from __future__ import annotations
@@ -45,6 +69,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .buckets import low_rank_shape
+from .collectives import reduce_scatter_single
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,10 @@ class BucketCompressor(Protocol):
         """Start reducing `flat` (the bucket's gradients, (numel,)); on `wait()` it holds the average."""
         ...
 
+    def state(self) -> list[Tensor]:
+        """The tensors it keeps across steps (error feedback, warm starts), for memory counts."""
+        ...
+
 
 def compressor(compression: Compression, params: Sequence[Tensor], index: int) -> BucketCompressor:
     """The compressor of bucket `index`, which holds `params` (in bucket order)."""
@@ -93,11 +122,11 @@ class Bf16Feedback:
     def __init__(self) -> None:
         self.residual: Tensor | None = None  # (numel,) in the gradients' dtype
 
+    def state(self) -> list[Tensor]:
+        return [self.residual] if self.residual is not None else []
+
     def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
-        if self.residual is not None:
-            flat.add_(self.residual)
-        sent = flat.to(torch.bfloat16)
-        self.residual = flat - sent.to(flat.dtype)
+        sent = self._rounded(flat)
         work = dist.all_reduce(sent, group=group, async_op=True)
 
         def finish() -> list[int]:
@@ -105,7 +134,40 @@ class Bf16Feedback:
             flat.copy_(sent).div_(divisor)
             return []
 
-        return Reduction([sent.numel() * sent.element_size()], finish)
+        return Reduction([sent.nbytes], finish)
+
+    def launch_scatter(
+        self, flat: Tensor, group: dist.ProcessGroup, divisor: int, *, via_all_reduce: bool
+    ) -> tuple[Reduction, Tensor]:
+        """ZeRO-2/3: `flat` (padded,) reduce-scattered in bf16. Returns the reduction and this
+        rank's (S,) shard, which holds its part of the average (in `flat`'s dtype) once `wait()`
+        returns. `via_all_reduce`: issued as an all-reduce of which this rank keeps its shard
+        (gloo's reduce-scatter is slower than its all-reduce: `zero_grads.py`)."""
+        sent = self._rounded(flat)  # (padded,) bf16
+        size = flat.numel() // dist.get_world_size(group)  # S
+        rank = dist.get_rank(group)
+        if via_all_reduce:
+            work = dist.all_reduce(sent, group=group, async_op=True)
+            received = sent[rank * size : (rank + 1) * size]
+        else:
+            received = sent.new_empty(size)  # (S,) bf16
+            work = reduce_scatter_single(received, sent, group=group, async_op=True)
+        shard = flat.new_empty(size)  # (S,)
+
+        def finish() -> list[int]:
+            work.wait()
+            shard.copy_(received).div_(divisor)
+            return []
+
+        return Reduction([sent.nbytes], finish), shard
+
+    def _rounded(self, flat: Tensor) -> Tensor:
+        """`flat` plus last step's residual, in bf16; the rounding it drops becomes the residual."""
+        if self.residual is not None:
+            flat.add_(self.residual)
+        sent = flat.to(torch.bfloat16)
+        self.residual = flat - sent.to(flat.dtype)
+        return sent
 
 
 class PowerSGD:
@@ -137,6 +199,9 @@ class PowerSGD:
             _orthonormalize_(q)
         self.q_flat = self.q_flat.to(device)
         self.qs = _split(self.q_flat, [(cols, self.rank) for _, _, cols in self.matrices])
+
+    def state(self) -> list[Tensor]:
+        return [*self.errors, self.q_flat]
 
     def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
         self.steps += 1

@@ -47,6 +47,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +55,8 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from . import watchdog
+from .compression import Compression
+from .disk_offload import rank_folder
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
@@ -65,17 +68,20 @@ from .zero_optim import OwnElements, ShardedOptimizer, load_buffers, read_steps,
 @dataclass(frozen=True)
 class ZeroOptions:
     """How to shard a module's training state over a data-parallel group: the plan's
-    `data_parallel` block (`zero`, `bucket`, `offload`, the reduce precision) and which params
-    get weight decay. `reduce_dtype=None` reduces in the params' dtype. `decay(name, param)`
+    `data_parallel` block (`zero`, `bucket`, `offload`, `compress`, the reduce precision) and which
+    params get weight decay. `reduce_dtype=None` reduces in the params' dtype. `decay(name, param)`
     (default: every param), like `make_optimizer`'s rule of no decay on 1-D params: the others
-    go in their own flats and a second param group with `weight_decay` 0."""
+    go in their own flats and a second param group with `weight_decay` 0. `offload_dir` puts the
+    optimizer's state in files under `offload_dir/rank{r}` instead (`runtime/disk_offload.py`)."""
 
     stage: int = 1
     bucket_bytes: int = 25 * 2**20
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_dir: Path | None = None
     reduce_dtype: torch.dtype | None = None
     decay: Callable[[str, nn.Parameter], bool] | None = None
+    compression: Compression | None = None  # the gradient reductions made lossy (`zero_grads.py`)
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -194,6 +200,7 @@ class Zero(Accumulates):
             record=self._record,
             axis=axis,
             divisor=divisor,
+            compression=options.compression,
         )
         self._issued: Counter[tuple[str, int]] = Counter()
         self._last_issued: Counter[tuple[str, int]] = Counter()
@@ -209,6 +216,7 @@ class Zero(Accumulates):
         """Build `config`'s optimizer over this rank's fp32 shards (once,
         before the first step). The engine itself is what the loop steps: `step()` finishes the
         reduction, updates the shards and shares the new params."""
+        folder = self.options.offload_dir
         self._optim = ShardedOptimizer(
             self.flats,
             self.group,
@@ -216,6 +224,7 @@ class Zero(Accumulates):
             device=self.device,
             offload=self.options.offload_optimizer,
             config=config,
+            disk=None if folder is None else rank_folder(folder, dist.get_rank()),
         )
         return self
 
@@ -345,11 +354,8 @@ class Zero(Accumulates):
         """
         rows: Counter[tuple[str, int]] = Counter()
         for f in self.flats:
-            grad_bytes = self._grads.wire_bytes(f)
-            if self.options.stage == 1:
-                rows["all_reduce", grad_bytes] += 1
-            else:
-                rows["reduce_scatter", grad_bytes] += 1
+            for op, grad_bytes in self._grads.wire(f):
+                rows[op, grad_bytes] += 1
             if self.options.stage < 3:
                 rows["all_gather", f.full_nbytes()] += 1
         for u in self.units:
@@ -375,6 +381,7 @@ class Zero(Accumulates):
             if t is not None
         )
         grads += sum(_storage_bytes(p.buffer, seen) for p in self._grads.pending)  # in flight
+        grads += sum(_storage_bytes(t, seen) for t in self._grads.state())  # `compress`'s residuals
         optimizer = 0
         if self._optim is not None:  # built by `optimizer()`
             state = self._optim.optimizer.state

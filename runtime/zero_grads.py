@@ -10,6 +10,11 @@ On gloo, stages 2 and 3 issue their reduce-scatter as an all-reduce of which eac
 keeps its shard: gloo's own reduce-scatter is slower than its all-reduce of the same
 tensor (11.2 vs 8.5 ms for 8 MB on 2 CPU ranks). Ledgers still list the reduce-scatter;
 NCCL runs the real one.
+
+Under `compress` each flat has a compressor (`compression.py`, whose docstring has the table
+of what each stage sends): stage 1, and PowerSGD at every stage, reduce the whole flat as
+plain data parallelism reduces a bucket (stages 2/3 then keep their shard of it); bf16 under
+stages 2/3 is a bf16 reduce-scatter.
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import watchdog
+from .buckets import zero_compressed_wire
 from .collectives import reduce_scatter_single
+from .compression import Bf16Feedback, Compression, compressor
 from .grad_sync import sum_of_squares
 from .zero_flats import Flat
 from .zero_nodes import MAX_IN_FLIGHT
 
 
 class _Pending(NamedTuple):
-    """A gradient reduction in flight: wait for `work`, then `finish` (which keeps the result)."""
+    """A gradient reduction in flight: `wait` for it, then `finish` (which keeps the result)."""
 
-    work: Any
+    wait: Callable[[], Any]
     finish: Callable[[], None]
     buffer: Tensor  # the full-size gradients being reduced (counted by `Zero.memory()`)
     op: str
@@ -40,7 +47,8 @@ class _Pending(NamedTuple):
 
 class ShardedGrads:
     """The gradients of `flats`, averaged over `group`: launched per flat, at most
-    `MAX_IN_FLIGHT` reductions running at once; `record(op, nbytes)` counts each collective."""
+    `MAX_IN_FLIGHT` reductions running at once; `record(op, nbytes)` counts each collective.
+    `compression`: each flat's reduction made lossy (the module docstring), in the gradients' dtype."""
 
     def __init__(
         self,
@@ -52,8 +60,16 @@ class ShardedGrads:
         record: Callable[[str, int], None],
         axis: str,
         divisor: int | None = None,
+        compression: Compression | None = None,
     ) -> None:
+        if compression is not None and reduce_dtype is not None:
+            raise ValueError("ZeRO: a compressed flat is reduced in the gradients' dtype, not another")
         self.flats, self.group, self.stage, self.axis = flats, group, stage, axis
+        self.compression = compression
+        # each flat's compressor, seeded by its index (the same on every rank), keeping its state across steps
+        self.compressors = (
+            {id(f): compressor(compression, f.params, i) for i, f in enumerate(flats)} if compression else {}
+        )
         self.reduce_dtype = reduce_dtype  # None: the params' dtype
         self.world = dist.get_world_size(group)
         self.divisor = divisor or self.world  # `DataParallel`'s
@@ -64,39 +80,80 @@ class ShardedGrads:
     def dtype(self, f: Flat) -> torch.dtype:
         return self.reduce_dtype or f.dtype
 
-    def wire_bytes(self, f: Flat) -> int:
-        """Bytes of one reduction of `f`, as the ledger counts them (the full padded tensor)."""
-        return f.padded * torch.empty((), dtype=self.dtype(f)).element_size()
+    def wire(self, f: Flat) -> list[tuple[str, int]]:
+        """(op, bytes) of each collective reducing `f` once, as the ledger counts them (the full
+        padded tensor; under `compress`, `buckets.zero_compressed_wire`'s, after PowerSGD's warm-up)."""
+        if self.compression is None:
+            op = "all_reduce" if self.stage == 1 else "reduce_scatter"
+            return [(op, f.padded * torch.empty((), dtype=self.dtype(f)).element_size())]
+        method, rank = self.compression.method, self.compression.rank
+        return [(op, b) for op, _, b in zero_compressed_wire(f.params, f.padded, self.stage, method, rank)]
+
+    def state(self) -> list[Tensor]:
+        """The compressors' tensors kept across steps (`compression.py`: a full-size residual per flat)."""
+        return [t for c in self.compressors.values() for t in c.state()]
 
     def start(self, f: Flat) -> None:
         """Launch the reduction of one flat's grads and free the full-size grads (stages 2/3)."""
         flat = f.flat_grads(self.dtype(f))  # (padded,)
         for p in f.params:
             p.grad = None
+        if id(f) in self.compressors:
+            self._start_compressed(f, flat)
+            f.reduced = True
+            self.drain(keep=MAX_IN_FLIGHT)
+            return
         op = "all_reduce" if self.stage == 1 else "reduce_scatter"
         self._record(op, flat.nbytes)
+        own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
         finish: Callable[[], None]
         if self.stage == 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            finish = functools.partial(self._finish_all_reduce, f, flat)
+            finish = lambda: self._keep_full(f, flat.div_(self.divisor))  # noqa: E731
         elif self._gloo:  # gloo's reduce-scatter is slower than its all-reduce: reduce all, keep ours
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
-            finish = lambda: self._finish_reduce_scatter(f, flat[own].clone())  # noqa: E731
+            finish = lambda: self._keep_shard(f, flat[own].clone().div_(self.divisor))  # noqa: E731
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
             work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
-            finish = functools.partial(self._finish_reduce_scatter, f, out)
-        self.pending.append(_Pending(work, finish, flat, op))
+            finish = lambda: self._keep_shard(f, out.div_(self.divisor))  # noqa: E731
+        self.pending.append(_Pending(work.wait, finish, flat, op))
         f.reduced = True
         self.drain(keep=MAX_IN_FLIGHT)
+
+    def _start_compressed(self, f: Flat, flat: Tensor) -> None:
+        """`start` under `compress`: bf16 under stages 2/3 as a bf16 reduce-scatter; otherwise the
+        whole (padded,) flat reduced as plain data parallelism reduces a bucket, of which stages
+        2/3 keep their shard (PowerSGD's M_hat is whole until then: `compression.py`)."""
+        c = self.compressors[id(f)]
+        own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
+        finish: Callable[[], None]
+        if self.stage > 1 and isinstance(c, Bf16Feedback):
+            op = "reduce_scatter"
+            reduction, shard = c.launch_scatter(flat, self.group, self.divisor, via_all_reduce=self._gloo)
+            finish = functools.partial(self._keep_shard, f, shard)
+        else:
+            op = "all_reduce"
+            reduction = c.launch(flat, self.group, self.divisor)
+            if self.stage == 1:
+                finish = functools.partial(self._keep_full, f, flat)
+            else:
+                finish = lambda: self._keep_shard(f, flat[own].clone())  # noqa: E731
+        for nbytes in reduction.launched:
+            self._record(op, nbytes)
+
+        def wait() -> None:
+            for nbytes in reduction.wait():  # PowerSGD's Q, all-reduced once P is
+                self._record("all_reduce", nbytes)
+
+        self.pending.append(_Pending(wait, finish, flat, op))
 
     def drain(self, keep: int) -> None:
         """Finish the oldest reductions until `keep` are left: bounds the full-size buffers alive."""
         while len(self.pending) > keep:
             pending = self.pending.pop(0)
             watchdog.note(pending.op, self.axis, watchdog.size_text(pending.buffer.nbytes), self.group)
-            pending.work.wait()
+            pending.wait()
             pending.finish()
 
     def finish(self, *, sync: bool) -> None:
@@ -110,14 +167,15 @@ class ShardedGrads:
                         f.free_full()
         self.drain(keep=0)
 
-    def _finish_all_reduce(self, f: Flat, flat: Tensor) -> None:
-        f.full_grad = flat.div_(self.divisor).to(f.dtype)  # (padded,) averaged
+    def _keep_full(self, f: Flat, averaged: Tensor) -> None:
+        """Stage 1: `averaged` (padded,) is the flat's gradient; the params' grads view it."""
+        f.full_grad = averaged.to(f.dtype)
         for p, off, n in zip(f.params, f.offsets, f.numels, strict=True):
             p.grad = f.full_grad[off : off + n].view_as(p)
 
-    def _finish_reduce_scatter(self, f: Flat, shard: Tensor) -> None:
-        shard.div_(self.divisor)  # (S,) averaged, in the reduce dtype
-        f.grad_shard = shard if f.grad_shard is None else f.grad_shard + shard
+    def _keep_shard(self, f: Flat, averaged: Tensor) -> None:
+        """Stages 2/3: `averaged` (S,), in the reduce dtype, is this rank's shard of the gradient."""
+        f.grad_shard = averaged if f.grad_shard is None else f.grad_shard + averaged
 
     # ------------------------------------------------------------ the averaged gradient
 

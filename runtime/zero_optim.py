@@ -4,8 +4,13 @@ parameter name for checkpoints. Only elementwise optimizers step a shard as they
 (`optimizers.ELEMENTWISE`): Adafactor is refused here, as the plan checker refuses it.
 
 The master copy is the shard itself when the shard is fp32 and on the optimizer's device;
-otherwise (bf16/fp16 parameters, or the state offloaded to the CPU) an fp32 copy that each
-step writes back into the shard. LR schedulers work on `ShardedOptimizer.optimizer` unchanged.
+otherwise (bf16/fp16 parameters, or the state offloaded to the CPU or to disk) an fp32 copy that
+each step writes back into the shard. LR schedulers work on `ShardedOptimizer.optimizer` unchanged.
+
+Offloaded to disk (`disk`: this rank's folder), the masters and moments live in files between
+steps (`runtime/disk_offload.py`) and the step goes flat by flat, each one `optimizer.step()`
+over the only master with a gradient: the same elementwise arithmetic as one step over all of
+them, so a run is bit-identical to the same run offloaded to the CPU.
 
 Checkpoints do not see flats: `own_elements()` gives, per parameter name, where this rank's
 elements lie in the parameter and views of its value and moments there, and `training_state`
@@ -16,7 +21,8 @@ the whole tensor).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .buckets import fusable
+from .disk_offload import DiskState
 from .grad_sync import Elements, Held, OptimizerSettings, TrainingState
 from .optimizers import ELEMENTWISE, build, initial_state
 from .zero_flats import Flat
@@ -35,7 +42,7 @@ OwnElements = dict[str, dict[str, Elements]]  # name -> "master" and each state 
 class ShardedOptimizer:
     """The plan's optimizer over the fp32 masters of `flats` (this rank's shards); decayed and
     undecayed flats (`decays` by id of a flat's first param: a flat holds only one class) in two
-    param groups."""
+    param groups. `offload` keeps the state on the CPU; `disk` (a folder) in files there."""
 
     def __init__(
         self,
@@ -46,6 +53,7 @@ class ShardedOptimizer:
         device: torch.device,
         offload: bool,
         config: OptimizerSettings,
+        disk: Path | None = None,
     ) -> None:
         if config.optimizer.kind not in ELEMENTWISE:
             raise ValueError(
@@ -53,7 +61,8 @@ class ShardedOptimizer:
                 f"(the elementwise optimizers are {', '.join(sorted(ELEMENTWISE))})"
             )
         self.flats, self.group, self.choice = flats, group, config.optimizer
-        self.opt_device = torch.device("cpu") if offload else device
+        self.opt_device = torch.device("cpu") if offload or disk is not None else device
+        self.on_disk = disk is not None
         self.masters = [self._master_for(f) for f in flats]
         param_groups: list[dict[str, Any]] = [
             {
@@ -72,10 +81,16 @@ class ShardedOptimizer:
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
             self.optimizer.state[m] = initial_state(self.choice, m)
+        self.disk = None
+        if disk is not None:
+            keys = self.choice.state_keys
+            self.disk = DiskState(
+                disk, [[m, *(self.optimizer.state[m][k] for k in keys)] for m in self.masters]
+            )
 
     def _master_for(self, f: Flat) -> Tensor:
         """The fp32 tensor the optimizer updates: the shard itself when it is fp32 and already in place."""
-        if f.dtype == torch.float32 and f.shard.device == self.opt_device:
+        if f.dtype == torch.float32 and f.shard.device == self.opt_device and not self.on_disk:
             return f.shard
         return f.shard.detach().to(self.opt_device, torch.float32, copy=True)
 
@@ -85,31 +100,40 @@ class ShardedOptimizer:
         gradient at all this step (`Flat.missing`) is left as it was, value and state, as the
         optimizer on one device leaves a parameter whose `.grad` is None (no weight decay, no
         moment decay)."""
-        for f, master in zip(self.flats, self.masters, strict=True):
+        if self.disk is None:
+            self._step(range(len(self.flats)))
+        else:
+            for i in self.disk.walk():  # flat i in memory, i + 1 being read, i - 1 written
+                self._step([i])
+
+    def _step(self, indices: Iterable[int]) -> None:
+        """`step` over the flats at `indices` (the others have no gradient, so the optimizer skips them)."""
+        chosen = [(self.flats[i], self.masters[i]) for i in indices]
+        for f, master in chosen:
             grad = f.own_grad()
             master.grad = (
                 torch.zeros_like(master) if grad is None else grad.to(self.opt_device, torch.float32)
             )
-        untouched = self._untouched()
+        untouched = self._untouched(chosen)
         self.optimizer.step()
         with torch.no_grad():
             for t, kept in untouched:
                 t.copy_(kept)
-        for f, master in zip(self.flats, self.masters, strict=True):
+        for f, master in chosen:
             master.grad = None
             if master is not f.shard:
                 with torch.no_grad():
                     f.shard.copy_(master)  # fp32 master -> bf16 shard, or CPU -> device
 
-    def _untouched(self) -> list[tuple[Tensor, Tensor]]:
+    def _untouched(self, chosen: Sequence[tuple[Flat, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         """(view, copy of it) of this rank's elements of each parameter without a gradient, in
-        the master and its state: what `step` puts back after the optimizer's."""
-        missing = frozenset[str]().union(*(f.missing for f in self.flats))
+        the master and its state of the `chosen` flats: what `step` puts back after the optimizer's."""
+        missing = frozenset[str]().union(*(f.missing for f, _ in chosen))
         if not missing:
             return []
         return [
             (held.data, held.data.clone())
-            for name, elements in self.own_elements().items()
+            for name, elements in self._elements(chosen).items()
             if name in missing
             for held in elements.values()
         ]
@@ -117,9 +141,16 @@ class ShardedOptimizer:
     def own_elements(self) -> OwnElements:
         """This rank's elements of every parameter's fp32 value ("master") and its state
         (`OptimizerChoice.state_keys`), by name, as views of the masters and the optimizer's
-        state (`Zero.own_elements`)."""
+        state (`Zero.own_elements`). Offloaded to disk, every flat is read into memory first,
+        where a checkpoint reads or writes it, until the next step writes it back."""
+        if self.disk is not None:
+            self.disk.fetch_all()
+        return self._elements(list(zip(self.flats, self.masters, strict=True)))
+
+    def _elements(self, chosen: Sequence[tuple[Flat, Tensor]]) -> OwnElements:
+        """`own_elements` of the `chosen` (flat, master) pairs, which must be in memory."""
         out = {}
-        for f, master in zip(self.flats, self.masters, strict=True):
+        for f, master in chosen:
             state = self.optimizer.state[master]
             tensors = {MASTER: master} | {key: state[key] for key in self.choice.state_keys}
             shapes = dict(zip(f.names, (p.shape for p in f.params), strict=True))
@@ -142,7 +173,8 @@ class ShardedOptimizer:
 
     def loaded(self, steps: Mapping[str, Tensor]) -> None:
         """After a checkpoint was read into `own_elements()`'s views: each flat's step, and the
-        masters copied into the shards they stand for (the caller refreshes gathered copies)."""
+        masters copied into the shards they stand for (the caller refreshes gathered copies);
+        offloaded to disk, the state written back to its files."""
         with torch.no_grad():
             for f, master in zip(self.flats, self.masters, strict=True):
                 if self.choice.counts_steps:
@@ -150,6 +182,8 @@ class ShardedOptimizer:
                     self.optimizer.state[master]["step"] = step
                 if master is not f.shard:
                     f.shard.copy_(master)
+        if self.disk is not None:
+            self.disk.put_back()
 
 
 def training_state(

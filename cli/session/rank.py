@@ -69,6 +69,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.load import load_model
     from meshplan.compiler.lower import build_rank_program, place
+    from meshplan.options import offload_dir
     from meshplan.pretrained import open_init
     from meshplan.runtime.expert_list import stacked_lists
     from meshplan.runtime.hollow import fill
@@ -97,7 +98,7 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
     rank_program = place(rank_program, device)
     pipeline = pipeline_rank(plan, program, rank_program, mesh, rank) if plan.pipeline is not None else None
     held = pipeline.parts.held if pipeline is not None else rank_program  # its stages' parameters
-    sync = gradient_sync(plan, program, held, mesh, pipeline)
+    sync = gradient_sync(plan, program, held, mesh, pipeline, offload_dir=offload_dir(options))
     fill(held)  # what no engine shards (a frozen parameter) is made whole
     axes, microbatches = sync.axes, pipeline_microbatches(plan, program.layout)
     batches = _batches(options, source, plan, axes, microbatches, rank)

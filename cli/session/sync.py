@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, cast
 
 from meshplan.dsl.axes import axes_of
+from meshplan.errors import RunError
 
 if TYPE_CHECKING:
     import torch
@@ -49,9 +51,12 @@ def gradient_sync(
     rank_program: fx.GraphModule,
     mesh,
     pipeline: PipelineRank | None,
+    *,
+    offload_dir: Path | None = None,
 ) -> Sync:
     """The engine and the axes of a rank that holds `rank_program`'s parameters (under a
-    pipeline, its stages' parameters, which its stage programs run)."""
+    pipeline, its stages' parameters, which its stage programs run). `offload_dir`: where
+    `offload = optimizer:disk` keeps the state (`cli/options.offload_dir`)."""
     layout = program.layout
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
@@ -59,12 +64,25 @@ def gradient_sync(
     experts = tuple(a for a in layout.names if a in experts_over)
     engine: Engine | None = None
     host = _host_names(rank_program)
+    if dp_spec is not None and dp_spec.optimizer_on_disk and (host or experts or program.grad_sums):
+        # these build several ZeRO engines per rank, each of which would need files of its own
+        why = (
+            "`on cpu` rules"
+            if host
+            else "`experts` rules"
+            if experts
+            else "a weight whose gradient is partial"
+        )
+        raise RunError(
+            f"`offload = optimizer:disk` composes with one ZeRO engine per rank only, not yet with {why} "
+            "(hint: use `offload = optimizer` to keep the state in host memory)"
+        )
     if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
         dp_group = mesh.get_group(dp_axis)
         if host:
             engine = _host_apart(rank_program, dp_group, dp_spec, plan, host, layout)
         elif dp_spec.zero > 0:
-            engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline)
+            engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline, offload_dir)
         else:
             from meshplan.runtime.data_parallel import DataParallel
 
@@ -264,9 +282,11 @@ def shard_for_zero(
     dp_spec: DataParallelSpec,
     plan: Plan,
     pipeline: PipelineRank | None,
+    offload_dir: Path | None = None,
 ) -> Zero:
     """ZeRO over the dp group, from dp rank 0's initial params; `train` builds its AdamW
-    (`Zero.optimizer`) with the run's settings.
+    (`Zero.optimizer`) with the run's settings, its state in files under `offload_dir` when the
+    plan offloads it to disk.
 
     The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
     ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
@@ -282,7 +302,9 @@ def shard_for_zero(
     return shard_for_zero(
         rank_program,
         dp_group,
-        _zero_options(dp_spec, plan),
+        dataclasses.replace(
+            _zero_options(dp_spec, plan), offload_dir=offload_dir if dp_spec.optimizer_on_disk else None
+        ),
         axis=dp_spec.axis,
         programs=_stage_programs(pipeline),
         alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
@@ -304,8 +326,8 @@ def _late(rank_program: fx.GraphModule, pipeline: PipelineRank | None) -> list[n
 
 
 def compression(dp_spec: DataParallelSpec) -> Compression | None:
-    """The plan's `compress` as the plain data-parallel engine takes it (`dsl.check` and the
-    compiler refuse it wherever another engine would reduce the gradients)."""
+    """The plan's `compress` as the plain data-parallel and ZeRO engines take it (`dsl.check` and
+    the compiler refuse it wherever another engine would reduce the gradients)."""
     from meshplan.runtime.compression import Compression
 
     c = dp_spec.compress
@@ -331,4 +353,5 @@ def _zero_options(dp_spec: DataParallelSpec, plan: Plan) -> ZeroOptions:
         offload_params=dp_spec.offload_params,
         reduce_dtype=_reduce_dtype(plan),
         decay=decays,
+        compression=compression(dp_spec),
     )

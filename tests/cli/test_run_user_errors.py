@@ -213,3 +213,34 @@ def test_between_steps_with_a_pipeline_is_refused_before_the_workers(
     assert "meshplan: error: --between-steps with a pipeline is not supported yet" in one_error(
         done, tmp_path
     )
+
+
+DISK_PLAN = "mesh dp=2\ndata_parallel over dp {\n    zero = 1\n    offload = optimizer:disk\n}\n"
+
+
+def test_an_offload_dir_that_cannot_be_written_is_one_error(capsys: pytest.CaptureFixture[str]) -> None:
+    Path("disk.plan").write_text(DISK_PLAN)
+    Path("a-file").write_text("")
+    r = meshplan("run", "disk.plan", *SHAPES, "--offload-dir", "a-file/offload", capsys=capsys)
+    assert r.returncode == 2
+    assert r.stderr == (
+        "meshplan: error: `offload = optimizer:disk` cannot write its files in a-file/offload: "
+        "Not a directory (hint: pass --offload-dir with a writable folder)\n"
+    )
+
+
+def test_a_disk_too_small_for_the_offloaded_state_is_one_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    Path("disk.plan").write_text(DISK_PLAN)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 2**20, 2**20)
+    )
+    r = meshplan("run", "disk.plan", *SHAPES, capsys=capsys)
+    assert r.returncode == 2
+    assert r.stderr.startswith("meshplan: error: --offload-dir run/offload has 1 MiB free, but ")
+    assert r.stderr.endswith("(hint: free space, or pass --offload-dir on a larger disk)\n")
+    assert r.stderr.count("\n") == 1
+    assert not Path("run/program.pt").exists()  # refused before the compile and the workers

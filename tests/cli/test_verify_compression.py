@@ -1,6 +1,7 @@
 """`compress` end to end: `explain` shows the compressed bytes, `verify` holds a compressed plan
-to the convergence of the same plan uncompressed (and says so), on plain data parallelism and
-on tensor x data parallelism (the same engine, over the dp groups of each tp shard)."""
+to the convergence of the same plan uncompressed (and says so), on plain data parallelism, on
+tensor x data parallelism (the same engine, over the dp groups of each tp shard), and under
+ZeRO-1 (PowerSGD) and ZeRO-2 (bf16, a bf16 reduce-scatter)."""
 
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from meshplan.verify import render, verify
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = f"{ROOT}/examples/models/llama.py:build"
 DP = "mesh dp=2\n\ndata_parallel over dp {{\n    compress = {compress}\n}}\n"
+ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = %d\n    compress = {compress}\n}}\n"
 TP_DP = """mesh dp=2, tp=2
 
 modules {{
@@ -45,8 +47,8 @@ def write(tmp_path: Path, text: str) -> str:
 
 @pytest.mark.parametrize(
     ("template", "compress"),
-    [(DP, "bf16"), (TP_DP, "powersgd(rank=2)")],
-    ids=["dp-bf16", "tp-x-dp-powersgd"],
+    [(DP, "bf16"), (TP_DP, "powersgd(rank=2)"), (ZERO % 1, "powersgd(rank=2)"), (ZERO % 2, "bf16")],
+    ids=["dp-bf16", "tp-x-dp-powersgd", "zero1-powersgd", "zero2-bf16"],
 )
 def test_verify_holds_compression_to_the_uncompressed_run(tmp_path, template, compress):
     report = verify(write(tmp_path, template.format(compress=compress)), LLAMA, steps=3)
@@ -72,3 +74,25 @@ def test_explain_shows_the_compressed_bytes():
     assert f"{half / 1e6:.3f} MB per step instead of {exact / 1e6:.3f} MB" in bf16
     assert "gradients compressed (powersgd(rank=1, warmup=5), line 4)" in powersgd
     assert "the first 5 steps uncompressed" in powersgd
+
+
+def test_explain_shows_what_zero_sends_compressed():
+    """Under ZeRO-2 bf16 is a reduce-scatter of half the bytes, PowerSGD all-reduces its factors;
+    explain says what error feedback costs the memory ZeRO-2 saves."""
+
+    def reductions(text: str) -> tuple[dict[str, int], str]:
+        compiled = compile_plan(check_text(text, "c.plan"), load_model(LLAMA), world_size=2)
+        rows = [r for r in compiled.ledger.rows if r.kind == "zero_bucket" and r.phase == "backward"]
+        ops: dict[str, int] = {}
+        for r in rows:
+            ops[r.op] = ops.get(r.op, 0) + r.bytes * r.count
+        return ops, explain(compiled)
+
+    exact, _ = reductions("mesh dp=2\n\ndata_parallel over dp {\n    zero = 2\n}\n")
+    bf16, bf16_text = reductions((ZERO % 2).format(compress="bf16"))
+    low, powersgd_text = reductions((ZERO % 2).format(compress="powersgd(rank=1)"))
+    assert bf16 == {"reduce_scatter": exact["reduce_scatter"] // 2}
+    assert set(low) == {"all_reduce"} and low["all_reduce"] < exact["reduce_scatter"] / 10
+    assert "under ZeRO-2: reduce-scattered in bf16" in bf16_text
+    assert "P and Q all-reduced (no reduce-scatter form)" in powersgd_text
+    assert "error feedback keeps a residual of every gradient" in powersgd_text

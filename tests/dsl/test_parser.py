@@ -108,6 +108,8 @@ def test_rule_actions(action: str, node: A.Action) -> None:
         ("data_parallel", "offload = optimizer", ("optimizer",), "optimizer"),
         ("data_parallel", "offload = optimizer, params", ("optimizer", "params"), "optimizer, params"),
         ("data_parallel", "offload = none", (), "none"),
+        ("data_parallel", "offload = optimizer:disk", ("optimizer:disk",), "optimizer:disk"),
+        ("data_parallel", "offload = optimizer:cpu, params", ("optimizer", "params"), "optimizer, params"),
         ("precision", "compute = bf16", "bf16", "bf16"),
         ("precision", "params = fp32", "fp32", "fp32"),
         ("precision", "grads = fp16", "fp16", "fp16"),

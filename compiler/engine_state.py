@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from meshplan.dsl.optimizer import OptimizerSpec
-from meshplan.runtime.buckets import bucket_params, decays, group_by_kind
+from meshplan.runtime.buckets import bucket_params, decays, feedback_bytes, group_by_kind
 
 from .optimizer_state import shard_state_bytes, whole_state_bytes
 
@@ -60,6 +60,7 @@ def state_of(
     bucketed: Callable[[str], bool] = lambda name: False,
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
     optimizer: OptimizerSpec | None = None,
+    compress: tuple[str, int] | None = None,
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
     `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
@@ -70,7 +71,10 @@ def state_of(
     `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket).
     `optimizer`: the plan's, whose state is counted (`optimizer_state.py`; None: AdamW).
     `on_disk`: the optimizer's state is in files (`State.disk`), the host holding the
-    `DISK_RESIDENT_FLATS` largest flats' of it (the master is always a copy there)."""
+    `DISK_RESIDENT_FLATS` largest flats' of it (the master is always a copy there).
+    `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
+    gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
+    of the whole padded flat)."""
     optimizer = optimizer or OptimizerSpec()
     s = State(engine=engine)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -84,6 +88,10 @@ def state_of(
         # gradients nothing reduces are freed with it
         kept = trainable if engine == "data parallel" else {n: p for n, p in trainable.items() if bucketed(n)}
         s.grads_between_steps = sum(nbytes(p) for p in kept.values()) if engine != "none" else 0
+        if compress is not None:
+            feedback = feedback_bytes(list(trainable.values()), *compress)
+            s.grads += feedback
+            s.grads_between_steps += feedback
         return s
     dec = {id(p): decays(n, p) for n, p in trainable.items()}
     flats: list[tuple[list[str], torch.dtype, torch.dtype]] = []  # names, dtype, gather dtype
@@ -115,6 +123,9 @@ def state_of(
         shard = math.ceil(numel / world)
         padded, size = shard * world, dtype.itemsize
         grad_bytes[i] = padded * size
+        if compress is not None:  # the residual of the whole (padded) flat, or PowerSGD's per matrix
+            bf16 = compress[0] == "bf16"
+            s.grads += padded * size if bf16 else feedback_bytes([trainable[n] for n in names], *compress)
         if zero < 3:
             s.params += padded * size  # every parameter whole, the shard a view
             s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`

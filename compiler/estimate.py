@@ -296,6 +296,7 @@ def estimate(
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
                 optimizer=plan.train.optimizer,
+                compress=(dp.compress.method, dp.compress.rank) if dp is not None and dp.compress else None,
             )
             if on_cpu:
                 kept = state_of(

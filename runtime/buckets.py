@@ -69,6 +69,16 @@ def low_rank_shape(param: Tensor, rank: int) -> tuple[int, int] | None:
     return (rows, cols) if 2 * (rows + cols) * rank < rows * cols else None
 
 
+def feedback_bytes(params: Sequence[Tensor], method: str, rank: int = 0) -> int:
+    """What error feedback keeps across steps for a bucket of `params` (`compression.py`): `bf16`,
+    the residual of every gradient; `powersgd`, each approximated matrix's error and its Q
+    (cols x rank), in the gradients' dtype (the tensors sent whole keep nothing)."""
+    if method == "bf16":
+        return sum(p.numel() * p.element_size() for p in params)
+    shapes = [(p, low_rank_shape(p, rank)) for p in params]
+    return sum((s[0] * s[1] + s[1] * rank) * p.element_size() for p, s in shapes if s is not None)
+
+
 def compressed_wire(params: Sequence[Tensor], method: str, rank: int = 0) -> list[tuple[str, int]]:
     """The all-reduces one bucket of `params` issues under a compression, in issue order, as
     (what, bytes): `bf16`, the whole bucket in bf16; `powersgd`, the tensors sent whole, then

@@ -196,8 +196,11 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         scale_param_grads_(self.params, factor)
 
     def grad_buffers(self) -> list[Tensor]:
-        """The buckets' buffers, which hold the gradients (`.grad` views them) and outlive `zero_grad`."""
-        return [b.buffer for b in self.buckets if b.buffer is not None]
+        """The buckets' buffers, which hold the gradients (`.grad` views them) and outlive
+        `zero_grad`; under `compress`, what error feedback keeps beside them (`compression.py`:
+        bf16's residual, PowerSGD's errors and Q), counted with the gradients."""
+        kept = [t for b in self.buckets if b.compressor is not None for t in b.compressor.state()]
+        return [*(b.buffer for b in self.buckets if b.buffer is not None), *kept]
 
     def _on_grad(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]

@@ -74,7 +74,30 @@ def run(rank: int, tokens: torch.Tensor, tmp: str, name: str) -> dict:
         "ledger": [nbytes for nbytes, _ in dp.ledger()],
         "first_step": [launch.nbytes for launch in dp.launches[: len(dp.buckets)]],
         "bucket_bytes": [b.nbytes for b in dp.buckets],
+        "grads": dp.memory()["grads"],  # the buckets' gradients, and what error feedback keeps
+        "estimated": estimated_grads(model, 0, CASES[name]),
     }
+
+
+def estimated_grads(model: torch.nn.Module, stage: int, compression: Compression | None) -> int:
+    """What `meshplan estimate` counts as this rank's gradient memory (`engine_state.state_of`)
+    beyond the gradients themselves: error feedback's (ZeRO), or with them (plain data parallel)."""
+    from meshplan.compiler.engine_state import state_of
+
+    def grads(compress: tuple[str, int] | None) -> int:
+        params = dict(model.named_parameters())
+        engine = "data parallel" if stage == 0 else "zero"
+        return state_of(
+            params,
+            zero=stage,
+            group_size=lambda n: 2,
+            engine=engine,
+            bucket_bytes=BUCKET_BYTES,
+            compress=compress,
+        ).grads
+
+    compress = (compression.method, compression.rank) if compression is not None else None
+    return grads(compress) if stage == 0 else grads(compress) - grads(None)
 
 
 def run_zero(rank: int, tokens: torch.Tensor, tmp: str, name: str) -> dict:
@@ -101,6 +124,7 @@ def run_zero(rank: int, tokens: torch.Tensor, tmp: str, name: str) -> dict:
         ),
         "exact": sum(f.padded * 4 for f in zero.flats),
         "memory": zero.memory()["grads"],
+        "estimated": estimated_grads(model, stage, compression),
     }
 
 
@@ -176,6 +200,15 @@ def test_error_feedback_is_counted_as_gradient_memory(results: list[dict], name:
     ZeRO-2/3 would hold none."""
     run = results[0][name]
     assert run["memory"] >= run["exact"] - 4 * 2 * 16  # every gradient (less the flats' padding)
+
+
+@pytest.mark.parametrize("name", ["exact", "powersgd", "bf16", *ZERO_CASES])
+def test_estimate_counts_what_error_feedback_keeps(results: list[dict], name: str) -> None:
+    """`meshplan estimate`'s gradient memory is the engine's, error feedback included: plain data
+    parallelism's buckets and feedback, ZeRO's feedback (what is left once `zero_grad` dropped
+    the gradients)."""
+    run = results[0][name]
+    assert run["estimated"] == (run["grads"] if "grads" in run else run["memory"]), name
 
 
 def test_warm_up_steps_send_the_whole_buckets(results: list[dict]) -> None:

@@ -1,4 +1,5 @@
-"""Session-wide fixtures, the order modules run in, and one compute thread per test process.
+"""Session-wide fixtures, the order modules run in, one compute thread per test process, and no
+hardware entry measured on this machine.
 
 Two test processes share the cores with the gloo processes of their multi-process tests
 (each on one thread, as `meshplan run`'s workers are): a test process on as many threads as
@@ -6,8 +7,13 @@ cores would oversubscribe them, its threads spinning while they wait for a core.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by gloo_pool)
+# hardware entries `meshplan estimate --calibrate` measured on this machine are not the tests':
+# every test prices with the shipped table, as on a fresh machine (a test that calibrates writes
+# into a folder of its own)
+os.environ["MESHPLAN_CONFIG"] = tempfile.mkdtemp(prefix="meshplan-config-")
 
 from collections.abc import Iterator
 

@@ -334,3 +334,50 @@ def execute(argv: list[str], capfd) -> tuple[int, str, str]:
     program = [sys.executable] if argv[0] == "python" else [argv[0]]
     done = subprocess.run([*program, *argv[1:]], capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout, done.stderr
+
+
+# ---------------------------------------------------------------------------- the generated reference
+
+
+def test_the_generated_reference_names_every_command_and_statement() -> None:
+    """docs/hooks.py writes the reference pages' generated parts from meshplan's own parsers and
+    grammar: every subcommand, every option, every statement and every table's name is there,
+    and every marker a page holds names a part the hook knows."""
+    import importlib.util
+
+    from meshplan.dsl.settings import COMPRESS_METHODS
+    from meshplan.grammar import OPTIMIZERS, SCHEDULES, grammar_text
+    from meshplan.main import build_parser
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+
+    cli = hooks.generate("cli")
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in [*sub.choices, "run"]:
+        assert f"## meshplan {name}\n" in cli, f"`meshplan {name}` is not in the CLI reference"
+    for name, parser in hooks.subcommands().items():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS:  # hidden on purpose (the launcher's own)
+                continue
+            for flag in action.option_strings:
+                assert flag in cli or flag in ("-h", "--help"), f"`meshplan {name} {flag}` is not documented"
+
+    grammar = hooks.generate("grammar")
+    statements = re.findall(r"^_statement:(.*?)\n\n", grammar_text(), flags=re.M | re.S)[0]
+    for statement in re.findall(r"\b[a-z_]+\b", statements):
+        assert f"### `{statement}`" in grammar, f"statement `{statement}` is not in the language reference"
+    for rule in re.findall(r"^[!?]?([a-z][a-z_]*):", grammar_text(), flags=re.M):
+        assert re.search(rf"^[!?]?{rule}:", grammar, flags=re.M), f"grammar rule `{rule}` is not shown"
+
+    tables = hooks.generate("tables")
+    for name in [*SCHEDULES, *OPTIMIZERS, *COMPRESS_METHODS]:
+        assert f"`{name}`" in tables, name
+
+    for document in DOCUMENTS:
+        for marker in hooks.MARKER.findall(document.read_text()):
+            assert hooks.generate(marker), f"{document.relative_to(ROOT)}: empty generated part {marker!r}"
+    with pytest.raises(ValueError, match="unknown generated part"):
+        hooks.generate("nothing")

@@ -23,7 +23,10 @@ command naming files the reader brings (`my.plan`, `hf.py`) that no earlier comm
 skipped with that reason; the install commands (`pip`, `pytest`) are what CI runs itself. A
 block with a title (```` ```python title="hf.py" ````, Material for MkDocs' spelling) is a file
 the reader saves: it is written into the folder where the reader meets it, so the commands after
-it can use it.
+it can use it. A block of output right under a command block (only blank lines or markers
+between) is what that command printed: each line it shows must be printed, in order (`...`
+stands for what the page leaves out; `<!-- docs-test: numbers vary (why) -->` above it where
+timings or rounding make the numbers the machine's), so a changed output fails here too.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ SKIP = re.compile(
     r"<!--\s*docs-test:\s*skip,\s*((?:needs several nodes|needs a GPU|a benchmark)[^>]*?)\s*-->"
 )
 EXITS = re.compile(r"<!--\s*docs-test:\s*exits (\d+)")
+NUMBER = r"[-+]?\d[\d,.]*(?:e[-+]?\d+)?"  # 7,905 / 5.5560 / 1.50e-04
+MARKER = re.compile(r"^\s*<!--\s*docs-test:")
 INSTALL = ("pip", "pytest")
 # arguments that name what a command writes: never required to exist before it
 OUTPUT_FLAGS = ("-o", "--out", "--export", ">")
@@ -64,6 +69,8 @@ class Block:
     skip: str | None  # the reason the comment above it gives
     exits: int = 0  # the exit status its commands end with (`<!-- docs-test: exits 1 -->`)
     title: str | None = None  # ```python title="hf.py"```: the file the reader saves it as
+    follows: bool = False  # right after the block before it (blank lines and markers between)
+    numbers_vary: bool = False  # an output whose numbers are the machine's (`docs-test: numbers vary`)
 
     @property
     def where(self) -> str:
@@ -72,7 +79,7 @@ class Block:
 
 def blocks(document: Path) -> list[Block]:
     found, lines = [], document.read_text().splitlines()
-    i = 0
+    i, last_end = 0, None
     while i < len(lines):
         fence = re.match(r"^(```+)\s*(\S*)(?:.*?\btitle=\"([^\"]+)\")?", lines[i])
         if fence is None:
@@ -82,6 +89,8 @@ def blocks(document: Path) -> list[Block]:
         above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         skip, exits = SKIP.search(above), EXITS.search(above)
         text = "\n".join(lines[i + 1 : end])
+        between = lines[last_end + 1 : i] if last_end is not None else ["prose"]
+        follows = all(not line.strip() or MARKER.match(line) for line in between)
         found.append(
             Block(
                 document,
@@ -91,9 +100,11 @@ def blocks(document: Path) -> list[Block]:
                 skip and skip.group(1),
                 int(exits.group(1)) if exits else 0,
                 fence.group(3),
+                follows,
+                "numbers vary" in above,
             )
         )
-        i = end + 1
+        i, last_end = end + 1, end
     return found
 
 
@@ -235,6 +246,12 @@ def test_the_checks_catch_a_renamed_flag_and_a_stale_plan(tmp_path: Path, capsys
     )
     saved, shown = blocks(page)
     assert (saved.title, saved.text, shown.title) == ("hf.py", "x = 1", None)
+    # an output shown under a command: its lines, in order, or the test names the one missing
+    printed = "hf.plan: ok\n  mesh       tp=2  (2 ranks)\nstep 3/50  loss 5.1  4,210 tok/s\n"
+    assert shows("hf.plan: ok\n...\n  mesh tp=2 ...", printed, numbers_vary=False) is None
+    assert shows("  mesh tp=4  (4 ranks)", printed, numbers_vary=False) == "  mesh tp=4  (4 ranks)"
+    assert shows("step 1/50  loss 5.5560  7,905 tok/s", printed, numbers_vary=True) is None
+    assert shows("step 1/50  loss 5.5  7 tok/s", printed, numbers_vary=False) is not None
     capsys.readouterr()  # argparse's own message
 
 
@@ -275,9 +292,47 @@ def runnable(document: Path) -> list[Command | Block]:
     """The document's commands, and the files it has the reader save (a block with a `title`),
     in the order a reader meets them."""
     steps: list[Command | Block] = []
+    previous = None
     for block in (b for b in ALL_BLOCKS if b.document == document):
-        steps += commands(block) if block.info == "bash" else [block] if block.title else []
+        if block.info == "bash":
+            steps += commands(block)
+        elif block.title or is_output(block, previous):
+            steps.append(block)
+        previous = block
     return steps
+
+
+def is_output(block: Block, previous: Block | None) -> bool:
+    """Whether `block` shows what the command block right above it printed."""
+    return (
+        previous is not None
+        and previous.info == "bash"
+        and block.follows
+        and block.info in ("", "text", "console")
+        and not block.title
+        and not is_plan(block)
+    )
+
+
+def shows(shown: str, printed: str, *, numbers_vary: bool) -> str | None:
+    """None when every line `shown` appears in `printed`, in order (`...`, a line of it or in a
+    line, stands for what the page leaves out; spacing is not compared, nor, where they vary,
+    numbers); else the first line that does not."""
+    lines = [" ".join(line.split()) for line in printed.splitlines()]
+    at = 0
+    for line in shown.splitlines():
+        want = " ".join(line.split())
+        if not want or want == "...":
+            continue
+        pattern = ".*".join(  # `...` in a line: what the page leaves out of it
+            NUMBER.join(re.escape(p) for p in (re.split(NUMBER, piece) if numbers_vary else [piece]))
+            for piece in want.split("...")
+        )
+        found = next((i for i in range(at, len(lines)) if re.fullmatch(pattern, lines[i])), None)
+        if found is None:
+            return line
+        at = found + 1
+    return None
 
 
 @pytest.mark.slow
@@ -292,11 +347,18 @@ def test_every_command_shown_runs(document: Path, tmp_path: Path, monkeypatch, c
     monkeypatch.setenv("MESHPLAN_CONFIG", str(tmp_path / "config"))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `python -m bench...` from here
     skipped, timings, ran = [], [], set()
+    printed: str | None = None  # what the last command run printed
     for command in runnable(document):
-        if isinstance(command, Block):  # a file the reader saves
+        if isinstance(command, Block) and command.title:  # a file the reader saves
             (tmp_path / str(command.title)).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / str(command.title)).write_text(command.text + "\n")
             continue
+        if isinstance(command, Block):  # what the command above printed, as the page shows it
+            if printed is not None:
+                missing = shows(command.text, printed, numbers_vary=command.numbers_vary)
+                assert missing is None, f"{command.where}: not printed: {missing!r}\n{printed}"
+            continue
+        printed = None
         argv = list(command.argv)
         if command.block.skip:
             skipped.append(f"{command.where}: {command.block.skip}")
@@ -317,6 +379,7 @@ def test_every_command_shown_runs(document: Path, tmp_path: Path, monkeypatch, c
         started = time.monotonic()
         status, stdout, stderr = execute(argv, capfd)
         assert status == command.block.exits, f"{command.where}: {shlex.join(argv)}\n{stdout}\n{stderr}"
+        printed = stdout + stderr
         timings.append(f"{time.monotonic() - started:5.1f} s  {command.where}")
         if out is not None:
             out.write_text(stdout)

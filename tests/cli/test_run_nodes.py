@@ -249,7 +249,7 @@ def losses(out: Path, rank: int) -> list[float]:
 
 def two_nodes(argv: list[str], env: dict[str, str]):
     """Nodes A and B of a static rendezvous on 127.0.0.1 (A hosts it), started together."""
-    argv = [*argv, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "60"]
+    argv = [*argv, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "120"]
     return [start_node(h, [*argv, "--node-rank", str(r)], env) for r, h in enumerate(("nodeA", "nodeB"))]
 
 
@@ -270,7 +270,7 @@ def test_a_rank_killed_on_one_node_is_named_with_its_node_on_every_node(tmp_path
     argv = [TINY_DP, *SMALL, "--steps", "12", "--save-every", "4", "--out", str(out), "--timeout", "20"]
     nodes = two_nodes(argv, dict(os.environ, MESHPLAN_FAULT="rank=1,step=5", NO_COLOR="1"))
     try:
-        done = [node.communicate(timeout=150) for node in nodes]
+        done = [node.communicate(timeout=400) for node in nodes]  # a ceiling: slow beside other tests
     finally:
         end_all(nodes)
     for node, (stdout, stderr) in zip(nodes, done, strict=True):
@@ -299,7 +299,7 @@ def test_two_nodes_started_together_into_one_folder_train_as_one_node_does(tmp_p
     out = tmp_path / "two"
     nodes = two_nodes([*steps, "--out", str(out)], dict(os.environ, NO_COLOR="1"))
     try:
-        done = [node.communicate(timeout=120) for node in nodes]
+        done = [node.communicate(timeout=400) for node in nodes]
     finally:
         end_all(nodes)
     for node, (_, stderr) in zip(nodes, done, strict=True):
@@ -319,7 +319,7 @@ def test_a_killed_launcher_takes_its_node_down_and_the_other_node_says_so(tmp_pa
     nodes = two_nodes([*argv, "--log-every", "1000"], dict(os.environ, NO_COLOR="1"))
     try:
         metrics = out / "metrics" / "rank0.jsonl"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and (
             not metrics.exists() or len(metrics.read_text().splitlines()) < 4
         ):
@@ -406,7 +406,7 @@ def test_a_node_cut_off_from_the_rendezvous_host_ends_and_says_so(tmp_path, two_
         for r, (h, space) in enumerate(zip(("nodeA", "nodeB"), spaces, strict=True))
     ]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         metrics = out / "metrics" / "rank0.jsonl"
         while time.monotonic() < deadline and (
             not metrics.exists() or len(metrics.read_text().splitlines()) < 6

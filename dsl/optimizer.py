@@ -25,10 +25,10 @@ compose with every layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshplan.grammar import OPTIMIZERS
 
@@ -51,6 +51,7 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "d": (lambda v: v > 0, "positive"),
     "beta2_decay": (lambda v: -1 <= v <= 0, "from -1 to 0 (torch.optim.Adafactor's range)"),
 }
+V = TypeVar("V")
 Error = Callable[..., None]  # `SettingsChecker.error(span, message, hint=..., related=...)`
 
 
@@ -84,27 +85,49 @@ def check_optimizer(setting: ast.Setting, error: Error) -> OptimizerSpec:
             hint=f"did you mean `{guess}`?" if guess else f"the optimizers are {known}",
         )
         return OptimizerSpec()
-    allowed = OPTIMIZERS[kind]
-    args = dict(allowed)
+
+    def out_of_range(key: str, arg: ast.OptimizerArg) -> tuple[str, str] | None:
+        test, allowed = _RANGES[key]
+        return (
+            None if test(arg.value) else (f"`{key}` of {arg.text} is out of range", f"`{key}` is {allowed}")
+        )
+
+    args = keyword_arguments(kind, value.args, OPTIMIZERS[kind], "hyperparameter", error, out_of_range)
+    return OptimizerSpec(kind, MappingProxyType(args), setting.value_span)
+
+
+def keyword_arguments(
+    owner: str,
+    given: Sequence[Any],
+    allowed: Mapping[str, V],
+    what: str,
+    error: Error,
+    invalid: Callable[[str, Any], tuple[str, str] | None],
+) -> dict[str, V]:
+    """`owner(KEY=VALUE, ...)`'s arguments checked against `allowed` (their defaults): an unknown
+    key (with a did-you-mean), one given twice, or one `invalid` says is wrong (message, hint) is
+    reported where it is; the defaults with every good value given. The settings that take
+    arguments (`optimizer`, `compress`) share it."""
+    values = dict(allowed)
     seen: set[str] = set()
-    for arg in value.args:
+    for arg in given:
         key = arg.name.text
         if key not in allowed:
             guess = did_you_mean(key, list(allowed))
-            takes = ", ".join(f"`{a}`" for a in allowed)
+            takes = ", ".join(f"`{a}`" for a in allowed) or "no arguments"
             error(
                 arg.name.span,
-                f"`{kind}` has no hyperparameter `{key}`",
-                hint=f"did you mean `{guess}`?" if guess else f"`{kind}` takes {takes}",
+                f"`{owner}` has no {what} `{key}`",
+                hint=f"did you mean `{guess}`?" if guess else f"`{owner}` takes {takes}",
             )
         elif key in seen:
             error(arg.span, f"`{key}` is given twice", hint="keep one")
-        elif not _RANGES[key][0](arg.value):
-            error(arg.span, f"`{key}` of {arg.text} is out of range", hint=f"`{key}` is {_RANGES[key][1]}")
+        elif (wrong := invalid(key, arg)) is not None:
+            error(arg.span, wrong[0], hint=wrong[1])
         else:
-            args[key] = arg.value
+            values[key] = arg.value
         seen.add(key)
-    return OptimizerSpec(kind, MappingProxyType(args), setting.value_span)
+    return values
 
 
 def optimizer_composes(

@@ -18,7 +18,7 @@ from . import ast
 from .axes import Axis, MeshSpec
 from .errors import Collector, Diagnostic, Span, did_you_mean
 from .limits import MAX_INT
-from .optimizer import OptimizerSpec, check_optimizer
+from .optimizer import OptimizerSpec, check_optimizer, keyword_arguments
 from .patterns import Glob, PatternSyntaxError
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
@@ -425,26 +425,15 @@ class SettingsChecker:
                 hint=f"did you mean `{guess}`?" if guess else f"the methods are {known}",
             )
             return None
-        allowed = COMPRESS_METHODS[method]
-        args = dict(allowed)
-        seen: set[str] = set()
-        for arg in value.args:
-            name = arg.name.text
-            if name not in allowed:
-                guess = did_you_mean(name, list(allowed))
-                takes = ", ".join(f"`{a}`" for a in allowed) or "no arguments"
-                self.error(
-                    arg.name.span,
-                    f"`{method}` has no argument `{name}`",
-                    hint=f"did you mean `{guess}`?" if guess else f"`{method}` takes {takes}",
-                )
-            elif name in seen:
-                self.error(arg.span, f"`{name}` is given twice", hint="keep one")
-            elif name == "rank" and arg.value < 1:
-                self.error(arg.span, "PowerSGD's rank must be at least 1", hint="`rank=1` sends the least")
-            else:
-                args[name] = arg.value
-            seen.add(name)
+
+        def invalid(name: str, arg: ast.CompressArg) -> tuple[str, str] | None:
+            if name == "rank" and arg.value < 1:
+                return "PowerSGD's rank must be at least 1", "`rank=1` sends the least"
+            return None
+
+        args = keyword_arguments(
+            method, value.args, COMPRESS_METHODS[method], "argument", self.error, invalid
+        )
         return CompressSpec(method, args.get("rank", 0), args.get("warmup", 0), setting.value_span)
 
     def precision(self, node: ast.PrecisionBlock | None) -> PrecisionSpec:

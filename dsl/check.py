@@ -25,7 +25,6 @@ from .errors import (
     one_of,
 )
 from .limits import read_plan_text
-from .optimizer import optimizer_composes
 from .parser import parse_recovering
 from .patterns import Glob
 from .settings import DataParallelSpec, PipelineSpec, PrecisionSpec, SettingsChecker, TrainSpec
@@ -179,8 +178,6 @@ class _Checker(SettingsChecker):
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         if data_parallel is not None and data_parallel.compress is not None and self.complete(modules):
             self.compression_composes(data_parallel, pipeline, rules, precision)
-        if self.complete(first(ast.TrainBlock)) and self.complete(modules):
-            optimizer_composes(train.optimizer, data_parallel, rules, self.error)
         self.check_unused_axes(mesh)
         warnings = tuple(self.found.of("warning"))
         return Plan(

@@ -9,18 +9,12 @@ table); a key not given takes its default there, and the learning rate, its sche
 weight decay stay the run's options (`--lr`, `--weight-decay`). Without the setting a plan trains
 with AdamW, as before the choice existed.
 
-What is refused, at the setting, with the rule it cannot compose with:
-
-- Adafactor under ZeRO (`zero = 1` to 3). Its step reads a whole parameter three times: the row
-  and column means of grad^2 (its factored second moment), the parameter's RMS (the relative step
-  size) and the update's RMS (its clipping). A ZeRO shard is an arbitrary element range of a flat
-  that cuts through parameters, so each would be a per-parameter all-reduce of partial sums, in
-  two rounds (the update's RMS needs the moments first); not written yet.
-- Adafactor with a parameter split by a rule (`column`, `row`, `vocab`, `experts`): a rank's
-  slice would step with its slice's statistics, which is not the one-device Adafactor.
-
-AdamW, SGD and Lion are elementwise: a shard steps exactly as its elements would whole, so they
-compose with every layout.
+Every optimizer composes with every layout. AdamW, SGD and Lion are elementwise: a shard steps
+exactly as its elements would whole. Adafactor's step reads a whole parameter three times (the
+row and column means of grad^2, the parameter's RMS, the update's RMS): where ranks hold pieces
+of a parameter (ZeRO's element ranges, a `column`, `row`, `vocab` or `experts` rule's slices)
+each is a sum of the pieces' partial sums over the ranks that hold them, in two all-reduce rounds
+per step (`runtime/adafactor.py`); its row and column moments are whole on every rank.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ from . import ast
 from .errors import Span, did_you_mean
 
 if TYPE_CHECKING:
-    from .check import PlanRule
-    from .settings import DataParallelSpec
+    pass
 
 DEFAULT = "adamw"
 # each hyperparameter's allowed values: (test, how the hint says it)
@@ -129,27 +122,3 @@ def keyword_arguments(
         seen.add(key)
     return values
 
-
-def optimizer_composes(
-    spec: OptimizerSpec, dp: DataParallelSpec | None, rules: tuple[PlanRule, ...], error: Error
-) -> None:
-    """Refuse, at the setting, what the optimizer cannot run with exactly (the module docstring)."""
-    if spec.kind != "adafactor" or spec.span is None:
-        return
-    if dp is not None and dp.zero:
-        error(
-            spec.span,
-            f"Adafactor cannot run under ZeRO-{dp.zero} yet: its factored second moment and its "
-            "relative step read whole parameters, and a ZeRO shard cuts through them",
-            hint="use `zero = 0` with Adafactor, or an elementwise optimizer (adamw, sgd, lion) with ZeRO",
-            related=[(dp.spans.get("zero", dp.span), f"`zero = {dp.zero}` here")],
-        )
-    split = next((r for r in rules if r.kind in ("tensor", "experts") and r.axis is not None), None)
-    if split is not None:
-        error(
-            spec.span,
-            "Adafactor cannot step a parameter split over ranks yet: its row and column statistics "
-            "and its step size are of the whole matrix, and each rank holds a slice",
-            hint="remove the rule splitting parameters, or use an elementwise optimizer (adamw, sgd, lion)",
-            related=[(split.span, "this rule splits parameters")],
-        )

@@ -40,10 +40,10 @@ from .zero_optim import load_buffers, read_steps, training_state
 class ExpertZero(PerGroup[Zero]):
     """Several `Zero` engines over one module, each over the group that averages its params."""
 
-    def optimizer(self, config: OptimizerSettings) -> ExpertZero:
+    def optimizer(self, config: OptimizerSettings, axes: Axes | None = None) -> ExpertZero:
         """`Zero.optimizer` of every engine; this object steps them all."""
         for e in self.engines:
-            e.optimizer(config)
+            e.optimizer(config, axes)
         return self
 
     @property

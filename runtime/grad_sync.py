@@ -38,8 +38,11 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from .adafactor import Piece
+from .axes import Axes
 from .buckets import decays, fusable
 from .optimizers import OptimizerChoice, build
+from .pieces import Pieces, Placed, whole_size
 
 
 class OptimizerSettings(Protocol):
@@ -113,8 +116,9 @@ class GradSync(Protocol):
         """Multiply the averaged gradient by `factor` (unscaling a loss scale, clipping)."""
         ...
 
-    def optimizer(self, config: OptimizerSettings) -> Optimizer:
-        """Build the optimizer the loop steps, with `config`'s hyperparameters (once, first)."""
+    def optimizer(self, config: OptimizerSettings, axes: Axes | None = None) -> Optimizer:
+        """Build the optimizer the loop steps, with `config`'s hyperparameters (once, first);
+        `axes` say how parameters are cut (Adafactor's step sums over the pieces)."""
         ...
 
     def own_state(self) -> TrainingState:
@@ -136,12 +140,15 @@ class GradSync(Protocol):
         ...
 
 
-def make_optimizer(module: nn.Module, config: OptimizerSettings) -> torch.optim.Optimizer:
+def make_optimizer(
+    module: nn.Module, config: OptimizerSettings, axes: Axes | None = None
+) -> torch.optim.Optimizer:
     """The plan's optimizer (`optimizers.build`); no weight decay where `decays` says so (ZeRO's
     optimizer follows the same rule). AdamW fused (one kernel over every tensor of a device,
     `fused_adamw`) where PyTorch has the kernel: torch.optim.AdamW's default steps each parameter
     with its own dozen ops, which on a CPU cost a fifth of a small model's step; the values are
-    the same up to rounding."""
+    the same up to rounding. Adafactor over parameters `axes` cut is `SplitAdafactor`, each
+    parameter this rank's piece of the whole (`whole_pieces`)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
@@ -149,12 +156,30 @@ def make_optimizer(module: nn.Module, config: OptimizerSettings) -> torch.optim.
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    split = axes is not None and any(axes.sharded_over(n) for n, _ in named)
     return build(
         config.optimizer,
         [g for g in groups if g["params"]],
         lr=config.lr,
         fused=fusable([p for _, p in named]),
+        pieces=whole_pieces(named, axes) if split and axes is not None else None,
     )
+
+
+def whole_pieces(named: Iterable[tuple[str, Tensor]], axes: Axes) -> dict[int, list[Piece]]:
+    """Each tensor of `named` as one `Piece`: this rank's (tensor-parallel) piece of the whole
+    parameter, reduced over the axes that cut it (none: every rank holds it whole)."""
+    out = {}
+    for name, t in named:
+        cuts = axes.placed(name)
+        shape = whole_size(t.shape, cuts)
+
+        def boxes(x: Tensor, cuts: tuple[Placed, ...] = cuts) -> list[tuple[tuple[int, ...], Tensor]]:
+            return list(Pieces.of_local(x, cuts).boxes.items())
+
+        groups = tuple(g for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
+        out[id(t)] = [Piece(name, shape, None, boxes, groups)]
+    return out
 
 
 class WholeParams:
@@ -166,8 +191,8 @@ class WholeParams:
     _optimizer: torch.optim.Optimizer | None = None
     _kind: str = "adamw"
 
-    def optimizer(self, config: OptimizerSettings) -> torch.optim.Optimizer:
-        self._optimizer, self._kind = make_optimizer(self.module, config), config.optimizer.kind
+    def optimizer(self, config: OptimizerSettings, axes: Axes | None = None) -> torch.optim.Optimizer:
+        self._optimizer, self._kind = make_optimizer(self.module, config, axes), config.optimizer.kind
         return self._optimizer
 
     def own_state(self) -> TrainingState:

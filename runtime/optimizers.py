@@ -7,8 +7,9 @@ or ZeRO's fp32 shards (`zero_optim.ShardedOptimizer`).
     adamw       torch.optim.AdamW          exp_avg, exp_avg_sq, step           yes
     sgd         torch.optim.SGD            momentum_buffer (none at 0)         yes
     lion        `Lion` (here)              exp_avg                             yes
-    adafactor   torch.optim.Adafactor      row_var + col_var (2-D), or         no
-                                           variance (1-D); step
+    adafactor   torch.optim.Adafactor, or  row_var + col_var (2-D), or         no
+                `adafactor.SplitAdafactor` variance (1-D); step
+                over pieces
 
 The names and hyperparameters are `meshplan.grammar.OPTIMIZERS` (the plan checker reads the same
 table); the learning rate comes from the loop each step and the weight decay from the run, per
@@ -19,15 +20,17 @@ An elementwise optimizer steps each element from that element's gradient and sta
 ZeRO runs it unchanged on a shard that is any element range of a flat: its state is then the
 shard's elements of each tensor in `STATE`, saved by parameter name, and a checkpoint resumes on
 any layout. Adafactor's state is per row and column of a whole matrix, and its step reads the
-whole parameter's RMS: it runs on whole parameters only (`dsl/optimizer.py` refuses it under ZeRO
-and with a rule that splits a parameter).
+whole parameter's RMS: where a rank holds pieces of parameters (a split rule, ZeRO), `build`
+takes the pieces (`adafactor.Piece`) and steps `SplitAdafactor`, which sums those over the
+ranks holding the other pieces; its row and column moments are whole on every rank, a vector's
+second moment (`variance`) is cut as the vector is.
 
 Lion is not in torch.optim: `Lion` is Chen et al. 2023's Algorithm 2, decoupled weight decay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,8 @@ import torch
 from torch import Tensor
 
 from meshplan.grammar import OPTIMIZERS
+
+from .adafactor import Piece, SplitAdafactor
 
 # the per-element state tensors each kind keeps beside a parameter (a ZeRO shard's are views of
 # its elements; a checkpoint places them in the whole tensor)
@@ -46,8 +51,9 @@ STATE: dict[str, tuple[str, ...]] = {
 }
 TITLES = {"adamw": "AdamW", "sgd": "SGD", "lion": "Lion", "adafactor": "Adafactor"}  # as reports name them
 ELEMENTWISE = frozenset(kind for kind in STATE if kind != "adafactor")
-# every state key that has a parameter's shape (what a checkpoint places as pieces of it)
-PARAMETER_SHAPED = frozenset(key for keys in STATE.values() for key in keys)
+# every state key that has a parameter's shape (what a checkpoint places as pieces of it):
+# Adafactor's second moment of a vector too (a matrix's row and column moments are whole)
+PARAMETER_SHAPED = frozenset(key for keys in STATE.values() for key in keys) | {"variance"}
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,20 @@ class OptimizerChoice:
 
 
 def build(
-    choice: OptimizerChoice, groups: list[dict[str, Any]], *, lr: float, fused: bool = False
+    choice: OptimizerChoice,
+    groups: list[dict[str, Any]],
+    *,
+    lr: float,
+    fused: bool = False,
+    pieces: Mapping[int, Sequence[Piece]] | None = None,
 ) -> torch.optim.Optimizer:
     """`choice` over `groups` (torch param groups, each with its `weight_decay`); `fused`: AdamW's
-    one-kernel implementation (`buckets.fusable`)."""
+    one-kernel implementation (`buckets.fusable`). `pieces` (by id of each tensor in `groups`):
+    the parameters it holds pieces of, for Adafactor where a rank holds pieces (`SplitAdafactor`)."""
     a = choice.args
+    if choice.kind == "adafactor" and pieces is not None:
+        eps = (a["eps1"], a["eps2"])
+        return SplitAdafactor(groups, pieces, lr=lr, beta2_decay=a["beta2_decay"], eps=eps, d=a["d"])
     match choice.kind:
         case "adamw":
             return torch.optim.AdamW(groups, lr=lr, betas=(a["beta1"], a["beta2"]), eps=a["eps"], fused=fused)

@@ -144,6 +144,14 @@ def _exact(t: Tensor) -> Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape) if raw.size else t
 
 
+def whole_size(shape: Sequence[int], cuts: Sequence[Placed]) -> torch.Size:
+    """The whole tensor's shape, of which this rank's piece placed by `cuts` has `shape`."""
+    out = tuple(shape)
+    for cut, _, n in reversed(cuts):
+        out = full_shape(out, cut, n)
+    return torch.Size(out)
+
+
 def _undo(box: Box, shape: tuple[int, ...], cut: Cut, rank: int, n: int) -> list[Box]:
     """`box` of this rank's piece (of `shape`) cut by `cut`, in the coordinates before the cut."""
     d, offset, size = cut.dim, box.offsets[cut.dim], box.data.shape[cut.dim]

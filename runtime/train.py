@@ -347,7 +347,7 @@ def train(
     torch.manual_seed(config.seed)
     grads: GradSync = sync if sync is not None else Local(program)
     # the plan's optimizer over `program`, or ZeRO's engine stepping it over its shards
-    optimizer = grads.optimizer(config)
+    optimizer = grads.optimizer(config, axes)
     ckpt_root = config.run_dir / "checkpoints"
     start = _maybe_resume(ckpt_root, grads, config, axes)
     metrics = MetricsWriter(config.run_dir, rank)

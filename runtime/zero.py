@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 
 from . import watchdog
+from .axes import Axes
 from .compression import Compression
 from .disk_offload import rank_folder
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState
@@ -212,10 +213,11 @@ class Zero(Accumulates):
 
     # ------------------------------------------------------------------ public API
 
-    def optimizer(self, config: OptimizerSettings) -> Zero:
+    def optimizer(self, config: OptimizerSettings, axes: Axes | None = None) -> Zero:
         """Build `config`'s optimizer over this rank's fp32 shards (once,
-        before the first step). The engine itself is what the loop steps: `step()` finishes the
-        reduction, updates the shards and shares the new params."""
+        before the first step); `axes` say how each parameter is cut besides (Adafactor's
+        step sums over every piece). The engine itself is what the loop steps: `step()` finishes
+        the reduction, updates the shards and shares the new params."""
         folder = self.options.offload_dir
         self._optim = ShardedOptimizer(
             self.flats,
@@ -225,6 +227,7 @@ class Zero(Accumulates):
             offload=self.options.offload_optimizer,
             config=config,
             disk=None if folder is None else rank_folder(folder, dist.get_rank()),
+            axes=axes,
         )
         return self
 

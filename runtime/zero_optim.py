@@ -1,7 +1,10 @@
 """ZeRO's optimizer state: the plan's optimizer (`optimizers.build`: a real torch.optim.AdamW or
-SGD, or `Lion`) over this rank's fp32 shards of the flats, and this rank's elements of it by
-parameter name for checkpoints. Only elementwise optimizers step a shard as they would the whole
-(`optimizers.ELEMENTWISE`): Adafactor is refused here, as the plan checker refuses it.
+SGD, `Lion`, or `SplitAdafactor`) over this rank's fp32 shards of the flats, and this rank's
+elements of it by parameter name for checkpoints. An elementwise optimizer
+(`optimizers.ELEMENTWISE`) steps a shard as it would the whole; Adafactor steps each parameter's
+elements in the shard as a piece of the whole parameter (`adafactor.Piece`: placed by its
+element range and its tensor-parallel cuts, its sums taken over the ZeRO group and the axes
+that cut it), its row and column moments whole on every rank of the group.
 
 The master copy is the shard itself when the shard is fp32 and on the optimizer's device;
 otherwise (bf16/fp16 parameters, or the state offloaded to the CPU or to disk) an fp32 copy that
@@ -29,14 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .adafactor import Piece, SplitAdafactor
+from .axes import Axes
 from .buckets import fusable
 from .disk_offload import DiskState
 from .grad_sync import Elements, Held, OptimizerSettings, TrainingState
 from .optimizers import ELEMENTWISE, build, initial_state
+from .pieces import Pieces, Placed, whole_size
 from .zero_flats import Flat
 
 MASTER = "master"
-OwnElements = dict[str, dict[str, Elements]]  # name -> "master" and each state key: 1-D views
+# name -> "master" and each state key: 1-D views (Adafactor's row and column moments: whole tensors)
+OwnElements = dict[str, dict[str, Held]]
 
 
 class ShardedOptimizer:
@@ -54,13 +61,10 @@ class ShardedOptimizer:
         offload: bool,
         config: OptimizerSettings,
         disk: Path | None = None,
+        axes: Axes | None = None,
     ) -> None:
-        if config.optimizer.kind not in ELEMENTWISE:
-            raise ValueError(
-                f"ZeRO shards cut through parameters: {config.optimizer.kind} is not elementwise "
-                f"(the elementwise optimizers are {', '.join(sorted(ELEMENTWISE))})"
-            )
         self.flats, self.group, self.choice = flats, group, config.optimizer
+        self.elementwise = self.choice.kind in ELEMENTWISE
         self.opt_device = torch.device("cpu") if offload or disk is not None else device
         self.on_disk = disk is not None
         self.masters = [self._master_for(f) for f in flats]
@@ -78,15 +82,44 @@ class ShardedOptimizer:
             [g for g in param_groups if g["params"]],
             lr=config.lr,
             fused=fusable(self.masters),  # AdamW: one kernel per flat, as `grad_sync.make_optimizer`
+            pieces=None if self.elementwise else self._pieces(axes or Axes()),
         )
         for m in self.masters:  # eager state: memory() and checkpoints are right before step 1
-            self.optimizer.state[m] = initial_state(self.choice, m)
+            if self.elementwise:  # (SplitAdafactor makes its own)
+                self.optimizer.state[m] = initial_state(self.choice, m)
         self.disk = None
         if disk is not None:
             keys = self.choice.state_keys
             self.disk = DiskState(
                 disk, [[m, *(self.optimizer.state[m][k] for k in keys)] for m in self.masters]
             )
+
+    def _pieces(self, axes: Axes) -> dict[int, list[Piece]]:
+        """Each master's parameters as `Piece`s of the whole parameters, every parameter of its
+        flat (an empty piece where this rank holds none of it: it still takes part in the sums)."""
+        out = {}
+        self._where: dict[
+            str, tuple[torch.Size, int]
+        ] = {}  # name -> its local shape, where our elements start
+        for f, master in zip(self.flats, self.masters, strict=True):
+            lo, pieces = f.rank * f.shard_numel, []
+            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels, strict=True):
+                start, end = max(off, lo), min(off + n, lo + f.shard_numel)
+                at, first = (slice(start - lo, end - lo), start - off) if start < end else (slice(0, 0), 0)
+                cuts, self._where[name] = axes.placed(name), (p.shape, first)
+
+                def boxes(
+                    x: Tensor,
+                    first: int = first,
+                    shape: torch.Size = p.shape,
+                    cuts: tuple[Placed, ...] = cuts,
+                ) -> list[tuple[tuple[int, ...], Tensor]]:
+                    return list(Pieces.of_range(x, first, shape, cuts).boxes.items())
+
+                split = tuple(g for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
+                pieces.append(Piece(name, whole_size(p.shape, cuts), at, boxes, (self.group, *split)))
+            out[id(master)] = pieces
+        return out
 
     def _master_for(self, f: Flat) -> Tensor:
         """The fp32 tensor the optimizer updates: the shard itself when it is fp32 and already in place."""
@@ -115,6 +148,8 @@ class ShardedOptimizer:
                 torch.zeros_like(master) if grad is None else grad.to(self.opt_device, torch.float32)
             )
         untouched = self._untouched(chosen)
+        if isinstance(self.optimizer, SplitAdafactor):
+            self.optimizer.skip = frozenset[str]().union(*(f.missing for f, _ in chosen))
         self.optimizer.step()
         with torch.no_grad():
             for t, kept in untouched:
@@ -149,7 +184,9 @@ class ShardedOptimizer:
 
     def _elements(self, chosen: Sequence[tuple[Flat, Tensor]]) -> OwnElements:
         """`own_elements` of the `chosen` (flat, master) pairs, which must be in memory."""
-        out = {}
+        if isinstance(self.optimizer, SplitAdafactor):
+            return self._factored(self.optimizer, chosen)
+        out: OwnElements = {}
         for f, master in chosen:
             state = self.optimizer.state[master]
             tensors = {MASTER: master} | {key: state[key] for key in self.choice.state_keys}
@@ -160,11 +197,38 @@ class ShardedOptimizer:
                 }
         return out
 
+    def _factored(self, optimizer: SplitAdafactor, chosen: Sequence[tuple[Flat, Tensor]]) -> OwnElements:
+        """`_elements` under Adafactor: per parameter this rank holds elements of, those of its
+        master and its vector's `variance`, and its whole row and column moments."""
+        out: OwnElements = {}
+        for _, master in chosen:
+            for piece in optimizer.pieces[id(master)]:
+                assert piece.at is not None
+                if piece.at.start == piece.at.stop:
+                    continue
+                local, start = self._where[piece.name]
+                state = optimizer.factors(master, piece)
+                held: dict[str, Held] = {MASTER: Elements(piece.name, local, start, piece.of(master))}
+                for key, t in state.items():
+                    if key == "variance":
+                        held[key] = Elements(piece.name, local, start, t)
+                    elif key != "step":
+                        held[key] = t
+                out[piece.name] = held
+        return out
+
     def steps(self) -> dict[str, Tensor]:
-        """Every parameter's step count: its flat's (one tensor per flat, shared); none where
-        the optimizer counts no steps (SGD, Lion)."""
+        """Every parameter's step count: its flat's (one tensor per flat, shared; Adafactor's
+        its own); none where the optimizer counts no steps (SGD, Lion)."""
         if not self.choice.counts_steps:
             return {}
+        if isinstance(self.optimizer, SplitAdafactor):  # one per parameter
+            adafactor = self.optimizer
+            return {
+                piece.name: adafactor.factors(m, piece)["step"]
+                for m in self.masters
+                for piece in adafactor.pieces[id(m)]
+            }
         return {
             name: self.optimizer.state[m]["step"]
             for f, m in zip(self.flats, self.masters, strict=True)
@@ -176,8 +240,10 @@ class ShardedOptimizer:
         masters copied into the shards they stand for (the caller refreshes gathered copies);
         offloaded to disk, the state written back to its files."""
         with torch.no_grad():
+            for name, step in self.steps().items() if not self.elementwise else ():
+                step.copy_(torch.as_tensor(steps[name]))
             for f, master in zip(self.flats, self.masters, strict=True):
-                if self.choice.counts_steps:
+                if self.choice.counts_steps and self.elementwise:
                     step = torch.as_tensor(steps[f.names[0]]).to(master.device, torch.float32, copy=True)
                     self.optimizer.state[master]["step"] = step
                 if master is not f.shard:

@@ -1,5 +1,5 @@
 """`train { optimizer = ... }`: parsed, formatted, checked with its defaults, and what composes.
-The refusals' rendered errors are golden files (`invalid/optimizer_*.plan`, `invalid/adafactor_*.plan`)."""
+The refusals' rendered errors are golden files (`invalid/optimizer_*.plan`)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def test_defaults_are_filled_in_and_adamw_is_the_default() -> None:
     assert (default.kind, dict(default.args)) == ("adamw", OPTIMIZERS["adamw"])
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd(momentum=0.9)", "lion"])
-def test_elementwise_optimizers_compose_with_zero_and_split_parameters(optimizer: str) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd(momentum=0.9)", "lion", "adafactor"])
+def test_every_optimizer_composes_with_zero_and_split_parameters(optimizer: str) -> None:
     plan = check_text(_plan(optimizer, zero=3, rules="layers.*.mlp.up_proj: column over tp"), world_size=4)
     assert plan.train.optimizer.kind == optimizer.split("(")[0]
 
@@ -57,3 +57,9 @@ def test_adafactor_composes_with_whole_parameters() -> None:
     """Plain data parallelism, and a `replicate` rule, which splits nothing."""
     plan = check_text(_plan("adafactor", rules="layers.*: replicate"), world_size=4)
     assert plan.train.optimizer.kind == "adafactor"
+
+
+def test_adafactor_composes_with_split_rules_under_every_zero_stage() -> None:
+    for zero in (1, 2, 3):
+        plan = check_text(_plan("adafactor", zero=zero, rules="layers.*.mlp.down_proj: row over tp"), world_size=4)
+        assert plan.data_parallel is not None and plan.data_parallel.zero == zero

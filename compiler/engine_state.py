@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +61,7 @@ def state_of(
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
     optimizer: OptimizerSpec | None = None,
     compress: tuple[str, int] | None = None,
+    whole: Mapping[str, torch.Size] | None = None,
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
     `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
@@ -74,15 +75,17 @@ def state_of(
     `DISK_RESIDENT_FLATS` largest flats' of it (the master is always a copy there).
     `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
     gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
-    of the whole padded flat)."""
+    of the whole padded flat). `whole`: each parameter's whole shape (Adafactor's row and column
+    moments are the whole matrix's; default: the local shape)."""
     optimizer = optimizer or OptimizerSpec()
+    shape_of = lambda n: (whole or {}).get(n, params[n].shape)  # noqa: E731
     s = State(engine=engine)
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     s.params = sum(nbytes(p) for p in params.values() if not p.requires_grad)
     if zero == 0:
         s.params += sum(nbytes(p) for p in trainable.values())
         s.grads = sum(nbytes(p) for p in trainable.values())
-        s.optimizer = sum(whole_state_bytes(optimizer, p) for p in trainable.values())
+        s.optimizer = sum(whole_state_bytes(optimizer, p, shape_of(n)) for n, p in trainable.items())
         # a data-parallel engine's buckets outlive zero_grad (the per-axes engine's hold the
         # gradients it reduces: averaged over a data axis or summed over `grad_sums`' axes);
         # gradients nothing reduces are freed with it
@@ -139,7 +142,8 @@ def state_of(
         # the engine's fp32 master is the shard itself when that is fp32 and where the optimizer runs
         moved = offload_optimizer and not (offload_params or on_host)
         master = shard * 4 if dtype != torch.float32 or moved or on_disk else 0
-        optim = master + shard_state_bytes(optimizer, shard)
+        members = [(shape_of(n), trainable[n].numel()) for n in names]
+        optim = master + shard_state_bytes(optimizer, shard, members, world)
         if on_disk:
             on_disk_bytes.append(optim)
         elif offload_optimizer:

@@ -268,6 +268,7 @@ def estimate(
     on_host = hw is not None and hw.cores is not None  # the ranks run on CPUs
     by_position: dict[int, RankMemory] = {}
     ranks = []
+    whole = {n: p.shape for n, p in model.named_parameters()}
     for rank in range(layout.world_size):
         position = layout.coords(rank)[spec.axis] if spec is not None else 0
         if position not in by_position:
@@ -297,6 +298,7 @@ def estimate(
                 units=[u for u in units if held is None or set(u[1]) <= held],
                 optimizer=plan.train.optimizer,
                 compress=(dp.compress.method, dp.compress.rank) if dp is not None and dp.compress else None,
+                whole=whole,
             )
             if on_cpu:
                 kept = state_of(
@@ -306,6 +308,7 @@ def estimate(
                     engine=engine,
                     bucket_bytes=dp.bucket_bytes if dp is not None else 25_000_000,
                     optimizer=plan.train.optimizer,
+                    whole=whole,
                 )
                 st.host += kept.params + kept.grads + kept.optimizer
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}

@@ -273,6 +273,10 @@ def _optimizer_lines(compiled: Compiled) -> list[str]:
     mine = sum(whole_state_bytes(spec, p) for p in trainable)
     adamw = sum(whole_state_bytes(OptimizerSpec(), p) for p in trainable)
     sharded = f", 1/{compiled.layout.size(dp.axis)} of it on each rank under ZeRO" if dp and dp.zero else ""
+    if spec.kind == "adafactor" and dp and dp.zero:
+        sharded = (
+            ", its vectors' moments cut by ZeRO, its matrices' row and column moments whole on every rank"
+        )
     lines = [
         f"line {spec.span.line}: optimizer = {spec.text}",
         f"    {describe(spec)}",
@@ -282,7 +286,10 @@ def _optimizer_lines(compiled: Compiled) -> list[str]:
     if spec.kind != "adafactor":
         lines.append("    elementwise: each rank steps its own elements, no collective of its own")
     else:
-        lines.append("    steps whole parameters: each rank holds every parameter whole (no ZeRO, no split)")
+        lines.append(
+            "    reads whole parameters: where a rank holds pieces (ZeRO, a split rule), two all-reduces "
+            "a step of each parameter's row, column and RMS sums over the ranks holding the others"
+        )
     return [*lines, ""]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshplan.compiler.estimate import state_of
-from meshplan.compiler.optimizer_state import whole_state_bytes
+from meshplan.compiler.optimizer_state import shard_state_bytes, whole_state_bytes
 from meshplan.dsl.optimizer import OptimizerSpec
 from meshplan.examples.models.llama import build, example_inputs
 from meshplan.grammar import OPTIMIZERS
@@ -37,3 +37,14 @@ def test_adafactor_keeps_rows_and_columns_of_a_matrix() -> None:
     spec = OptimizerSpec("adafactor", OPTIMIZERS["adafactor"])
     assert whole_state_bytes(spec, torch.empty(300, 500)) == (300 + 500) * 4 + 4
     assert whole_state_bytes(spec, torch.empty(500)) == 500 * 4 + 4
+
+
+def test_adafactor_keeps_the_whole_matrix_rows_and_columns_on_every_piece() -> None:
+    """A tensor-parallel slice's moments are the whole matrix's (`runtime/adafactor.py`); under
+    ZeRO each parameter of a flat keeps its whole rows and columns, a vector its elements' share."""
+    spec = OptimizerSpec("adafactor", OPTIMIZERS["adafactor"])
+    assert whole_state_bytes(spec, torch.empty(150, 500), whole=(300, 500)) == (300 + 500) * 4 + 4
+    assert whole_state_bytes(spec, torch.empty(250), whole=(500,)) == 250 * 4 + 4
+    members = [((300, 500), 150 * 500), ((4, 30, 50), 3000), ((501,), 501)]
+    expected = (800 * 4 + 4) + (4 * 80 * 4 + 4) + (251 * 4 + 4)
+    assert shard_state_bytes(spec, 40_000, members, world=2) == expected

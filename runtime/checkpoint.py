@@ -19,7 +19,9 @@ What is saved, so that a resumed run is the same computation as an uninterrupted
 the model's parameters and buffers and the optimizer's state (AdamW's `step`, `exp_avg`,
 `exp_avg_sq`; SGD's `momentum_buffer`, ...: `optimizers.STATE`), keyed by parameter name, the
 number of optimizer steps done (the LR schedule and the data position are functions of it: see
-`runtime/data.py`), and each rank's RNG state. The optimizer's kind is saved as the name of a
+`runtime/data.py`), each rank's RNG state, and each rank's own state that only its layout can
+resume (`TrainingState.local`: `compress`'s error feedback, under `local/rank<r>/`; a run resumed
+on another layout starts it afresh and `Restored.notes` says so). The optimizer's kind is saved as the name of a
 key (`train/optimizer/sgd`), so `.metadata` alone tells it and resuming with another optimizer
 is one message before anything is read (a checkpoint without it was AdamW's). The optimizer's
 param groups (learning rate, betas, ...) are configuration, not state: a resumed run takes them
@@ -70,6 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .axes import Axes
 from .grad_sync import Elements, GradSync, Held, TrainingState
@@ -89,6 +92,7 @@ class CheckpointError(ValueError):
 class Restored:
     step: int  # optimizer steps completed when the checkpoint was written
     path: Path
+    notes: tuple[str, ...] = ()  # what did not resume as it was (a person is told)
 
 
 def checkpoint_name(step: int) -> str:
@@ -250,6 +254,10 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
     cuda_key = "cuda_" + _rng_key()
     if cuda_key in state["rng"] and f"rng.{cuda_key}" not in _saved_keys(Path(path)):
         del state["rng"][cuda_key]
+    state.pop(_LOCAL, None)  # read as saved, whatever this run holds (`_local`)
+    local = _local(Path(path))
+    if local:
+        state[_LOCAL] = {_rng_key(): local}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner(), no_dist=not _distributed())
@@ -260,11 +268,17 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
             f"checkpoint {path} does not fit this run: {_first_cause(e, Path(path))}"
         ) from None
     sync.loaded(own)  # read in place into the engine's tensors
+    notes: tuple[str, ...] = ()
+    if (local or own.local) and not sync.restore_local(local):
+        notes = (
+            "the gradient compression's error feedback was saved by another layout (or none): "
+            "it starts from zero, so this run is not the uninterrupted one bit for bit",
+        )
     if _rng_key() in state["rng"]:  # a rank that did not exist when saving keeps its seeded state
         torch.set_rng_state(state["rng"][_rng_key()])
     if "cuda_" + _rng_key() in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda_" + _rng_key()])
-    return Restored(int(state["train"]["step"]), Path(path))
+    return Restored(int(state["train"]["step"]), Path(path), notes)
 
 
 class SavedModel:
@@ -353,6 +367,21 @@ def _saved_optimizer(path: Path) -> str | None:
     return next((k[len(prefix) :] for k in keys if k.startswith(prefix)), "adamw")
 
 
+def _local(path: Path) -> dict[str, torch.Tensor]:
+    """Empty tensors of the shapes and dtypes this rank's `TrainingState.local` was saved with
+    (none where the checkpoint has none for this rank), to read it into."""
+    prefix = f"{_LOCAL}.{_rng_key()}."
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:
+        return {}
+    return {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
 def _saved_keys(path: Path) -> set[str]:
     """The flattened keys the checkpoint at `path` holds (`rng.rank0`, ...); empty where its
     metadata cannot be read (DCP's load then says why)."""
@@ -393,6 +422,7 @@ def _key(fqn: str) -> str:
 
 
 _REPLICATED = "replicated"  # the key of the layout-free state (a name older checkpoints share)
+_LOCAL = "local"  # each rank's state only its layout resumes (`TrainingState.local`), by rank
 
 
 def _state(sync: GradSync, step: int, axes: Axes | None = None) -> tuple[dict, TrainingState]:
@@ -407,6 +437,8 @@ def _state(sync: GradSync, step: int, axes: Axes | None = None) -> tuple[dict, T
         "train": {"step": torch.tensor(step, dtype=torch.int64), "optimizer": {own.kind: torch.tensor(0)}},
         "rng": rng,
     }
+    if own.local:
+        state[_LOCAL] = {_rng_key(): own.local}
     return state, own
 
 

@@ -52,6 +52,12 @@ are what the bytes are saved on; the alternative, a reduce-scatter of something,
 PowerSGD. What it costs: M_hat is made whole, in the (padded,) buffer the flat's gradients were
 gathered into before the reduction anyway, and freed when the shard is kept.
 
+Checkpoints keep each rank's state (`saved()`: bf16's residual, PowerSGD's errors, Q and its step
+count) under the rank's own keys, and `restore()` takes it back, so a resumed run continues the
+uninterrupted one bit for bit. It is this rank's and this bucket layout's: a run resumed on
+another layout (other ranks, another bucket size) starts its error feedback from zero, and says so
+(`runtime/checkpoint.py`).
+
 The memory both methods cost under ZeRO-2/3, said plainly: error feedback keeps a residual of
 the whole flat per rank across steps (bf16's `residual`, PowerSGD's `errors`), so the gradient
 memory ZeRO-2 saves comes back as compression state, one full gradient per rank. `state()`
@@ -106,11 +112,26 @@ class BucketCompressor(Protocol):
         """The tensors it keeps across steps (error feedback, warm starts), for memory counts."""
         ...
 
+    def saved(self) -> dict[str, Tensor]:
+        """What a checkpoint keeps of it, by name (empty before a bf16 bucket's first step)."""
+        ...
 
-def compressor(compression: Compression, params: Sequence[Tensor], index: int) -> BucketCompressor:
-    """The compressor of bucket `index`, which holds `params` (in bucket order)."""
+    def fits(self, saved: dict[str, Tensor]) -> bool:
+        """Whether `saved` (a checkpoint's `saved()`) is this bucket's kind and shapes."""
+        ...
+
+    def restore(self, saved: dict[str, Tensor]) -> None:
+        """Take back what `saved()` gave (it `fits`)."""
+        ...
+
+
+def compressor(
+    compression: Compression, params: Sequence[Tensor], index: int, numel: int
+) -> BucketCompressor:
+    """The compressor of bucket `index`, which holds `params` (in bucket order) in a flat of
+    `numel` elements (ZeRO's padded)."""
     if compression.method == "bf16":
-        return Bf16Feedback()
+        return Bf16Feedback(numel)
     if compression.method == "powersgd":
         return PowerSGD(params, compression, index)
     raise ValueError(f"unknown gradient compression {compression.method!r}: powersgd or bf16")
@@ -119,11 +140,21 @@ def compressor(compression: Compression, params: Sequence[Tensor], index: int) -
 class Bf16Feedback:
     """The bucket sent in bf16; the rounding each rank dropped added back the next step."""
 
-    def __init__(self) -> None:
-        self.residual: Tensor | None = None  # (numel,) in the gradients' dtype
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.residual: Tensor | None = None  # (numel,) in the gradients' dtype, from the first step
 
     def state(self) -> list[Tensor]:
         return [self.residual] if self.residual is not None else []
+
+    def saved(self) -> dict[str, Tensor]:
+        return {"residual": self.residual} if self.residual is not None else {}
+
+    def fits(self, saved: dict[str, Tensor]) -> bool:
+        return not set(saved) - {"residual"} and all(t.shape == (self.numel,) for t in saved.values())
+
+    def restore(self, saved: dict[str, Tensor]) -> None:
+        self.residual = saved.get("residual")
 
     def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
         sent = self._rounded(flat)
@@ -164,7 +195,7 @@ class Bf16Feedback:
     def _rounded(self, flat: Tensor) -> Tensor:
         """`flat` plus last step's residual, in bf16; the rounding it drops becomes the residual."""
         if self.residual is not None:
-            flat.add_(self.residual)
+            flat.add_(self.residual.to(flat.device))  # (a restored one is read onto the host)
         sent = flat.to(torch.bfloat16)
         self.residual = flat - sent.to(flat.dtype)
         return sent
@@ -176,7 +207,7 @@ class PowerSGD:
     def __init__(self, params: Sequence[Tensor], compression: Compression, index: int) -> None:
         self.rank = compression.rank
         self.warmup = compression.warmup
-        self.steps = 0
+        self.steps = torch.zeros((), dtype=torch.int64)  # launches so far (a tensor: checkpoints keep it)
         self.whole: list[slice] = []  # the flat's slices sent exactly
         self.matrices: list[tuple[slice, int, int]] = []  # (slice, rows, cols) sent as factors
         offset = 0
@@ -203,9 +234,21 @@ class PowerSGD:
     def state(self) -> list[Tensor]:
         return [*self.errors, self.q_flat]
 
+    def saved(self) -> dict[str, Tensor]:
+        return {"q": self.q_flat, "steps": self.steps} | {f"error{i}": e for i, e in enumerate(self.errors)}
+
+    def fits(self, saved: dict[str, Tensor]) -> bool:
+        mine = self.saved()
+        return set(saved) == set(mine) and all(saved[k].shape == t.shape for k, t in mine.items())
+
+    def restore(self, saved: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for key, t in self.saved().items():
+                t.copy_(saved[key])
+
     def launch(self, flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:
         self.steps += 1
-        if self.steps <= self.warmup:
+        if int(self.steps) <= self.warmup:
             return _exact(flat, group, divisor)
         launched = []
         whole = torch.cat([flat[s] for s in self.whole]) if self.whole else None
@@ -251,6 +294,28 @@ class PowerSGD:
             return [self.q_flat.numel() * self.q_flat.element_size()]
 
         return Reduction(launched, finish)
+
+
+def saved_state(compressors: Sequence[BucketCompressor]) -> dict[str, Tensor]:
+    """What a checkpoint keeps of an engine's compressors (in bucket order): `bucket{i}.{name}`."""
+    return {f"bucket{i}.{key}": t for i, c in enumerate(compressors) for key, t in c.saved().items()}
+
+
+def restore_state(compressors: Sequence[BucketCompressor], saved: dict[str, Tensor]) -> bool:
+    """`saved_state`'s tensors back into `compressors`, if every bucket's fits (the same layout's);
+    False, and nothing restored, if not."""
+    by_bucket: list[dict[str, Tensor]] = [{} for _ in compressors]
+    for key, t in saved.items():
+        bucket, _, name = key.partition(".")
+        index = int(bucket.removeprefix("bucket")) if bucket.removeprefix("bucket").isdigit() else -1
+        if not 0 <= index < len(compressors):
+            return False
+        by_bucket[index][name] = t
+    if not all(c.fits(s) for c, s in zip(compressors, by_bucket, strict=True)):
+        return False
+    for c, s in zip(compressors, by_bucket, strict=True):
+        c.restore(s)
+    return True
 
 
 def _exact(flat: Tensor, group: dist.ProcessGroup, divisor: int) -> Reduction:

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .buckets import compressed_wire, dp_buckets
-from .compression import BucketCompressor, Compression, Reduction, compressor
+from .compression import BucketCompressor, Compression, Reduction, compressor, restore_state, saved_state
 from .grad_sync import Accumulates, WholeParams, param_grad_squares, scale_param_grads_
 from .hollow import is_deferred
 
@@ -141,7 +141,8 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
         self.buckets = _make_buckets(params, bucket_bytes, reduce_dtype)
         if compression is not None:
             for bucket in self.buckets:
-                bucket.compressor = compressor(compression, bucket.params, bucket.index)
+                numel = sum(p.numel() for p in bucket.params)
+                bucket.compressor = compressor(compression, bucket.params, bucket.index, numel)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._view_of = {
             id(p): v
@@ -194,6 +195,16 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
 
     def scale_grads_(self, factor: Tensor | float) -> None:
         scale_param_grads_(self.params, factor)
+
+    def own_local(self) -> dict[str, Tensor]:
+        """`compress`'s state of every bucket (`compression.saved_state`), for checkpoints."""
+        return saved_state(self._compressors())
+
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        return restore_state(self._compressors(), saved)
+
+    def _compressors(self) -> list[BucketCompressor]:
+        return [b.compressor for b in self.buckets if b.compressor is not None]
 
     def grad_buffers(self) -> list[Tensor]:
         """The buckets' buffers, which hold the gradients (`.grad` views them) and outlive

@@ -94,6 +94,10 @@ class ExpertZero(PerGroup[Zero]):
         steps = {name: step for e in self.engines for name, step in e.steps().items()}
         return training_state(self.module, elements, steps, self.engines[0].optim.choice.kind)
 
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        """No local state: the plan checker refuses `compress` beside experts."""
+        return not saved
+
     def loaded(self, state: TrainingState) -> None:
         steps = read_steps(state)
         for e in self.engines:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -96,6 +96,9 @@ class TrainingState:
     model: dict[str, Held]
     optim: dict[str, dict[str, Held]]
     kind: str = "adamw"
+    # this rank's own state that only the same layout resumes, by name: `compress`'s error
+    # feedback (`compression.saved_state`)
+    local: dict[str, Tensor] = field(default_factory=dict)
 
 
 class GradSync(Protocol):
@@ -127,6 +130,11 @@ class GradSync(Protocol):
 
     def loaded(self, state: TrainingState) -> None:
         """A checkpoint was read into `state` (an `own_state()`) in place: take it up."""
+        ...
+
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        """This rank's `TrainingState.local` as a checkpoint saved it: taken up if it is this
+        layout's (True), else left as it starts (False)."""
         ...
 
     def gathered_by_unit(self) -> Iterator[set[str]]:
@@ -200,8 +208,18 @@ class WholeParams:
 
         model_sd, optim_sd = get_state_dict(self.module, self._built())
         return TrainingState(
-            cast(dict[str, Held], model_sd), cast(dict, optim_sd.get("state", {})), self._kind
+            cast(dict[str, Held], model_sd),
+            cast(dict, optim_sd.get("state", {})),
+            self._kind,
+            self.own_local(),
         )
+
+    def own_local(self) -> dict[str, Tensor]:
+        """`TrainingState.local`: none here (`DataParallel` keeps its compressors')."""
+        return {}
+
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        return not saved
 
     def loaded(self, state: TrainingState) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

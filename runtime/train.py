@@ -349,7 +349,7 @@ def train(
     # the plan's optimizer over `program`, or ZeRO's engine stepping it over its shards
     optimizer = grads.optimizer(config, axes)
     ckpt_root = config.run_dir / "checkpoints"
-    start = _maybe_resume(ckpt_root, grads, config, axes)
+    start, resumed_notes = _maybe_resume(ckpt_root, grads, config, axes)
     metrics = MetricsWriter(config.run_dir, rank)
     dp_size = axes.data_size
     tokens_per_step = config.tokens_per_micro_step * config.accumulation * dp_size  # whole job
@@ -358,6 +358,8 @@ def train(
     summary = Summary(steps_done=start, start_step=start)
     if display is not None:
         display.begin(config, start)
+        for text in resumed_notes:
+            display.note(text)
     names = [name for name, _ in program.named_parameters()]
     label_collectives(program)  # the watchdog's report names the graph node a rank waits in
     scale = config.loss_scale
@@ -533,14 +535,17 @@ def _update_scale(scale: float, good_steps: int, overflowed: bool, interval: int
     return scale, good_steps
 
 
-def _maybe_resume(root: Path, sync: GradSync, config: TrainConfig, axes: Axes) -> int:
+def _maybe_resume(root: Path, sync: GradSync, config: TrainConfig, axes: Axes) -> tuple[int, tuple[str, ...]]:
+    """The step the run starts at (the latest checkpoint's, resumed, or 0), and what did not
+    resume as it was saved (`Restored.notes`)."""
     if not config.resume:
-        return 0
+        return 0, ()
     path = checkpoint.latest(root)
     if path is None:
-        return 0
+        return 0, ()
     try:
-        return checkpoint.load(path, sync, axes=axes).step
+        restored = checkpoint.load(path, sync, axes=axes)
+        return restored.step, restored.notes
     except checkpoint.CheckpointError as e:
         older = checkpoint.before(path)
         if older is None:

@@ -43,6 +43,7 @@ all. One engine for 1-3 gives one ledger, one state-dict layout and exact memory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -56,7 +57,7 @@ from torch import Tensor, fx, nn
 
 from . import watchdog
 from .axes import Axes
-from .compression import Compression
+from .compression import Compression, restore_state, saved_state
 from .disk_offload import rank_folder
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
@@ -398,7 +399,12 @@ class Zero(Accumulates):
         state (`own_elements`), under the keys a run without ZeRO saves, and the buffers.
         Each rank checkpoints its own, placed in the whole tensor (`runtime/checkpoint.py`), so
         any stage, bucket size or dp size (or no ZeRO) resumes it."""
-        return training_state(self.module, self.own_elements(), self.steps(), self.optim.choice.kind)
+        state = training_state(self.module, self.own_elements(), self.steps(), self.optim.choice.kind)
+        return dataclasses.replace(state, local=saved_state(list(self._grads.compressors.values())))
+
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        """`GradSync.restore_local`: `compress`'s state of each flat."""
+        return restore_state(list(self._grads.compressors.values()), saved)
 
     def loaded(self, state: TrainingState) -> None:
         """`GradSync.loaded`: a checkpoint was read into `own_state()`'s views."""

@@ -68,7 +68,9 @@ class ShardedGrads:
         self.compression = compression
         # each flat's compressor, seeded by its index (the same on every rank), keeping its state across steps
         self.compressors = (
-            {id(f): compressor(compression, f.params, i) for i, f in enumerate(flats)} if compression else {}
+            {id(f): compressor(compression, f.params, i, f.padded) for i, f in enumerate(flats)}
+            if compression
+            else {}
         )
         self.reduce_dtype = reduce_dtype  # None: the params' dtype
         self.world = dist.get_world_size(group)

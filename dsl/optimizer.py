@@ -121,4 +121,3 @@ def keyword_arguments(
             values[key] = arg.value
         seen.add(key)
     return values
-

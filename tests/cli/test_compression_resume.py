@@ -72,7 +72,9 @@ def _load(rank: int, world_size: int, folder: str, bucket_bytes: int) -> tuple[t
 def test_another_layout_starts_the_feedback_from_zero_and_says_so(tmp_path: Path) -> None:
     plan = tmp_path / "bf16.plan"
     plan.write_text(PLANS["bf16"].replace("compress = bf16", "bucket = 4MB\n    compress = bf16"))
-    meshplan_run(str(plan), "--steps", "2", "--save-every", "2", "--seq", "32", "--out", str(tmp_path / "run"))
+    meshplan_run(
+        str(plan), "--steps", "2", "--save-every", "2", "--seq", "32", "--out", str(tmp_path / "run")
+    )
     folder = str(tmp_path / "run" / "checkpoints" / "step00000002")
     same = spawn(_load, 2, (folder, 4 * 2**20))
     assert all(notes == () and back for notes, back in same)

@@ -61,5 +61,7 @@ def test_adafactor_composes_with_whole_parameters() -> None:
 
 def test_adafactor_composes_with_split_rules_under_every_zero_stage() -> None:
     for zero in (1, 2, 3):
-        plan = check_text(_plan("adafactor", zero=zero, rules="layers.*.mlp.down_proj: row over tp"), world_size=4)
+        plan = check_text(
+            _plan("adafactor", zero=zero, rules="layers.*.mlp.down_proj: row over tp"), world_size=4
+        )
         assert plan.data_parallel is not None and plan.data_parallel.zero == zero

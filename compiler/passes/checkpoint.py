@@ -11,6 +11,10 @@ the graph, called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=
 node carries `meta["meshplan.checkpoint"]`. The submodule holds no parameters: they stay
 `get_attr` nodes of the outer graph and enter the region as inputs, so optimizers, tied
 weights and per-rank shards (`lower.build_rank_program`) see the same parameters as before.
+A parameter's cast to the compute dtype that only the region reads moves into it: the region
+keeps the fp32 parameter as its input (a reference, no bytes) and recasts it when it
+recomputes, instead of keeping a bf16 copy of every weight per microbatch in flight (not under
+ZeRO-3, which gathers such a weight in bf16 and frees it after forward).
 Collective modules called inside a region are shared with the outer graph; a rank program
 rebinds them to its process groups with `lower.bind_regions`. Numbers are unchanged: the region
 runs the same ops in the same order, and its recomputation in backward is bit-identical.
@@ -135,8 +139,12 @@ def regions_from(plan: Plan, resolution: Resolution) -> list[Region]:
 
 
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    # ZeRO-3 gathers a unit's weights in the compute dtype when a cast reads them
+    # (`passes/zero.py`) and frees the gathered copies after forward: it keeps no cast either
+    dp = ctx.plan.data_parallel
+    recast = dp is None or dp.zero != 3
     try:
-        return checkpoint_regions(gm, regions_from(ctx.plan, ctx.resolution))
+        return checkpoint_regions(gm, regions_from(ctx.plan, ctx.resolution), recast=recast)
     except CheckpointError as e:
         ctx.diagnostics.append(e.diagnostic)
         return gm
@@ -155,8 +163,11 @@ def _path_key(path: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
-def checkpoint_regions(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.GraphModule:
-    """Outline every region's nodes and call them through `torch.utils.checkpoint`.
+def checkpoint_regions(
+    gm: fx.GraphModule, regions: Sequence[Region], *, recast: bool = True
+) -> fx.GraphModule:
+    """Outline every region's nodes and call them through `torch.utils.checkpoint`; `recast`:
+    with the casts of the parameters only the region reads (`_weight_casts`).
 
     A region whose module runs no op in the captured forward is left alone.
     Raises `CheckpointError` when a region's nodes are interleaved with nodes that
@@ -180,14 +191,16 @@ def checkpoint_regions(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.Grap
                 raise CheckpointError(
                     str(e), rule=region.rule, hint="checkpoint a module whose forward runs as one piece"
                 ) from None
-            _outline(gm, region, nodes)
+            _outline(gm, region, nodes, _weight_casts(nodes) if recast else [])
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
-    piece = outline.cut(nodes)
+def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node], casts: list[fx.Node]) -> None:
+    """`nodes` (contiguous) and the parameter `casts` ahead of them into one region, called
+    where `nodes` were."""
+    piece = outline.cut([*casts, *nodes])
     # the collectives the region calls: the same module objects as the outer graph's
     modules = {str(n.target): gm.get_submodule(str(n.target)) for n in nodes if n.op == "call_module"}
     gm.add_submodule(region.target, fx.GraphModule(modules, piece.graph, class_name=_class_name(region)))
@@ -207,6 +220,24 @@ def _outline(gm: fx.GraphModule, region: Region, nodes: list[fx.Node]) -> None:
     meta.set_checkpoint_region(call, CheckpointRegion(region.path, region.mode, region.rule, region.target))
     meta.set_module_tag(call, region.path)
     outline.replace_outputs(gm.graph, piece, call, tag=region.path)
+
+
+def _weight_casts(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The casts of a parameter to the compute dtype (`passes/precision.py`) that only the region
+    reads, in graph order: outlined with it, so the region keeps the parameter (nothing) rather
+    than its cast (two bytes an element, per microbatch in flight) and recasts it when it
+    recomputes."""
+    inside = set(nodes)
+    read = dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside)
+    return [
+        a
+        for a in read
+        if a.op == "call_function"
+        and a.target is aten._to_copy.default
+        and isinstance(a.args[0], fx.Node)
+        and a.args[0].op == "get_attr"
+        and all(u in inside for u in a.users)
+    ]
 
 
 def _class_name(region: Region) -> str:

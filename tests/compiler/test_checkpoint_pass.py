@@ -251,6 +251,37 @@ def test_checkpointing_keeps_fewer_activation_bytes(programs, source):
     assert kept["checkpoint"] < kept["checkpoint every 2"] < kept[None]
 
 
+BF16 = "mesh dp=1\n\nmodules {\n    layers.*: checkpoint\n}\n\nprecision {\n    compute = bf16\n}\n"
+
+
+def test_a_region_recasts_its_weights_instead_of_keeping_their_bf16_copies(source, monkeypatch):
+    """Under bf16 compute, a checkpointed layer takes its fp32 weights (references) and casts
+    them inside: forward keeps no bf16 weight of a checkpointed layer for backward, the step's
+    numbers are bit for bit those of the region that takes the casts as inputs."""
+    recast = compile_checkpointed(BF16, source)
+    region = recast.graph.get_submodule("checkpoint_layers_1")
+    casts = [n for n in region.graph.nodes if n.target is aten._to_copy.default and "weight" in n.name]
+    assert len(casts) == 9  # q, k, v, o, gate, up, down and the two norms
+    monkeypatch.setattr("meshplan.compiler.passes.checkpoint._weight_casts", lambda nodes: [])
+    kept_casts = compile_checkpointed(BF16, source)
+    programs = {
+        "recast": build_rank_program(recast, source.model, 0),
+        "kept": build_rank_program(kept_casts, source.model, 0),
+    }
+    kept = {name: activation_bytes(program, source) for name, program in programs.items()}
+    weights = sum(
+        p.numel() * 2 for n, p in source.model.named_parameters() if n.startswith("layers.") and p.dim() >= 1
+    )
+    assert kept["kept"] - kept["recast"] == weights  # every layer's bf16 weights, no more
+    (loss_a,), (loss_b,) = programs["recast"](*source.args), programs["kept"](*source.args)
+    loss_a.backward()
+    loss_b.backward()
+    assert torch.equal(loss_a, loss_b)
+    grads = dict(programs["kept"].named_parameters())
+    for name, p in programs["recast"].named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name
+
+
 # ---------------------------------------------------------------------------- tensor parallel
 
 

@@ -54,13 +54,14 @@ Boxes = Callable[[Tensor], list[tuple[tuple[int, ...], Tensor]]]
 class Piece:
     """Parameter `name`'s elements in a stepped tensor: `at` (a slice of the tensor flattened;
     None: the whole tensor), placed in the whole parameter of `shape` by `boxes`. `groups`: the
-    process groups whose ranks hold its other pieces (each reduced over in turn)."""
+    mesh axes whose ranks hold its other pieces, with their process groups (each reduced over
+    in turn)."""
 
     name: str
     shape: torch.Size
     at: slice | None
     boxes: Boxes
-    groups: tuple[dist.ProcessGroup, ...] = ()
+    groups: tuple[tuple[str, dist.ProcessGroup], ...] = ()
 
     @property
     def factored(self) -> bool:
@@ -69,12 +70,6 @@ class Piece:
     def of(self, t: Tensor) -> Tensor:
         """This piece's elements of `t` (a stepped tensor, or one shaped like it)."""
         return t if self.at is None else t.reshape(-1)[self.at]
-
-    def rows(self) -> int:
-        return math.prod(self.shape[:-1])
-
-    def cols(self) -> int:
-        return math.prod(self.shape[:-2]) * self.shape[-1]
 
 
 class SplitAdafactor(torch.optim.Optimizer):
@@ -217,7 +212,7 @@ class _Work:
 def _reduce(work: Sequence[_Work], sums: Callable[[_Work], Tensor], what: str) -> None:
     """Each piece's `sums(w)`, summed over its groups, into `w.sums`: the pieces of one set of
     groups in one float64 buffer (in the same order on every rank), one all-reduce per group."""
-    by_groups: dict[tuple[dist.ProcessGroup, ...], list[tuple[_Work, Tensor]]] = {}
+    by_groups: dict[tuple[tuple[str, dist.ProcessGroup], ...], list[tuple[_Work, Tensor]]] = {}
     for w in work:
         by_groups.setdefault(w.piece.groups, []).append((w, sums(w)))
     for groups, items in by_groups.items():
@@ -228,8 +223,8 @@ def _reduce(work: Sequence[_Work], sums: Callable[[_Work], Tensor], what: str) -
         # on the device the group's backend reduces on (a module placed `on cpu` aside)
         device = next((s.device for _, s in items if s.device.type != "cpu"), torch.device("cpu"))
         flat = torch.cat([s.to(device, torch.float64) for _, s in items])
-        for group in groups:
-            watchdog.note("all_reduce", "", what, group)
+        for axis, group in groups:
+            watchdog.note("all_reduce", axis, what, group)
             dist.all_reduce(flat, group=group)
         for (w, s), summed in zip(items, flat.split([s.numel() for _, s in items]), strict=True):
             w.sums = summed.to(s.dtype)

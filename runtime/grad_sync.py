@@ -185,7 +185,7 @@ def whole_pieces(named: Iterable[tuple[str, Tensor]], axes: Axes) -> dict[int, l
         def boxes(x: Tensor, cuts: tuple[Placed, ...] = cuts) -> list[tuple[tuple[int, ...], Tensor]]:
             return list(Pieces.of_local(x, cuts).boxes.items())
 
-        groups = tuple(g for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
+        groups = tuple((a, g) for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
         out[id(t)] = [Piece(name, shape, None, boxes, groups)]
     return out
 

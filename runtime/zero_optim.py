@@ -116,8 +116,9 @@ class ShardedOptimizer:
                 ) -> list[tuple[tuple[int, ...], Tensor]]:
                     return list(Pieces.of_range(x, first, shape, cuts).boxes.items())
 
-                split = tuple(g for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
-                pieces.append(Piece(name, whole_size(p.shape, cuts), at, boxes, (self.group, *split)))
+                split = tuple((a, g) for a in axes.sharded_over(name) if (g := axes.group(a)) is not None)
+                groups = ((f.axis, self.group), *split)
+                pieces.append(Piece(name, whole_size(p.shape, cuts), at, boxes, groups))
             out[id(master)] = pieces
         return out
 

@@ -109,7 +109,7 @@ def _split_worker(rank: int, world_size: int) -> dict[str, list[tuple[tuple[int,
         def boxes(x: Tensor, first=first, shape=shape, n=n) -> list[tuple[tuple[int, ...], Tensor]]:
             return list(Pieces.of_range(x, first, shape, cuts[n]).boxes.items())
 
-        reduce = (groups["dp"], groups["tp"]) if cuts[n] else (groups["dp"],)
+        reduce = (("dp", groups["dp"]), ("tp", groups["tp"])) if cuts[n] else (("dp", groups["dp"]),)
         pieces.append(Piece(n, values[n].shape, at, boxes, reduce))
         offset += size
     # ZeRO keeps decayed and undecayed params in flats of their own: here one flat, stepped once

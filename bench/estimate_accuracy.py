@@ -44,6 +44,11 @@ CELLS: dict[str, tuple[str, str, str]] = {
     "tp_sp": ((ROOT / "examples/llama_tp.plan").read_text(), LLAMA, "TP + SP"),
     "pp": (PP, LLAMA, "1F1B, 4 microbatches"),
     "gpt_zero3": (GPT_ZERO3, GPT, "ZeRO-3 fp16, offload, selective checkpointing"),
+    "pp_bf16": (
+        PP + "\nprecision {\n    compute = bf16\n}\n",
+        LLAMA,
+        "1F1B under bf16: a weight's cast kept once a step",
+    ),
     "interleaved": (PP.replace("1f1b", "interleaved\n    virtual_stages = 2"), LLAMA, "interleaved 1F1B"),
     "zero_bubble": (PP.replace("1f1b", "zero_bubble"), LLAMA, "zero-bubble (split backward)"),
     "ep": ((ROOT / "examples/moe_ep.plan").read_text().replace("dp=*", "dp=1"), MOE, "experts over ep"),

@@ -206,7 +206,7 @@ def estimate(
 
     from .capture import bind_inputs
     from .liveness import in_flight, most_kept, walk_stages
-    from .lower import build_rank_program, place, placed_names, stage_names
+    from .lower import build_rank_program, place, placed_names, shared_cast_stages, stage_names
     from .stages import compiled_cuts, cut_stages
 
     plan, layout, source = compiled.plan, compiled.layout, compiled.source
@@ -236,7 +236,7 @@ def estimate(
             micro = spec.microbatches or layout.size(spec.axis)
             schedule = build(spec.schedule, layout.size(spec.axis), micro, spec.virtual_stages)
             cut = cut_stages(compiled.graph, compiled_cuts(compiled.graph, compiled.stage_cuts))
-            stages = cut.programs(program)
+            stages = cut.programs(program, share_casts=shared_cast_stages(schedule))
         else:
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
@@ -319,7 +319,8 @@ def estimate(
                 # a split backward's gradients kept from I to W (none where the stage's inputs
                 # need none: the first stage's I is nothing, its W the whole backward)
                 joins = {s: walks[s].joins if s > 0 else 0 for s in mine}
-                activations = most_kept(schedule, position, saved, joins)
+                casts = {s: walks[s].shared for s in mine}  # the weights' casts, once a step
+                activations = most_kept(schedule, position, saved, joins, casts)
             receive = sum(walks[s].received * flight[s] for s in mine) if schedule is not None else 0
             extra = max(
                 mine, key=lambda s: max(walks[s].forward_peak, walks[s].backward_peak) - walks[s].saved

@@ -23,6 +23,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshplan.runtime.shared_cast import SharedCast
 from meshplan.runtime.zero_nodes import MAX_IN_FLIGHT, graph_units, in_backward
 
 
@@ -177,19 +178,30 @@ class StageWalk:
     peak_at: str = ""
     received: int = 0  # bytes of the values it receives from the stage before
     joins: int = 0  # bytes of the forward's outputs where a weight joins (kept from I to W if split)
+    shared: int = 0  # of `saved`: the weights' casts a pipeline step makes once (`SharedCast`)
     sends: list[Any] = field(default_factory=list)
 
 
 class _Where(fx.Interpreter):
-    """Runs a graph and says which node is running (the peak's op)."""
+    """Runs a graph and says which node is running (the peak's op); keeps what its
+    `SharedCast`s make (`casts`: weak references)."""
 
     def __init__(self, module: fx.GraphModule, note: list[str]) -> None:
         super().__init__(module)
         self.note = note
+        self.casts: list[tuple[weakref.ref, int]] = []
 
     def run_node(self, n: fx.Node) -> Any:
         self.note[0] = f"{n.name} (forward)"
-        return super().run_node(n)
+        out = super().run_node(n)
+        if n.op == "call_module" and isinstance(self.module.get_submodule(str(n.target)), SharedCast):
+            storage = out.untyped_storage()
+            self.casts.append((weakref.ref(storage), storage.nbytes()))
+        return out
+
+    def kept_casts(self) -> int:
+        """Bytes of the shared casts still alive (kept for backward)."""
+        return sum(n for ref, n in self.casts if ref() is not None)
 
 
 def _where_backward(note: list[str]) -> Callable[[], str]:
@@ -243,7 +255,9 @@ def walk_stages(
                 tracker.reset_peak()
                 tracker.joins = 0
                 begin(s, "forward")
-                out = _Where(stage, note).run(*inputs, *recv)
+                running = _Where(stage, note)
+                out = running.run(*inputs, *recv)
+                walks[s].shared = running.kept_casts()
                 walks[s].joins = tracker.joins
                 walks[s].forward_peak = tracker.peak - start
                 walks[s].peak_at = tracker.peak_at
@@ -449,18 +463,26 @@ class ZeroWalk:
         self._drain(0)
 
 
-def most_kept(schedule, owner: int, saved: dict[int, int], joins: dict[int, int]) -> int:
+def most_kept(
+    schedule, owner: int, saved: dict[int, int], joins: dict[int, int], shared: dict[int, int] | None = None
+) -> int:
     """The most bytes rank `owner`'s actions keep at once for backward: each stage's `saved`
     bytes a microbatch from its forward (F) to its backward (B; W under a split backward), and
-    under a split backward its `joins` bytes from I to W (the gradients W starts from)."""
+    under a split backward its `joins` bytes from I to W (the gradients W starts from). Of
+    `saved`, a stage's `shared` bytes (its weights' casts, `runtime/shared_cast.py`) are kept
+    once, from its first forward of the step to its last backward."""
+    shared = shared or {}
+    first = {s: next(i for i, a in enumerate(schedule.actions[owner]) if a.stage == s) for s in saved}
+    last = {a.stage: i for i, a in enumerate(schedule.actions[owner]) if a.kind in ("B", "W")}
     live = most = 0
-    for a in schedule.actions[owner]:
+    for i, a in enumerate(schedule.actions[owner]):
         if a.stage not in saved:
             continue
+        once = shared.get(a.stage, 0)
         if a.kind == "F":
-            live += saved[a.stage]
+            live += saved[a.stage] - once + (once if i == first[a.stage] else 0)
         elif a.kind in ("B", "W"):
-            live -= saved[a.stage]
+            live -= saved[a.stage] - once + (once if i == last.get(a.stage) else 0)
         if a.kind == "I":
             live += joins[a.stage]
         elif a.kind == "W":
@@ -470,16 +492,5 @@ def most_kept(schedule, owner: int, saved: dict[int, int], joins: dict[int, int]
 
 
 def in_flight(schedule, stage: int) -> int:
-    """The most microbatches of `stage` whose forward has run and whose activations are not yet
-    freed (by its full backward `B`, or its weight half `W` under a split backward), in its
-    owner's action list: how many microbatches' activations the stage keeps at once."""
-    live = most = 0
-    for a in schedule.actions[schedule.owner[stage]]:
-        if a.stage != stage:
-            continue
-        if a.kind == "F":
-            live += 1
-            most = max(most, live)
-        elif a.kind in ("B", "W"):
-            live -= 1
-    return max(most, 1)
+    """`Schedule.in_flight`: the most microbatches whose activations `stage` keeps at once."""
+    return schedule.in_flight(stage)

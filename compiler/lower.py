@@ -330,7 +330,8 @@ def rank_stages(
     cut = cut_stages(program.graph, compiled_cuts(program.graph, program.stage_cuts))
     assert cut.count == schedule.stages, f"{cut.count} stages for a schedule of {schedule.stages}"
     position = layout.coords(rank)[axis]
-    programs = cut.programs(rank_program)
+    # a weight's cast made once a step, not once per microbatch in flight (`runtime/shared_cast.py`)
+    programs = cut.programs(rank_program, share_casts=shared_cast_stages(schedule))
     mine = {s: programs[s] for s in range(cut.count) if schedule.owner[s] == position}
     for stage in mine.values():
         label_collectives(stage)
@@ -364,6 +365,12 @@ def rank_stages(
         if sum(s in mine for s in used) > 1
     )
     return RankStages(held, mine, schedule, axis, position, members, group, tied, here)
+
+
+def shared_cast_stages(schedule: Schedule) -> frozenset[int]:
+    """The stages whose weights' casts a step makes once (`runtime/shared_cast.py`): those that
+    keep several microbatches in flight; with one, a kept cast would only outlive its backward."""
+    return frozenset(s for s in range(schedule.stages) if schedule.in_flight(s) > 1)
 
 
 def stage_names(program: Program, rank: int, *, axis: str, schedule: Schedule) -> frozenset[str]:

@@ -216,10 +216,12 @@ class Screen:
             n = self.local_params(lay, s, blocks)
             held, unit = self.state_bytes(lay, n)
             state = float(held)
-            # the casts are read from outside a checkpointed block (kept), but ZeRO-3 casts a
-            # unit's weights inside it, where checkpointing recomputes them
-            if lay.zero < 3 or not lay.checkpoint:
-                state += self.cast_bytes * n * in_flight
+            # a checkpointed block casts its weights again when it recomputes (ZeRO-3's are
+            # gathered in the compute dtype and freed), so it keeps none; otherwise a pipeline
+            # step casts each weight once for its microbatches (`runtime/shared_cast.py`),
+            # except the ones ZeRO-3 gathers, cast per microbatch
+            if not lay.checkpoint:
+                state += self.cast_bytes * n * (in_flight if lay.zero == 3 else 1)
             acts = blocks * kept * in_flight
             if s == 0:
                 acts += self.profile.part("first").saved * f * in_flight

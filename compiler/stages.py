@@ -40,7 +40,7 @@ sends; it returns a tuple of what it sends, or the graph's output for the last s
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,8 @@ from torch import fx, nn
 from meshplan.dsl.check import Plan
 from meshplan.dsl.errors import Span
 from meshplan.dsl.patterns import Glob
+from meshplan.runtime.shared_cast import SharedCast
+from meshplan.runtime.zero_nodes import ZeroGather
 
 from . import meta
 from .graph import module_path, shape, shape_text
@@ -93,9 +95,12 @@ class Stages:
     def sends(self, stage: int) -> tuple[fx.Node, ...]:
         return self.receives[stage + 1] if stage + 1 < self.count else ()
 
-    def programs(self, program: fx.GraphModule) -> list[fx.GraphModule]:
+    def programs(self, program: fx.GraphModule, *, share_casts: Collection[int] = ()) -> list[fx.GraphModule]:
         """The stage programs of `program` (the graph these stages were cut from, or a rank
-        program built from it: same nodes, this rank's parameters and process groups)."""
+        program built from it: same nodes, this rank's parameters and process groups).
+        `share_casts`: the stages whose casts of a trainable parameter are `SharedCast`s, which
+        a pipeline step makes once for all their microbatches (`runtime/shared_cast.py`): those
+        that keep several microbatches in flight (`Schedule.in_flight`)."""
         same = {n.name: n for n in program.graph.nodes}
         out: list[fx.GraphModule] = []
         output = next(n for n in program.graph.nodes if n.op == "output")
@@ -107,8 +112,45 @@ class Stages:
             else:
                 piece = cut(nodes, inputs=inputs, outputs=[same[n.name] for n in self.sends(s)])
             _copy_written_inputs(piece.graph)
-            out.append(fx.GraphModule(program, piece.graph, class_name=f"Stage{s}"))
+            stage = fx.GraphModule(program, piece.graph, class_name=f"Stage{s}")
+            if s in share_casts:
+                _share_casts(stage)
+            out.append(stage)
         return out
+
+
+def _share_casts(stage: fx.GraphModule) -> None:
+    """Each cast of a trainable parameter of `stage` (`aten._to_copy(weight, dtype=...)`, which
+    `passes/precision.py` makes) called through a `SharedCast` of its own. Not a weight ZeRO-3
+    gathers: it frees the gathered weight after use, and a kept cast would hold it all step."""
+    for node in list(stage.graph.nodes):
+        if node.op != "call_function" or node.target is not aten._to_copy.default:
+            continue
+        weight = node.args[0]
+        if set(node.kwargs) != {"dtype"} or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            continue
+        param = _parameter(stage, str(weight.target))
+        gathered = any(
+            u.op == "call_module" and isinstance(stage.get_submodule(str(u.target)), ZeroGather)
+            for u in weight.users
+        )
+        if param is None or not param.requires_grad or gathered:
+            continue
+        name = f"shared_cast_{node.name}"
+        stage.add_submodule(name, SharedCast(node.kwargs["dtype"]))
+        with stage.graph.inserting_before(node):
+            call = stage.graph.call_module(name, (weight,))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        stage.graph.erase_node(node)
+    stage.recompile()
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:  # a buffer, or a constant
+        return None
 
 
 def _copy_written_inputs(graph: fx.Graph) -> None:

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from . import watchdog
 from .schedules import Schedule
+from .shared_cast import let_go, sharing
 from .split_backward import Pending, backward_input, backward_weight
 
 # values per message (the last tag is the header's); tags are (((direction * stages) + stage) * microbatches + i) * MAX + j
@@ -108,6 +109,7 @@ class PipelineStep:
             if action.kind in ("B", "W"):
                 last[action.stage] = at
         self._syncs = frozenset(last.values())  # the actions after which a stage's gradients are final
+        self._done = {at: stage for stage, at in last.items()}  # a stage's last backward of the step
 
     @property
     def last(self) -> int:
@@ -117,7 +119,12 @@ class PipelineStep:
         """Run this rank's actions over `microbatches` (each the stage programs' leading
         inputs). Returns the sum over microbatches of loss / m on the rank of the last
         stage and 0 elsewhere (sum it over the pipeline group for the loss). With a loss
-        scale, backward starts from the scaled loss."""
+        scale, backward starts from the scaled loss. A weight's cast to the compute dtype is
+        made once for all the microbatches (`shared_cast.py`)."""
+        with sharing(self.stages.values()):
+            return self._run(microbatches, scale)
+
+    def _run(self, microbatches: Sequence[tuple[Tensor, ...]], scale: float) -> Tensor:
         m = self.schedule.microbatches
         assert len(microbatches) == m, f"{len(microbatches)} microbatches for a schedule of {m}"
         self._local: dict[tuple[str, int, int], list[Tensor]] = {}
@@ -162,6 +169,8 @@ class PipelineStep:
             else:
                 with self.no_sync() if at not in self._syncs else contextlib.nullcontext():
                     backward_weight(pending.pop((s, i)))
+            if at in self._done:
+                let_go(self.stages[s])
         t0 = time.perf_counter()
         for work, _ in self._pending:
             work.wait()

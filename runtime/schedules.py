@@ -60,6 +60,21 @@ class Schedule:
     def stages(self) -> int:
         return len(self.owner)
 
+    def in_flight(self, stage: int) -> int:
+        """The most microbatches of `stage` whose forward has run and whose activations are not
+        yet freed (by its full backward `B`, or its weight half `W` under a split backward), in
+        its owner's action list: how many microbatches' activations the stage keeps at once."""
+        live = most = 0
+        for a in self.actions[self.owner[stage]]:
+            if a.stage != stage:
+                continue
+            if a.kind == "F":
+                live += 1
+                most = max(most, live)
+            elif a.kind in ("B", "W"):
+                live -= 1
+        return max(most, 1)
+
 
 class ScheduleError(ValueError):
     """An action list that cannot run as written (one line naming the rank and the action)."""

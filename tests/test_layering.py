@@ -42,6 +42,7 @@ FOLDERS = {
 PROGRAM_LIBRARY = {
     "collectives",
     "device_copy",
+    "shared_cast",
     "experts",
     "expert_list",
     "hollow",

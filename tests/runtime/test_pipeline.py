@@ -140,3 +140,70 @@ def test_explain_shows_the_stages_and_the_cuts_to_freeze_them() -> None:
     again = compile_plan(check_text(frozen, "p.plan"), source, world_size=4, dynamic=False)
     assert again.graph.meta["meshplan.stages"] == compiled.graph.meta["meshplan.stages"]
     assert "at the plan's cuts" in explain(again)
+
+
+WEIGHTY = """from meshplan.examples.models import llama
+
+
+def build():
+    return llama.build(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4)
+"""
+
+
+def _bf16_worker(rank: int, world_size: int, factory: str, schedule_name: str, share: bool) -> tuple:
+    """One bf16 step of `schedule_name` on a weight-heavy Llama: loss, gradients, and the tensor
+    bytes live when the step's first backward starts (what its forwards keep)."""
+    import torch.distributed as dist
+
+    from meshplan.compiler.liveness import LiveBytes
+    from meshplan.compiler.lower import shared_cast_stages
+
+    source = with_token_shape(load_model(factory), batch=BATCH // MICRO, seq=SEQ)
+    text = f"mesh pp={world_size}\n\nprecision {{\n    compute = bf16\n}}\n"
+    compiled = compile_plan(check_text(text, path="pp.plan"), source, world_size=world_size, dynamic=False)
+    stages = cut_stages(compiled.graph, balanced_cuts(compiled.graph, source.model, world_size))
+    program = build_rank_program(compiled, source.model, rank)
+    schedule = schedules.build(schedule_name, world_size, MICRO, 1)
+    programs = stages.programs(program, share_casts=shared_cast_stages(schedule) if share else ())
+    mine = {s: programs[s] for s in range(stages.count) if schedule.owner[s] == rank}
+    step = PipelineStep(mine, schedule, rank=rank, ranks=list(range(world_size)), group=None)
+    inputs = bind_inputs(source.model, program, example_inputs(BATCH, SEQ, seed=3), {})
+    tracker = LiveBytes(lambda: "")
+    kept: list[int] = []
+    backward = torch.autograd.backward
+
+    def first_backward(*args, **kwargs):
+        kept.append(tracker.live)
+        return backward(*args, **kwargs)
+
+    torch.autograd.backward = first_backward  # the pipeline calls it for every B
+    try:
+        with tracker:
+            loss = step.run(split_microbatches(inputs, MICRO))
+    finally:
+        torch.autograd.backward = backward  # the process runs other jobs after this one
+    dist.all_reduce(loss)
+    grads = {n: p.grad.float().numpy().copy() for st in mine.values() for n, p in st.named_parameters()}
+    return float(loss), grads, kept[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_weights_cast_is_made_once_a_step_for_the_microbatches_in_flight(tmp_path, schedule: str) -> None:
+    """Under bf16, stage 0 keeps several microbatches in flight (GPipe all 4, 1F1B 2): its
+    weights' bf16 casts are made once for them (`runtime/shared_cast.py`), the numbers bit for bit
+    the same, and what the forwards keep for the first backward is 3 (GPipe) or 1 (1F1B) bf16
+    copies of the stage's weights fewer. (ZB-H1's split backward is held to bit identity with
+    shared casts by `test_pipeline_matches_one_device` and the verify matrix.)"""
+    (tmp_path / "weighty.py").write_text(WEIGHTY)
+    factory = f"{tmp_path / 'weighty.py'}:build"
+    apart = spawn(_bf16_worker, 2, (factory, schedule, False))
+    shared = spawn(_bf16_worker, 2, (factory, schedule, True))
+    for (loss_a, grads_a, _), (loss_s, grads_s, _) in zip(apart, shared, strict=True):
+        assert loss_a == loss_s
+        for name, grad in grads_a.items():
+            assert (grad == grads_s[name]).all(), name
+    # stage 0's weights in bf16 that an op keeps for backward (the embedding's lookup keeps its ids)
+    stage0 = sum(g.size for name, g in apart[0][1].items() if "embed_tokens" not in name) * 2
+    fewer = {"gpipe": 3, "1f1b": 1}[schedule] * stage0
+    assert 0.95 * fewer <= apart[0][2] - shared[0][2] <= 1.05 * fewer, (apart[0][2], shared[0][2], stage0)

@@ -8,6 +8,7 @@ is refused with one line: a damaged file, another model.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,9 @@ def test_a_deep_graph_is_saved_without_recursion(tmp_path: Path) -> None:
     text = ONE_RANK.replace("LAYERS", "layers.*").replace("bf16", "fp16")
     # for the example shape only: symbolic shapes would cost the compile 2.7 times as much
     _, compiled, loaded = round_trip(text, f"{HERE}/factories.py:llama_deep", tmp_path, 1, dynamic=False)
-    assert len(compiled.graph.graph.nodes) > 1500
+    assert (
+        len(compiled.graph.graph.nodes) > 1.3 * sys.getrecursionlimit()
+    )  # a recursive pickle would overflow
     assert loaded.graph.code == compiled.graph.code
 
 

@@ -64,7 +64,8 @@ BENCHES = (
     Bench("zero_memory", "per-rank training-state bytes vs analytical, ZeRO 0-3", headline=r"^largest|= "),
     Bench(
         "disk_offload",
-        "optimizer state on disk vs in host memory: host bytes per rank and step time, ZeRO-1",
+        "optimizer state (ZeRO-1) and parameter shards (ZeRO-3) on disk vs in host memory: host "
+        "bytes per rank and step time",
         quick=("--layers", "2", "--hidden", "256", "--bucket-mib", "1", "--steps", "3"),
         headline=r"ratio|goal|/ in memory",
     ),

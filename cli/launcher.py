@@ -98,7 +98,8 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
             load_function(options.between_steps, "--between-steps")
         except CompileError as e:
             raise RunError(str(e)) from None
-    if plan.data_parallel is not None and plan.data_parallel.optimizer_on_disk:
+    dp = plan.data_parallel
+    if dp is not None and (dp.optimizer_on_disk or dp.params_on_disk):
         _check_offload_dir(options, plan, source, world_size)
     return options.replace(program=str(_compile_once(options, world_size, source))), world_size
 
@@ -464,39 +465,48 @@ def _check_export(export: Path, *, overwrite: bool) -> None:
     _check_writable(export / "model.safetensors")
 
 
-OFFLOAD_MARGIN = 1.1  # free space asked of `optimizer:disk`'s folder, over what its files take
+OFFLOAD_MARGIN = 1.1  # free space asked of the offload folder, over what its files take
 
 
 def _check_offload_dir(options: RunOptions, plan: Plan, source: ModelSource, world_size: int) -> None:
-    """`offload = optimizer:disk`: that its folder can be written and holds this node's ranks'
-    files (`runtime/disk_offload.py`), with `OFFLOAD_MARGIN`, before any worker starts. The
-    bytes are an upper bound: the trainable parameters over the data-parallel size, as if no
-    other axis cut them, times an fp32 master and two moments (AdamW's; no optimizer has more).
-    Files a resumed run left there are overwritten in place, so they count as free."""
+    """`offload = optimizer:disk` or `params:disk`: that its folder can be written and holds this
+    node's ranks' files (`runtime/disk_offload.py`), with `OFFLOAD_MARGIN`, before any worker
+    starts. The bytes are an upper bound: the trainable parameters over the data-parallel size,
+    as if no other axis cut them, times an fp32 master and two moments (AdamW's; no optimizer has
+    more) and the parameters' own bytes. Files a resumed run left there are overwritten in place,
+    so they count as free."""
     import shutil
     import tempfile
 
     from meshplan.runtime.disk_offload import state_bytes
 
     folder = offload_dir(options)
+    assert plan.data_parallel is not None
+    dp_spec = plan.data_parallel
+    target = "optimizer:disk" if dp_spec.optimizer_on_disk else "params:disk"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=PROBE):
             pass
     except OSError as e:
         raise RunError(
-            f"`offload = optimizer:disk` cannot write its files in {folder}: {e.strerror or e} "
+            f"`offload = {target}` cannot write its files in {folder}: {e.strerror or e} "
             "(hint: pass --offload-dir with a writable folder)"
         ) from None
-    assert plan.data_parallel is not None
-    dp = plan.mesh.size(plan.data_parallel.axis) or 1
-    numel = sum(p.numel() for p in source.model.parameters() if p.requires_grad)
-    need = nproc_per_node(options, world_size) * state_bytes(-(-numel // dp), 2)
-    need -= sum(f.stat().st_size for f in folder.glob("rank*/flat*.bin"))
+    dp = plan.mesh.size(dp_spec.axis) or 1
+    trainable = [p for p in source.model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in trainable)
+    per_rank = state_bytes(-(-numel // dp), 2) if dp_spec.optimizer_on_disk else 0
+    if dp_spec.params_on_disk:  # each rank's shards, in the parameters' dtype
+        per_rank += sum(-(-p.numel() // dp) * p.element_size() for p in trainable)
+    need = nproc_per_node(options, world_size) * per_rank
+    need -= sum(
+        f.stat().st_size for f in [*folder.glob("rank*/flat*.bin"), *folder.glob("rank*/params*.bin")]
+    )
     free = shutil.disk_usage(folder).free
     if free < need * OFFLOAD_MARGIN:
         raise RunError(
-            f"--offload-dir {folder} has {free / 2**20:,.0f} MiB free, but `offload = optimizer:disk` "
+            f"--offload-dir {folder} has {free / 2**20:,.0f} MiB free, but `offload = {target}` "
             f"needs up to {need * OFFLOAD_MARGIN / 2**20:,.0f} MiB there for this node's ranks "
             "(hint: free space, or pass --offload-dir on a larger disk)"
         )

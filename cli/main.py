@@ -295,7 +295,7 @@ def summarize(plan: Plan) -> str:
             name
             for name, on in (
                 ("optimizer:disk" if d.optimizer_on_disk else "optimizer", d.offload_optimizer),
-                ("params", d.offload_params),
+                ("params:disk" if d.params_on_disk else "params", d.offload_params),
             )
             if on
         ]

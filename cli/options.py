@@ -102,8 +102,8 @@ class RunOptions:
         "run folder for metrics and checkpoints (default: runs/<plan name>)", metavar="DIR"
     )
     offload_dir: str | None = flag(
-        "folder for the optimizer state of `offload = optimizer:disk` (default: OUT/offload); put it "
-        "on a fast local disk",
+        "folder for the files of `offload = optimizer:disk` and `params:disk` (default: OUT/offload); "
+        "put it on a fast local disk",
         metavar="DIR",
     )
     tensorboard: str | None = flag(
@@ -191,7 +191,8 @@ def _spelling(f: dataclasses.Field) -> str:
 
 
 def offload_dir(options: RunOptions) -> Path:
-    """`--offload-dir`, else the run folder's `offload/`: where `optimizer:disk` keeps its files."""
+    """`--offload-dir`, else the run folder's `offload/`: where `optimizer:disk` and `params:disk`
+    keep their files."""
     return Path(options.offload_dir) if options.offload_dir else run_dir(options) / "offload"
 
 

@@ -1,7 +1,8 @@
 """The training state a gradient-sync engine keeps on one rank, computed with the runtime's own
 bucketing functions (`runtime/buckets.py`) so it cannot drift from the engines: parameters,
 gradients and optimizer state by where they live (the device, the host, or files under
-`offload = optimizer:disk`), and the communication buffers ZeRO makes during a step.
+`offload = optimizer:disk` and `params:disk`), and the communication buffers ZeRO makes during a
+step.
 `compiler/estimate.py` adds activations and the schedule's buffers to it per rank.
 """
 
@@ -33,7 +34,7 @@ class State:
     grads_between_steps: int = 0  # gradient storage held across steps (data-parallel buckets)
     engine: str = "none"
     flats: int = 0  # ZeRO: the flats the optimizer steps (one fused update each)
-    disk: int = 0  # `optimizer:disk`: the fp32 masters and moments in files (`host` has 3 flats' of them)
+    disk: int = 0  # `optimizer:disk`, `params:disk`: what is in files (`host` counts what a step reads back)
 
 
 # `optimizer:disk` holds this many flats' state in memory during a step: the one stepping, the
@@ -55,6 +56,7 @@ def state_of(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     on_disk: bool = False,
+    params_on_disk: bool = False,
     on_host: bool = False,
     accumulation: int = 1,
     bucketed: Callable[[str], bool] = lambda name: False,
@@ -73,6 +75,10 @@ def state_of(
     `optimizer`: the plan's, whose state is counted (`optimizer_state.py`; None: AdamW).
     `on_disk`: the optimizer's state is in files (`State.disk`), the host holding the
     `DISK_RESIDENT_FLATS` largest flats' of it (the master is always a copy there).
+    `params_on_disk` (ZeRO-3): the parameter shards are in files too (`disk`), the host holding
+    two consecutive units' shards at once (the one being gathered, the next being read; the
+    root's counted in), or every shard when the optimizer's state is in memory (its step reads
+    them all: `runtime/disk_offload.ParamFiles`).
     `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
     gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
     of the whole padded flat). `whole`: each parameter's whole shape (Adafactor's row and column
@@ -120,6 +126,7 @@ def state_of(
     unit_bytes: dict[int, int] = {}
     grad_bytes: dict[int, int] = {}
     on_disk_bytes: list[int] = []  # each flat's state in its file
+    shard_bytes: dict[int, int] = {}  # `params_on_disk`: each flat's parameter shard in its file
     for i, (names, dtype, gathered) in enumerate(flats):
         world = group_size(names[0])
         numel = sum(trainable[n].numel() for n in names)
@@ -133,7 +140,9 @@ def state_of(
             s.params += padded * size  # every parameter whole, the shard a view
             s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`
         else:
-            if offload_params:
+            if params_on_disk:
+                shard_bytes[i] = shard * size
+            elif offload_params:
                 s.host += shard * size
             else:
                 s.params += shard * size
@@ -152,6 +161,9 @@ def state_of(
             s.optimizer += optim
     s.disk = sum(on_disk_bytes)
     s.host += sum(sorted(on_disk_bytes)[-DISK_RESIDENT_FLATS:])
+    if shard_bytes:
+        s.disk += sum(shard_bytes.values())
+        s.host += _largest_unit(flats, shard_bytes, units) if on_disk else sum(shard_bytes.values())
     if zero >= 2 and accumulation > 1:
         s.accumulating = sum(grad_bytes.values())
     if zero == 3:

@@ -13,7 +13,8 @@ Two halves, both read off the program every rank runs rather than a formula per 
   the program's gather units), padded to the data group, each rank holding its shard of what
   the stage shards, fp32 masters where the shard is not fp32 or the optimizer is offloaded.
   Offloaded state is counted on the host (`host`), not in the device's total; offloaded to disk
-  (`optimizer:disk`), in files (`disk`), the host holding the few flats a step has in memory.
+  (`optimizer:disk`, `params:disk`), in files (`disk`), the host holding the few flats (and
+  units' parameter shards) a step has in memory.
 - **A step** (`walk`): the rank program run forward and backward on the meta device under a
   fake process group (no weights, no data), a dispatch mode adding up the storages the ops
   create while they live: the activations kept for backward (live when the forward ends),
@@ -81,7 +82,7 @@ class RankMemory:
     peak: int  # most live tensor bytes over a step (state + buffers + the walk's peak)
     peak_op: str  # where the peak occurs
     host: int = 0  # offloaded to CPU memory (optimizer state, ZeRO-3 parameter shards)
-    disk: int = 0  # `offload = optimizer:disk`: the optimizer's state in this rank's files
+    disk: int = 0  # `offload = optimizer:disk`, `params:disk`: the state and shards in this rank's files
     model_buffers: int = 0  # the model's own buffers (rotary tables, masks)
     stages: tuple[int, ...] = ()  # under a pipeline, the stages this rank runs
     time: StepTime | None = None  # the step, priced against `Estimate.hardware`
@@ -292,6 +293,7 @@ def estimate(
                 offload_optimizer=bool(dp and dp.offload_optimizer and zero > 0),
                 offload_params=bool(dp and dp.offload_params and zero == 3),
                 on_disk=bool(dp and dp.optimizer_on_disk and zero > 0),
+                params_on_disk=bool(dp and dp.params_on_disk and zero == 3),
                 on_host=on_host,
                 accumulation=plan.train.gradient_accumulation,
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),

@@ -51,8 +51,8 @@ def estimate_text(est: Estimate) -> str:
             lines.append(f"  {'host':<12}{size(r.host):>12}  (offloaded to CPU memory)")
         if r.disk:
             lines.append(
-                f"  {'disk':<12}{size(r.disk):>12}  (optimizer:disk files; the host holds "
-                f"{DISK_RESIDENT_FLATS} flats' of it in a step)"
+                f"  {'disk':<12}{size(r.disk):>12}  (optimizer:disk / params:disk files; `host` counts "
+                f"what a step reads back at once: {DISK_RESIDENT_FLATS} flats' state, two units' shards)"
             )
         lines.append(f"  {'peak':<12}{size(r.peak):>12}  at {r.peak_op}")
         if r.time is not None:

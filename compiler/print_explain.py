@@ -216,6 +216,19 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
             "reads flat i+1 while flat i steps and flat i-1 is written back, so at most "
             f"{DISK_RESIDENT_FLATS} flats' state is in host memory (bytes per rank: `meshplan estimate`)"
         )
+    if dp.params_on_disk and dp.zero == 3:
+        lines.append(
+            "    offload = params:disk: each rank's parameter shards live in files, one per flat, under "
+            "--offload-dir (default: the run folder's offload/rank<r>); each unit's shards are read "
+            "just before its all-gather, the next unit's meanwhile (in forward order, then in "
+            "backward order), and freed after it, so about two units' shards are in host memory; "
+            + (
+                "the step writes each back with its flat's state"
+                if dp.optimizer_on_disk
+                else "the step reads them all, updates them and writes them back"
+            )
+            + " (bytes per rank: `meshplan estimate`)"
+        )
     if any(r.node.startswith("host ") for r in compiled.ledger.rows):
         how = (
             "in buckets of their own"

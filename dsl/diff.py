@@ -104,7 +104,7 @@ def plan_facts(plan: Plan) -> dict[str, str]:
             "data_parallel.zero": str(d.zero),
             "data_parallel.bucket": _bytes(d.bucket_bytes),
             "data_parallel.offload_optimizer": "disk" if d.optimizer_on_disk else _flag(d.offload_optimizer),
-            "data_parallel.offload_params": _flag(d.offload_params),
+            "data_parallel.offload_params": "disk" if d.params_on_disk else _flag(d.offload_params),
             "data_parallel.compress": d.compress.text if d.compress is not None else "none",
         }
     pr = plan.precision

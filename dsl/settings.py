@@ -76,6 +76,7 @@ class DataParallelSpec:
     spans: Mapping[str, Span] = field(default_factory=dict)
     compress: CompressSpec | None = None  # None: gradients all-reduced exactly
     optimizer_on_disk: bool = False  # `offload = optimizer:disk` (offload_optimizer is True too)
+    params_on_disk: bool = False  # `offload = params:disk` (offload_params is True too)
 
 
 @dataclass(frozen=True)
@@ -369,14 +370,6 @@ class SettingsChecker:
         offload = tuple(t.split(":")[0] for t in targets)  # "optimizer:disk" -> "optimizer"
         if len(set(offload)) != len(offload):
             self.error(s["offload"].value_span, "an offload target is listed twice")
-        if "params:disk" in targets:
-            self.error(
-                s["offload"].value_span,
-                "offloading parameters to disk is not written yet: ZeRO-3 would have to read each "
-                "unit's parameter shards back before its all-gather, in forward and again in backward",
-                hint="keep the parameters on the host (`params`) and the optimizer state on disk "
-                "(`optimizer:disk`)",
-            )
         if "optimizer:disk" in targets and zero == 0 and self.complete(node):
             self.error(
                 s["offload"].value_span,
@@ -384,10 +377,12 @@ class SettingsChecker:
                 hint="the disk holds each rank's shards of the state, which only ZeRO cuts",
             )
         if self.complete(node) and "params" in offload and zero != 3:
+            disk = "params:disk" in targets
             self.error(
                 s["offload"].value_span,
-                "offloading parameters needs `zero = 3`",
-                hint="only ZeRO-3 gathers parameters on use, so only it can keep them on the CPU",
+                f"offloading parameters{' to disk' if disk else ''} needs `zero = 3`",
+                hint="only ZeRO-3 gathers parameters on use, so only it can keep them "
+                + ("in files, read back before each all-gather" if disk else "on the CPU"),
             )
         # every ZeRO stage takes it: PowerSGD's factors are all-reduced under ZeRO-2/3 too
         # (`runtime/compression.py`)
@@ -402,6 +397,7 @@ class SettingsChecker:
             MappingProxyType({k: v.span for k, v in s.items()}),
             compress,
             "optimizer:disk" in targets,
+            "params:disk" in targets,
         )
 
     def compress(self, setting: ast.Setting) -> CompressSpec | None:

@@ -58,7 +58,7 @@ from torch import Tensor, fx, nn
 from . import watchdog
 from .axes import Axes
 from .compression import Compression, restore_state, saved_state
-from .disk_offload import rank_folder
+from .disk_offload import ParamFiles, rank_folder, shards_in_memory
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
@@ -74,13 +74,15 @@ class ZeroOptions:
     params get weight decay. `reduce_dtype=None` reduces in the params' dtype. `decay(name, param)`
     (default: every param), like `make_optimizer`'s rule of no decay on 1-D params: the others
     go in their own flats and a second param group with `weight_decay` 0. `offload_dir` puts the
-    optimizer's state in files under `offload_dir/rank{r}` instead (`runtime/disk_offload.py`)."""
+    optimizer's state in files under `offload_dir/rank{r}` instead (`runtime/disk_offload.py`);
+    `params_dir` (stage 3) the parameter shards, in memory only around their gathers and the step."""
 
     stage: int = 1
     bucket_bytes: int = 25 * 2**20
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_dir: Path | None = None
+    params_dir: Path | None = None
     reduce_dtype: torch.dtype | None = None
     decay: Callable[[str, nn.Parameter], bool] | None = None
     compression: Compression | None = None  # the gradient reductions made lossy (`zero_grads.py`)
@@ -94,6 +96,8 @@ class ZeroOptions:
             raise ValueError(f"bucket_bytes must be positive, not {self.bucket_bytes}")
         if self.offload_params and self.stage != 3:
             raise ValueError("offloading parameters needs ZeRO-3: stages 1 and 2 keep every parameter")
+        if self.params_dir is not None and not (self.stage == 3 and self.offload_params):
+            raise ValueError("parameter shards on disk need ZeRO-3 with offload_params")
 
 
 class Collective(NamedTuple):
@@ -193,6 +197,7 @@ class Zero(Accumulates):
         self._alone = {f.names[0]: f for f in self.flats if len(f.names) == 1 and f.names[0] in alone}
         self._late = {id(f) for f in self.flats if len(f.names) == 1 and f.names[0] in shared}
         self._optim: ShardedOptimizer | None = None  # `optimizer()` builds it
+        self._files: ParamFiles | None = None  # `params_dir`: the shards' files, made with the optimizer
         self._sync = True  # False inside `no_sync`: gradients accumulate full size, at every stage
         self._grads = ShardedGrads(
             self.flats,
@@ -230,6 +235,9 @@ class Zero(Accumulates):
             disk=None if folder is None else rank_folder(folder, dist.get_rank()),
             axes=axes,
         )
+        if self.options.params_dir is not None:  # the shards to their files, from here on
+            where = rank_folder(self.options.params_dir, dist.get_rank())
+            self._files = ParamFiles(where, self.units, self.flats, self._optim.masters, self._optim.disk)
         return self
 
     @property
@@ -252,7 +260,8 @@ class Zero(Accumulates):
         """
         self._grads.finish(sync=self._sync)
         self.wait_params()
-        self.optim.step()
+        with shards_in_memory(self._files, step=True):
+            self.optim.step()
         if self.options.stage == 3:
             for u in self.units:  # a gathered copy (e.g. from an eval forward) is stale now
                 u.free()
@@ -415,6 +424,8 @@ class Zero(Accumulates):
         """This rank's elements of every parameter's fp32 value and optimizer state, by name, as
         views (no copy, no collective)."""
         self.wait_params()
+        if self._files is not None:  # a master that is its shard (`params_dir`)
+            self._files.masters_in_memory()
         return self.optim.own_elements()
 
     def steps(self) -> dict[str, Tensor]:
@@ -426,7 +437,8 @@ class Zero(Accumulates):
         """A checkpoint was read into `own_elements()`'s views: take the step counts, refresh
         the shards the masters stand for, and drop stage 3's gathered copies of the parameters
         or gather stages 1/2's again."""
-        self.optim.loaded(steps)
+        with shards_in_memory(self._files):
+            self.optim.loaded(steps)
         if self.options.stage == 3:
             for u in self.units:
                 u.free()

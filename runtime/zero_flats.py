@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,9 @@ class Flat:
     its own tensor (on the CPU with params offload) and allocates `full` only between a
     gather and the matching free: the parameters stay views of `full`'s storage, which is
     resized to zero bytes when freed, so autograd's saved references see the data again
-    after the next gather (FSDP1's trick).
+    after the next gather (FSDP1's trick). With `offload = params:disk` (`files`) the shard
+    is in a file between gathers: read before its all-gather, freed after it
+    (`disk_offload.ParamFiles`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Flat:
         self.ready = 0  # params whose grad has been accumulated in this backward
         self.pins = 0  # stage 3: backwards that gathered it and have not accumulated its grads yet
         self._gather_work: Any = None
+        self.files: ShardFiles | None = None  # `offload = params:disk`: where the shard is between gathers
         # stage 3, params the graph reads in another dtype (bf16 compute over fp32 params): what a
         # gather fills is this (padded,) buffer in that dtype, and `views` hand it out by name;
         # `full` (fp32) is gathered only for `gathered()` (export, evaluation)
@@ -121,6 +124,8 @@ class Flat:
         `whole`: into the fp32 `full` the params view, also when they are read in another dtype."""
         target = self._target(whole)
         _resize(target, self.padded * target.element_size())
+        if self.files is not None:
+            self.files.need(self)  # read from its file (read ahead, usually)
         src = self.shard.to(self.device, target.dtype)  # from the CPU with params offload; else no copy
         # The params (or views) are of this buffer; keep autograd from seeing the refill as an in-place edit.
         with torch.autograd._unsafe_preserve_version_counter(target):
@@ -132,6 +137,8 @@ class Flat:
             watchdog.note("all_gather", self.axis, watchdog.size_text(self.full_nbytes()), self.group)
             self._gather_work.wait()
             self._gather_work = None
+            if self.files is not None:
+                self.files.gathered(self)
 
     def free_full(self) -> None:
         self.wait_gather()
@@ -183,6 +190,13 @@ class Flat:
         if self.full_grad is not None:
             return self.full_grad[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
         return self.grad_shard
+
+
+class ShardFiles(Protocol):
+    """Where a stage-3 shard lives between its gathers (`disk_offload.ParamFiles`)."""
+
+    def need(self, f: Flat) -> None: ...  # the shard in memory, for its all-gather
+    def gathered(self, f: Flat) -> None: ...  # its all-gather is done: it may leave memory
 
 
 class Unit:

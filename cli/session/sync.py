@@ -56,7 +56,8 @@ def gradient_sync(
 ) -> Sync:
     """The engine and the axes of a rank that holds `rank_program`'s parameters (under a
     pipeline, its stages' parameters, which its stage programs run). `offload_dir`: where
-    `offload = optimizer:disk` keeps the state (`cli/options.offload_dir`)."""
+    `offload = optimizer:disk` keeps the state and `params:disk` the parameter shards
+    (`cli/options.offload_dir`)."""
     layout = program.layout
     dp_spec = plan.data_parallel
     dp_axis = dp_spec.axis if dp_spec is not None and layout.size(dp_spec.axis) > 1 else None
@@ -64,7 +65,8 @@ def gradient_sync(
     experts = tuple(a for a in layout.names if a in experts_over)
     engine: Engine | None = None
     host = _host_names(rank_program)
-    if dp_spec is not None and dp_spec.optimizer_on_disk and (host or experts or program.grad_sums):
+    on_disk = dp_spec is not None and (dp_spec.optimizer_on_disk or dp_spec.params_on_disk)
+    if on_disk and (host or experts or program.grad_sums):
         # these build several ZeRO engines per rank, each of which would need files of its own
         why = (
             "`on cpu` rules"
@@ -73,9 +75,11 @@ def gradient_sync(
             if experts
             else "a weight whose gradient is partial"
         )
+        assert dp_spec is not None
+        target, what = ("optimizer", "the state") if dp_spec.optimizer_on_disk else ("params", "the shards")
         raise RunError(
-            f"`offload = optimizer:disk` composes with one ZeRO engine per rank only, not yet with {why} "
-            "(hint: use `offload = optimizer` to keep the state in host memory)"
+            f"`offload = {target}:disk` composes with one ZeRO engine per rank only, not yet with {why} "
+            f"(hint: use `offload = {target}` to keep {what} in host memory)"
         )
     if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
         dp_group = mesh.get_group(dp_axis)
@@ -286,7 +290,7 @@ def shard_for_zero(
 ) -> Zero:
     """ZeRO over the dp group, from dp rank 0's initial params; `train` builds its AdamW
     (`Zero.optimizer`) with the run's settings, its state in files under `offload_dir` when the
-    plan offloads it to disk.
+    plan offloads it to disk, and the parameter shards there too under `params:disk`.
 
     The engine binds itself to the compiled program's ZeRO nodes (`compiler/passes/zero.py`):
     ZeRO-3 gathers layer by layer, ZeRO-1/2 overlap the post-step all-gather with forward.
@@ -303,7 +307,9 @@ def shard_for_zero(
         rank_program,
         dp_group,
         dataclasses.replace(
-            _zero_options(dp_spec, plan), offload_dir=offload_dir if dp_spec.optimizer_on_disk else None
+            _zero_options(dp_spec, plan),
+            offload_dir=offload_dir if dp_spec.optimizer_on_disk else None,
+            params_dir=offload_dir if dp_spec.params_on_disk else None,
         ),
         axis=dp_spec.axis,
         programs=_stage_programs(pipeline),

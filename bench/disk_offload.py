@@ -12,7 +12,7 @@ arithmetic). Per rank:
 - host state between steps: the optimizer's live storages after a step (`Zero.memory()`):
   every master and moment for `optimizer`, only the step counters for `optimizer:disk`;
 - host state during a step: for `optimizer:disk`, the most flats in memory at once
-  (`DiskState.peak_resident`, goal: at most 3) times the largest flat's master and moments;
+  (`DiskState.peak_resident`, goal: at most 2) times the largest flat's master and moments;
 - the step time (forward, backward, optimizer step; median of `--steps` after a warm-up), and the
   optimizer step alone, as ratios of disk over host memory.
 
@@ -51,7 +51,7 @@ from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 WORLD = 2
 SETTINGS = TrainConfig(lr=1e-4, weight_decay=0.1)
 BATCH, SEQ = 2, 64
-RESIDENT_GOAL = 3  # flats in memory during a step: stepping, being read, being written
+RESIDENT_GOAL = 2  # flats in memory during a step: the one stepping, and the next being read or the last being written
 UNITS_GOAL = 2  # ZeRO-3 units' parameter shards in memory in forward and backward
 
 

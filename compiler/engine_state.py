@@ -37,9 +37,9 @@ class State:
     disk: int = 0  # `optimizer:disk`, `params:disk`: what is in files (`host` counts what a step reads back)
 
 
-# `optimizer:disk` holds this many flats' state in memory during a step: the one stepping, the
-# next being read, the last being written (`runtime/disk_offload.py`)
-DISK_RESIDENT_FLATS = 3
+# `optimizer:disk` holds this many flats' state in memory during a step: the one stepping, and
+# the next being read or the last being written (one I/O thread: `runtime/disk_offload.py`)
+DISK_RESIDENT_FLATS = 2
 
 
 def nbytes(t: Tensor) -> int:

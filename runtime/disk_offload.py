@@ -1,6 +1,6 @@
 """ZeRO-Infinity's offload to disk: each rank's fp32 masters and optimizer moments
 (`offload = optimizer:disk`, `DiskState`) and its ZeRO-3 parameter shards (`params:disk`,
-`ParamFiles`) live in files between uses; the host holds at most three flats' state and about
+`ParamFiles`) live in files between uses; the host holds at most two flats' state and about
 two units' shards.
 
 The unit of I/O is one ZeRO flat's shard on this rank: its fp32 master and each moment
@@ -22,8 +22,10 @@ and the disk sees one stream:
     I/O thread:  read 0 | read 1 | write 0, read 2 | write 1, read 3 | ...
     step:               | step 0 | step 1          | step 2          | ...
 
-While flat i steps, flat i+1 is read and flat i-1 written and freed: at most three flats are in
-memory (`peak_resident`, the bench's measure; a step right after a checkpoint starts with all).
+While flat i steps, flat i-1 is written and freed, then flat i+1 read: the I/O thread does one
+at a time, and a read gives its tensors storage only when it starts, after the write queued
+before it freed its own, so at most two flats are in memory (`peak_resident`, the bench's
+measure; a step right after a checkpoint starts with all).
 A step ends when every write is done, so a write that fails (a full disk) fails the step that
 made it, before any later checkpoint, and between steps the state is on disk only. The step
 count (AdamW's `step`, a scalar) stays in memory.
@@ -48,9 +50,9 @@ the units in order, then the refetched ones in reverse; an evaluation's gathers 
 only find their place again). About two units' shards are in memory at once (`gathers_peak`,
 any other read is freed). The step writes every shard from its master: with the optimizer's
 state on disk each shard is read and written back with its flat's state in `DiskState.walk`
-(`alongside`, on the optimizer's I/O thread); otherwise every shard is read before the step
-and written after it (`ShardedOptimizer.step` updates all flats at once), so such a step holds
-them all. A shard that is its flat's fp32 master (the optimizer's state in memory, on the
+(`alongside`, on the optimizer's I/O thread); otherwise the step walks the shards' own files
+the same way (`ParamFiles.walk`, `ShardedOptimizer.walker`: one flat stepped at a time, the next
+read meanwhile), so a step holds about two flats' shards either way. A shard that is its flat's fp32 master (the optimizer's state in memory, on the
 shard's device) is in its file too: the step reads it back, and a checkpoint
 (`Zero.own_elements`, `masters_in_memory`) reads such masters into memory until the next
 gather or step. A checkpoint never reads the other shards (it saves the masters); a resume
@@ -327,9 +329,11 @@ class ParamFiles:
         return [j for j in t[self._pos : self._pos + self.ahead] if j != k]
 
     def _track(self, *, gathers: bool = False) -> None:
-        """Count the shards in memory now: read, being read or being written."""
+        """Count the shards in memory now: those with a storage (read, or being written; a read
+        in flight has its storage only once the I/O thread starts it, after the writes queued
+        before it have freed theirs)."""
         state = self.state
-        held = [k for k, (t,) in enumerate(state.tensors) if state._resident[k] or t.numel() > 0]
+        held = [k for k, (t,) in enumerate(state.tensors) if t.numel() > 0]
         now = sum(state._numel[k] * state.tensors[k][0].element_size() for k in held)
         flats, nbytes, in_gathers, gathers_bytes = self._peak
         self._peak = (
@@ -341,19 +345,21 @@ class ParamFiles:
 
     # ------------------------------------------------------------ the step and checkpoints
 
+    def walk(self) -> Iterator[int]:
+        """The step's walk when the optimizer's state is in memory (`ShardedOptimizer.walker`):
+        each flat's shard read (the next one meanwhile), stepped, written back and freed."""
+        for i in self.state.walk():
+            self._track()
+            yield i
+
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
-        """Around the optimizer's step, which writes every shard from its master: with the
-        optimizer's state on disk each shard is read and written back with its flat's state
-        (`DiskState.walk`); else every shard is read before and written after. Then this step's
-        order of gathers is the next one's guess."""
+        """Around the optimizer's step, which writes every shard from its master, flat by flat:
+        with the optimizer's state on disk each shard is read and written back with its flat's
+        state (`DiskState.walk`), else on its own (`walk`). Then this step's order of gathers is
+        the next one's guess."""
         self._settle()
-        if not self.linked:
-            self.state.fetch_all()
-            self._track()
         yield
-        if not self.linked:
-            self.state.put_back()
         self._trace, self._now, self._pos = self._now or self._trace, [], 0
         self.peak_resident, self.peak_bytes, self.gathers_peak, self.gathers_peak_bytes = self._peak
         self._peak = (0, 0, 0, 0)

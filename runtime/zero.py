@@ -238,6 +238,8 @@ class Zero(Accumulates):
         if self.options.params_dir is not None:  # the shards to their files, from here on
             where = rank_folder(self.options.params_dir, dist.get_rank())
             self._files = ParamFiles(where, self.units, self.flats, self._optim.masters, self._optim.disk)
+            if self._optim.disk is None:  # else its walk reads the shards with the state
+                self._optim.walker = self._files
         return self
 
     @property

@@ -24,9 +24,9 @@ the whole tensor).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,15 @@ from .pieces import Pieces, Placed, whole_size
 from .zero_flats import Flat
 
 MASTER = "master"
+
+
+class Walker(Protocol):
+    """Files the step reads flat by flat (`DiskState`, `ParamFiles`): `walk()` yields each flat's
+    index once it is in memory, and writes it back after."""
+
+    def walk(self) -> Iterator[int]: ...
+
+
 # name -> "master" and each state key: 1-D views (Adafactor's row and column moments: whole tensors)
 OwnElements = dict[str, dict[str, Held]]
 
@@ -88,6 +97,9 @@ class ShardedOptimizer:
             if self.elementwise:  # (SplitAdafactor makes its own)
                 self.optimizer.state[m] = initial_state(self.choice, m)
         self.disk = None
+        # `params:disk` with the state in memory: the parameter shards' files, which the step
+        # walks flat by flat as it walks the state's under `optimizer:disk` (`ParamFiles.walk`)
+        self.walker: Walker | None = None
         if disk is not None:
             keys = self.choice.state_keys
             self.disk = DiskState(
@@ -134,10 +146,11 @@ class ShardedOptimizer:
         gradient at all this step (`Flat.missing`) is left as it was, value and state, as the
         optimizer on one device leaves a parameter whose `.grad` is None (no weight decay, no
         moment decay)."""
-        if self.disk is None:
+        walker = self.disk or self.walker
+        if walker is None:
             self._step(range(len(self.flats)))
         else:
-            for i in self.disk.walk():  # flat i in memory, i + 1 being read, i - 1 written
+            for i in walker.walk():  # flat i in memory, i + 1 being read, i - 1 written
                 self._step([i])
 
     def _step(self, indices: Iterable[int]) -> None:

@@ -317,11 +317,17 @@ def is_output(block: Block, previous: Block | None) -> bool:
 def shows(shown: str, printed: str, *, numbers_vary: bool) -> str | None:
     """None when every line `shown` appears in `printed`, in order (`...`, a line of it or in a
     line, stands for what the page leaves out; spacing is not compared, nor, where they vary,
-    numbers); else the first line that does not."""
-    lines = [" ".join(line.split()) for line in printed.splitlines()]
+    numbers, nor then the width of a table's rules, which follows its numbers); else the first
+    line that does not."""
+
+    def normal(line: str) -> str:
+        line = " ".join(line.split())
+        return re.sub("─+", "─", line) if numbers_vary else line
+
+    lines = [normal(line) for line in printed.splitlines()]
     at = 0
     for line in shown.splitlines():
-        want = " ".join(line.split())
+        want = normal(line)
         if not want or want == "...":
             continue
         pattern = ".*".join(  # `...` in a line: what the page leaves out of it

@@ -51,7 +51,8 @@ from meshplan.runtime.zero import ZeroOptions, shard_for_zero
 WORLD = 2
 SETTINGS = TrainConfig(lr=1e-4, weight_decay=0.1)
 BATCH, SEQ = 2, 64
-RESIDENT_GOAL = 2  # flats in memory during a step: the one stepping, and the next being read or the last being written
+# flats in memory during a step: the one stepping, and the next being read or the last being written
+RESIDENT_GOAL = 2
 UNITS_GOAL = 2  # ZeRO-3 units' parameter shards in memory in forward and backward
 
 

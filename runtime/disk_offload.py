@@ -30,10 +30,12 @@ A step ends when every write is done, so a write that fails (a full disk) fails 
 made it, before any later checkpoint, and between steps the state is on disk only. The step
 count (AdamW's `step`, a scalar) stays in memory.
 
-A checkpoint reads the state through `own_elements()`'s views, so saving or resuming fetches
-every flat: the checkpoint code needs no knowledge of disks, at the cost of the whole state in
-host memory while it runs. A resume writes it back at once (`put_back`); after a save the next
-step does, flat by flat.
+A checkpoint reads the state through `own_elements()`'s views, so the checkpoint code needs no
+knowledge of disks: for it, every flat's tensors are mapped onto their file (`map_all`: shared
+mappings, pages the kernel reads in as the checkpoint's writer reads them and may drop again),
+not read into memory, so a checkpoint costs page cache, not a copy of the state a rank cannot
+hold. A resume reads into the mappings, which writes the files; the next step (or `put_back`
+after a resume) writes each flat from its mapping, which is its file already, and unmaps it.
 
 The parameter shards (`params:disk`, ZeRO-3 only) are a `DiskState` of one tensor per flat,
 `Flat.shard` in its dtype, in the same folder:
@@ -159,6 +161,24 @@ class DiskState:
         self._drain()
         if also is not None:
             also.drain()
+
+    def map_all(self) -> None:
+        """Every flat's tensors views of a shared mapping of its file (a checkpoint reads or writes
+        them in place, and the kernel pages them in and out), until the next `walk`. A flat
+        already in memory stays as it is."""
+        self._drain()
+        with torch.no_grad():
+            for i, ts in enumerate(self.tensors):
+                if self._resident[i]:
+                    continue
+                nbytes = sum(self._numel[i] * t.element_size() for t in ts)
+                mapped = torch.UntypedStorage.from_file(str(self._path(i)), shared=True, nbytes=nbytes)
+                assert isinstance(mapped, torch.UntypedStorage)
+                offset = 0
+                for t in ts:
+                    t.set_(mapped, offset // t.element_size(), (self._numel[i],), (1,))
+                    offset += self._numel[i] * t.element_size()
+                self._resident[i] = True
 
     def fetch_all(self) -> None:
         """Every flat in memory (a checkpoint reads or writes them in place), until the next `walk`."""

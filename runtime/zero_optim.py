@@ -190,10 +190,10 @@ class ShardedOptimizer:
     def own_elements(self) -> OwnElements:
         """This rank's elements of every parameter's fp32 value ("master") and its state
         (`OptimizerChoice.state_keys`), by name, as views of the masters and the optimizer's
-        state (`Zero.own_elements`). Offloaded to disk, every flat is read into memory first,
-        where a checkpoint reads or writes it, until the next step writes it back."""
+        state (`Zero.own_elements`). Offloaded to disk, every flat is mapped onto its file,
+        where a checkpoint reads or writes it in place (`DiskState.map_all`), until the next step."""
         if self.disk is not None:
-            self.disk.fetch_all()
+            self.disk.map_all()
         return self._elements(list(zip(self.flats, self.masters, strict=True)))
 
     def _elements(self, chosen: Sequence[tuple[Flat, Tensor]]) -> OwnElements:

@@ -32,18 +32,23 @@ timings or rounding make the numbers the machine's), so a changed output fails h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import re
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from gloo_pool import shared_processes
 
 from meshplan.dsl import PlanError, check_text
+from meshplan.runtime import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -398,11 +403,40 @@ def execute(argv: list[str], capfd) -> tuple[int, str, str]:
 
     capfd.readouterr()
     if argv[0] == "meshplan":
-        status = main(argv[1:])
+        with kept_processes_here():
+            status = main(argv[1:])
         return (status, *capfd.readouterr())
     program = [sys.executable] if argv[0] == "python" else [argv[0]]
     done = subprocess.run([*program, *argv[1:]], capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout, done.stderr
+
+
+@contextlib.contextmanager
+def kept_processes_here() -> Iterator[None]:
+    """Within: the ranks `meshplan verify` spawns are the session's kept gloo processes
+    (tests/gloo_pool.py, as tests/cli/test_verify.py runs it), not new ones that import torch
+    again; each job runs in this folder, as new processes would (`--model hf.py:build` is
+    relative to it). `run` still starts torchrun and its workers."""
+    folder = os.getcwd()
+    with shared_processes():
+        kept = launch.spawn
+        launch.spawn = lambda fn, world_size, args=(), **kw: kept(  # type: ignore[assignment]
+            _in_folder, world_size, (folder, fn, args), **kw
+        )
+        try:
+            yield
+        finally:
+            launch.spawn = kept
+
+
+def _in_folder(rank: int, world_size: int, folder: str, fn, args: tuple):
+    """A job on a kept process, run in `folder`; the process's own folder back after it."""
+    back = os.getcwd()
+    os.chdir(folder)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        os.chdir(back)
 
 
 # ---------------------------------------------------------------------------- the generated reference

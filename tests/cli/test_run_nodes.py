@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -37,9 +38,16 @@ SMALL = ("--batch", "2", "--seq", "16")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel hands out (port 0) may be
+    handed again, between this check and the rendezvous binding it, to a socket of another test
+    running beside this one (gloo's connections take ephemeral ports), and the rendezvous then finds
+    its endpoint in use. Below the range, only an explicit bind takes a port."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random(os.getpid() ^ time.monotonic_ns()).sample(range(10000, low), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in 10000..{low - 1}")
 
 
 # ---------------------------------------------------------------------------- the launcher's code

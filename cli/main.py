@@ -114,14 +114,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _calibrate() -> None:
+    import torch
+
     from meshplan.compiler.hardware import calibrate, write_entry
+    from meshplan.compiler.step_time import fit_block
+    from meshplan.runtime.loop_cost import measure
 
     print("measuring this machine (about 20 s) ...", file=sys.stderr)
-    result = calibrate()
-    path = write_entry(result.hardware)
-    for what, figure in result.measured.items():
+    result = calibrate(loop=measure)
+    hw, measured = result.hardware, result.measured
+    if hw.cores:  # a CPU: what a transformer block's ops reach, beside a copy and a square matmul
+        hw, fitted = fit_block(hw, torch.device("cpu"))
+        measured = {**measured, **fitted}
+    path = write_entry(hw)
+    for what, figure in measured.items():
         print(f"  {what:<18}{figure}")
-    print(f"kept as `--hardware {result.hardware.name}` in {path}")
+    print(f"kept as `--hardware {hw.name}` in {path}")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ import functools
 import math
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ from .placement import Placement, Shard
 from .step_time import (
     OpCosts,
     StepTime,
+    collective_time,
     engine_cost,
     optimizer_state_bytes,
     pipeline_timeline,
@@ -348,6 +349,11 @@ def estimate(
                     host_bandwidth=HOST_BANDWIDTH if offload else None,
                     slowdown=slowdown,
                 )
+                waits = sum(
+                    collective_time("all_reduce", 8, layout.size(axis), costs.link(group_of(axis)))
+                    for axis in _loop_reductions(compiled, params)
+                )
+                price = dataclasses.replace(price, step=price.step + waits * slowdown)
                 time = rank_time(
                     costs,
                     mine,
@@ -450,6 +456,25 @@ def shared_cores(hw: Hardware, world: int) -> float:
     busy = min(world, hw.cores)
     crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max(hw.cores - 1, 1)
     return crowd * max(1.0, world / hw.cores)
+
+
+def _loop_reductions(compiled, params: Mapping[str, Tensor]) -> list[str]:
+    """The axes of the float64 scalars the training loop all-reduces each step, beside the
+    engine's (`runtime.train`): the loss's mean over the batch axes, and the gradient norm's
+    squares summed over each axis that cuts some of this rank's parameters and over the
+    pipeline's (each stage's parameters are other ranks')."""
+    layout = compiled.layout
+    plan = compiled.plan
+    axes = [a for a in plan.batch_axes if layout.size(a) > 1]
+    cut_by = {
+        tuple(a for a, p in compiled.param_placements.get(name, {}).items() if isinstance(p, Shard))
+        for name in params
+    }
+    for over in sorted(cut_by):
+        axes += [a for a in over if layout.size(a) > 1]
+    if plan.pipeline is not None and layout.size(plan.pipeline.axis) > 1:
+        axes.append(plan.pipeline.axis)
+    return axes
 
 
 def _summed(axes: Sequence[str], layout: MeshLayout) -> bool:

@@ -22,7 +22,9 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 class Link:
     bandwidth: float  # bytes/s a rank moves through a ring step, in practice
     latency: float  # s per ring step
+    send_latency: float | None = None  # s a point-to-point send waits beyond its bytes (None: `latency`)
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,13 @@ class Hardware:
     inter: Link  # between nodes
     devices_per_node: int
     optimizer_tensor: float = 0.0  # s the optimizer step spends per tensor it updates
+    step_overhead: float = 0.0  # s the training loop spends once a step (the norm read back, the metrics)
     cores: int | None = None  # a CPU: ranks beyond this many on a node share the cores
     overlap: float = 1.0  # the share of a collective issued ahead that runs beside compute
     crowding: float = 1.0  # a CPU: how much longer ops take with a rank on every core
     cache_bytes: int = 0  # an op touching at most this many bytes runs at `cache_bandwidth`
     cache_bandwidth: float = 0.0
+    attention: float = 1.0  # the share of the matmul rate attention kernels reach
     source: str = ""  # where the numbers come from
 
     def bandwidth(self, nbytes: float) -> float:
@@ -188,10 +193,20 @@ class Calibration:
     measured: dict[str, str] = field(default_factory=dict)
 
 
-def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
+def calibrate(
+    device: str | None = None,
+    *,
+    links: bool = True,
+    loop: Callable[[torch.device], tuple[float, float]] | None = None,
+) -> Calibration:
     """Measure this machine: matmul FLOP/s per dtype, copy bandwidth, the cost of one op
     forward and backward, the optimizer's cost per tensor, and (`links`) gloo's latency and
-    bandwidth between two local processes. CPU: one thread, as a rank runs."""
+    bandwidth between two local processes. CPU: one thread, as a rank runs.
+
+    `loop(device)`: the training loop's own seconds per step and per parameter beside forward
+    and backward, measured through the loop (`runtime.loop_cost.measure`, which the command
+    line passes: the compiler does not import the training loop); without it, the optimizer's
+    step alone per tensor and nothing per step."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if dev.type == "cpu":
@@ -207,7 +222,7 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
         cache = _cache_bytes() if dev.type == "cpu" else 0
         cache_bandwidth = _copy_bandwidth(cache // 4, dev) if cache else 0.0
         overhead = _op_overhead(dev)
-        optimizer_tensor = _optimizer_per_tensor(dev)
+        step_overhead, optimizer_tensor = loop(dev) if loop is not None else (0.0, _optimizer_per_tensor(dev))
     finally:
         torch.set_num_threads(threads)
     base = TABLE["cpu"] if dev.type == "cpu" else TABLE.get(gpu_name(dev), TABLE["h100"])
@@ -227,6 +242,7 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
         inter=base.inter if dev.type != "cpu" else intra,
         devices_per_node=cores if dev.type == "cpu" else base.devices_per_node,
         optimizer_tensor=optimizer_tensor,
+        step_overhead=step_overhead,
         cores=cores if dev.type == "cpu" else None,
         overlap=overlap,
         crowding=crowding,
@@ -239,8 +255,10 @@ def calibrate(device: str | None = None, *, links: bool = True) -> Calibration:
         "copy": f"{bandwidth / 1e9:.2f} GB/s"
         + (f", {cache_bandwidth / 1e9:.1f} GB/s within {cache // 1024} KiB of cache" if cache else ""),
         "op": f"{overhead * 1e6:.1f} us",
-        "optimizer": f"{optimizer_tensor * 1e6:.1f} us a tensor",
-        "gloo": f"{intra.latency * 1e6:.0f} us a ring step, {intra.bandwidth / 1e9:.2f} GB/s, "
+        "optimizer": f"{optimizer_tensor * 1e6:.1f} us a tensor"
+        + (f", the loop {step_overhead * 1e6:.0f} us a step" if loop is not None else ""),
+        "gloo": f"{intra.latency * 1e6:.0f} us a ring step, {(intra.send_latency or 0) * 1e6:.0f} us a send, "
+        f"{intra.bandwidth / 1e9:.2f} GB/s, "
         f"{overlap:.0%} of it beside compute",
         "two ranks at once": f"each op {crowding:.2f}x as long",
     }
@@ -342,11 +360,11 @@ def _gloo_link() -> tuple[Link, float, float]:
         p.start()
     for p in procs:
         p.join(120)
-    small, large, nbytes, compute, both, shared = queue.get()
+    small, large, nbytes, compute, both, shared, exchange = queue.get()
     latency = small / 2  # 2 (n - 1) ring steps for n = 2
     bandwidth = nbytes / max(large - small, 1e-9)  # 2 (n - 1) / n = 1 byte per byte, n = 2
     overlap = (compute + large - both) / min(compute, large)
-    return Link(bandwidth, latency), min(max(overlap, 0.0), 1.0), shared
+    return Link(bandwidth, latency, max(exchange, 1e-6)), min(max(overlap, 0.0), 1.0), shared
 
 
 def _free_port() -> int:
@@ -355,6 +373,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+LINK_ROUNDS = 3
 
 
 def _gloo_worker(rank: int, port: int, queue) -> None:
@@ -379,9 +400,13 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
 
             return call
 
-        t_work = _same_count(work, 50)  # both ranks run as many of everything
-        t_small = _same_count(then(small), 50) - t_work
-        t_large = _same_count(then(large), 10) - t_work
+        def swap() -> None:  # a send and a receive each way at once, as a ring or a pipeline does
+            peer = 1 - rank
+            ops = [dist.P2POp(dist.isend, small, peer), dist.P2POp(dist.irecv, received, peer)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        received = torch.empty_like(small)
 
         def compute() -> None:
             for _ in range(8):
@@ -392,12 +417,21 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
             compute()
             handle.wait()
 
-        t_compute = _same_count(compute, 3)
-        t_both = _same_count(beside, 3)
-        dist.barrier()
-        shared = _op_overhead(torch.device("cpu"))  # both ranks at once: the cores shared
+        def once() -> tuple[float, ...]:
+            t_work = _same_count(work, 50)  # both ranks run as many of everything
+            t_small = _same_count(then(small), 50) - t_work
+            t_swap = _same_count(swap, 50)  # from ranks that arrive together: a ring's steps do
+            t_large = _same_count(then(large), 10) - t_work
+            t_compute = _same_count(compute, 3)
+            t_both = _same_count(beside, 3)
+            dist.barrier()
+            shared = _op_overhead(torch.device("cpu"))  # both ranks at once: the cores shared
+            return t_small, t_large, nbytes, t_compute, t_both, shared, t_swap
+
+        # a shared machine's links come and go: each figure the median of a few rounds
+        rounds = [once() for _ in range(LINK_ROUNDS)]
         if rank == 0:
-            queue.put((t_small, t_large, nbytes, t_compute, t_both, shared))
+            queue.put(tuple(statistics.median(column) for column in zip(*rounds, strict=True)))
     finally:
         dist.destroy_process_group()
 

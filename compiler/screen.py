@@ -344,4 +344,8 @@ class Screen:
         if lay.offload:
             return moved / HOST_STEP + 8 * n / HOST_LINK
         tensors = self.counts.tensors_per_block * max(self.stages(lay)) + 4
-        return moved / self.hw.memory_bandwidth * self.slowdown + tensors * self.hw.optimizer_tensor
+        return (
+            moved / self.hw.memory_bandwidth * self.slowdown
+            + tensors * self.hw.optimizer_tensor
+            + self.hw.step_overhead
+        )

@@ -8,9 +8,11 @@ ledger, the pipeline's bubble from its schedule simulated at those costs.
 
 What is assumed (and said in the report):
 
-- An op costs `op_overhead` plus the larger of its FLOPs at its dtype's matmul rate and the
-  bytes it reads and writes at the memory bandwidth (a roofline; FLOPs from PyTorch's own
-  formulas, `torch.utils.flop_counter`, for matmuls, convolutions and attention).
+- An op costs `op_overhead` plus the larger of its FLOPs at its dtype's matmul rate (attention
+  kernels at `attention` of it) and the bytes it reads and writes at the memory bandwidth (a
+  roofline; FLOPs from PyTorch's own formulas, `torch.utils.flop_counter`, for matmuls,
+  convolutions and attention). On a CPU, the bandwidth of ops within cache is what a
+  transformer block's norms, activations and softmaxes reach (`fit_block`), not a copy's.
 - A collective the program issues inline (tensor, sequence, context, expert parallelism) is
   waited for where it is issued. ZeRO-3's gathers (the ledger's) are prefetched: they can
   hide behind the phase's compute, all but the first. The engine's gradient reductions
@@ -28,6 +30,7 @@ What is assumed (and said in the report):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +59,7 @@ _WIRE = {
     "alltoall_": "all_to_all",
     "alltoall_base_": "all_to_all",
     "send": "send",
-    "recv_": "send",
+    "recv_": "recv",
     "broadcast_": "broadcast",
     "barrier": "barrier",
 }
@@ -76,7 +79,7 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     elif op == "barrier":
         steps, moved = n - 1, 0.0
     else:  # a point-to-point send
-        steps, moved = 1, nbytes
+        return (link.latency if link.send_latency is None else link.send_latency) + nbytes / link.bandwidth
     return steps * link.latency + moved / link.bandwidth
 
 
@@ -142,6 +145,8 @@ class OpCosts:
         self.phases: dict[tuple[int, str], PhaseCost] = {}
         self._current = PhaseCost()
         self._kinds: dict[Any, tuple[str, Any]] = {}  # per op: ("view" | "op" | a wire op, flop formula)
+        self._attention: set[Any] = set()  # attention kernels: at `hw.attention` of the matmul rate
+        self.record: list[tuple[float, float]] | None = None  # a list: each op's FLOP seconds and bytes
 
     def begin(self, stage: int, phase: str) -> None:
         self._current = self.phases.setdefault((stage, phase), PhaseCost())
@@ -169,6 +174,10 @@ class OpCosts:
         cost.flops += flops
         cost.ideal += flops / rate
         cost.bytes += nbytes
+        if func in self._attention:
+            rate *= self.hw.attention
+        if self.record is not None:
+            self.record.append((flops / rate, nbytes))
         spent = self.hw.op_overhead + max(flops / rate, nbytes / self.hw.bandwidth(nbytes))
         cost.compute += spent * self.slowdown
 
@@ -183,10 +192,14 @@ class OpCosts:
             else:
                 formula = flop_counter.flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(name)
                 known = ("op", formula)
+                if "attention" in name:
+                    self._attention.add(func)
             self._kinds[func] = known
         return known
 
     def _collective(self, op: str, args: Sequence[Any], tensors: list[Tensor], where: str) -> None:
+        if op == "recv":  # the other half of a send issued beside it (a ring's exchange): priced there
+            return
         group = _group_ranks(args)
         n = len(group) if group else 1
         nbytes = max(
@@ -292,7 +305,9 @@ def engine_cost(
         else:
             after += t * r.count * held
     bandwidth = host_bandwidth or hw.memory_bandwidth
-    optimizer = (optimizer_bytes / bandwidth + optimizer_tensors * hw.optimizer_tensor) * slowdown
+    optimizer = (
+        optimizer_bytes / bandwidth + optimizer_tensors * hw.optimizer_tensor + hw.step_overhead
+    ) * slowdown
     return EngineCost(backward, min(last, backward), after, step, optimizer, gathers)
 
 
@@ -408,3 +423,81 @@ def optimizer_state_bytes(
         total += numel * size * 3 + master + state  # grad r, param r/w; the optimizer's own
         tensors += 1
     return total, tensors
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, str]]:
+    """`hw` (as `hardware.calibrate` measured it) with two rates a transformer block's ops reach
+    on this device, one thread: attention's share of the matmul rate (a causal attention forward
+    and backward, timed), and the bandwidth of the ops within cache, solved so that the block's
+    forward and backward priced as `OpCosts` prices them take as long as they do. A copy's
+    bandwidth flatters norms, softmaxes and activations: they compute per element."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _fit_block(hw, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, str]]:
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .hardware import _Block, _timed
+
+    q, k, v = (torch.randn(4, 4, 64, 16, device=device, requires_grad=True) for _ in range(3))
+
+    def attend() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    class Priced(TorchDispatchMode):
+        def __init__(self, costs: OpCosts) -> None:
+            super().__init__()
+            self.costs = costs
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.costs(func, args, kwargs or {}, out, "")
+            return out
+
+    def priced(fn, at: Hardware) -> OpCosts:
+        costs = OpCosts(at)
+        costs.record = []
+        with Priced(costs):
+            fn()
+        return costs
+
+    # attention: what its kernels' FLOPs take beyond the other ops of the step (at the matmul rate)
+    costs = priced(attend, hw)
+    kernels = sum(t for t, _ in costs.record if t > 0)
+    rest = costs._current.compute - kernels
+    attention = min(max(kernels / max(_timed(attend, device=device) - rest, 1e-9), 0.05), 1.0)
+    hw = dataclasses.replace(hw, attention=attention)
+
+    model = torch.nn.Sequential(*[_Block(64) for _ in range(4)]).to(device)
+    x = torch.randn(4, 64, 64, device=device)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    costs = priced(step, hw)
+    real = _timed(step, device=device)
+    ops = costs._current.ops
+
+    def predicted(bandwidth: float) -> float:
+        return ops * hw.op_overhead + sum(max(t, b / bandwidth) for t, b in costs.record)
+
+    low, high = 1e8, max(hw.cache_bandwidth, hw.memory_bandwidth)  # bytes/s: slow, a copy's
+    if predicted(high) < real:
+        for _ in range(60):  # the predicted time falls as the bandwidth grows
+            mid = (low * high) ** 0.5
+            low, high = (mid, high) if predicted(mid) > real else (low, mid)
+        hw = dataclasses.replace(hw, cache_bandwidth=high)
+    said = {
+        "attention": f"{attention:.0%} of the matmul rate",
+        "block ops": f"{hw.cache_bandwidth / 1e9:.1f} GB/s within cache (a transformer block's, fitted)",
+    }
+    return hw, said

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshplan.compiler.capture import with_token_shape
@@ -19,7 +20,7 @@ from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.estimate import estimate
 from meshplan.compiler.hardware import TABLE, Hardware, Link, calibrate, hardware, write_entry
 from meshplan.compiler.load import load_model, on_meta_inputs
-from meshplan.compiler.step_time import ADAFACTOR_PASSES, collective_time, optimizer_state_bytes
+from meshplan.compiler.step_time import ADAFACTOR_PASSES, OpCosts, collective_time, optimizer_state_bytes
 from meshplan.dsl import check_text
 from meshplan.examples.models.llama import build
 from meshplan.grammar import OPTIMIZERS
@@ -137,6 +138,66 @@ def test_a_measured_entry_replaces_the_datasheet_and_prices_the_run(tmp_path, mo
     write_entry(faster)
     assert hardware("twice").flops["float32"] == 2 * measured.flops["float32"]
     assert Hardware.from_json(json.loads(path.read_text())) == measured
+
+
+def test_the_loop_and_a_block_are_measured_through_what_runs_them():
+    """`--calibrate`'s two measurements of what a roofline misses: the training loop's own time
+    (`train` itself, with few and with many parameters: one more tensor costs time, and so
+    does the step), and a transformer block's ops, whose fitted bandwidth makes the block's
+    priced time what it measured."""
+    from meshplan.compiler.hardware import _Block, _timed
+    from meshplan.compiler.step_time import fit_block
+    from meshplan.runtime.loop_cost import measure
+
+    per_step, per_tensor = measure(torch.device("cpu"))
+    assert per_step > 0 and per_tensor > 0
+    measured = calibrate("cpu", links=False).hardware
+    hw, said = fit_block(measured, torch.device("cpu"))
+    assert 0 < hw.attention <= 1 and 1e8 <= hw.cache_bandwidth <= measured.cache_bandwidth
+    assert set(said) == {"attention", "block ops"}
+    # the block priced at the fitted figures takes what it takes (the fit's own equation, held
+    # against a fresh timing: within the machine's noise)
+    model = torch.nn.Sequential(*[_Block(64) for _ in range(4)])
+    x = torch.randn(4, 64, 64)
+    costs = OpCosts(hw)
+
+    class Priced(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            costs(func, args, kwargs or {}, out, "")
+            return out
+
+    with Priced():
+        model(x).sum().backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        real = _timed(lambda: model(x).sum().backward(), device=torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert costs._current.compute == pytest.approx(real, rel=0.5)
+
+
+def test_the_loop_waits_for_the_loss_and_the_norm_over_the_axes_that_split_them():
+    """Beside the engine's collectives, `meshplan run` all-reduces the loss over the batch axes
+    and the gradient norm's squares over every axis that cuts a parameter and the pipeline's;
+    a ring's exchange is priced once, as its send."""
+    from meshplan.compiler.estimate import _loop_reductions
+
+    dp_tp = _read("examples/llama_tp.plan").replace("mesh tp=2", "mesh dp=2, tp=2")
+    dp_tp = compiled_for(dp_tp + "\ndata_parallel over dp {\n    zero = 0\n}\n")
+    assert sorted(_loop_reductions(dp_tp, dict(build().named_parameters()))) == ["dp", "tp"]
+    pp = compiled_for(PP.format(s="1f1b"))
+    assert _loop_reductions(pp, {}) == ["pp"]
+    assert _loop_reductions(compiled_for("mesh dp=1\n"), dict(build().named_parameters())) == []
+    ring = "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n"
+    slow_sends = dataclasses.replace(CPU, intra=Link(1e9, 1e-5, send_latency=1.0), inter=Link(1e9, 1e-5, 1.0))
+    fast_sends = dataclasses.replace(slow_sends, intra=Link(1e9, 1e-5, 0.0), inter=Link(1e9, 1e-5, 0.0))
+    slow, fast = (estimate(compiled_for(ring), hw=hw).ranks[0].time for hw in (slow_sends, fast_sends))
+    assert slow is not None and fast is not None
+    sends = round(slow.issued["send"] - fast.issued["send"])  # one second each
+    assert sends > 0 and sends % 4 == 0  # every layer's ring (4 layers) sends alike
+    assert "recv" not in slow.issued  # each send's receive beside it: not priced again
 
 
 def compiled_for(text: str, batch: int = 2, seq: int = 16):

@@ -438,6 +438,10 @@ STEP_TIME_ASSUMPTIONS = {
     "zero3_gathers": "prefetched: all but the first hidden behind the phase's compute",
     "gradient_reductions": "overlap the last backward, all but the last bucket or flat",
     "pipeline": "the schedule simulated at each stage's priced forward and backward, sends included",
+    "attention": "attention kernels at the hardware's `attention` share of the matmul rate "
+    "(datasheet entries: all of it; `--calibrate` measures a CPU's)",
+    "loop": "the training loop's own cost per step and per parameter, and its all-reduces of the "
+    "loss over the batch axes and of the gradient norm over the axes that cut parameters",
 }
 
 

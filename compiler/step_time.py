@@ -463,16 +463,17 @@ def _fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, 
             self.costs(func, args, kwargs or {}, out, "")
             return out
 
-    def priced(fn, at: Hardware) -> OpCosts:
+    def priced(fn, at: Hardware) -> tuple[OpCosts, list[tuple[float, float]]]:
         costs = OpCosts(at)
-        costs.record = []
+        record: list[tuple[float, float]] = []
+        costs.record = record
         with Priced(costs):
             fn()
-        return costs
+        return costs, record
 
     # attention: what its kernels' FLOPs take beyond the other ops of the step (at the matmul rate)
-    costs = priced(attend, hw)
-    kernels = sum(t for t, _ in costs.record if t > 0)
+    costs, record = priced(attend, dataclasses.replace(hw, attention=1.0))
+    kernels = sum(t for t, _ in record if t > 0)
     rest = costs._current.compute - kernels
     attention = min(max(kernels / max(_timed(attend, device=device) - rest, 1e-9), 0.05), 1.0)
     hw = dataclasses.replace(hw, attention=attention)
@@ -483,12 +484,13 @@ def _fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, 
     def step() -> None:
         model(x).sum().backward()
 
-    costs = priced(step, hw)
+    costs, record = priced(step, hw)
     real = _timed(step, device=device)
     ops = costs._current.ops
 
-    def predicted(bandwidth: float) -> float:
-        return ops * hw.op_overhead + sum(max(t, b / bandwidth) for t, b in costs.record)
+    def predicted(bandwidth: float) -> float:  # `OpCosts`'s sum, at this bandwidth within cache
+        within = dataclasses.replace(hw, cache_bandwidth=bandwidth)
+        return ops * hw.op_overhead + sum(max(t, b / within.bandwidth(b)) for t, b in record)
 
     low, high = 1e8, max(hw.cache_bandwidth, hw.memory_bandwidth)  # bytes/s: slow, a copy's
     if predicted(high) < real:

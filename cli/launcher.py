@@ -61,7 +61,7 @@ def launch(options: RunOptions) -> int:
                 f"meshplan: waiting up to {join_s} s for {options.nnodes} nodes at {where}", file=sys.stderr
             )
             watch = replace(watch, on_start=lambda ranks: announce_node(run_dir(options), ranks))
-        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{ERRORS_ENV: errors})
+        env = dict(os.environ, **{ERRORS_ENV: errors})
         env.setdefault("OMP_NUM_THREADS", "1")
         return summarize(supervise(command, env, watch), options, Path(errors))
 

@@ -17,10 +17,11 @@ over the plan's data axis, and train (`runtime/train.py`). `meshplan run DIR` ru
 `meshplan compile -o DIR` folder's program; a worker started by the user's own torchrun on
 a plan (no `--program`) compiles it itself.
 
-Restarts (`--max-restarts N`): a restarted attempt could read the previous attempt's keys
-from torchrun's shared store (pytorch#135712) and fail to connect. The launcher sets
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`; a worker started by a user's own torchrun that
-does share the agent's store namespaces its keys by `TORCHELASTIC_RESTART_COUNT`.
+The workers' process group lives on torchrun's own store (the agent bound its port, so no
+other process can take it between a free port's pick and a worker's bind, as it could when
+each job's rank 0 hosted a store of its own). Restarts (`--max-restarts N`): a restarted
+attempt could read the previous attempt's keys from that shared store (pytorch#135712) and
+fail to connect, so each attempt's keys are namespaced by `TORCHELASTIC_RESTART_COUNT`.
 
 Failures: a worker whose collective times out (`--timeout`) or loses its peer prints one
 line naming the collective and the ranks that never joined it (`runtime/watchdog.py`) and

@@ -6,8 +6,9 @@ the estimate's step time carries what a run's `time_s` carries.
 
     per_step, per_tensor = measure(torch.device("cpu"))
 
-Measured twice, with few and with many small parameters (their bytes cost nothing next to
-their count); the difference is the cost of one more tensor, the rest the step's own.
+Measured with few and with many small parameters (their bytes cost nothing next to their
+count), in alternating rounds, each count's fastest round kept (a busy machine only ever adds
+time); the difference is the cost of one more tensor, the rest the step's own.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from torch import Tensor, nn
 
 from .train import TrainConfig, train
 
-FEW, MANY = 8, 64  # parameters of the two runs
+FEW, MANY = 8, 256  # parameters of the two runs: many enough that their difference outweighs noise
 STEPS = 40
+ROUNDS = 3
 
 
 def measure(device: torch.device) -> tuple[float, float]:
     """Seconds the loop spends per step, and per parameter it steps, beside forward and backward."""
-    few, many = _per_step(FEW, device), _per_step(MANY, device)
+    rounds = [(_per_step(FEW, device), _per_step(MANY, device)) for _ in range(ROUNDS)]
+    few, many = (min(times) for times in zip(*rounds, strict=True))
     per_tensor = max((many - few) / (MANY - FEW), 0.0)
     return max(few - FEW * per_tensor, 0.0), per_tensor
 

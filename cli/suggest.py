@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from meshplan.args import memory_size, positive_int
+from meshplan.compiler.suggest import HEADROOM
 from meshplan.errors import UsageError
 
 EXIT_OK, EXIT_DOES_NOT_FIT = 0, 3
@@ -51,6 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds the command may take once a plan fits: no further candidate is estimated "
         "past them (default 60; the first plan that fits is always found)",
     )
+    p.add_argument(
+        "--headroom",
+        type=_share,
+        default=HEADROOM,
+        metavar="F",
+        help=f"the share of --memory a plan leaves free for what `estimate` does not count (the CUDA "
+        f"context, kernel and NCCL workspaces, fragmentation; default {HEADROOM:g})",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     p.add_argument("--json", action="store_true", help="the plan and the ranking as one JSON object")
 
@@ -78,13 +87,18 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         axes=axes,
         top=args.top,
         budget=args.budget,
+        headroom=args.headroom,
     )
     if args.json:
         print(json.dumps(suggest_json(found), indent=2))
         return EXIT_OK if found.best is not None else EXIT_DOES_NOT_FIT
     report = sys.stderr if args.output is None else sys.stdout
     where = f"{args.model} on {args.world_size} ranks of {hw.name}"
-    memory = f", {gib(args.memory)} each" if args.memory else ""
+    memory = ""
+    if args.memory:
+        memory = f", {gib(args.memory)} each"
+        if found.limit != args.memory:
+            memory += f" ({gib(found.limit)} planned, {args.headroom:.0%} left free)"
     print(
         f"meshplan suggest: {where}{memory}, batch {batch}"
         + ("" if args.batch else " (one sequence per rank)"),
@@ -97,9 +111,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         need = closest.estimated_peak or closest.peak
         how = "by `meshplan estimate`" if closest.estimate is not None else "by the screen's arithmetic"
         print(
-            f"meshplan: error: no layout of {args.world_size} ranks fits {gib(args.memory)} a rank; the closest, "
+            f"meshplan: error: no layout of {args.world_size} ranks fits {gib(found.limit)} a rank "
+            f"({gib(args.memory)} less {args.headroom:.0%} headroom); the closest, "
             f"`mesh {closest.layout.mesh()}` (zero {closest.layout.zero}"
-            f"{', offload' if closest.layout.offload else ''}{', checkpointed' if closest.layout.checkpoint else ''}),"
+            f"{', offload' if closest.layout.offload else ''}{f', checkpoint {closest.layout.checkpoint}' if closest.layout.checkpoint else ''}),"
             f" needs {gib(need)} ({how})",
             file=sys.stderr,
         )
@@ -115,6 +130,16 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(best.text)
     return EXIT_OK
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to below 1 (0.08 keeps 8% free)")
+    return share
 
 
 def _axes(text: str | None) -> frozenset[str] | None:

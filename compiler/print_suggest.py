@@ -53,7 +53,7 @@ def _row(i: int, c: Candidate) -> tuple[str, ...]:
         mark,
         lay.mesh(),
         zero,
-        "every block" if lay.checkpoint else "-",
+        {"full": "every block", "selective": "selective"}.get(lay.checkpoint, "-"),
         pipeline,
         gib(peak),
         seconds(step),
@@ -84,7 +84,7 @@ def suggest_json(found: Suggestion) -> dict[str, Any]:
             "virtual_stages": lay.virtual,
             "zero": lay.zero,
             "offload": lay.offload,
-            "checkpoint": lay.checkpoint,
+            "checkpoint": lay.checkpoint or None,  # "full", "selective" (every block's) or none
             "microbatches": lay.microbatches,
             "sequence_parallel": lay.sp,
             "vocab_parallel": lay.vocab,

@@ -16,8 +16,9 @@ cost per op) and each storage it creates is counted as `estimate`'s walk counts 
     experts  in a block, inside the experts module: expert parallelism spreads it
     last     after the blocks (final norm, head, loss): a vocab-parallel head divides it
 
-A storage alive when the forward ends is what backward reads (its part's `saved`). Blocks are
-averaged (they are one class). Backward is not run: it is priced as twice the forward (each
+A storage alive when the forward ends is what backward reads (its part's `saved`); what
+`checkpoint selective` keeps of a part is its matmul and attention outputs (`matmul_saved`),
+and what it recomputes the rest of its forward (`time - matmul_time`). Blocks are averaged (they are one class). Backward is not run: it is priced as twice the forward (each
 matmul's two gradients) by the caller, who says so.
 """
 
@@ -34,6 +35,7 @@ from .capture import Captured, bind_inputs
 from .graph import keep_loss_output, normalize
 from .hardware import Hardware
 from .liveness import LiveBytes, flash_attention
+from .passes.checkpoint import MATMUL_OPS
 from .step_time import OpCosts
 from .structure import ModelShape
 
@@ -48,10 +50,27 @@ class Part:
     flops: float = 0.0
     time: float = 0.0  # priced on the profile's hardware, the cost per op included
     ops: int = 0
+    matmul_saved: int = 0  # bytes of the matmul and attention outputs: what selective checkpointing keeps
+    matmul_whole: int = 0  # of those, a row linear's: partial sums, whole under tp
+    matmul_time: float = 0.0  # of `time`: those ops' (the rest is what selective checkpointing recomputes)
+    matmul_ops: int = 0
 
     def per_block(self, layers: int) -> Part:
         n = max(layers, 1)
-        return Part(self.saved // n, self.flops / n, self.time / n, self.ops // n)
+        return Part(
+            self.saved // n,
+            self.flops / n,
+            self.time / n,
+            self.ops // n,
+            self.matmul_saved // n,
+            self.matmul_whole // n,
+            self.matmul_time / n,
+            self.matmul_ops // n,
+        )
+
+    def recomputed(self) -> Part:
+        """What selective checkpointing runs again of this part in backward: all but its matmuls."""
+        return Part(time=self.time - self.matmul_time, ops=self.ops - self.matmul_ops)
 
 
 @dataclass
@@ -67,30 +86,50 @@ class Profile:
 
 
 class _Parts(LiveBytes):
-    """`LiveBytes` that remembers the part each storage was made in."""
+    """`LiveBytes` that remembers the part each storage was made in, and prices and counts the
+    matmuls apart (phase "matmul" of their part)."""
 
     def __init__(self, part: list[str], costs: OpCosts) -> None:
         super().__init__(lambda: part[0], costs)
-        self.part = part
+        self.part, self.costs = part, costs
         self.made_in: dict[int, str] = {}
+        self.matmul_bytes: dict[str, int] = {}
+        self.in_row = False  # the node being run is in a row linear (the walk sets it)
+        self.row_bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in MATMUL_OPS:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        index = PARTS.index(self.part[0])
+        self.costs.begin(index, "matmul")
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.costs.begin(index, "forward")
 
     def _add(self, storage: torch.UntypedStorage, func) -> None:
         key = id(storage)
         if key not in self._storages and storage.nbytes():
             self.made_in[key] = self.part[0]
+            if func in MATMUL_OPS:
+                made = self.row_bytes if self.in_row else self.matmul_bytes
+                made[self.part[0]] = made.get(self.part[0], 0) + storage.nbytes()
         super()._add(storage, func)
 
 
 class _Walk(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, part_of: dict[str, str], part: list[str], costs: OpCosts) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, part_of: dict[str, str], rows: set[str], tracker: _Parts, costs: OpCosts
+    ) -> None:
         super().__init__(gm)
-        self.part_of, self.note, self.costs = part_of, part, costs
+        self.part_of, self.rows, self.tracker, self.costs = part_of, rows, tracker, costs
 
     def run_node(self, n: fx.Node) -> Any:
         now = self.part_of.get(n.name)
-        if now is not None and now != self.note[0]:
-            self.note[0] = now
+        if now is not None and now != self.tracker.part[0]:
+            self.tracker.part[0] = now
             self.costs.begin(PARTS.index(now), "forward")
+        self.tracker.in_row = n.name in self.rows
         return super().run_node(n)
 
 
@@ -108,7 +147,7 @@ def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profil
     ]
     tracker = _Parts(note, costs)
     with tracker:
-        out = _Walk(gm, part_of, note, costs).run(*inputs)
+        out = _Walk(gm, part_of, _in_rows(gm, shape), tracker, costs).run(*inputs)
         kept: dict[str, int] = {}
         for key, (nbytes, ref) in tracker._storages.items():
             if ref() is not None:
@@ -120,8 +159,17 @@ def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profil
     dtype = next((p.dtype for p in captured.model.parameters() if p.is_floating_point()), torch.float32)
     profile = Profile(rows, tokens, width * dtype.itemsize, op_overhead=hw.op_overhead)
     for i, name in enumerate(PARTS):
-        cost = costs.phase(i, "forward")
-        part = Part(kept.get(name, 0), cost.flops, cost.compute, cost.ops)
+        cost, mm = costs.phase(i, "forward"), costs.phase(i, "matmul")
+        part = Part(
+            kept.get(name, 0),
+            cost.flops + mm.flops,
+            cost.compute + mm.compute,
+            cost.ops + mm.ops,
+            tracker.matmul_bytes.get(name, 0) + tracker.row_bytes.get(name, 0),
+            tracker.row_bytes.get(name, 0),
+            mm.compute,
+            mm.ops,
+        )
         profile.parts[name] = part.per_block(shape.layers) if name in ("split", "rest", "experts") else part
     return profile
 
@@ -147,6 +195,19 @@ def _parts(gm: fx.GraphModule, shape: ModelShape) -> dict[str, str]:
             out[node.name] = "split"
         else:
             out[node.name] = "rest"
+    return out
+
+
+def _in_rows(gm: fx.GraphModule, shape: ModelShape) -> set[str]:
+    """The call_function nodes of `gm` inside a block's row linear (`o_proj`, `down_proj`)."""
+    rows = [pair.row for pair in shape.pairs]
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        inner = _inside_block(meta.module_tag(node) or "", shape.blocks)
+        if inner is not None and any(_within(inner, row) for row in rows):
+            out.add(node.name)
     return out
 
 

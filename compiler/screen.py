@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 
@@ -23,7 +24,8 @@ from .structure import ModelShape
 
 ASSUMED = (
     "screen: blocks split evenly over pipeline stages, the embedding on the first, the head on the last",
-    "screen: backward costs twice the forward; a checkpointed block's forward runs again in backward",
+    "screen: backward costs twice the forward; a checkpointed block's forward runs again in backward "
+    "(selective: all but its matmuls and attention, whose outputs it keeps)",
     "screen: fp32 master weights and gradients, AdamW's two fp32 moments (16 bytes a parameter)",
     "screen: offloaded optimizer steps at 10 GB/s on the host, its gradients and weights cross at 25 GB/s",
     "screen: a context ring passes each block's keys and values cp - 1 times forward and twice that "
@@ -48,7 +50,7 @@ class Layout:
     tp: int = 1
     zero: int = 0
     offload: bool = False
-    checkpoint: bool = False
+    checkpoint: Literal["", "full", "selective"] = ""  # every block's, when set
     microbatches: int = 1  # a pipeline's; 1 without one
     sp: bool = False  # sequence parallel norms (with tp)
     vocab: bool = False  # vocab-parallel embedding and head (with tp)
@@ -69,7 +71,7 @@ class Layout:
 
     def complexity(self) -> int:
         """Moving parts a user reads and runs: what breaks a tie in time (`Candidate.rank_key`)."""
-        parts = self.zero + 2 * self.offload + self.checkpoint + (self.virtual > 1)
+        parts = self.zero + 2 * self.offload + bool(self.checkpoint) + (self.virtual > 1)
         return parts + (self.pp > 1) + (self.tp > 1) + (self.ep > 1) + (self.cp > 1)
 
     def features(self) -> frozenset[str]:
@@ -80,7 +82,7 @@ class Layout:
         out |= {"cp"} if self.cp > 1 else set()
         out |= {"interleaved"} if self.virtual > 1 else set()
         out |= {f"zero{self.zero}"} if self.zero else set()
-        out |= {"checkpoint"} if self.checkpoint else set()
+        out |= {f"checkpoint {self.checkpoint}"} if self.checkpoint else set()
         return frozenset(out)
 
 
@@ -155,6 +157,7 @@ class Screen:
         # fp32 parameters computed in 16 bits: each weight's cast is kept for its backward, a
         # copy per microbatch in flight (each forward casts again)
         self.cast_bytes = compute_bytes if compute_bytes < 4 else 0
+        self.compute_bytes = compute_bytes  # ZeRO-3 gathers its fp32 shards in the compute dtype
         self.slowdown = shared_cores(hw, world)  # ranks sharing a CPU's cores, as `estimate` prices them
 
     # -- memory
@@ -205,7 +208,16 @@ class Screen:
         if not lay.checkpoint:
             return whole, whole
         boundary = prof.hidden_bytes * prof.tokens * f / (t if lay.sp else 1)
-        return boundary, whole
+        if lay.checkpoint == "full":
+            return boundary, whole
+        split = prof.part("split")  # its row linears' outputs are partial sums, whole on every rank
+        matmuls = (
+            (split.matmul_saved - split.matmul_whole) / t
+            + split.matmul_whole
+            + prof.part("rest").matmul_saved / (t if lay.sp else 1)
+            + prof.part("experts").matmul_saved
+        ) * f
+        return min(boundary + matmuls, whole), whole
 
     def peak(self, lay: Layout) -> int:
         kept, whole = self.block_activations(lay)
@@ -271,12 +283,20 @@ class Screen:
         ring = self._ring(lay, f) if lay.cp > 1 else 0.0
         overlap = self.hw.overlap
         forward_block = block + tp_comm + ep_comm + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)
+        recomputed = forward_block if lay.checkpoint == "full" else 0.0
+        if lay.checkpoint == "selective":  # all but the matmuls again, the collectives among them
+            rest = (
+                self._scaled(prof.part("split").recomputed(), f, t)
+                + self._scaled(prof.part("rest").recomputed(), f, t if lay.sp else 1)
+                + self._scaled(prof.part("experts").recomputed(), f, 1)
+            )
+            recomputed = forward_block - block + rest
         backward_block = (
             2 * block
             + tp_comm
             + ep_comm
             + exposed(2 * ring, 2 * ring / (lay.cp - 1 or 1), 2 * block, overlap)
-            + (forward_block if lay.checkpoint else 0.0)
+            + recomputed
         )
         first = self._scaled(prof.part("first"), f, 1)
         last = self._scaled(prof.part("last"), f, t if lay.vocab else 1)
@@ -333,8 +353,9 @@ class Screen:
         waited = exposed(half, half / pieces, backward, overlap)  # the gradients' reduce-scatter
         if lay.zero < 3:
             return waited + exposed(half, 0.0, forward, overlap)  # the parameters' all-gather after the step
-        gathers = exposed(half, half / pieces, forward, overlap)
-        return waited + gathers + exposed(half, half / pieces, backward, overlap)
+        gather = collective_time("all_gather", self.compute_bytes * n, lay.dp, link)
+        gathers = exposed(gather, gather / pieces, forward, overlap)
+        return waited + gathers + exposed(gather, gather / pieces, backward, overlap)
 
     def _optimizer(self, lay: Layout) -> float:
         n = max(self.local_params(lay, s, b) for s, b in enumerate(self.stages(lay)))

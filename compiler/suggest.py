@@ -10,7 +10,8 @@ Three steps, each cheaper than the next is sure:
    (`compile.capture_for`), its parts found (`structure.model_shape`: blocks, Megatron pairs,
    norms, ends, experts) and one forward measured by part on meta (`profile.profile_model`).
 2. **Screen every layout** (`screen.Screen`): every factorization of N into dp x pp x cp x ep
-   x tp, ZeRO 0-3 (with optimizer offload at 3), checkpointing every block or none, a
+   x tp, ZeRO 0-3 (with optimizer offload at 3), checkpointing every block (all of it, or
+   selectively: its matmul and attention outputs kept) or none, a
    pipeline's microbatches and schedule (1F1B, interleaved over 2 chunks a rank); sequence
    parallelism and vocab-parallel ends with tp; a context ring where sequences are long
    (`CONTEXT_TOKENS` a rank). Each is priced from the parameter counts and the profile by
@@ -23,8 +24,8 @@ Three steps, each cheaper than the next is sure:
    `estimate`; a plan the compiler refuses is never written (its reason is kept, and plans
    having every feature of the refused one are skipped).
 
-What the screen assumes is in `ASSUMED` (and printed). Not searched yet: selective
-checkpointing or every k blocks, gradient accumulation, 16-bit parameters, the zero-bubble
+What the screen assumes is in `ASSUMED` (and printed). Not searched yet: checkpointing every k
+blocks, gradient accumulation, 16-bit parameters, the zero-bubble
 schedules, expert tensor parallelism.
 """
 
@@ -35,7 +36,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from .errors import CompileError
 from .hardware import Hardware
@@ -87,7 +88,7 @@ class Suggestion:
     shape: ModelShape | None = None
     assumed: tuple[str, ...] = ASSUMED
     compute: str = "fp32"  # the plans' compute dtype (bf16 where the hardware's matmuls are faster in it)
-    limit: int | None = None  # bytes a rank
+    limit: int | None = None  # bytes a rank may plan for: its memory less the headroom
 
     def runners_up(self, k: int) -> list[Candidate]:
         """The best `k` a user may run: those that fit by the estimate, then those the screen
@@ -108,6 +109,10 @@ def screened_under(c: Candidate, limit: int | None) -> bool:
 # ------------------------------------------------------------------------------ the space
 
 
+# of each rank's memory, what a suggested plan leaves for what `estimate` does not count: the
+# CUDA context, NCCL's and the kernels' workspaces, the caching allocator's fragmentation
+HEADROOM = 0.08
+CHECKPOINTS: tuple[Literal["", "full", "selective"], ...] = ("", "selective", "full")  # every block's
 CONTEXT_TOKENS = 1024  # a context axis is searched where each rank keeps this many of a sequence's tokens
 
 
@@ -149,7 +154,7 @@ def layouts(
             virtuals = (1, 2) if p > 1 and shape.layers >= 2 * p else (1,)
             for m, v, zero in itertools.product(micro, virtuals, (0, 1, 2, 3) if d > 1 else (0,)):
                 for offload, ckpt in itertools.product(
-                    (False, True) if zero == 3 else (False,), (False, True) if shape.blocks else (False,)
+                    (False, True) if zero == 3 else (False,), CHECKPOINTS if shape.blocks else ("",)
                 ):
                     yield Layout(
                         dp=d,
@@ -207,7 +212,7 @@ def search(
     started = time.perf_counter() if started is None else started
     refused: dict[frozenset[str], str] = {}
     tried: list[Candidate] = []
-    under: dict[tuple[bool, ...], float] = {}  # memory kind -> the most estimate / screen seen
+    under: dict[tuple[bool | str, ...], float] = {}  # memory kind -> the most estimate / screen seen
     slow: dict[tuple[bool, ...], float] = {}  # time kind -> the latest estimate / screen
     fits: list[float] = []  # the estimated rank keys of those that fit, best first
     spent = 0.0
@@ -252,7 +257,7 @@ def search(
     return tried, {" + ".join(sorted(f)) or "plain data parallelism": why for f, why in refused.items()}
 
 
-def _kind(lay: Layout) -> tuple[bool, ...]:
+def _kind(lay: Layout) -> tuple[bool | str, ...]:
     """Layouts whose memory the screen gets wrong alike."""
     return (lay.pp > 1, lay.checkpoint, lay.cp > 1)
 
@@ -274,9 +279,11 @@ def suggest(
     top: int = 3,
     budget: float = 60.0,
     compute: str | None = None,
+    headroom: float = HEADROOM,
 ) -> Suggestion:
     """The best plan for `source` (a `load.ModelSource`, its model on meta or not, its example
-    inputs on the CPU) on `world` ranks of `hw` with `limit` bytes each, training `batch`
+    inputs on the CPU) on `world` ranks of `hw` with `limit` bytes each (of which the plans may
+    use all but `headroom`, a share kept for what `estimate` does not count), training `batch`
     sequences of `seq` tokens a step (default: the example's). Each candidate is compiled for
     what one of its ranks runs at once (a microbatch's sequences: `Layout.rows`), as `meshplan
     run --batch` and `estimate --batch` take it. Raises `CompileError` when no layout divides."""
@@ -290,6 +297,7 @@ def suggest(
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
+    memory, limit = limit, None if limit is None else int(limit * (1 - headroom))
     compute = compute or _compute_dtype(hw)
     if hw.cores:  # a CPU entry prices a run on this one machine, as `estimate` does: one node
         hw = dataclasses.replace(hw, devices_per_node=world)
@@ -328,7 +336,9 @@ def suggest(
     screened_fit = sum(1 for c in ranked if limit is None or c.peak <= limit * MARGIN)
 
     def write(cand: Candidate) -> str:
-        return write_plan(shape, cand, compute=compute, world=world, hw=hw, limit=limit, batch=batch, seq=seq)
+        return write_plan(
+            shape, cand, compute=compute, world=world, hw=hw, memory=memory, limit=limit, batch=batch, seq=seq
+        )
 
     def verify(cand: Candidate) -> None:
         cand.text = write(cand)

@@ -37,14 +37,19 @@ def write_plan(
     limit: int | None,
     batch: int,
     seq: int | None,
+    memory: int | None = None,
 ) -> str:
+    """The plan of `cand` as `meshplan fmt` prints it, a comment on each block saying why;
+    `memory` a rank's, of which the plan was sized for `limit` (default: all of it)."""
     lay = cand.layout
     peak = cand.estimated_peak if cand.estimate is not None else None
     step = cand.estimated_time if cand.estimate is not None else None
-    memory = f" of {gib(limit)} each" if limit is not None else ""
+    memory = memory or limit
+    planned = f" ({gib(limit)} planned)" if limit is not None and memory != limit else ""
+    memory_note = f" of {gib(memory)} each{planned}" if memory is not None else ""
     tokens = f"{batch} x {seq}" if seq is not None else f"{batch}"
     lines = [
-        f"# Suggested by `meshplan suggest` for {world} ranks of {hw.name}{memory}, batch {tokens} a step:",
+        f"# Suggested by `meshplan suggest` for {world} ranks of {hw.name}{memory_note}, batch {tokens} a step:",
         f"# `meshplan run --batch {lay.rows(batch)}{f' --seq {seq}' if seq is not None else ''}` "
         f"({_batch_note(lay, batch)}).",
     ]
@@ -99,9 +104,12 @@ def write_plan(
             else f"# the experts as one unit, all {shape.num_experts} on every rank (ep=1: nothing to send)"
         )
         rules.append(_experts_rule(shape))
-    if lay.checkpoint:
+    if lay.checkpoint == "full":
         rules.append("# recompute each block in backward: only its input is kept for it")
         rules.append(f"{shape.block()}: checkpoint")
+    elif lay.checkpoint == "selective":
+        rules.append("# recompute each block's cheap ops in backward: its matmul and attention outputs kept")
+        rules.append(f"{shape.block()}: checkpoint selective")
     if rules:
         lines += ["modules {", *(f"    {r}" for r in rules), "}", ""]
     if lay.pp > 1:

@@ -13,7 +13,7 @@ from meshplan.compiler.estimate import estimate
 from meshplan.compiler.hardware import hardware
 from meshplan.compiler.load import load_model, on_meta_inputs
 from meshplan.compiler.structure import model_shape
-from meshplan.compiler.suggest import Layout, suggest
+from meshplan.compiler.suggest import HEADROOM, Layout, suggest
 from meshplan.dsl import check_text
 from meshplan.dsl.fmt import format_plan
 from meshplan.dsl.parser import parse
@@ -95,9 +95,11 @@ def test_the_suggested_plan_is_formatted_checks_and_fits_by_estimate(llama_4):
 def test_the_search_never_returns_a_plan_over_the_limit(llama_4):
     estimated = [c for c in llama_4.ranked if c.estimate is not None]
     assert estimated, "the search estimated candidates"
+    # a plan fits in the memory less the headroom kept for what `estimate` does not count
+    assert llama_4.limit == int(3 * MiB * (1 - HEADROOM))
     for c in estimated:
         if c.fits:
-            assert c.estimated_peak <= 3 * MiB
+            assert c.estimated_peak <= llama_4.limit
     # the pick is the one the ranking says: no estimated layout that fits is faster by more than the tie
     fastest = min(c.estimated_time for c in estimated if c.fits)
     assert llama_4.best.estimated_time <= fastest * 1.1
@@ -118,11 +120,46 @@ def test_the_screen_follows_the_memory_arithmetic(llama_4):
     assert scr.local_params(Layout(dp=4), 0, shape.layers) == n
     states = [scr.state_bytes(Layout(dp=4, zero=z), n)[0] for z in range(4)]
     assert states == [16 * n, 8 * n + 2 * n, 4 * n + 3 * n, 4 * n]
-    plain, ckpt = scr.peak(Layout(dp=4)), scr.peak(Layout(dp=4, checkpoint=True))
+    plain, ckpt = scr.peak(Layout(dp=4)), scr.peak(Layout(dp=4, checkpoint="full"))
     assert ckpt < plain
     # tensor parallelism divides the pairs' parameters; the norms stay whole
     split = scr.local_params(Layout(dp=2, tp=2, vocab=True), 0, shape.layers)
     assert n // 2 < split < n * 0.51 + 2 * 4 * 64
+
+
+def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
+    """The profile counts what `checkpoint selective` keeps of a block (its matmul and attention
+    outputs; a row linear's whole on every tp rank) and prices what it runs again; the screen
+    puts a selective layout between none and full, in memory and in time."""
+    from meshplan.compiler.compile import capture_for
+    from meshplan.compiler.profile import profile_model
+    from meshplan.compiler.screen import Counts, Screen
+    from meshplan.compiler.suggest_plan import base_plan
+
+    src = shaped(LLAMA, 1, 32)
+    shape = model_shape(src.model)
+    captured = capture_for(check_text(base_plan(shape, "fp32"), "<base>", world_size=1), src)
+    hw = hardware("h100")
+    profile = profile_model(captured, shape, hw)
+    split, tokens, h, i, kv = profile.part("split"), 32, 64, 172, 2 * 16
+    # q, k, v, attention, o, gate, up, down outputs in fp32, and attention's logsumexp per head
+    assert split.matmul_saved == 4 * tokens * (h + 2 * kv + h + h + 2 * i + h) + 4 * 4 * tokens
+    assert split.matmul_whole == 4 * tokens * 2 * h  # o_proj's and down_proj's partial sums under tp
+    assert 0 < split.matmul_time < split.time and split.matmul_ops == 8
+    assert profile.part("rest").matmul_saved == 0  # norms and residuals: recomputed
+
+    scr = Screen(shape, Counts.of(src.model, shape), profile, hw, 4, 8)
+    none, selective, full = (Layout(dp=4, tp=1, checkpoint=c) for c in ("", "selective", "full"))
+    assert scr.peak(full) < scr.peak(selective) < scr.peak(none)
+    assert scr.step_time(none) < scr.step_time(selective) < scr.step_time(full)
+    # under tp the column outputs are cut, the row outputs not
+    tp = dict(dp=2, tp=2, sp=True, vocab=True)
+    kept = scr.block_activations(Layout(**tp, checkpoint="selective"))[0]
+    boundary = scr.block_activations(Layout(**tp, checkpoint="full"))[0]
+    f = scr.fraction(Layout(**tp))
+    assert kept - boundary == pytest.approx(
+        ((split.matmul_saved - split.matmul_whole) / 2 + split.matmul_whole) * f
+    )
 
 
 def test_a_model_with_experts_gets_an_experts_axis():
@@ -140,7 +177,10 @@ def test_nothing_fits_is_an_error_the_cli_explains(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert status == 3
-    assert "error: no layout of 2 ranks fits 64.0 KiB a rank; the closest, `mesh dp=2` (zero 3" in err
+    assert (
+        "error: no layout of 2 ranks fits 58.9 KiB a rank (64.0 KiB less 8% headroom); "
+        "the closest, `mesh dp=2` (zero 3" in err
+    )
     assert "needs 1.2 MiB" in err and "hint: more ranks" in err
 
 

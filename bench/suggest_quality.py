@@ -109,7 +109,9 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
                     out=tmp / f"{name}_{i}_{r}",
                 )
             except Exception as e:  # a layout that does not train is a finding, not a crash of the bench
-                print(f"  {lay.mesh()} zero {lay.zero}{' ckpt' if lay.checkpoint else ''}: did not run ({e})")
+                print(
+                    f"  {lay.mesh()} zero {lay.zero}{f' ckpt {lay.checkpoint}' if lay.checkpoint else ''}: did not run ({e})"
+                )
                 failed.add(i)
                 continue
             best_step, most = measured.get(i, (step, peak))
@@ -126,9 +128,11 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
         mark = "<- suggested" if lay == found.best.layout else ("top 3" if lay in top3 else "")
         over = " over" if args.memory is not None and peak > args.memory else ""
         estimated = f"{cand.estimated_time * 1e3:8.1f}ms" if cand.estimated_time else f"{'-':>10}"
-        what = f"{lay.mesh()}, zero {lay.zero}{', ckpt' if lay.checkpoint else ''}"
+        what = f"{lay.mesh()}, zero {lay.zero}{f', ckpt {lay.checkpoint}' if lay.checkpoint else ''}"
         if lay.pp > 1:
-            what += f", {lay.microbatches} mb"
+            what += (
+                f", {'interleaved x' + str(lay.virtual) if lay.virtual > 1 else '1f1b'} {lay.microbatches} mb"
+            )
         print(
             f"  {what:34} {cand.time * 1e3:7.1f}ms {estimated} {step * 1e3:7.1f}ms "
             f"{human_bytes(peak):>10}{over} {mark}"

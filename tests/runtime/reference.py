@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from meshplan.examples import CORPUS
+from meshplan.examples.models.llama import example_inputs
 from meshplan.runtime.data import TextBatches, read_bytes
 from meshplan.runtime.grad_sync import make_optimizer
 from meshplan.runtime.train import TrainConfig, lr_at
@@ -30,4 +31,19 @@ def single_device_losses(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
+    return losses
+
+
+def zero_steps(zero, model: nn.Module, seeds, *, world: int, seq: int) -> list[float]:
+    """A step per seed under a ZeRO engine (`runtime.zero.Zero`): this rank's row of the example
+    batch of `world` sequences, forward, backward, `zero.step()`, `zero.zero_grad()`; the losses."""
+    rank = torch.distributed.get_rank()
+    losses = []
+    for seed in seeds:
+        ids, labels = example_inputs(world, seq, seed=seed)
+        loss = model(ids[rank : rank + 1], labels[rank : rank + 1])
+        loss.backward()
+        zero.step()
+        zero.zero_grad()
+        losses.append(loss.item())
     return losses

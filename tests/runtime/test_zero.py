@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_pool import spawn
+from reference import zero_steps
 from torch.utils.checkpoint import checkpoint
 
 from meshplan.examples.models.llama import build, example_inputs
@@ -356,15 +357,7 @@ def checkpoint_worker(rank: int, world: int, tmp: str) -> dict[int, float]:
     from meshplan.runtime import checkpoint  # DCP's imports cost 1.5 s: only in the worker that uses it
 
     def steps(zero, model, seeds) -> list[float]:
-        out = []
-        for seed in seeds:
-            ids, labels = example_inputs(WORLD, SEQ, seed=seed)
-            loss = model(ids[rank : rank + 1], labels[rank : rank + 1])
-            loss.backward()
-            zero.step()
-            zero.zero_grad()
-            out.append(loss.item())
-        return out
+        return zero_steps(zero, model, seeds, world=WORLD, seq=SEQ)
 
     diffs, written = {}, {}
     for stage in (1, 2, 3):

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gloo_pool import spawn
+from reference import zero_steps
 
-from meshplan.examples.models.llama import build, example_inputs
+from meshplan.examples.models.llama import build
 from meshplan.runtime.disk_offload import OffloadError, ParamFiles, shards_in_memory
 from meshplan.runtime.train import TrainConfig
 from meshplan.runtime.zero import Zero, ZeroOptions, shard_for_zero
@@ -127,16 +128,7 @@ def _engine(model: torch.nn.Module, kind: str, root: Path) -> Zero:
 
 
 def _steps(zero: Zero, model: torch.nn.Module, seeds: range) -> list[float]:
-    rank = torch.distributed.get_rank()
-    losses = []
-    for seed in seeds:
-        ids, labels = example_inputs(WORLD, SEQ, seed=seed)
-        loss = model(ids[rank : rank + 1], labels[rank : rank + 1])
-        loss.backward()
-        zero.step()
-        zero.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return zero_steps(zero, model, seeds, world=WORLD, seq=SEQ)
 
 
 def _params(zero: Zero, model: torch.nn.Module) -> dict[str, list]:

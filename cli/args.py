@@ -49,6 +49,17 @@ _UNITS = {
 }
 
 
+def share(text: str) -> float:
+    """A share of something, from 0 to below 1: `0.08` is 8%."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to below 1 (0.08 is 8%)")
+    return value
+
+
 def memory_size(text: str) -> int:
     """`80GiB`, `141GB`, `512MiB`, `1.5TiB` or a count of bytes -> bytes."""
     import re

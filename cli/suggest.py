@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshplan.args import memory_size, positive_int
+from meshplan.args import memory_size, positive_int, share
 from meshplan.compiler.suggest import HEADROOM
 from meshplan.errors import UsageError
 
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--headroom",
-        type=_share,
+        type=share,
         default=HEADROOM,
         metavar="F",
         help=f"the share of --memory a plan leaves free for what `estimate` does not count (the CUDA "
@@ -130,16 +130,6 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(best.text)
     return EXIT_OK
-
-
-def _share(text: str) -> float:
-    try:
-        share = float(text)
-    except ValueError:
-        share = -1.0
-    if not 0 <= share < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to below 1 (0.08 keeps 8% free)")
-    return share
 
 
 def _axes(text: str | None) -> frozenset[str] | None:

@@ -16,10 +16,11 @@ cost per op) and each storage it creates is counted as `estimate`'s walk counts 
     experts  in a block, inside the experts module: expert parallelism spreads it
     last     after the blocks (final norm, head, loss): a vocab-parallel head divides it
 
-A storage alive when the forward ends is what backward reads (its part's `saved`); what
-`checkpoint selective` keeps of a part is its matmul and attention outputs (`matmul_saved`),
-and what it recomputes the rest of its forward (`time - matmul_time`). Blocks are averaged (they are one class). Backward is not run: it is priced as twice the forward (each
-matmul's two gradients) by the caller, who says so.
+A storage alive when the forward ends is what backward reads (its part's `saved`). Of a part,
+`checkpoint selective` keeps the matmul and attention outputs (`matmul_saved`) and recomputes
+the rest of the forward (`Part.recomputed`). Blocks are averaged (they are one class).
+Backward is not run: it is priced as twice the forward (each matmul's two gradients) by the
+caller, who says so.
 """
 
 from __future__ import annotations
@@ -118,17 +119,15 @@ class _Parts(LiveBytes):
 
 
 class _Walk(fx.Interpreter):
-    def __init__(
-        self, gm: fx.GraphModule, part_of: dict[str, str], rows: set[str], tracker: _Parts, costs: OpCosts
-    ) -> None:
+    def __init__(self, gm: fx.GraphModule, part_of: dict[str, str], rows: set[str], tracker: _Parts) -> None:
         super().__init__(gm)
-        self.part_of, self.rows, self.tracker, self.costs = part_of, rows, tracker, costs
+        self.part_of, self.rows, self.tracker = part_of, rows, tracker
 
     def run_node(self, n: fx.Node) -> Any:
         now = self.part_of.get(n.name)
         if now is not None and now != self.tracker.part[0]:
             self.tracker.part[0] = now
-            self.costs.begin(PARTS.index(now), "forward")
+            self.tracker.costs.begin(PARTS.index(now), "forward")
         self.tracker.in_row = n.name in self.rows
         return super().run_node(n)
 
@@ -147,7 +146,7 @@ def profile_model(captured: Captured, shape: ModelShape, hw: Hardware) -> Profil
     ]
     tracker = _Parts(note, costs)
     with tracker:
-        out = _Walk(gm, part_of, _in_rows(gm, shape), tracker, costs).run(*inputs)
+        out = _Walk(gm, part_of, _in_rows(gm, shape), tracker).run(*inputs)
         kept: dict[str, int] = {}
         for key, (nbytes, ref) in tracker._storages.items():
             if ref() is not None:

@@ -196,28 +196,27 @@ class Screen:
         each sequence's)."""
         return lay.rows(self.batch) / (self.profile.rows * lay.cp)
 
+    @staticmethod
+    def block_cuts(lay: Layout) -> dict[str, int]:
+        """A block's parts and the ranks each is divided over: the pairs by tp, the rest by tp
+        under sequence parallelism, the experts not (expert parallelism spreads, not cuts)."""
+        return {"split": lay.tp, "rest": lay.tp if lay.sp else 1, "experts": 1}
+
     def block_activations(self, lay: Layout) -> tuple[float, float]:
         """(kept for backward per block per microbatch, the whole block's): bytes."""
-        f, t = self.fraction(lay), lay.tp
-        prof = self.profile
-        whole = (
-            prof.part("split").saved / t
-            + prof.part("rest").saved / (t if lay.sp else 1)
-            + prof.part("experts").saved
-        ) * f
+        f, prof, cuts = self.fraction(lay), self.profile, self.block_cuts(lay)
+        whole = sum(prof.part(name).saved / d for name, d in cuts.items()) * f
         if not lay.checkpoint:
             return whole, whole
-        boundary = prof.hidden_bytes * prof.tokens * f / (t if lay.sp else 1)
+        boundary = prof.hidden_bytes * prof.tokens * f / cuts["rest"]
         if lay.checkpoint == "full":
             return boundary, whole
-        split = prof.part("split")  # its row linears' outputs are partial sums, whole on every rank
-        matmuls = (
-            (split.matmul_saved - split.matmul_whole) / t
-            + split.matmul_whole
-            + prof.part("rest").matmul_saved / (t if lay.sp else 1)
-            + prof.part("experts").matmul_saved
-        ) * f
-        return min(boundary + matmuls, whole), whole
+        # selective: the matmul and attention outputs; a row linear's are partial sums, whole on every rank
+        matmuls = sum(
+            (p.matmul_saved - p.matmul_whole) / d + p.matmul_whole
+            for p, d in ((prof.part(name), d) for name, d in cuts.items())
+        )
+        return min(boundary + matmuls * f, whole), whole
 
     def peak(self, lay: Layout) -> int:
         kept, whole = self.block_activations(lay)
@@ -267,11 +266,8 @@ class Screen:
 
     def step_time(self, lay: Layout) -> float:
         prof, t, f = self.profile, lay.tp, self.fraction(lay)
-        block = (
-            self._scaled(prof.part("split"), f, t)
-            + self._scaled(prof.part("rest"), f, t if lay.sp else 1)
-            + self._scaled(prof.part("experts"), f, 1)
-        )
+        cuts = self.block_cuts(lay)
+        block = sum(self._scaled(prof.part(name), f, d) for name, d in cuts.items())
         activation = prof.hidden_bytes * prof.tokens * f  # one block's input, whole
         tp_link = self._link(t)
         tp_comm = 2 * collective_time("all_reduce", activation, t, tp_link) if t > 1 else 0.0
@@ -285,11 +281,7 @@ class Screen:
         forward_block = block + tp_comm + ep_comm + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)
         recomputed = forward_block if lay.checkpoint == "full" else 0.0
         if lay.checkpoint == "selective":  # all but the matmuls again, the collectives among them
-            rest = (
-                self._scaled(prof.part("split").recomputed(), f, t)
-                + self._scaled(prof.part("rest").recomputed(), f, t if lay.sp else 1)
-                + self._scaled(prof.part("experts").recomputed(), f, 1)
-            )
+            rest = sum(self._scaled(prof.part(name).recomputed(), f, d) for name, d in cuts.items())
             recomputed = forward_block - block + rest
         backward_block = (
             2 * block

@@ -67,6 +67,7 @@ from .step_time import (
     optimizer_state_bytes,
     pipeline_timeline,
     rank_time,
+    woken,
 )
 
 
@@ -218,8 +219,7 @@ def estimate(
         raise RuntimeError("estimate builds rank programs on a fake process group of its own")
     if hw is not None and hw.cores:  # a CPU entry prices a run on this one machine
         hw = dataclasses.replace(hw, devices_per_node=layout.world_size)
-    slowdown = shared_cores(hw, layout.world_size) if hw is not None else 1.0
-    costs = OpCosts(hw, slowdown) if hw is not None else None
+    costs = OpCosts(hw, layout.world_size) if hw is not None else None
     group_of = functools.lru_cache(maxsize=None)(functools.partial(_group, layout))
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:" to every traceback
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
@@ -260,7 +260,7 @@ def estimate(
         timeline = None
         if costs is not None and schedule is not None:
             link = costs.link(group_of(spec.axis))
-            timeline = pipeline_timeline(schedule, costs, [w.received for w in walks], link, slowdown)
+            timeline = pipeline_timeline(schedule, costs, [w.received for w in walks], link)
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
@@ -347,13 +347,14 @@ def estimate(
                     optimizer_bytes=opt_bytes,
                     optimizer_tensors=st.flats if zero else tensors,
                     host_bandwidth=HOST_BANDWIDTH if offload else None,
-                    slowdown=slowdown,
+                    world=layout.world_size,
                 )
                 waits = sum(
                     collective_time("all_reduce", 8, layout.size(axis), costs.link(group_of(axis)))
+                    * woken(costs.hw, layout.world_size, layout.size(axis))
                     for axis in _loop_reductions(compiled, params)
                 )
-                price = dataclasses.replace(price, step=price.step + waits * slowdown)
+                price = dataclasses.replace(price, step=price.step + waits)
                 time = rank_time(
                     costs,
                     mine,
@@ -449,17 +450,6 @@ def _engine_row(row) -> bool:
     """A ledger row the data-parallel engine issues (ZeRO-3's gathers and reductions included:
     the walk's program runs without them)."""
     return row.kind in ("dp_bucket", "zero_bucket", "zero_norm", "zero_gather")
-
-
-def shared_cores(hw: Hardware, world: int) -> float:
-    """How much longer each op takes on a CPU whose cores the ranks share: more ranks than
-    cores take turns; up to one a core, they crowd each other (`Hardware.crowding`, measured
-    with every core busy) in proportion to how many cores they fill."""
-    if not hw.cores or world <= 1:
-        return 1.0
-    busy = min(world, hw.cores)
-    crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max(hw.cores - 1, 1)
-    return crowd * max(1.0, world / hw.cores)
 
 
 def _loop_reductions(compiled, params: Mapping[str, Tensor]) -> list[str]:

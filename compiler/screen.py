@@ -16,10 +16,9 @@ from typing import Literal
 
 from torch import nn
 
-from .estimate import shared_cores
 from .hardware import Hardware
 from .profile import Part, Profile
-from .step_time import collective_time, exposed
+from .step_time import collective_time, exposed, shared_cores, woken
 from .structure import ModelShape
 
 ASSUMED = (
@@ -261,21 +260,21 @@ class Screen:
         fixed = part.ops * self.profile.op_overhead
         return (fixed + max(0.0, part.time - fixed) * f / div) * self.slowdown
 
-    def _link(self, span: int):
-        return self.hw.intra if span <= self.hw.devices_per_node else self.hw.inter
+    def _collective(self, op: str, nbytes: float, n: int, span: int) -> float:
+        """`op` over `n` ranks among `span` neighbouring ones (the link: within a node or
+        across), on cores the ranks may share (`step_time.woken`), as `estimate` prices it."""
+        link = self.hw.intra if span <= self.hw.devices_per_node else self.hw.inter
+        return collective_time(op, nbytes, n, link) * woken(self.hw, self.world, n)
 
     def step_time(self, lay: Layout) -> float:
         prof, t, f = self.profile, lay.tp, self.fraction(lay)
         cuts = self.block_cuts(lay)
         block = sum(self._scaled(prof.part(name), f, d) for name, d in cuts.items())
         activation = prof.hidden_bytes * prof.tokens * f  # one block's input, whole
-        tp_link = self._link(t)
-        tp_comm = 2 * collective_time("all_reduce", activation, t, tp_link) if t > 1 else 0.0
+        tp_comm = 2 * self._collective("all_reduce", activation, t, t) if t > 1 else 0.0
         ep_comm = 0.0
         if lay.ep > 1:
-            ep_comm = 2 * collective_time(
-                "all_to_all", activation * self.top_k, lay.ep, self._link(t * lay.ep)
-            )
+            ep_comm = 2 * self._collective("all_to_all", activation * self.top_k, lay.ep, t * lay.ep)
         ring = self._ring(lay, f) if lay.cp > 1 else 0.0
         overlap = self.hw.overlap
         forward_block = block + tp_comm + ep_comm + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)
@@ -293,10 +292,8 @@ class Screen:
         first = self._scaled(prof.part("first"), f, 1)
         last = self._scaled(prof.part("last"), f, t if lay.vocab else 1)
         if lay.vocab:
-            first += collective_time("all_reduce", activation, t, tp_link)
-        send = (
-            collective_time("send", activation / t, 2, self._link(t * lay.ep * lay.pp)) if lay.pp > 1 else 0.0
-        )
+            first += self._collective("all_reduce", activation, t, t)
+        send = self._collective("send", activation / t, 2, t * lay.ep * lay.pp) if lay.pp > 1 else 0.0
         forward = backward = 0.0  # the slowest stage's, one microbatch
         for s, blocks in enumerate(self.stages(lay)):
             fwd = blocks * forward_block + (first if s == 0 else 0.0) + (last if s == lay.pp - 1 else 0.0)
@@ -318,7 +315,7 @@ class Screen:
         prof, shape = self.profile, self.shape
         width = shape.kv_width or 2 * (shape.hidden or 1)
         kv = prof.hidden_bytes * prof.tokens * f * width / (shape.hidden or width) / lay.tp
-        return (lay.cp - 1) * collective_time("send", kv, 2, self._link(lay.cp * lay.ep * lay.tp))
+        return (lay.cp - 1) * self._collective("send", kv, 2, lay.cp * lay.ep * lay.tp)
 
     def _context_sums(self, lay: Layout) -> float:
         """The gradients' sum over the context axis after backward (every cp rank holds every
@@ -326,7 +323,7 @@ class Screen:
         if lay.cp <= 1:
             return 0.0
         n = max(self.local_params(lay, s, b) for s, b in enumerate(self.stages(lay)))
-        return collective_time("all_reduce", 4 * n, lay.cp, self._link(lay.cp * lay.ep * lay.tp))
+        return self._collective("all_reduce", 4 * n, lay.cp, lay.cp * lay.ep * lay.tp)
 
     def _data_parallel(self, lay: Layout, forward: float, backward: float) -> float:
         """What the step waits for of the data-parallel engine's collectives, as `estimate`
@@ -335,17 +332,17 @@ class Screen:
         if lay.dp <= 1:
             return 0.0
         n = max(self.local_params(lay, s, b) for s, b in enumerate(self.stages(lay)))
-        link = self._link(lay.dp * lay.tp * lay.ep * lay.pp * lay.cp)
+        span = lay.dp * lay.tp * lay.ep * lay.pp * lay.cp
         pieces = max(self.shape.layers // lay.pp, 1) + 2  # buckets, flats or units
         overlap = self.hw.overlap
         if lay.zero == 0:
-            reduce = collective_time("all_reduce", 4 * n, lay.dp, link)
+            reduce = self._collective("all_reduce", 4 * n, lay.dp, span)
             return exposed(reduce, reduce / pieces, backward, overlap)
-        half = collective_time("reduce_scatter", 4 * n, lay.dp, link)
+        half = self._collective("reduce_scatter", 4 * n, lay.dp, span)
         waited = exposed(half, half / pieces, backward, overlap)  # the gradients' reduce-scatter
         if lay.zero < 3:
             return waited + exposed(half, 0.0, forward, overlap)  # the parameters' all-gather after the step
-        gather = collective_time("all_gather", self.compute_bytes * n, lay.dp, link)
+        gather = self._collective("all_gather", self.compute_bytes * n, lay.dp, span)
         gathers = exposed(gather, gather / pieces, forward, overlap)
         return waited + gathers + exposed(gather, gather / pieces, backward, overlap)
 

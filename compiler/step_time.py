@@ -139,9 +139,10 @@ class OpCosts:
     """An observer of the liveness walk (`LiveBytes`): prices each op of the stage and phase
     `begin` named last."""
 
-    def __init__(self, hw: Hardware, slowdown: float = 1.0) -> None:
+    def __init__(self, hw: Hardware, world: int = 1) -> None:
         self.hw = hw
-        self.slowdown = slowdown  # ranks sharing a core: every op takes this much longer
+        self.world = world  # ranks on the machine: a CPU's cores may be shared
+        self.slowdown = shared_cores(hw, world)  # every op takes this much longer
         self.phases: dict[tuple[int, str], PhaseCost] = {}
         self._current = PhaseCost()
         self._kinds: dict[Any, tuple[str, Any]] = {}  # per op: ("view" | "op" | a wire op, flop formula)
@@ -205,7 +206,7 @@ class OpCosts:
         nbytes = max(
             (sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, Tensor)) for a in args), default=0
         )
-        spent = collective_time(op, nbytes, n, self.link(group)) * self.slowdown
+        spent = collective_time(op, nbytes, n, self.link(group)) * woken(self.hw, self.world, n)
         cost = self._current
         cost.issued[op] = cost.issued.get(op, 0.0) + spent
         if "zero" in where.lower() and op == "all_gather":
@@ -217,6 +218,27 @@ class OpCosts:
     def link(self, ranks: Sequence[int]) -> Link:
         per_node = self.hw.devices_per_node
         return self.hw.intra if len({r // per_node for r in ranks}) <= 1 else self.hw.inter
+
+
+def shared_cores(hw: Hardware, world: int) -> float:
+    """How much longer each op takes on a CPU whose cores the ranks share: more ranks than
+    cores take turns; up to one a core, they crowd each other (`Hardware.crowding`, measured
+    with every core busy) in proportion to how many cores they fill."""
+    if not hw.cores or world <= 1:
+        return 1.0
+    busy = min(world, hw.cores)
+    crowd = 1.0 + (hw.crowding - 1.0) * (busy - 1) / max(hw.cores - 1, 1)
+    return crowd * max(1.0, world / hw.cores)
+
+
+def woken(hw: Hardware, world: int, group: int) -> float:
+    """How much longer a collective over `group` of `world` ranks takes on a CPU whose cores
+    the ranks share. Its ranks wait in it, their cores free; when it spans every rank, its
+    data wakes them onto idle cores (a data-parallel all-reduce of all ranks: its measured
+    time, `bench/step_time_accuracy.py`'s 4-rank cells). When ranks outside it compute
+    meanwhile (a pipeline's send, a tensor-parallel pair beside another stage's), a woken
+    rank takes its turn on the cores as their ops do."""
+    return 1.0 if group >= world else shared_cores(hw, world)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -285,7 +307,7 @@ def engine_cost(
     optimizer_bytes: float,
     optimizer_tensors: int,
     host_bandwidth: float | None,
-    slowdown: float = 1.0,
+    world: int = 1,
 ) -> EngineCost:
     """Prices the ledger's data-parallel rows (`rows`: dp_bucket, zero_bucket, zero_norm and
     ZeRO-3's reduce-scatters; `held`: the share of them this rank issues, under a pipeline its
@@ -293,7 +315,7 @@ def engine_cost(
     backward = last = after = step = 0.0
     gathers: dict[str, tuple[float, int]] = {}
     for r in rows:
-        t = collective_time(r.op, r.bytes, r.group_size, link_of(r.axis)) * slowdown
+        t = collective_time(r.op, r.bytes, r.group_size, link_of(r.axis)) * woken(hw, world, r.group_size)
         if r.kind == "zero_gather" and r.op == "all_gather":
             spent, count = gathers.get(r.phase, (0.0, 0))
             gathers[r.phase] = (spent + t * r.count * held, count + r.count)
@@ -307,7 +329,7 @@ def engine_cost(
     bandwidth = host_bandwidth or hw.memory_bandwidth
     optimizer = (
         optimizer_bytes / bandwidth + optimizer_tensors * hw.optimizer_tensor + hw.step_overhead
-    ) * slowdown
+    ) * shared_cores(hw, world)
     return EngineCost(backward, min(last, backward), after, step, optimizer, gathers)
 
 
@@ -370,25 +392,25 @@ def rank_time(
     return StepTime(total, compute, communication, engine.optimizer, idle, issued, flops, ideal)
 
 
-def pipeline_timeline(
-    schedule: Any, costs: OpCosts, received: Sequence[int], link: Link, slowdown: float = 1.0
-) -> Any:
-    """The schedule simulated with each action at its stage's priced time: a forward receives
-    what its stage receives, a backward sends the gradient of it back; a split backward's
-    halves cost half each."""
+def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], link: Link) -> Any:
+    """The schedule simulated with each action at its stage's priced time (a split backward's
+    halves half each) and each message between ranks a send's time in flight: a forward's
+    outputs reach the next stage's forward, a backward's input gradients the previous
+    stage's backward (`received[s]`: the bytes stage s receives)."""
     from meshplan.runtime.schedules import simulate
 
-    def send(stage: int) -> float:
-        return collective_time("send", received[stage], 2, link) * slowdown if received[stage] else 0.0
+    wait = woken(costs.hw, costs.world, 2)
 
     def cost(action) -> float:
-        s = action.stage
-        if action.kind == "F":
-            return costs.phase(s, "forward").time(costs.hw.overlap) + send(s)
-        whole = costs.phase(s, "backward").time(costs.hw.overlap) + (send(s) if s > 0 else 0.0)
-        return whole if action.kind == "B" else whole / 2
+        phase = costs.phase(action.stage, "forward" if action.kind == "F" else "backward")
+        whole = phase.time(costs.hw.overlap)
+        return whole if action.kind in ("F", "B") else whole / 2
 
-    return simulate(schedule, cost)
+    def handoff(action) -> float:
+        nbytes = received[action.stage + 1] if action.kind == "F" else received[action.stage]
+        return collective_time("send", nbytes, 2, link) * wait
+
+    return simulate(schedule, cost, handoff)
 
 
 # passes over a parameter-sized tensor an Adafactor step makes beyond reading the gradient and

@@ -298,12 +298,23 @@ def build(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule
 
 
 def simulate(
-    schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS
+    schedule: Schedule,
+    costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS,
+    handoff: Callable[[Action], float] | None = None,
 ) -> Timeline:
     """Run the action lists in dependency order with the given costs (per action kind, or a
     function of the action: a cost per stage, say); raise `ScheduleError` if an action is
-    missing, repeated, on the wrong rank, or waits forever."""
+    missing, repeated, on the wrong rank, or waits forever. `handoff(a)`: how long what `a`
+    sends takes to reach another rank's action that needs it (its sender goes on meanwhile:
+    sends are asynchronous); none: at once."""
     cost = costs if callable(costs) else lambda a: costs[a.kind]
+    owner = schedule.owner
+
+    def ready(dep: Action, action: Action) -> float:
+        if handoff is None or owner[dep.stage] == owner[action.stage]:
+            return end[dep]
+        return end[dep] + handoff(dep)
+
     _check_coverage(schedule)
     split = {(a.stage, a.microbatch) for rank in schedule.actions for a in rank if a.kind == "I"}
     end: dict[Action, float] = {}
@@ -320,7 +331,7 @@ def simulate(
                 deps = _dependencies(action, schedule.stages, split)
                 if any(d not in end for d in deps):
                     break
-                start[action] = max([clock[r], *(end[d] for d in deps)])
+                start[action] = max([clock[r], *(ready(d, action) for d in deps)])
                 spent = cost(action)
                 end[action] = start[action] + spent
                 clock[r] = end[action]

@@ -13,6 +13,7 @@ from pathlib import Path
 from meshplan.args import memory_size, positive_int, share
 from meshplan.compiler.suggest import HEADROOM
 from meshplan.errors import UsageError
+from meshplan.suggest_measure import Trial, annotated, measure, pick, table
 
 EXIT_OK, EXIT_DOES_NOT_FIT = 0, 3
 AXES = ("dp", "tp", "pp", "ep", "cp")
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the share of --memory a plan leaves free for what `estimate` does not count (the CUDA "
         f"context, kernel and NCCL workspaces, fragmentation; default {HEADROOM:g})",
     )
+    p.add_argument(
+        "--measure",
+        type=positive_int,
+        metavar="K",
+        help="train the K fastest plans by the estimate, each of another mesh, for a few steps on "
+        "this machine (`meshplan run`) and write the fastest measured that fits --memory",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     p.add_argument("--json", action="store_true", help="the plan and the ranking as one JSON object")
 
@@ -88,11 +96,24 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         top=args.top,
         budget=args.budget,
         headroom=args.headroom,
+        shapes=max((args.measure or 0) - 1, 0),
     )
+    report = sys.stderr if args.output is None or args.json else sys.stdout
+    trials = _measure(found, args, report) if args.measure and found.best is not None else None
     if args.json:
-        print(json.dumps(suggest_json(found), indent=2))
+        out = suggest_json(found)
+        if trials is not None:
+            out["measured"] = [
+                {
+                    "mesh": t.candidate.layout.mesh(),
+                    "step_time_s": t.step_time,
+                    "peak": t.peak,
+                    "error": t.error or None,
+                }
+                for t in trials
+            ]
+        print(json.dumps(out, indent=2))
         return EXIT_OK if found.best is not None else EXIT_DOES_NOT_FIT
-    report = sys.stderr if args.output is None else sys.stdout
     where = f"{args.model} on {args.world_size} ranks of {hw.name}"
     memory = ""
     if args.memory:
@@ -105,6 +126,12 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         file=report,
     )
     print(suggest_text(found, top=args.top), file=report)
+    chosen = pick(trials, args.memory) if trials is not None else None
+    if trials is not None:
+        print("\n" + table(trials, chosen, args.memory), file=report)
+        if chosen is None:
+            print("no plan measured ran under --memory: the estimate's fastest is written", file=report)
+        print(file=report)
     best = found.best
     if best is None:
         closest = min(found.ranked, key=lambda c: c.estimated_peak or c.peak)
@@ -124,12 +151,28 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         Path(args.output).write_text(best.text)
         print(
             f"wrote {args.output}: `mesh {best.layout.mesh()}`, {gib(best.estimated_peak)} per rank at most, "
-            f"a step in {seconds(best.estimated_time)} (by `meshplan estimate`)",
+            f"a step in {seconds(best.estimated_time)} (by `meshplan estimate`)"
+            + (
+                f", {seconds(chosen.step_time)} measured here"
+                if chosen is not None and chosen.step_time
+                else ""
+            ),
             file=report,
         )
     else:
         sys.stdout.write(best.text)
     return EXIT_OK
+
+
+def _measure(found, args: argparse.Namespace, report) -> list[Trial]:
+    """`--measure`: the shortlist trained here; the fastest measured that fits becomes the
+    suggestion (its text noting what was measured)."""
+    trials = measure(found, args.measure, args.model, args.memory, report)
+    chosen = pick(trials, args.memory)
+    if chosen is not None:
+        chosen.candidate.text = annotated(chosen)
+        found.best = chosen.candidate
+    return trials
 
 
 def _axes(text: str | None) -> frozenset[str] | None:

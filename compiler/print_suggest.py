@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .screen import Layout
 from .structure import ModelShape
 from .suggest import Candidate, Suggestion
 from .suggest_plan import gib, seconds
@@ -28,18 +29,26 @@ def suggest_text(found: Suggestion, *, top: int) -> str:
     rows: list[tuple[str, ...]] = [("#", "mesh", "zero", "checkpoint", "pipeline", "peak/rank", "step", "")]
     for i, c in enumerate(shown, 1):
         rows.append(_row(i, c))
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    lines.append("")
-    for r in rows:
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    lines += ["", *aligned(rows)]
     return "\n".join(lines) + "\n"
 
 
-def _row(i: int, c: Candidate) -> tuple[str, ...]:
-    lay = c.layout
+def layout_cells(lay: Layout) -> tuple[str, str, str, str]:
+    """A layout's mesh, ZeRO stage, checkpointing and pipeline, as the tables show them."""
     zero = str(lay.zero) + (" +offload" if lay.offload else "")
     schedule = f"interleaved x{lay.virtual}" if lay.virtual > 1 else "1f1b"
     pipeline = f"{schedule}, {lay.microbatches} microbatches" if lay.pp > 1 else "-"
+    checkpoint = {"full": "every block", "selective": "selective"}.get(lay.checkpoint, "-")
+    return lay.mesh(), zero, checkpoint, pipeline
+
+
+def aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells in columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _row(i: int, c: Candidate) -> tuple[str, ...]:
     if c.estimate is not None:
         peak, step, how = (
             c.estimated_peak,
@@ -48,17 +57,7 @@ def _row(i: int, c: Candidate) -> tuple[str, ...]:
         )
     else:
         peak, step, how = c.peak, c.time, "screened" + (f", refused: {c.refused}" if c.refused else "")
-    mark = str(i)
-    return (
-        mark,
-        lay.mesh(),
-        zero,
-        {"full": "every block", "selective": "selective"}.get(lay.checkpoint, "-"),
-        pipeline,
-        gib(peak),
-        seconds(step),
-        how,
-    )
+    return (str(i), *layout_cells(c.layout), gib(peak), seconds(step), how)
 
 
 def parts_line(shape: ModelShape) -> str:

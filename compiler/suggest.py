@@ -89,6 +89,8 @@ class Suggestion:
     assumed: tuple[str, ...] = ASSUMED
     compute: str = "fp32"  # the plans' compute dtype (bf16 where the hardware's matmuls are faster in it)
     limit: int | None = None  # bytes a rank may plan for: its memory less the headroom
+    batch: int = 0  # sequences a step
+    seq: int | None = None  # tokens a sequence (None: inputs without one)
 
     def runners_up(self, k: int) -> list[Candidate]:
         """The best `k` a user may run: those that fit by the estimate, then those the screen
@@ -257,6 +259,38 @@ def search(
     return tried, {" + ".join(sorted(f)) or "plain data parallelism": why for f, why in refused.items()}
 
 
+def shape_of(lay: Layout) -> tuple[str, int]:
+    """What tells two layouts apart for `suggest --measure`: the mesh and a pipeline's chunks
+    (ZeRO stages, checkpointing and microbatches vary within one)."""
+    return lay.mesh(), lay.virtual
+
+
+def other_shapes(ranked: list[Candidate], tried: list[Candidate], limit: int | None, count: int, verify):
+    """Estimate, in the screen's order, the first layout under the limit of up to `count`
+    shapes (`shape_of`) none of `tried` fits with, until `count` more shapes fit: what a
+    measurement of a few plans chooses among, each the best the screen found of its shape."""
+    have = {shape_of(c.layout) for c in tried if c.fits}
+    refused: set[tuple[str, int]] = set()
+    attempts = 4 * count  # a shape whose best does not fit by the estimate gets its next one
+    for cand in ranked:
+        key = shape_of(cand.layout)
+        if count <= 0 or attempts <= 0:
+            break
+        if key in have or key in refused or cand in tried or not screened_under(cand, limit):
+            continue
+        tried.append(cand)
+        attempts -= 1
+        try:
+            verify(cand)
+        except CompileError as e:
+            cand.refused = str(e).splitlines()[0]
+            refused.add(key)
+            continue
+        if cand.fits:
+            have.add(key)
+            count -= 1
+
+
 def _kind(lay: Layout) -> tuple[bool | str, ...]:
     """Layouts whose memory the screen gets wrong alike."""
     return (lay.pp > 1, lay.checkpoint, lay.cp > 1)
@@ -280,13 +314,16 @@ def suggest(
     budget: float = 60.0,
     compute: str | None = None,
     headroom: float = HEADROOM,
+    shapes: int = 0,
 ) -> Suggestion:
     """The best plan for `source` (a `load.ModelSource`, its model on meta or not, its example
     inputs on the CPU) on `world` ranks of `hw` with `limit` bytes each (of which the plans may
     use all but `headroom`, a share kept for what `estimate` does not count), training `batch`
     sequences of `seq` tokens a step (default: the example's). Each candidate is compiled for
     what one of its ranks runs at once (a microbatch's sequences: `Layout.rows`), as `meshplan
-    run --batch` and `estimate --batch` take it. Raises `CompileError` when no layout divides."""
+    run --batch` and `estimate --batch` take it. `shapes`: also estimate the screen's best of
+    that many more shapes (`other_shapes`; for `suggest --measure`). Raises `CompileError`
+    when no layout divides."""
     from meshplan.dsl import check_text
 
     from .compile import capture_for, compile_plan
@@ -357,6 +394,7 @@ def suggest(
 
     t2 = time.perf_counter()
     tried, refusals = search(ranked, limit, verify, top=top, budget=budget, started=t0)
+    other_shapes(ranked, tried, limit, shapes, verify)
     seconds["estimate"] = time.perf_counter() - t2
     estimated = sorted((c for c in tried if c.fits), key=lambda c: c.rank_key(estimated=True))
     # then the runners-up the screen keeps under the limit, then what the estimate or compiler ruled out
@@ -373,6 +411,8 @@ def suggest(
         shape,
         compute=compute,
         limit=limit,
+        batch=batch,
+        seq=seq,
     )
 
 

@@ -184,31 +184,29 @@ def test_nothing_fits_is_an_error_the_cli_explains(tmp_path, capsys):
     assert "needs 1.2 MiB" in err and "hint: more ranks" in err
 
 
-def test_the_cli_writes_the_plan_and_trains_it(tmp_path, capsys):
+def test_the_cli_measures_the_best_of_two_meshes_writes_the_faster_and_trains_it(tmp_path, capsys):
+    """`--measure 2`: the estimate's best of two meshes each trained here with `meshplan run`;
+    the one written is the faster measured, its text saying so."""
+    import re
+
     from runs import meshplan_run
 
     from meshplan.main import main
 
     out = tmp_path / "suggested.plan"
-    status = main(
-        [
-            "suggest",
-            "--model",
-            LLAMA,
-            "--world-size",
-            "2",
-            "--memory",
-            "1GiB",
-            "--hardware",
-            "cpu",
-            "-o",
-            str(out),
-        ]
-    )
+    argv = ["suggest", "--model", LLAMA, "--world-size", "2", "--memory", "1GiB", "--hardware", "cpu"]
+    status = main([*argv, "--measure", "2", "-o", str(out)])
     report = capsys.readouterr().out
     assert status == 0 and f"wrote {out}" in report and "estimated" in report
+    table = report[report.index("measured here") :].splitlines()
+    rows = [line.split() for line in table[2:4]]
+    assert [r[0] for r in rows] == ["1", "2"] and rows[0][1] != rows[1][1], table  # two meshes
+    measured = [float(re.findall(r"([\d.]+) ms", line)[1]) for line in table[2:4]]
+    written = next(i for i, line in enumerate(table[2:4]) if "<- written" in line)
+    assert measured[written] == min(measured)
     text = out.read_text()
     assert text.startswith("# Suggested by `meshplan suggest` for 2 ranks")
+    assert f"mesh {rows[written][1]}" in text and "# measured here: a step in" in text
     records = meshplan_run(str(out), "--steps", "2", "--out", str(tmp_path / "run"))
     assert len(records) == 2 and all(len(r) == 2 for r in records)
     assert all(torch.isfinite(torch.tensor(r[-1]["loss"])) for r in records)

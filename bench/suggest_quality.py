@@ -2,7 +2,7 @@
 
     meshplan estimate --calibrate              # once: this machine's entry (`--hardware cpu`)
     python bench/suggest_quality.py [--models llama,hf_llama] [--world 4] [--batch 8] [--seq 64]
-                                    [--memory 24MiB] [--steps 10] [--rounds 2]
+                                    [--memory 24MiB] [--steps 10] [--rounds 2] [--measure 3]
 
 For each model, every layout of a bounded space (`compiler.suggest.layouts` on `--world` ranks,
 ZeRO 0, 1 and 3, checkpointing or not, a pipeline's microbatches at twice its stages, no
@@ -16,7 +16,9 @@ once for the same model, ranks, batch and memory, priced on `--hardware cpu`.
 Goals (issue: suggest): the suggested plan's measured step time is the fastest measured of the
 layouts that fit `--memory` or within 5% of it, and none of suggest's top 3 measures over
 `--memory`. The table shows each layout's screened, estimated (for those suggest estimated)
-and measured numbers, in measured order.
+and measured numbers, in measured order. `--measure K` also runs `suggest --measure K` (the
+estimate's best of K meshes trained a few steps each, the fastest kept) and reports its pick
+against the same table; the goal is held to the estimate's pick, `suggest`'s default.
 """
 
 from __future__ import annotations
@@ -70,13 +72,29 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
 
     hw = hardware(args.hardware)
     source = load_model(spec, shapes_only=True)
-    found = suggest(source, world=args.world, hw=hw, limit=args.memory, batch=args.batch, seq=args.seq)
+    found = suggest(
+        source,
+        world=args.world,
+        hw=hw,
+        limit=args.memory,
+        batch=args.batch,
+        seq=args.seq,
+        shapes=max(args.measure - 1, 0),
+    )
     assert found.best is not None, f"{name}: suggest found nothing that fits"
+    picked = found.best.layout  # the estimate's pick
+    measured_pick = None  # `suggest --measure`'s: the fastest of its own short runs
+    if args.measure:
+        from meshplan.suggest_measure import measure, pick
+
+        trial = pick(measure(found, args.measure, spec, args.memory), args.memory)
+        measured_pick = trial.candidate.layout if trial is not None else picked
     shape = found.shape or model_shape(source.model)
     by_layout = {c.layout: c for c in found.ranked}
     layouts = list(space(shape, args))
-    if found.best.layout not in layouts:  # the suggestion is measured whatever the bounded space leaves out
-        layouts.append(found.best.layout)
+    for lay in (picked, measured_pick):  # the suggestions are measured whatever the bounded space leaves out
+        if lay is not None and lay not in layouts:
+            layouts.append(lay)
     plans = []
     for i, lay in enumerate(layouts):
         cand = by_layout.get(lay) or Candidate(lay, 0, 0.0)
@@ -120,12 +138,14 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
     rows.sort(key=lambda r: r[2])
     fitting = [r for r in rows if args.memory is None or r[3] <= args.memory]
     fastest = fitting[0][2]
-    best = next(r for r in rows if r[0] == found.best.layout)
+    best = next(r for r in rows if r[0] == picked)
     top3 = [c.layout for c in found.runners_up(3)]
     print(f"\n{name} ({spec}): {len(rows)} layouts on {args.world} ranks, batch {args.batch} x {args.seq}")
     print(f"  {'layout':34} {'screened':>9} {'estimated':>10} {'measured':>9} {'peak':>10}")
     for lay, cand, step, peak in rows:
-        mark = "<- suggested" if lay == found.best.layout else ("top 3" if lay in top3 else "")
+        mark = "<- suggested" if lay == picked else ("top 3" if lay in top3 else "")
+        if lay == measured_pick:
+            mark += f" <- --measure {args.measure}"
         over = " over" if args.memory is not None and peak > args.memory else ""
         estimated = f"{cand.estimated_time * 1e3:8.1f}ms" if cand.estimated_time else f"{'-':>10}"
         what = f"{lay.mesh()}, zero {lay.zero}{f', ckpt {lay.checkpoint}' if lay.checkpoint else ''}"
@@ -143,6 +163,13 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
     ]
     print(f"  suggested: {best[2] * 1e3:.1f} ms, {ratio:.3f} x the fastest that fits (goal <= 1.05)")
     print(f"  top 3 over --memory when run: {len(top_over)} (goal 0)")
+    if measured_pick is not None:
+        chosen = next(r for r in rows if r[0] == measured_pick)
+        over = args.memory is not None and chosen[3] > args.memory
+        print(
+            f"  suggested with --measure {args.measure}: {chosen[2] * 1e3:.1f} ms, "
+            f"{chosen[2] / fastest:.3f} x the fastest that fits{' (over --memory)' if over else ''}"
+        )
     return ratio <= 1.05 and not top_over
 
 
@@ -158,6 +185,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2, help="runs of every layout; its fastest counts")
     ap.add_argument("--hardware", default="cpu")
+    ap.add_argument(
+        "--measure", type=int, default=3, help="also `suggest --measure K` (0: the estimate's pick alone)"
+    )
     args = ap.parse_args()
     ok = True
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,13 @@ ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = {z}\n}}\n"
 PP = "mesh pp=2\n\npipeline over pp {{\n    schedule = {s}\n    microbatches = 4\n}}\n"
 ONE = "mesh dp=1\n"
 INTERLEAVED = "mesh pp=2\n\npipeline over pp {\n    schedule = interleaved\n    virtual_stages = 2\n    microbatches = 4\n}\n"
+# four ranks on the machine's cores, as `suggest_quality.py` runs its layouts
+DP4 = "mesh dp=4\n\ndata_parallel over dp {\n    zero = 1\n}\n"
+PP4 = "mesh pp=4\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 8\n}\n"
+DP_PP = (
+    "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = interleaved\n    virtual_stages = 2\n"
+    "    microbatches = 4\n}\n\ndata_parallel over dp {\n    zero = 0\n}\n"
+)
 
 # name -> (plan text, model, what it exercises)
 CELLS: dict[str, tuple[str, str, str]] = {
@@ -57,6 +64,9 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "ring attention",
     ),
+    "dp4_zero1": (DP4, LLAMA, "ZeRO-1 over 4 ranks"),
+    "pp4": (PP4, LLAMA, "1F1B over 4 ranks, 8 microbatches"),
+    "dp_pp": (DP_PP, LLAMA, "dp=2 x interleaved pp=2"),
 }
 
 

@@ -114,10 +114,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _calibrate() -> None:
+    import dataclasses
+
     import torch
 
     from meshplan.compiler.hardware import calibrate, write_entry
     from meshplan.compiler.step_time import fit_block
+    from meshplan.runtime.handoff_cost import measure as handoff
     from meshplan.runtime.loop_cost import measure
 
     print("measuring this machine (about 20 s) ...", file=sys.stderr)
@@ -126,6 +129,11 @@ def _calibrate() -> None:
     if hw.cores:  # a CPU: what a transformer block's ops reach, beside a copy and a square matmul
         hw, fitted = fit_block(hw, torch.device("cpu"))
         measured = {**measured, **fitted}
+        # and what a pipeline's message between two ranks costs as the pipeline sends it
+        latency = handoff()
+        link = dataclasses.replace(hw.intra, send_latency=latency)
+        hw = dataclasses.replace(hw, intra=link, inter=link)
+        measured["pipeline hand-off"] = f"{latency * 1e6:.0f} us a message (through the pipeline)"
     path = write_entry(hw)
     for what, figure in measured.items():
         print(f"  {what:<18}{figure}")

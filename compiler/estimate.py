@@ -438,11 +438,15 @@ STEP_TIME_ASSUMPTIONS = {
     "inline_collectives": "tensor, sequence, context and expert collectives waited for where issued",
     "zero3_gathers": "prefetched: all but the first hidden behind the phase's compute",
     "gradient_reductions": "overlap the last backward, all but the last bucket or flat",
-    "pipeline": "the schedule simulated at each stage's priced forward and backward, sends included",
+    "pipeline": "the schedule simulated at each stage's priced forward and backward, each message "
+    "between ranks a send's time late to its receiver (the sender goes on: sends are asynchronous; "
+    "`--calibrate` measures a CPU's through the pipeline)",
     "attention": "attention kernels at the hardware's `attention` share of the matmul rate "
     "(datasheet entries: all of it; `--calibrate` measures a CPU's)",
     "loop": "the training loop's own cost per step and per parameter, and its all-reduces of the "
     "loss over the batch axes and of the gradient norm over the axes that cut parameters",
+    "shared_cores": "a CPU's ranks beyond its cores take turns: every op, and every collective "
+    "other ranks compute beside, that much longer (a collective of every rank: not)",
 }
 
 

@@ -42,6 +42,26 @@ def test_collectives_cost_what_a_ring_moves():
     assert collective_time("all_reduce", 4e6, 1, link) == 0.0
 
 
+def test_ranks_sharing_cores_slow_ops_and_the_collectives_others_compute_beside():
+    """On a CPU of 2 cores, 4 ranks take turns: every op twice as long, and a collective of 2 of
+    them (others computing meanwhile) too; one of all 4 wakes its ranks onto idle cores."""
+    from meshplan.compiler.step_time import shared_cores, woken
+
+    cpu = dataclasses.replace(hardware("cpu"), cores=2, crowding=1.0)
+    assert shared_cores(cpu, 4) == 2.0 and shared_cores(cpu, 2) == 1.0
+    assert woken(cpu, 4, 2) == 2.0 and woken(cpu, 4, 4) == 1.0 and woken(cpu, 2, 2) == 1.0
+    assert woken(hardware("h100"), 64, 8) == 1.0  # a GPU's ranks have their own devices
+
+
+def test_a_pipelines_hand_off_is_measured_through_the_pipeline():
+    """`--calibrate`'s hand-off: two ranks' interleaved pipeline of small stages against its
+    simulation: a message costs something, and less than the step."""
+    from meshplan.runtime.handoff_cost import measure
+
+    latency = measure(rounds=1)
+    assert 0 < latency < 0.05
+
+
 def test_the_optimizer_step_moves_the_state_of_the_plans_optimizer():
     """Per fp32 parameter element: gradient read, parameter read and written (12 B), then each
     moment read and written (8 B a moment): AdamW 28, Lion and SGD with momentum 20, plain SGD 12."""

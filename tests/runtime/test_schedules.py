@@ -120,3 +120,28 @@ def test_lists_that_cannot_run_are_refused_with_the_rank_and_action() -> None:
 def test_interleaving_needs_whole_rounds_of_microbatches() -> None:
     with pytest.raises(ScheduleError, match="multiple of the pipeline ranks"):
         interleaved_one_f_one_b(4, 6, 2)
+
+
+def test_a_hand_off_delays_the_receiver_not_the_sender() -> None:
+    """A message between ranks arrives `handoff` after its action ends; the sender goes on (its
+    sends are asynchronous): GPipe over 2 ranks waits for it once on the way forward and once
+    back, and rank 0's forwards run back to back whatever the latency."""
+    schedule = gpipe(2, 3)
+    plain = simulate(schedule)
+    late = simulate(schedule, handoff=lambda a: 0.5)
+    assert late.makespan == pytest.approx(plain.makespan + 2 * 0.5)
+    forwards = [late.start[Action("F", 0, i)] for i in range(3)]
+    assert forwards == [0.0, 1.0, 2.0]  # unit forwards, no wait for what they send
+    assert late.start[Action("F", 1, 0)] == pytest.approx(1.5)
+
+
+def test_the_hand_off_latency_is_what_makes_the_simulation_take_the_measured_step() -> None:
+    """`handoff_cost.fit` inverts the simulation: the makespan at a known latency gives that
+    latency back; a step no slower than the simulation without one gives 0."""
+    from meshplan.runtime.handoff_cost import CHUNKS, MICROBATCHES, fit
+
+    schedule = build("interleaved", 2, MICROBATCHES, CHUNKS)
+    costs = {(k, s): (1e-3 if k == "F" else 2e-3) * (1 + s / 10) for k in ("F", "B") for s in range(4)}
+    step = simulate(schedule, lambda a: costs[(a.kind, a.stage)], lambda a: 7e-4).makespan
+    assert fit(costs, [step * 0.99, step, step * 1.01]) == pytest.approx(7e-4, rel=1e-3)
+    assert fit(costs, [simulate(schedule, lambda a: costs[(a.kind, a.stage)]).makespan * 0.9]) == 0.0

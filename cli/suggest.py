@@ -83,6 +83,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     axes = _axes(args.axes)
     if args.output and Path(args.output).is_dir():
         raise UsageError(f"-o {args.output}: is a folder; name the plan file to write")
+    if args.measure:
+        _runs_here(args.world_size)
     hw = hardware(args.hardware or this_machine())
     batch = args.batch or args.world_size
     found = suggest(
@@ -162,6 +164,26 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(best.text)
     return EXIT_OK
+
+
+def _runs_here(world: int) -> None:
+    """`--measure` trains the plans on this machine: its GPUs, one a rank; or its CPU cores,
+    which ranks share (up to `meshplan run`'s most a node)."""
+    import torch
+
+    from meshplan.launcher import most_processes_per_node
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and world > gpus:
+        raise UsageError(
+            f"--measure trains each plan here, one rank a GPU: {world} ranks, and this machine has {gpus} "
+            "(hint: drop --measure, the estimate alone ranks the plans; or time a plan on its nodes with `meshplan run`)"
+        )
+    if not gpus and world > most_processes_per_node():
+        raise UsageError(
+            f"--measure trains each plan here: {world} ranks are more than `meshplan run` starts on one "
+            f"machine ({most_processes_per_node()}) (hint: drop --measure, the estimate alone ranks the plans)"
+        )
 
 
 def _measure(found, args: argparse.Namespace, report) -> list[Trial]:

@@ -359,3 +359,12 @@ def test_an_interleaved_pipeline_is_searched_and_written():
     from meshplan.compiler.screen import Screen
 
     assert Screen.in_flight(lay, 0) > Screen.in_flight(Layout(pp=2, microbatches=4), 0)
+
+
+def test_measuring_more_ranks_than_this_machine_starts_is_refused_before_the_search(capsys):
+    from meshplan.main import main
+
+    argv = ["suggest", "--model", LLAMA, "--world-size", "1024", "--hardware", "h100", "--measure", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--measure trains each plan here: 1024 ranks are more than" in err and "searched" not in err

@@ -47,18 +47,25 @@ class _Stage(nn.Module):
 
 def measure(rounds: int = 3) -> float:
     """Seconds a hand-off between two ranks adds to a pipeline's step on this machine."""
-    import torch.multiprocessing as mp
+    import tempfile
 
-    from meshplan.compiler.hardware import _free_port
+    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, rounds)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
+    with tempfile.TemporaryDirectory(prefix="meshplan-handoff-") as folder:
+        store = f"file://{folder}/store"  # a rendezvous through a file: no port to race for
+        procs = [ctx.Process(target=_worker, args=(r, store, queue, rounds)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+    if any(p.exitcode != 0 for p in procs) or queue.empty():
+        for p in procs:
+            p.kill()
+        raise RuntimeError(
+            f"the pipeline's hand-off was not measured (exit codes {[p.exitcode for p in procs]})"
+        )
     costs, steps = queue.get()
     return fit(costs, steps)
 
@@ -83,7 +90,7 @@ def fit(costs: dict[tuple[str, int], float], steps: list[float]) -> float:
     return (low + high) / 2
 
 
-def _worker(rank: int, port: int, queue, rounds: int) -> None:
+def _worker(rank: int, store: str, queue, rounds: int) -> None:
     import torch.distributed as dist
 
     from .pipeline import PipelineStep
@@ -91,7 +98,7 @@ def _worker(rank: int, port: int, queue, rounds: int) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
     try:
         schedule = build("interleaved", 2, MICROBATCHES, CHUNKS)
         last = schedule.stages - 1

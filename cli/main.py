@@ -131,7 +131,7 @@ def _calibrate() -> None:
         measured = {**measured, **fitted}
         # and what a pipeline's message between two ranks costs as the pipeline sends it
         latency = handoff()
-        link = dataclasses.replace(hw.intra, send_latency=latency)
+        link = dataclasses.replace(hw.intra, handoff=latency)
         hw = dataclasses.replace(hw, intra=link, inter=link)
         measured["pipeline hand-off"] = f"{latency * 1e6:.0f} us a message (through the pipeline)"
     path = write_entry(hw)

@@ -41,6 +41,13 @@ class Link:
     bandwidth: float  # bytes/s a rank moves through a ring step, in practice
     latency: float  # s per ring step
     send_latency: float | None = None  # s a point-to-point send waits beyond its bytes (None: `latency`)
+    handoff: float | None = (
+        None  # s a pipeline's message to the next rank waits beyond its bytes (None: `send_latency`)
+    )
+
+    def for_pipelines(self) -> Link:
+        """The link as a pipeline's messages meet it: a send at the hand-off's latency."""
+        return self if self.handoff is None else dataclasses.replace(self, send_latency=self.handoff)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from torch import nn
 
-from .hardware import Hardware
+from .hardware import Hardware, Link
 from .profile import Part, Profile
 from .step_time import collective_time, exposed, shared_cores, woken
 from .structure import ModelShape
@@ -260,11 +260,14 @@ class Screen:
         fixed = part.ops * self.profile.op_overhead
         return (fixed + max(0.0, part.time - fixed) * f / div) * self.slowdown
 
+    def _link(self, span: int) -> Link:
+        """The link among `span` neighbouring ranks: within a node or across."""
+        return self.hw.intra if span <= self.hw.devices_per_node else self.hw.inter
+
     def _collective(self, op: str, nbytes: float, n: int, span: int) -> float:
-        """`op` over `n` ranks among `span` neighbouring ones (the link: within a node or
-        across), on cores the ranks may share (`step_time.woken`), as `estimate` prices it."""
-        link = self.hw.intra if span <= self.hw.devices_per_node else self.hw.inter
-        return collective_time(op, nbytes, n, link) * woken(self.hw, self.world, n)
+        """`op` over `n` ranks among `span` neighbouring ones, on cores the ranks may share
+        (`step_time.woken`), as `estimate` prices it."""
+        return collective_time(op, nbytes, n, self._link(span)) * woken(self.hw, self.world, n)
 
     def step_time(self, lay: Layout) -> float:
         prof, t, f = self.profile, lay.tp, self.fraction(lay)
@@ -293,7 +296,9 @@ class Screen:
         last = self._scaled(prof.part("last"), f, t if lay.vocab else 1)
         if lay.vocab:
             first += self._collective("all_reduce", activation, t, t)
-        send = self._collective("send", activation / t, 2, t * lay.ep * lay.pp) if lay.pp > 1 else 0.0
+        send = 0.0
+        if lay.pp > 1:  # a pipeline's message, as `step_time.pipeline_timeline` prices it
+            send = collective_time("send", activation / t, 2, self._link(t * lay.ep * lay.pp).for_pipelines())
         forward = backward = 0.0  # the slowest stage's, one microbatch
         for s, blocks in enumerate(self.stages(lay)):
             fwd = blocks * forward_block + (first if s == 0 else 0.0) + (last if s == lay.pp - 1 else 0.0)

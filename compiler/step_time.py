@@ -236,8 +236,8 @@ def woken(hw: Hardware, world: int, group: int) -> float:
     the ranks share. Its ranks wait in it, their cores free; when it spans every rank, its
     data wakes them onto idle cores (a data-parallel all-reduce of all ranks: its measured
     time, `bench/step_time_accuracy.py`'s 4-rank cells). When ranks outside it compute
-    meanwhile (a pipeline's send, a tensor-parallel pair beside another stage's), a woken
-    rank takes its turn on the cores as their ops do."""
+    meanwhile (a tensor-parallel pair beside another stage's, a data-parallel pair beside the
+    other pipeline stage's), a woken rank takes its turn on the cores as their ops do."""
     return 1.0 if group >= world else shared_cores(hw, world)
 
 
@@ -396,10 +396,13 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
     """The schedule simulated with each action at its stage's priced time (a split backward's
     halves half each) and each message between ranks a send's time in flight: a forward's
     outputs reach the next stage's forward, a backward's input gradients the previous
-    stage's backward (`received[s]`: the bytes stage s receives)."""
+    stage's backward (`received[s]`: the bytes stage s receives). A message waits the link's
+    hand-off (`Link.for_pipelines`); on a CPU whose cores the ranks share, no more: the
+    measured hand-off is a wake of the receiving process already, and 4 ranks on 2 cores
+    measure no slower a message than 2 (`bench/step_time_accuracy.py`'s pp4 and dp_pp)."""
     from meshplan.runtime.schedules import simulate
 
-    wait = woken(costs.hw, costs.world, 2)
+    link = link.for_pipelines()
 
     def cost(action) -> float:
         phase = costs.phase(action.stage, "forward" if action.kind == "F" else "backward")
@@ -408,7 +411,7 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
 
     def handoff(action) -> float:
         nbytes = received[action.stage + 1] if action.kind == "F" else received[action.stage]
-        return collective_time("send", nbytes, 2, link) * wait
+        return collective_time("send", nbytes, 2, link)
 
     return simulate(schedule, cost, handoff)
 

@@ -61,6 +61,7 @@ from .passes.experts.capacity import capacity_factor
 from .placement import Placement, Shard
 from .step_time import (
     OpCosts,
+    PhaseCost,
     StepTime,
     collective_time,
     engine_cost,
@@ -257,6 +258,8 @@ def estimate(
             walks = walk_stages(stages, inputs, _free_grad if free else None, costs, zero=steps)
         for p in program.parameters():
             p.grad = None
+        if costs is not None and hw is not None and hw.selective_op:
+            _price_selective(costs, stages, hw)
         timeline = None
         if costs is not None and schedule is not None:
             link = costs.link(group_of(spec.axis))
@@ -448,6 +451,18 @@ STEP_TIME_ASSUMPTIONS = {
     "shared_cores": "a CPU's ranks beyond its cores take turns: every op, and every collective "
     "other ranks compute beside, that much longer (a collective of every rank: not)",
 }
+
+
+def _price_selective(costs: OpCosts, stages: list, hw: Hardware) -> None:
+    """Selective checkpointing's own cost: its policy sees each op of a selective region in
+    the forward and again in backward's recomputation (`Hardware.selective_op` a time)."""
+    from .passes.checkpoint import selective_ops
+
+    for s, stage in enumerate(stages):
+        spent = selective_ops(stage) * hw.selective_op * costs.slowdown
+        for phase in ("forward", "backward"):
+            cost = costs.phases.setdefault((s, phase), PhaseCost())
+            cost.compute += spent
 
 
 def _engine_row(row) -> bool:

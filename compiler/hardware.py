@@ -67,6 +67,7 @@ class Hardware:
     cache_bytes: int = 0  # an op touching at most this many bytes runs at `cache_bandwidth`
     cache_bandwidth: float = 0.0
     attention: float = 1.0  # the share of the matmul rate attention kernels reach
+    selective_op: float = 0.0  # s selective checkpointing's policy adds to each op it sees (Python, per op)
     source: str = ""  # where the numbers come from
 
     def bandwidth(self, nbytes: float) -> float:
@@ -229,6 +230,7 @@ def calibrate(
         cache = _cache_bytes() if dev.type == "cpu" else 0
         cache_bandwidth = _copy_bandwidth(cache // 4, dev) if cache else 0.0
         overhead = _op_overhead(dev)
+        selective = _selective_op(dev) if dev.type == "cpu" else 0.0
         step_overhead, optimizer_tensor = loop(dev) if loop is not None else (0.0, _optimizer_per_tensor(dev))
     finally:
         torch.set_num_threads(threads)
@@ -253,6 +255,7 @@ def calibrate(
         cores=cores if dev.type == "cpu" else None,
         overlap=overlap,
         crowding=crowding,
+        selective_op=selective,
         cache_bytes=cache,
         cache_bandwidth=cache_bandwidth,
         source=f"measured by `meshplan estimate --calibrate` on {platform.node()} ({dev.type}), {when}",
@@ -261,7 +264,7 @@ def calibrate(
         **{f"matmul {k}": f"{v / 1e9:.1f} GFLOP/s" for k, v in flops.items()},
         "copy": f"{bandwidth / 1e9:.2f} GB/s"
         + (f", {cache_bandwidth / 1e9:.1f} GB/s within {cache // 1024} KiB of cache" if cache else ""),
-        "op": f"{overhead * 1e6:.1f} us",
+        "op": f"{overhead * 1e6:.1f} us, {selective * 1e6:.1f} us more under selective checkpointing",
         "optimizer": f"{optimizer_tensor * 1e6:.1f} us a tensor"
         + (f", the loop {step_overhead * 1e6:.0f} us a step" if loop is not None else ""),
         "gloo": f"{intra.latency * 1e6:.0f} us a ring step, {(intra.send_latency or 0) * 1e6:.0f} us a send, "
@@ -314,13 +317,40 @@ class _Block(torch.nn.Module):
 def _op_overhead(dev: torch.device) -> float:
     """Seconds per op of small transformer blocks forward and backward: what a model's many
     little ops (views included, as the estimate counts them) cost beyond their arithmetic."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     model = torch.nn.Sequential(*[_Block() for _ in range(4)]).to(dev)
     x = torch.randn(2, 8, 32, device=dev)
 
     def step() -> None:
         model(x).sum().backward()
+
+    return _timed(step, device=dev) / _op_count(step)
+
+
+def _selective_op(dev: torch.device) -> float:
+    """Seconds `checkpoint selective` adds to each op of a region: torch's policy runs in Python
+    for every op, as the forward keeps what it chooses and again as backward recomputes (the
+    forward's caching mode timed against the plain forward; datasheet entries: 0, a GPU's
+    Python runs ahead of its kernels)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from .passes.checkpoint import _save_matmuls
+
+    model = torch.nn.Sequential(*[_Block() for _ in range(4)]).to(dev)
+    x = torch.randn(2, 8, 32, device=dev)
+    ops = _op_count(lambda: model(x))
+
+    def kept() -> None:
+        caching, _ = create_selective_checkpoint_contexts(_save_matmuls)
+        with caching:
+            model(x)
+
+    with torch.no_grad():
+        plain, selective = _timed(lambda: model(x), device=dev), _timed(kept, device=dev)
+    return max(selective - plain, 0.0) / ops
+
+
+def _op_count(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -330,8 +360,8 @@ def _op_overhead(dev: torch.device) -> float:
             return func(*args, **(kwargs or {}))
 
     with Count():
-        step()
-    return _timed(step, device=dev) / Count.ops
+        fn()
+    return Count.ops
 
 
 def _optimizer_per_tensor(dev: torch.device) -> float:

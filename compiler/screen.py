@@ -284,6 +284,9 @@ class Screen:
         recomputed = forward_block if lay.checkpoint == "full" else 0.0
         if lay.checkpoint == "selective":  # all but the matmuls again, the collectives among them
             rest = sum(self._scaled(prof.part(name).recomputed(), f, d) for name, d in cuts.items())
+            # and torch's policy on every op, in the forward and again in the recomputation
+            policy = sum(prof.part(name).ops for name in cuts) * self.hw.selective_op * self.slowdown
+            forward_block += policy
             recomputed = forward_block - block + rest
         backward_block = (
             2 * block

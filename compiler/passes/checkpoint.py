@@ -274,6 +274,17 @@ def region_modules(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule
             yield node, _region(gm, info.target)
 
 
+def selective_ops(gm: fx.GraphModule) -> int:
+    """The ops `gm`'s selective regions run in a forward: each passes through torch's policy
+    once there and once more as backward recomputes (`Hardware.selective_op` prices both)."""
+    count = 0
+    for node, region in region_modules(gm):
+        info = meta.checkpoint_region(node)
+        if info is not None and info.mode == "selective":
+            count += sum(isinstance(n.target, torch._ops.OpOverload) for n in region.graph.nodes)
+    return count
+
+
 def _region(gm: fx.GraphModule, target: str) -> fx.GraphModule:
     region = gm.get_submodule(target)
     assert isinstance(region, fx.GraphModule), f"{target} is an outlined region"

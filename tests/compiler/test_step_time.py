@@ -53,6 +53,26 @@ def test_ranks_sharing_cores_slow_ops_and_the_collectives_others_compute_beside(
     assert woken(hardware("h100"), 64, 8) == 1.0  # a GPU's ranks have their own devices
 
 
+def test_selective_checkpointing_costs_its_policy_on_every_op_twice():
+    """torch's selective policy runs in Python for each op of a region, in the forward and again
+    in backward's recomputation: the step is that much longer, and `--calibrate` measures it."""
+    from meshplan.compiler.hardware import _selective_op
+    from meshplan.compiler.passes.checkpoint import selective_ops
+
+    text = "mesh dp=1\n\nmodules {\n    layers.*: checkpoint selective\n}\n"
+    compiled = compiled_for(text)
+    ops = selective_ops(compiled.graph)
+    assert ops > 4 * 10  # every block's ops, 4 blocks
+    free, policed = (
+        estimate(compiled_for(text), hw=dataclasses.replace(CPU, selective_op=cost)).step_time
+        for cost in (0.0, 1e-3)
+    )
+    assert free is not None and policed is not None
+    # (the rank program's regions: the compiled graph's, less the few ops building it drops)
+    assert policed - free == pytest.approx(2 * ops * 1e-3, rel=0.05)
+    assert _selective_op(torch.device("cpu")) > 0
+
+
 def test_a_pipelines_hand_off_is_measured_through_the_pipeline():
     """`--calibrate`'s hand-off: two ranks' interleaved pipeline of small stages against its
     simulation: a message costs something, and less than the step."""

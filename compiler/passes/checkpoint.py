@@ -267,10 +267,11 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.Checkpoint
 
 
 def region_modules(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule]]:
-    """Each checkpoint call node of `gm` with its outlined submodule."""
+    """Each checkpoint call node of `gm` with its outlined submodule (a later stage's program
+    receives a region's outputs as placeholders carrying its tag: not a call)."""
     for node in gm.graph.nodes:
         info = meta.checkpoint_region(node)
-        if info is not None:
+        if info is not None and node.op == "call_function":
             yield node, _region(gm, info.target)
 
 

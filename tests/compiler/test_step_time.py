@@ -71,6 +71,13 @@ def test_selective_checkpointing_costs_its_policy_on_every_op_twice():
     # (the rank program's regions: the compiled graph's, less the few ops building it drops)
     assert policed - free == pytest.approx(2 * ops * 1e-3, rel=0.05)
     assert _selective_op(torch.device("cpu")) > 0
+    # a pipeline's later stage receives a region's outputs as placeholders carrying its tag
+    piped = text.replace("mesh dp=1", "mesh pp=2") + PP.format(s="1f1b").split("\n\n", 1)[1]
+    free, policed = (
+        estimate(compiled_for(piped, batch=4), hw=dataclasses.replace(CPU, selective_op=cost)).step_time
+        for cost in (0.0, 1e-3)
+    )
+    assert free is not None and policed is not None and policed > free
 
 
 def test_a_pipelines_hand_off_is_measured_through_the_pipeline():

@@ -8,6 +8,7 @@ cores would oversubscribe them, its threads spinning while they wait for a core.
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by gloo_pool)
 # hardware entries `meshplan estimate --calibrate` measured on this machine are not the tests':
@@ -36,7 +37,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     `pytest -n 2 --dist loadfile` hands out whole modules in this order as workers free up: the
     long ones started first, the many short ones fill in after, instead of one long module
-    running alone at the end."""
+    running alone at the end. The longest of them (`LONGEST`: the documents' commands, collected
+    last) go first of all."""
     slow = {item.module for item in items if item.get_closest_marker("slow")}
     first_seen = {module: i for i, module in reversed(list(enumerate(item.module for item in items)))}
-    items.sort(key=lambda item: (item.module not in slow, first_seen[item.module]))
+
+    def longest(item: pytest.Item) -> int:
+        name = Path(str(item.fspath)).name
+        return LONGEST.index(name) if name in LONGEST else len(LONGEST)
+
+    items.sort(key=lambda item: (item.module not in slow, longest(item), first_seen[item.module]))
+
+
+# the modules that take longest (minutes each on the 2-core machine), longest first
+LONGEST = ("test_docs.py", "test_docs_run.py", "test_run_nodes.py")

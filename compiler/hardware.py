@@ -331,16 +331,14 @@ def _selective_op(dev: torch.device) -> float:
     for every op, as the forward keeps what it chooses and again as backward recomputes (the
     forward's caching mode timed against the plain forward; datasheet entries: 0, a GPU's
     Python runs ahead of its kernels)."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    from .passes.checkpoint import _save_matmuls
+    from .passes.checkpoint import SelectiveContext
 
     model = torch.nn.Sequential(*[_Block() for _ in range(4)]).to(dev)
     x = torch.randn(2, 8, 32, device=dev)
     ops = _op_count(lambda: model(x))
 
     def kept() -> None:
-        caching, _ = create_selective_checkpoint_contexts(_save_matmuls)
+        caching, _ = SelectiveContext.SAVE_MATMULS()  # the contexts a compiled region makes
         with caching:
             model(x)
 

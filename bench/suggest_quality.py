@@ -117,7 +117,7 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
         plan = tmp / f"{name}_{i}.plan"
         plan.write_text(text)
         plans.append((i, lay, cand, plan))
-    measured = _sweep(plans, range(args.rounds), name, args, tmp)
+    measured = _sweep(plans, range(args.rounds), name, spec, args, tmp)
     rows = [(lay, cand, *measured[i]) for i, lay, cand, _ in plans if i in measured]
     rows.sort(key=lambda r: r[2])
     fitting = [r for r in rows if args.memory is None or r[3] <= args.memory]
@@ -138,11 +138,12 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
         )
     ratio = best[2] / fastest
     if args.confirm:
-        ratio, chosen_ratio = _confirm(rows, plans, fastest, picked, measured_pick, name, args, tmp)
+        ratio, chosen_ratio = _confirm(rows, plans, fastest, picked, measured_pick, name, spec, args, tmp)
     top_over = [
         lay for lay, _, _, peak in rows if lay in top3 and args.memory is not None and peak > args.memory
     ]
-    print(f"  suggested: {best[2] * 1e3:.1f} ms, {ratio:.3f} x the fastest that fits (goal <= 1.05)")
+    goal = "" if args.confirm else " (goal <= 1.05)"
+    print(f"  suggested: {best[2] * 1e3:.1f} ms, {best[2] / fastest:.3f} x the fastest that fits{goal}")
     print(f"  top 3 over --memory when run: {len(top_over)} (goal 0)")
     if measured_pick is not None:
         chosen = next(r for r in rows if r[0] == measured_pick)
@@ -153,7 +154,7 @@ def one_model(name: str, spec: str, args: argparse.Namespace, tmp: Path) -> bool
         )
     if args.confirm:
         print(
-            f"  confirmed ({args.confirm} more rounds of the contenders): suggested {ratio:.3f} x the fastest"
+            f"  confirmed ({args.confirm} more rounds of the contenders): suggested {ratio:.3f} x the fastest (goal <= 1.05)"
         )
         if chosen_ratio is not None:
             print(f"  confirmed: --measure {args.measure}'s pick {chosen_ratio:.3f} x the fastest")
@@ -167,7 +168,9 @@ def _what(lay) -> str:
     return what
 
 
-def _sweep(plans, rounds, name: str, args: argparse.Namespace, tmp: Path) -> dict[int, tuple[float, int]]:
+def _sweep(
+    plans, rounds, name: str, spec: str, args: argparse.Namespace, tmp: Path
+) -> dict[int, tuple[float, int]]:
     """Each plan's fastest round (median step of the slowest rank) and its most live bytes:
     every plan once a round, the rounds in turn forward and backward, so a drift in the
     machine's load evens out."""
@@ -180,16 +183,14 @@ def _sweep(plans, rounds, name: str, args: argparse.Namespace, tmp: Path) -> dic
             try:
                 step, peak = run_step_time(
                     plan,
-                    MODELS[name],
+                    spec,
                     steps=args.steps,
                     batch=lay.rows(args.batch),
                     seq=args.seq,
                     out=tmp / f"{name}_{i}_{r}",
                 )
             except Exception as e:  # a layout that does not train is a finding, not a crash of the bench
-                print(
-                    f"  {lay.mesh()} zero {lay.zero}{f' ckpt {lay.checkpoint}' if lay.checkpoint else ''}: did not run ({e})"
-                )
+                print(f"  {_what(lay)}: did not run ({e})")
                 failed.add(i)
                 continue
             best_step, most = measured.get(i, (step, peak))
@@ -198,7 +199,7 @@ def _sweep(plans, rounds, name: str, args: argparse.Namespace, tmp: Path) -> dic
 
 
 def _confirm(
-    rows, plans, fastest: float, picked, measured_pick, name, args, tmp
+    rows, plans, fastest: float, picked, measured_pick, name, spec, args, tmp
 ) -> tuple[float, float | None]:
     """The sweep's fastest is the least of many noisy runs, so it is fast partly by luck (a
     layout run once among forty is compared with the luckiest of forty). The contenders (the
@@ -208,7 +209,7 @@ def _confirm(
     close = [lay for lay, _, step, _ in rows if lay in fits and step <= 1.15 * fastest][:5]
     contenders = [*close, *(lay for lay in (picked, measured_pick) if lay is not None and lay not in close)]
     chosen = [p for p in plans if p[1] in contenders]
-    again = _sweep(chosen, range(args.rounds, args.rounds + args.confirm), name, args, tmp)
+    again = _sweep(chosen, range(args.rounds, args.rounds + args.confirm), name, spec, args, tmp)
     by_layout = {lay: again[i][0] for i, lay, _, _ in chosen if i in again}
     best = min(step for lay, step in by_layout.items() if lay in fits)
     for lay in contenders:

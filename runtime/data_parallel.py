@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from . import watchdog
 from .buckets import compressed_wire, dp_buckets
 from .compression import BucketCompressor, Compression, Reduction, compressor, restore_state, saved_state
-from .grad_sync import Accumulates, WholeParams, param_grad_squares, scale_param_grads_
+from .grad_sync import Accumulates, WholeParams, held_weakly, param_grad_squares, scale_param_grads_
 from .hollow import is_deferred
 
 
@@ -150,7 +150,7 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
             if b.buffer is not None
             for p, v in zip(b.params, b.views, strict=True)
         }
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(held_weakly(self._on_grad)) for p in params]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -30,7 +30,8 @@ nor an export ask which engine they have:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
@@ -43,6 +44,20 @@ from .axes import Axes
 from .buckets import decays, fusable
 from .optimizers import OptimizerChoice, build
 from .pieces import Pieces, Placed, whole_size
+
+
+def held_weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method as a parameter's hook that holds its object weakly. A parameter keeps its
+    hooks on autograd's C++ side, where Python's cycle collector does not look: an engine its
+    hooks held (parameter -> hook -> engine -> program -> parameter) would outlive its run, and
+    with it the program and its process groups (under gloo, three threads each)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 class OptimizerSettings(Protocol):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -59,7 +60,7 @@ from . import watchdog
 from .axes import Axes
 from .compression import Compression, restore_state, saved_state
 from .disk_offload import ParamFiles, rank_folder, shards_in_memory
-from .grad_sync import Accumulates, OptimizerSettings, TrainingState
+from .grad_sync import Accumulates, OptimizerSettings, TrainingState, held_weakly
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
 from .zero_grads import ShardedGrads
@@ -452,8 +453,9 @@ class Zero(Accumulates):
     def _register_hooks(self) -> list[Any]:
         """A hook on every parameter's gradient; the modules' hooks and the nodes are `Gathers`'."""
         self._gathers.register()
+        on_grad = held_weakly(self._on_grad)
         return [
-            p.register_post_accumulate_grad_hook(self._grad_hook(i))
+            p.register_post_accumulate_grad_hook(functools.partial(on_grad, i))
             for i, f in enumerate(self.flats)
             for p in f.params
         ]
@@ -463,22 +465,18 @@ class Zero(Accumulates):
             h.remove()
         self._gathers.remove()
 
-    def _grad_hook(self, index: int) -> Callable[[Tensor], None]:
+    def _on_grad(self, index: int, param: Tensor) -> None:
         """Backward accumulated one parameter's gradient; once it has all of a flat's (counted
         from each forward: `Gathers`), reduce the flat, and under stage 3 free it."""
-
-        def hook(param: Tensor) -> None:
-            f = self.flats[index]
-            f.ready += 1
-            if f.ready < len(f.params):
-                return
-            f.ready = 0
-            if self._sync and id(f) not in self._late:
-                self._grads.start(f)
-            if self.options.stage == 3:
-                self._gathers.grads_done(f)
-
-        return hook
+        f = self.flats[index]
+        f.ready += 1
+        if f.ready < len(f.params):
+            return
+        f.ready = 0
+        if self._sync and id(f) not in self._late:
+            self._grads.start(f)
+        if self.options.stage == 3:
+            self._gathers.grads_done(f)
 
     # ------------------------------------------------------------------ communication
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import tempfile
 import traceback
@@ -64,11 +65,24 @@ def _serve(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
         while (job := inbox.get()) is not None:
             fn, args = job
             try:
-                outbox.put((rank, True, fn(rank, world_size, *args)))
+                result = (rank, True, fn(rank, world_size, *args))
             except BaseException:
-                outbox.put((rank, False, traceback.format_exc()))
+                result = (rank, False, traceback.format_exc())
+            _destroy_subgroups()
+            outbox.put(result)
     finally:
         dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """End the process groups a job made (its mesh's axes), as the end of a worker process would:
+    each gloo group keeps three threads and its sockets, and a session's jobs made hundreds,
+    whose threads woke to poll while the processes idled, taking CPU from the tests beside them.
+    A group ends with its last reference: c10d's, and its job's program's (collected first)."""
+    gc.collect()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class _Pool:

@@ -449,7 +449,8 @@ STEP_TIME_ASSUMPTIONS = {
     "loop": "the training loop's own cost per step and per parameter, and its all-reduces of the "
     "loss over the batch axes and of the gradient norm over the axes that cut parameters",
     "shared_cores": "a CPU's ranks beyond its cores take turns: every op, and every collective "
-    "other ranks compute beside, that much longer (a collective of every rank: not)",
+    "other ranks compute beside, that much longer (a collective of every rank: not); a pipeline's "
+    "stages only while they compute (in the schedule's bubble, fewer ranks share the cores)",
 }
 
 

@@ -311,12 +311,27 @@ class Screen:
         m = lay.microbatches
         # 1F1B: the slowest stage, plus the bubble (interleaved: a chunk's share of it)
         steps = (m + (lay.pp - 1) / lay.virtual) * (forward + backward)
+        if lay.pp > 1 and self.hw.cores and self.world > 1:
+            steps = self._crowded_pipeline(lay, forward, backward)
         return (
             steps
             + self._data_parallel(lay, forward * m, backward)
             + self._context_sums(lay)
             + self._optimizer(lay)
         )
+
+    def _crowded_pipeline(self, lay: Layout, forward: float, backward: float) -> float:
+        """The pipeline's forwards and backwards on ranks sharing a CPU's cores: its schedule
+        simulated as `step_time.pipeline_timeline` simulates it, every stage at the slowest
+        one's time alone, slowed by the ranks computing beside it (in the bubble, fewer)."""
+        from meshplan.runtime.schedules import build, simulate
+
+        schedule = build("interleaved" if lay.virtual > 1 else "1f1b", lay.pp, lay.microbatches, lay.virtual)
+        chunk = {"F": forward / lay.virtual / self.slowdown, "B": backward / lay.virtual / self.slowdown}
+        replicas = self.world // lay.pp
+        return simulate(
+            schedule, chunk, crowded=lambda running: shared_cores(self.hw, running * replicas)
+        ).makespan
 
     def _ring(self, lay: Layout, f: float) -> float:
         """A block's forward ring: cp - 1 sends of this rank's keys and values (its heads)."""

@@ -361,7 +361,8 @@ def rank_time(
         micro = timeline.schedule.microbatches
         busy = timeline.busy[position]
         idle = timeline.makespan - busy
-        compute = compute_once * micro
+        # its actions' time, in the share of compute and waited-for collectives they were priced at
+        compute = busy * compute_once / max(compute_once + exposed_once, 1e-30)
         inline = busy - compute
         flops *= micro
         ideal *= micro
@@ -399,21 +400,28 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
     stage's backward (`received[s]`: the bytes stage s receives). A message waits the link's
     hand-off (`Link.for_pipelines`); on a CPU whose cores the ranks share, no more: the
     measured hand-off is a wake of the receiving process already, and 4 ranks on 2 cores
-    measure no slower a message than 2 (`bench/step_time_accuracy.py`'s pp4 and dp_pp)."""
+    measure no slower a message than 2 (`bench/step_time_accuracy.py`'s pp4 and dp_pp).
+
+    Ranks that share a CPU's cores crowd each other only while they compute: a stage waiting in
+    the schedule's bubble leaves its core to the others. The actions are simulated at their
+    time alone, each slowed by the ranks computing beside it (`shared_cores` of them: the
+    pipeline ranks running an action, each with its replicas over the other axes)."""
     from meshplan.runtime.schedules import simulate
 
     link = link.for_pipelines()
+    hw, replicas = costs.hw, max(costs.world // schedule.ranks, 1)
+    alone = costs.slowdown  # the phases' prices assume every rank computing at once
 
     def cost(action) -> float:
         phase = costs.phase(action.stage, "forward" if action.kind == "F" else "backward")
-        whole = phase.time(costs.hw.overlap)
+        whole = phase.time(hw.overlap) / alone
         return whole if action.kind in ("F", "B") else whole / 2
 
     def handoff(action) -> float:
         nbytes = received[action.stage + 1] if action.kind == "F" else received[action.stage]
         return collective_time("send", nbytes, 2, link)
 
-    return simulate(schedule, cost, handoff)
+    return simulate(schedule, cost, handoff, lambda running: shared_cores(hw, running * replicas))
 
 
 # passes over a parameter-sized tensor an Adafactor step makes beyond reading the gradient and

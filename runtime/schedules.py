@@ -301,12 +301,15 @@ def simulate(
     schedule: Schedule,
     costs: Mapping[str, float] | Callable[[Action], float] = UNIT_COSTS,
     handoff: Callable[[Action], float] | None = None,
+    crowded: Callable[[int], float] | None = None,
 ) -> Timeline:
     """Run the action lists in dependency order with the given costs (per action kind, or a
     function of the action: a cost per stage, say); raise `ScheduleError` if an action is
     missing, repeated, on the wrong rank, or waits forever. `handoff(a)`: how long what `a`
     sends takes to reach another rank's action that needs it (its sender goes on meanwhile:
-    sends are asynchronous); none: at once."""
+    sends are asynchronous); none: at once. `crowded(n)`: how much longer every action takes
+    while `n` ranks run one at once (ranks sharing a CPU's cores, the costs then each action's
+    time alone); none: each action takes its cost."""
     cost = costs if callable(costs) else lambda a: costs[a.kind]
     owner = schedule.owner
 
@@ -317,6 +320,8 @@ def simulate(
 
     _check_coverage(schedule)
     split = {(a.stage, a.microbatch) for rank in schedule.actions for a in rank if a.kind == "I"}
+    if crowded is not None:
+        return _simulate_crowded(schedule, cost, handoff, crowded, split)
     end: dict[Action, float] = {}
     start: dict[Action, float] = {}
     position = [0] * schedule.ranks
@@ -340,14 +345,71 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = []
-            for r, actions in enumerate(schedule.actions):
-                if position[r] < len(actions):
-                    waiting = actions[position[r]]
-                    missing = [d for d in _dependencies(waiting, schedule.stages, split) if d not in end]
-                    stuck.append(f"rank {r} waits forever at {waiting} for {', '.join(map(str, missing))}")
-            raise ScheduleError(f"{schedule.name}: {'; '.join(stuck)}")
+            raise _waits_forever(schedule, position, end, split)
     return Timeline(schedule, start, end, max(clock, default=0.0), tuple(busy))
+
+
+def _simulate_crowded(
+    schedule: Schedule,
+    cost: Callable[[Action], float],
+    handoff: Callable[[Action], float] | None,
+    crowded: Callable[[int], float],
+    split: set[tuple[int, int]],
+) -> Timeline:
+    """`simulate` with ranks that share the cores: from event to event (an action ends, a
+    message arrives), every running action advances at 1 / crowded(how many run)."""
+    owner, stages = schedule.owner, schedule.stages
+    end: dict[Action, float] = {}
+    start: dict[Action, float] = {}
+    position = [0] * schedule.ranks
+    busy = [0.0] * schedule.ranks
+    free_at = [0.0] * schedule.ranks  # when each rank's last action ended
+    running: dict[int, float] = {}  # rank -> the work left of its action, in seconds alone
+    now, remaining = 0.0, sum(len(a) for a in schedule.actions)
+    while remaining:
+        arrivals = []  # when the next action of an idle rank may start, its inputs all in
+        for r, actions in enumerate(schedule.actions):
+            if r in running or position[r] == len(actions):
+                continue
+            action = actions[position[r]]
+            deps = _dependencies(action, stages, split)
+            if any(d not in end for d in deps):
+                continue
+            at = max(
+                [free_at[r]]
+                + [end[d] + (handoff(d) if handoff and owner[d.stage] != r else 0.0) for d in deps]
+            )
+            if at <= now:
+                start[action], running[r] = now, cost(action)
+            else:
+                arrivals.append(at)
+        if not running and not arrivals:
+            raise _waits_forever(schedule, position, end, split)
+        slow = crowded(len(running)) if running else 1.0
+        step = min([left * slow for left in running.values()] + [at - now for at in arrivals])
+        now += step
+        for r in list(running):
+            busy[r] += step
+            running[r] -= step / slow
+            if running[r] <= 1e-12 * max(now, 1.0):
+                action = schedule.actions[r][position[r]]
+                end[action], free_at[r] = now, now
+                del running[r]
+                position[r] += 1
+                remaining -= 1
+    return Timeline(schedule, start, end, max(free_at, default=0.0), tuple(busy))
+
+
+def _waits_forever(
+    schedule: Schedule, position: list[int], end: Mapping[Action, float], split: set[tuple[int, int]]
+) -> ScheduleError:
+    stuck = []
+    for r, actions in enumerate(schedule.actions):
+        if position[r] < len(actions):
+            waiting = actions[position[r]]
+            missing = [d for d in _dependencies(waiting, schedule.stages, split) if d not in end]
+            stuck.append(f"rank {r} waits forever at {waiting} for {', '.join(map(str, missing))}")
+    return ScheduleError(f"{schedule.name}: {'; '.join(stuck)}")
 
 
 def _dependencies(action: Action, stages: int, split: set[tuple[int, int]]) -> list[Action]:

@@ -155,6 +155,20 @@ def test_pipeline_ranks_wait_for_the_bubble_their_schedule_leaves():
     assert ofob.step_time == pytest.approx(gpipe.step_time, rel=0.1)  # the same bubble, less memory
 
 
+def test_pipeline_ranks_sharing_one_core_take_turns_and_leave_it_no_bubble():
+    """On one core, two pipeline ranks take turns while both compute, and in the bubble the one
+    that computes has the core alone: the step is the whole model's work, as one process doing
+    the four microbatches takes; on a device each (no cores shared) the stages overlap."""
+    accumulated = "mesh dp=1\n\ntrain {\n    gradient_accumulation = 4\n}\n"
+    one_core = dataclasses.replace(CPU, cores=1, crowding=1.0)
+    shared = estimate(compiled_for(PP.format(s="1f1b")), hw=one_core).step_time
+    one = estimate(compiled_for(accumulated), hw=one_core).ranks[0].time
+    apart = estimate(compiled_for(PP.format(s="1f1b")), hw=dataclasses.replace(CPU, cores=None)).step_time
+    assert one is not None and shared is not None and apart is not None
+    assert shared == pytest.approx(one.total, rel=0.05)
+    assert apart < 0.75 * shared
+
+
 def test_the_command_prices_the_step_and_refuses_unknown_hardware(capsys, tmp_path):
     argv = ["estimate", "examples/llama_tp.plan", "--model", LLAMA, "--batch", "2", "--seq", "16"]
     assert main([*argv, "--hardware", "h100", "--json"]) == 0

@@ -135,6 +135,23 @@ def test_a_hand_off_delays_the_receiver_not_the_sender() -> None:
     assert late.start[Action("F", 1, 0)] == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zbv", "zero_bubble"])
+def test_ranks_sharing_one_core_take_the_work_of_every_action_and_no_bubble(name: str) -> None:
+    """Ranks crowded onto one core (each of n running actions at 1/n of its speed) leave it
+    idle only when no rank can run: without hand-offs never, so the step is the sum of every
+    action's cost; ranks that do not crowd run the list schedule, start for start."""
+    schedule = build(name, 2, 4, 2 if name in ("interleaved", "zbv") else 1)
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    work = sum(cost[a.kind] for rank in schedule.actions for a in rank)
+    shared = simulate(schedule, cost, crowded=lambda running: running)
+    assert shared.makespan == pytest.approx(work)
+    assert sum(shared.busy) > work  # each rank's wall time, stretched by the others beside it
+    alone = simulate(schedule, cost, handoff=lambda a: 0.25, crowded=lambda running: 1.0)
+    listed = simulate(schedule, cost, handoff=lambda a: 0.25)
+    assert alone.start == pytest.approx(listed.start) and alone.makespan == pytest.approx(listed.makespan)
+    assert simulate(schedule, cost).makespan < work  # the bubble's parts run side by side
+
+
 def test_the_hand_off_latency_is_what_makes_the_simulation_take_the_measured_step() -> None:
     """`handoff_cost.fit` inverts the simulation: the makespan at a known latency gives that
     latency back; a step no slower than the simulation without one gives 0."""

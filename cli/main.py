@@ -332,6 +332,12 @@ def summarize(plan: Plan) -> str:
 # ---------------------------------------------------------------------------- parser
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from meshplan.verify import cmd_verify  # with torch: imported when verify runs, not to parse
+
+    return cmd_verify(args)
+
+
 def _add(sub, name: str, func: Callable[[argparse.Namespace], int], help: str, example: str):
     p = sub.add_parser(
         name,
@@ -520,12 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_suggest_arguments(p)
 
-    from meshplan.verify import cmd_verify
-
     p = _add(
         sub,
         "verify",
-        cmd_verify,
+        _cmd_verify,
         "train the compiled plan on its ranks beside the unpartitioned model; tell rounding from bugs",
         """
              meshplan verify examples/llama_tp.plan --model examples/models/llama.py:build

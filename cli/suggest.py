@@ -9,11 +9,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshplan.args import memory_size, positive_int, share
-from meshplan.compiler.suggest import HEADROOM
+from meshplan.compiler.headroom import HEADROOM
 from meshplan.errors import UsageError
-from meshplan.suggest_measure import Trial, annotated, measure, pick, table
+
+if TYPE_CHECKING:
+    from meshplan.suggest_measure import Trial
 
 EXIT_OK, EXIT_DOES_NOT_FIT = 0, 3
 AXES = ("dp", "tp", "pp", "ep", "cp")
@@ -128,6 +131,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         file=report,
     )
     print(suggest_text(found, top=args.top), file=report)
+    from meshplan.suggest_measure import pick, table
+
     chosen = pick(trials, args.memory) if trials is not None else None
     if trials is not None:
         print("\n" + table(trials, chosen, args.memory), file=report)
@@ -189,6 +194,8 @@ def _runs_here(world: int) -> None:
 def _measure(found, args: argparse.Namespace, report) -> list[Trial]:
     """`--measure`: the shortlist trained here; the fastest measured that fits becomes the
     suggestion (its text noting what was measured)."""
+    from meshplan.suggest_measure import annotated, measure, pick
+
     trials = measure(found, args.measure, args.model, args.memory, report)
     chosen = pick(trials, args.memory)
     if chosen is not None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .errors import CompileError
 from .hardware import Hardware
+from .headroom import HEADROOM
 from .screen import ASSUMED, COMPUTE_BYTES, MARGIN, TIE, Counts, Layout, Screen
 from .structure import ModelShape
 
@@ -111,9 +112,6 @@ def screened_under(c: Candidate, limit: int | None) -> bool:
 # ------------------------------------------------------------------------------ the space
 
 
-# of each rank's memory, what a suggested plan leaves for what `estimate` does not count: the
-# CUDA context, NCCL's and the kernels' workspaces, the caching allocator's fragmentation
-HEADROOM = 0.08
 CHECKPOINTS: tuple[Literal["", "full", "selective"], ...] = ("", "selective", "full")  # every block's
 CONTEXT_TOKENS = 1024  # a context axis is searched where each rank keeps this many of a sequence's tokens
 

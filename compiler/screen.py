@@ -18,7 +18,7 @@ from torch import nn
 
 from .hardware import Hardware, Link
 from .profile import Part, Profile
-from .step_time import collective_time, exposed, shared_cores, woken
+from .step_time import collective_time, crowding, exposed, shared_cores, woken
 from .structure import ModelShape
 
 ASSUMED = (
@@ -309,10 +309,10 @@ class Screen:
             if fwd + bwd > forward + backward:
                 forward, backward = fwd + lay.virtual * send, bwd + lay.virtual * send
         m = lay.microbatches
-        # 1F1B: the slowest stage, plus the bubble (interleaved: a chunk's share of it)
-        steps = (m + (lay.pp - 1) / lay.virtual) * (forward + backward)
         if lay.pp > 1 and self.hw.cores and self.world > 1:
             steps = self._crowded_pipeline(lay, forward, backward)
+        else:  # 1F1B: the slowest stage, plus the bubble (interleaved: a chunk's share of it)
+            steps = (m + (lay.pp - 1) / lay.virtual) * (forward + backward)
         return (
             steps
             + self._data_parallel(lay, forward * m, backward)
@@ -328,10 +328,7 @@ class Screen:
 
         schedule = build("interleaved" if lay.virtual > 1 else "1f1b", lay.pp, lay.microbatches, lay.virtual)
         chunk = {"F": forward / lay.virtual / self.slowdown, "B": backward / lay.virtual / self.slowdown}
-        replicas = self.world // lay.pp
-        return simulate(
-            schedule, chunk, crowded=lambda running: shared_cores(self.hw, running * replicas)
-        ).makespan
+        return simulate(schedule, chunk, crowded=crowding(self.hw, self.world, lay.pp)).makespan
 
     def _ring(self, lay: Layout, f: float) -> float:
         """A block's forward ring: cp - 1 sends of this rank's keys and values (its heads)."""

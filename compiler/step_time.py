@@ -231,6 +231,14 @@ def shared_cores(hw: Hardware, world: int) -> float:
     return crowd * max(1.0, world / hw.cores)
 
 
+def crowding(hw: Hardware, world: int, pipeline_ranks: int) -> Callable[[int], float]:
+    """How much longer a pipeline's action takes while `n` of its ranks compute at once
+    (`schedules.simulate(crowded=)`): each with its replicas over the other axes, sharing the
+    cores as `shared_cores` says."""
+    replicas = max(world // pipeline_ranks, 1)
+    return lambda running: shared_cores(hw, running * replicas)
+
+
 def woken(hw: Hardware, world: int, group: int) -> float:
     """How much longer a collective over `group` of `world` ranks takes on a CPU whose cores
     the ranks share. Its ranks wait in it, their cores free; when it spans every rank, its
@@ -409,7 +417,7 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
     from meshplan.runtime.schedules import simulate
 
     link = link.for_pipelines()
-    hw, replicas = costs.hw, max(costs.world // schedule.ranks, 1)
+    hw = costs.hw
     alone = costs.slowdown  # the phases' prices assume every rank computing at once
 
     def cost(action) -> float:
@@ -421,7 +429,7 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
         nbytes = received[action.stage + 1] if action.kind == "F" else received[action.stage]
         return collective_time("send", nbytes, 2, link)
 
-    return simulate(schedule, cost, handoff, lambda running: shared_cores(hw, running * replicas))
+    return simulate(schedule, cost, handoff, crowding(hw, costs.world, schedule.ranks))
 
 
 # passes over a parameter-sized tensor an Adafactor step makes beyond reading the gradient and

@@ -1,13 +1,15 @@
 """`meshplan estimate`'s step time against `meshplan run`'s, cell by cell, on this machine.
 
     meshplan estimate --calibrate              # once: this machine's entry
-    python bench/step_time_accuracy.py [--cells dp,tp,...] [--batch 4] [--seq 64] [--steps 12]
+    python bench/step_time_accuracy.py [--cells dp,tp,...] [--batch 4] [--seq 64] [--steps 20] [--rounds 2]
 
 Measured: `meshplan run PLAN --steps N` (torchrun, gloo on this machine's CPUs); a step's time
 is the slowest rank's `time_s` (every rank waits for the others at the step's end), the median
 over the steps after the first two, leaving out the steps the CPU peak tracker slows (those
-with `peak_tensor_bytes`). Estimated: `compiler.estimate.estimate` priced with `--hardware
-cpu` (what `--calibrate` measured) on the program compiled for the same shapes.
+with `peak_tensor_bytes`). A shared machine has slow minutes: each cell runs `--rounds` times,
+the cells in reverse order every other round, and its time is the median of its rounds (the table
+shows their spread). Estimated: `compiler.estimate.estimate` priced with `--hardware cpu`
+(what `--calibrate` measured) on the program compiled for the same shapes.
 
 Goals (issue: estimate): median |error| <= 15% over the cells, and the cells ordered by
 predicted time as they are by measured time wherever two measured times differ by more than
@@ -101,19 +103,33 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hardware", default="cpu")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each cell, in turn (default 2)")
     args = ap.parse_args()
-    print(f"batch {args.batch}, seq {args.seq}, {args.steps} steps; hardware {args.hardware}")
-    print(f"{'cell':10} {'measured':>10} {'estimated':>10} {'error':>7}  what")
-    rows: list[tuple[str, float, float]] = []
+    names = args.cells.split(",")
+    print(
+        f"batch {args.batch}, seq {args.seq}, {args.steps} steps, {args.rounds} rounds; hardware {args.hardware}"
+    )
+    runs: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.cells.split(","):
-            text, model, what = CELLS[name]
-            plan = Path(tmp) / f"{name}.plan"
-            plan.write_text(text)
-            real = measured(plan, model, args, Path(tmp) / name)
-            guess = estimated(plan, model, args)
+        plans = {}
+        for name in names:
+            plans[name] = Path(tmp) / f"{name}.plan"
+            plans[name].write_text(CELLS[name][0])
+        for r in range(args.rounds):
+            for name in names[::-1] if r % 2 else names:
+                runs[name].append(measured(plans[name], CELLS[name][1], args, Path(tmp) / f"{name}-{r}"))
+            print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1] * 1e3:.1f}" for n in names), flush=True)
+        print(f"{'cell':10} {'measured':>10} {'spread':>7} {'estimated':>10} {'error':>7}  what")
+        rows: list[tuple[str, float, float]] = []
+        for name in names:
+            real = statistics.median(runs[name])
+            guess = estimated(plans[name], CELLS[name][1], args)
             rows.append((name, real, guess))
-            print(f"{name:10} {real * 1e3:>8.1f}ms {guess * 1e3:>8.1f}ms {guess / real - 1:>+7.1%}  {what}")
+            spread = max(runs[name]) / min(runs[name]) - 1
+            what = CELLS[name][2]
+            print(
+                f"{name:10} {real * 1e3:>8.1f}ms {spread:>7.0%} {guess * 1e3:>8.1f}ms {guess / real - 1:>+7.1%}  {what}"
+            )
     errors = [abs(g / r - 1) for _, r, g in rows]
     print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), worst {max(errors):.1%}")
     wrong = [

@@ -44,6 +44,13 @@ class Link:
     handoff: float | None = (
         None  # s a pipeline's message to the next rank waits beyond its bytes (None: `send_latency`)
     )
+    # s per ring step of each collective where it differs from `latency` (gloo on a CPU: its
+    # all-gather, reduce-scatter and all-to-all are not half an all-reduce, as a ring's steps say)
+    latencies: dict[str, float] = field(default_factory=dict)
+
+    def step_latency(self, op: str) -> float:
+        """Seconds per ring step of `op` ("all_reduce", "all_gather", ...)."""
+        return self.latencies.get(op, self.latency)
 
     def for_pipelines(self) -> Link:
         """The link as a pipeline's messages meet it: a send at the hand-off's latency."""
@@ -267,7 +274,9 @@ def calibrate(
         "op": f"{overhead * 1e6:.1f} us, {selective * 1e6:.1f} us more under selective checkpointing",
         "optimizer": f"{optimizer_tensor * 1e6:.1f} us a tensor"
         + (f", the loop {step_overhead * 1e6:.0f} us a step" if loop is not None else ""),
-        "gloo": f"{intra.latency * 1e6:.0f} us a ring step, {(intra.send_latency or 0) * 1e6:.0f} us a send, "
+        "gloo": f"{intra.latency * 1e6:.0f} us a ring step ("
+        + ", ".join(f"{op.replace('_', '-')}'s {t * 1e6:.0f}" for op, t in intra.latencies.items())
+        + f"), {(intra.send_latency or 0) * 1e6:.0f} us a send and receive, "
         f"{intra.bandwidth / 1e9:.2f} GB/s, "
         f"{overlap:.0%} of it beside compute",
         "two ranks at once": f"each op {crowding:.2f}x as long",
@@ -382,9 +391,12 @@ def _optimizer_per_tensor(dev: torch.device) -> float:
 def _gloo_link() -> tuple[Link, float, float]:
     """All-reduce between two local processes over gloo, each reached from a millisecond of
     compute as a step reaches them: latency from 4 KB (gloo's small messages all cost about the
-    same), bandwidth from 8 MB (a ring of two moves each byte once each way); and how much of
-    an all-reduce issued ahead runs beside compute (0: none); and an op's cost while both
-    processes compute (cores shared: caches, memory bandwidth, frequency)."""
+    same), bandwidth from 8 MB (a ring of two moves each byte once each way); the other
+    collectives' latencies the same way (gloo's all-gather and reduce-scatter cost most of an
+    all-reduce, not the half a ring's steps say), and a batch of sends and receives each way
+    (a ring attention's step); how much of an all-reduce issued ahead runs beside compute (0:
+    none); and an op's cost while both processes compute (cores shared: caches, memory
+    bandwidth, frequency)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -395,11 +407,14 @@ def _gloo_link() -> tuple[Link, float, float]:
         p.start()
     for p in procs:
         p.join(120)
-    small, large, nbytes, compute, both, shared, exchange = queue.get()
+    small, large, nbytes, compute, both, shared, exchange, *others = queue.get()
     latency = small / 2  # 2 (n - 1) ring steps for n = 2
     bandwidth = nbytes / max(large - small, 1e-9)  # 2 (n - 1) / n = 1 byte per byte, n = 2
     overlap = (compute + large - both) / min(compute, large)
-    return Link(bandwidth, latency, max(exchange, 1e-6)), min(max(overlap, 0.0), 1.0), shared
+    # one ring step each for n = 2
+    latencies = {op: max(t, 1e-6) for op, t in zip(ONE_STEP_OPS, others, strict=True)}
+    link = Link(bandwidth, latency, max(exchange, 1e-6), latencies=latencies)
+    return link, min(max(overlap, 0.0), 1.0), shared
 
 
 def _free_port() -> int:
@@ -411,6 +426,7 @@ def _free_port() -> int:
 
 
 LINK_ROUNDS = 3
+ONE_STEP_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # measured beside the all-reduce
 
 
 def _gloo_worker(rank: int, port: int, queue) -> None:
@@ -428,20 +444,30 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
             for _ in range(32):
                 a @ a
 
-        def then(t: torch.Tensor):
+        def then(collective: Callable[[], object]):
             def call() -> None:
                 work()
-                dist.all_reduce(t)
+                collective()
 
             return call
 
-        def swap() -> None:  # a send and a receive each way at once, as a ring or a pipeline does
+        half = torch.zeros(small.numel() // 2)
+        received = (torch.empty_like(small), torch.empty_like(half))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        others = {  # as the runtime issues them (`runtime/collectives.py`), the same 4 KB on the wire
+            "all_gather": lambda: gather(small, half),
+            "reduce_scatter": lambda: scatter(half, small),
+            "all_to_all": lambda: dist.all_to_all_single(received[0], small),
+        }
+        assert tuple(others) == ONE_STEP_OPS
+
+        def swap() -> None:  # two blocks each way in one batch, as a ring's step sends keys and values
             peer = 1 - rank
-            ops = [dist.P2POp(dist.isend, small, peer), dist.P2POp(dist.irecv, received, peer)]
+            ops = [dist.P2POp(dist.isend, t, peer) for t in (small, half)]
+            ops += [dist.P2POp(dist.irecv, t, peer) for t in received]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-
-        received = torch.empty_like(small)
 
         def compute() -> None:
             for _ in range(8):
@@ -454,14 +480,15 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
 
         def once() -> tuple[float, ...]:
             t_work = _same_count(work, 50)  # both ranks run as many of everything
-            t_small = _same_count(then(small), 50) - t_work
-            t_swap = _same_count(swap, 50)  # from ranks that arrive together: a ring's steps do
-            t_large = _same_count(then(large), 10) - t_work
+            t_small = _same_count(then(lambda: dist.all_reduce(small)), 50) - t_work
+            t_swap = _same_count(then(swap), 50) - t_work
+            t_large = _same_count(then(lambda: dist.all_reduce(large)), 10) - t_work
+            t_others = [_same_count(then(op), 50) - t_work for op in others.values()]
             t_compute = _same_count(compute, 3)
             t_both = _same_count(beside, 3)
             dist.barrier()
             shared = _op_overhead(torch.device("cpu"))  # both ranks at once: the cores shared
-            return t_small, t_large, nbytes, t_compute, t_both, shared, t_swap
+            return t_small, t_large, nbytes, t_compute, t_both, shared, t_swap, *t_others
 
         # a shared machine's links come and go: each figure the median of a few rounds
         rounds = [once() for _ in range(LINK_ROUNDS)]

@@ -80,7 +80,7 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
         steps, moved = n - 1, 0.0
     else:  # a point-to-point send
         return (link.latency if link.send_latency is None else link.send_latency) + nbytes / link.bandwidth
-    return steps * link.latency + moved / link.bandwidth
+    return steps * link.step_latency(op) + moved / link.bandwidth
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> float:
@@ -148,6 +148,7 @@ class OpCosts:
         self._kinds: dict[Any, tuple[str, Any]] = {}  # per op: ("view" | "op" | a wire op, flop formula)
         self._attention: set[Any] = set()  # attention kernels: at `hw.attention` of the matmul rate
         self.record: list[tuple[float, float]] | None = None  # a list: each op's FLOP seconds and bytes
+        self._sending = False  # the last thing seen was a send: the next one joins its batch
 
     def begin(self, stage: int, phase: str) -> None:
         self._current = self.phases.setdefault((stage, phase), PhaseCost())
@@ -166,6 +167,7 @@ class OpCosts:
         if kind != "op":
             self._collective(kind, args, tensors, where)
             return
+        self._sending = False
         nbytes = sum(_nbytes(t) for t in tensors)
         nbytes += sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, Tensor))
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
@@ -206,7 +208,11 @@ class OpCosts:
         nbytes = max(
             (sum(_nbytes(t) for t in tree_leaves(a) if isinstance(t, Tensor)) for a in args), default=0
         )
-        spent = collective_time(op, nbytes, n, self.link(group)) * woken(self.hw, self.world, n)
+        link = self.link(group)
+        if op == "send" and self._sending:  # one batch (`batch_isend_irecv`): its latency paid once
+            link = dataclasses.replace(link, send_latency=0.0)
+        self._sending = op == "send"
+        spent = collective_time(op, nbytes, n, link) * woken(self.hw, self.world, n)
         cost = self._current
         cost.issued[op] = cost.issued.get(op, 0.0) + spent
         if "zero" in where.lower() and op == "all_gather":

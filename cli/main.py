@@ -123,7 +123,7 @@ def _calibrate() -> None:
     from meshplan.runtime.handoff_cost import measure as handoff
     from meshplan.runtime.loop_cost import measure
 
-    print("measuring this machine (about 20 s) ...", file=sys.stderr)
+    print("measuring this machine (about 40 s) ...", file=sys.stderr)
     result = calibrate(loop=measure)
     hw, measured = result.hardware, result.measured
     if hw.cores:  # a CPU: what a transformer block's ops reach, beside a copy and a square matmul

@@ -208,43 +208,37 @@ class Calibration:
     measured: dict[str, str] = field(default_factory=dict)
 
 
+COMPUTE_ROUNDS = 3
+
+
 def calibrate(
     device: str | None = None,
     *,
     links: bool = True,
     loop: Callable[[torch.device], tuple[float, float]] | None = None,
+    rounds: int = COMPUTE_ROUNDS,
 ) -> Calibration:
     """Measure this machine: matmul FLOP/s per dtype, copy bandwidth, the cost of one op
     forward and backward, the optimizer's cost per tensor, and (`links`) gloo's latency and
     bandwidth between two local processes. CPU: one thread, as a rank runs.
+
+    A shared machine has slow seconds: the device's figures are measured `rounds` times, one
+    before the links and the others after, and each is the median of its rounds.
 
     `loop(device)`: the training loop's own seconds per step and per parameter beside forward
     and backward, measured through the loop (`runtime.loop_cost.measure`, which the command
     line passes: the compiler does not import the training loop); without it, the optimizer's
     step alone per tensor and nothing per step."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        flops = {}
-        for name in DTYPES:
-            dtype = getattr(torch, name)
-            n = 512 if dev.type == "cpu" else 8192
-            a = torch.randn(n, n, device=dev).to(dtype)
-            flops[name] = 2 * n**3 / _timed(lambda a=a: a @ a, device=dev)
-        bandwidth = _copy_bandwidth(64 * 2**20 if dev.type == "cpu" else 2**30, dev)
-        cache = _cache_bytes() if dev.type == "cpu" else 0
-        cache_bandwidth = _copy_bandwidth(cache // 4, dev) if cache else 0.0
-        overhead = _op_overhead(dev)
-        selective = _selective_op(dev) if dev.type == "cpu" else 0.0
-        step_overhead, optimizer_tensor = loop(dev) if loop is not None else (0.0, _optimizer_per_tensor(dev))
-    finally:
-        torch.set_num_threads(threads)
+    first = _device_figures(dev, loop)
     base = TABLE["cpu"] if dev.type == "cpu" else TABLE.get(gpu_name(dev), TABLE["h100"])
     intra, overlap, shared = (
-        _gloo_link() if links and dev.type == "cpu" else (base.intra, base.overlap, overhead)
+        _gloo_link() if links and dev.type == "cpu" else (base.intra, base.overlap, first["overhead"])
     )
+    figures = _medians([first, *(_device_figures(dev, loop) for _ in range(rounds - 1))])
+    flops, bandwidth, overhead = figures["flops"], figures["bandwidth"], figures["overhead"]
+    cache, cache_bandwidth, selective = figures["cache"], figures["cache_bandwidth"], figures["selective"]
+    step_overhead, optimizer_tensor = figures["step_overhead"], figures["optimizer_tensor"]
     crowding = max(1.0, shared / overhead)
     name = "cpu" if dev.type == "cpu" else base.name
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -282,6 +276,46 @@ def calibrate(
         "two ranks at once": f"each op {crowding:.2f}x as long",
     }
     return Calibration(hw, measured)
+
+
+def _device_figures(
+    dev: torch.device, loop: Callable[[torch.device], tuple[float, float]] | None
+) -> dict[str, Any]:
+    """One round of the device's own figures (`calibrate`'s), by name."""
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        flops = {}
+        for name in DTYPES:
+            dtype = getattr(torch, name)
+            n = 512 if dev.type == "cpu" else 8192
+            a = torch.randn(n, n, device=dev).to(dtype)
+            flops[name] = 2 * n**3 / _timed(lambda a=a: a @ a, device=dev)
+        cache = _cache_bytes() if dev.type == "cpu" else 0
+        step_overhead, optimizer_tensor = loop(dev) if loop is not None else (0.0, _optimizer_per_tensor(dev))
+        return {
+            "flops": flops,
+            "bandwidth": _copy_bandwidth(64 * 2**20 if dev.type == "cpu" else 2**30, dev),
+            "cache": cache,
+            "cache_bandwidth": _copy_bandwidth(cache // 4, dev) if cache else 0.0,
+            "overhead": _op_overhead(dev),
+            "selective": _selective_op(dev) if dev.type == "cpu" else 0.0,
+            "step_overhead": step_overhead,
+            "optimizer_tensor": optimizer_tensor,
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over `rounds` (a dict of figures: each of its entries')."""
+    return {
+        key: {k: statistics.median(r[key][k] for r in rounds) for k in first}
+        if isinstance(first := rounds[0][key], dict)
+        else statistics.median(r[key] for r in rounds)
+        for key in rounds[0]
+    }
 
 
 def gpu_name(dev: torch.device) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -475,21 +476,31 @@ def optimizer_state_bytes(
 # ------------------------------------------------------------------------------ calibration
 
 
-def fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, str]]:
+def fit_block(hw: Hardware, device: torch.device, rounds: int = 3) -> tuple[Hardware, dict[str, str]]:
     """`hw` (as `hardware.calibrate` measured it) with two rates a transformer block's ops reach
     on this device, one thread: attention's share of the matmul rate (a causal attention forward
     and backward, timed), and the bandwidth of the ops within cache, solved so that the block's
     forward and backward priced as `OpCosts` prices them take as long as they do. A copy's
-    bandwidth flatters norms, softmaxes and activations: they compute per element."""
+    bandwidth flatters norms, softmaxes and activations: they compute per element. Each rate
+    the median of `rounds` fits (a shared machine has slow seconds)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _fit_block(hw, device)
+        fits = [_fit_block(hw, device) for _ in range(rounds)]
     finally:
         torch.set_num_threads(threads)
+    attention = statistics.median(f.attention for f in fits)
+    hw = dataclasses.replace(
+        hw, attention=attention, cache_bandwidth=statistics.median(f.cache_bandwidth for f in fits)
+    )
+    said = {
+        "attention": f"{attention:.0%} of the matmul rate",
+        "block ops": f"{hw.cache_bandwidth / 1e9:.1f} GB/s within cache (a transformer block's, fitted)",
+    }
+    return hw, said
 
 
-def _fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, str]]:
+def _fit_block(hw: Hardware, device: torch.device) -> Hardware:
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -545,8 +556,4 @@ def _fit_block(hw: Hardware, device: torch.device) -> tuple[Hardware, dict[str, 
             mid = (low * high) ** 0.5
             low, high = (mid, high) if predicted(mid) > real else (low, mid)
         hw = dataclasses.replace(hw, cache_bandwidth=high)
-    said = {
-        "attention": f"{attention:.0%} of the matmul rate",
-        "block ops": f"{hw.cache_bandwidth / 1e9:.1f} GB/s within cache (a transformer block's, fitted)",
-    }
-    return hw, said
+    return hw

@@ -9,10 +9,10 @@ links between devices, per kind of machine.
 The numbers are a roofline with a fixed cost per op: an op takes `op_overhead` plus the larger
 of its FLOPs over the matmul rate of its dtype and its bytes over the memory bandwidth. A
 collective takes the ring algorithm's bytes over the link's bandwidth plus a latency per ring
-step (its op's own where the link measured one: gloo's), on the intra-node link when every rank of its group is on one node, else on the
-inter-node one. Datasheet entries use dense (not sparse) tensor-core peaks and the bandwidth
-NCCL reaches in practice, not the wire's; fp32 matmuls are priced without TF32 (PyTorch's
-default). A CPU entry is one core: ranks run one thread each (`OMP_NUM_THREADS=1`), and more
+step (its op's own where the link measured one: gloo's), on the intra-node link when every
+rank of its group is on one node, else on the inter-node one. Datasheet entries use dense
+(not sparse) tensor-core peaks and the bandwidth NCCL reaches in practice, not the wire's;
+fp32 matmuls are priced without TF32 (PyTorch's default). A CPU entry is one core: ranks run one thread each (`OMP_NUM_THREADS=1`), and more
 ranks than `cores` on a node share them.
 """
 

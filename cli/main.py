@@ -119,21 +119,28 @@ def _calibrate() -> None:
     import torch
 
     from meshplan.compiler.hardware import calibrate, write_entry
-    from meshplan.compiler.step_time import fit_block
+    from meshplan.compiler.step_time import crowding, fit_block
+    from meshplan.runtime.handoff_cost import CORES, can_share_cores
     from meshplan.runtime.handoff_cost import measure as handoff
     from meshplan.runtime.loop_cost import measure
 
-    print("measuring this machine (about 40 s) ...", file=sys.stderr)
+    print("measuring this machine (about 50 s) ...", file=sys.stderr)
     result = calibrate(loop=measure)
     hw, measured = result.hardware, result.measured
     if hw.cores:  # a CPU: what a transformer block's ops reach, beside a copy and a square matmul
         hw, fitted = fit_block(hw, torch.device("cpu"))
         measured = {**measured, **fitted}
-        # and what a pipeline's message between two ranks costs as the pipeline sends it
-        latency = handoff()
-        link = dataclasses.replace(hw.intra, handoff=latency)
+        # and what a pipeline's message between two ranks costs as the pipeline sends it: alone,
+        # and with another pipeline's two ranks on its two cores (data-parallel replicas')
+        latency, shared = handoff(), None
+        figure = f"{latency * 1e6:.0f} us a message (through the pipeline)"
+        if can_share_cores():
+            two_cores = dataclasses.replace(hw, cores=CORES)
+            shared = handoff(pipelines=2, crowded=crowding(two_cores, 2 * CORES, 2))
+            figure += f", {shared * 1e6:.0f} us with another pipeline on its cores"
+        link = dataclasses.replace(hw.intra, handoff=latency, shared_handoff=shared)
         hw = dataclasses.replace(hw, intra=link, inter=link)
-        measured["pipeline hand-off"] = f"{latency * 1e6:.0f} us a message (through the pipeline)"
+        measured["pipeline hand-off"] = figure
     path = write_entry(hw)
     for what, figure in measured.items():
         print(f"  {what:<18}{figure}")

@@ -263,7 +263,10 @@ def estimate(
         timeline = None
         if costs is not None and schedule is not None:
             link = costs.link(group_of(spec.axis))
-            timeline = pipeline_timeline(schedule, costs, [w.received for w in walks], link)
+            received = [w.received for w in walks]
+            timeline = pipeline_timeline(
+                schedule, costs, received, link, _replicas_apart(plan, layout, spec.axis)
+            )
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
@@ -582,6 +585,14 @@ def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero:
         names for names, _ in bucket_params(named, dp.bucket_bytes, {id(p): decays(n, p) for n, p in named})
     ]
     return ZeroSteps(zero, group, dp.axis, flats)
+
+
+def _replicas_apart(plan, layout: MeshLayout, pipeline_axis: str) -> int:
+    """How many copies of the pipeline run apart until the step's end: the ranks over the axes
+    no rule's collectives tie together within a step (data parallelism's; a tensor, sequence,
+    context or expert rule's axis exchanges every layer and keeps its ranks together)."""
+    tied = {a for r in plan.rules if r.axis for a in axes_of(r.axis)} | {pipeline_axis}
+    return axis_size(layout, (a for a in plan.mesh.names if a not in tied))
 
 
 def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str], int]]:

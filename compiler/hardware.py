@@ -44,6 +44,9 @@ class Link:
     handoff: float | None = (
         None  # s a pipeline's message to the next rank waits beyond its bytes (None: `send_latency`)
     )
+    # s it waits when other pipelines' ranks (data-parallel replicas) share the CPU cores, two
+    # ranks a core (None: `handoff`): a woken rank waits for a core another pipeline holds
+    shared_handoff: float | None = None
     # s per ring step of each collective where it differs from `latency` (gloo on a CPU: its
     # all-gather, reduce-scatter and all-to-all are not half an all-reduce, as a ring's steps say)
     latencies: dict[str, float] = field(default_factory=dict)
@@ -52,9 +55,11 @@ class Link:
         """Seconds per ring step of `op` ("all_reduce", "all_gather", ...)."""
         return self.latencies.get(op, self.latency)
 
-    def for_pipelines(self) -> Link:
-        """The link as a pipeline's messages meet it: a send at the hand-off's latency."""
-        return self if self.handoff is None else dataclasses.replace(self, send_latency=self.handoff)
+    def for_pipelines(self, shared: bool = False) -> Link:
+        """The link as a pipeline's messages meet it: a send at the hand-off's latency (`shared`:
+        while other pipelines' ranks share the cores, `shared_handoff`)."""
+        latency = self.shared_handoff if shared and self.shared_handoff is not None else self.handoff
+        return self if latency is None else dataclasses.replace(self, send_latency=latency)
 
 
 @dataclass(frozen=True)

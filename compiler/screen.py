@@ -18,7 +18,7 @@ from torch import nn
 
 from .hardware import Hardware, Link
 from .profile import Part, Profile
-from .step_time import collective_time, crowding, exposed, shared_cores, woken
+from .step_time import collective_time, crowding, exposed, pipelines_share_cores, shared_cores, woken
 from .structure import ModelShape
 
 ASSUMED = (
@@ -301,7 +301,9 @@ class Screen:
             first += self._collective("all_reduce", activation, t, t)
         send = 0.0
         if lay.pp > 1:  # a pipeline's message, as `step_time.pipeline_timeline` prices it
-            send = collective_time("send", activation / t, 2, self._link(t * lay.ep * lay.pp).for_pipelines())
+            shared = pipelines_share_cores(self.hw, self.world, lay.dp)
+            link = self._link(t * lay.ep * lay.pp).for_pipelines(shared)
+            send = collective_time("send", activation / t, 2, link)
         forward = backward = 0.0  # the slowest stage's, one microbatch
         for s, blocks in enumerate(self.stages(lay)):
             fwd = blocks * forward_block + (first if s == 0 else 0.0) + (last if s == lay.pp - 1 else 0.0)

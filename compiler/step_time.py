@@ -410,14 +410,18 @@ def rank_time(
     return StepTime(total, compute, communication, engine.optimizer, idle, issued, flops, ideal)
 
 
-def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], link: Link) -> Any:
+def pipeline_timeline(
+    schedule: Any, costs: OpCosts, received: Sequence[int], link: Link, replicas: int = 1
+) -> Any:
     """The schedule simulated with each action at its stage's priced time (a split backward's
     halves half each) and each message between ranks a send's time in flight: a forward's
     outputs reach the next stage's forward, a backward's input gradients the previous
     stage's backward (`received[s]`: the bytes stage s receives). A message waits the link's
-    hand-off (`Link.for_pipelines`); on a CPU whose cores the ranks share, no more: the
-    measured hand-off is a wake of the receiving process already, and 4 ranks on 2 cores
-    measure no slower a message than 2 (`bench/step_time_accuracy.py`'s pp4 and dp_pp).
+    hand-off (`Link.for_pipelines`): the measured hand-off is a wake of the receiving process
+    already, and one pipeline's 4 ranks on 2 cores measure no slower a message than 2
+    (`bench/step_time_accuracy.py`'s pp4). `replicas` pipelines that run apart until the
+    step's end (data-parallel replicas) on more ranks than cores wait the shared hand-off
+    instead (`pipelines_share_cores`): a woken rank waits for a core another pipeline holds.
 
     Ranks that share a CPU's cores crowd each other only while they compute: a stage waiting in
     the schedule's bubble leaves its core to the others. The actions are simulated at their
@@ -425,8 +429,8 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
     pipeline ranks running an action, each with its replicas over the other axes)."""
     from meshplan.runtime.schedules import simulate
 
-    link = link.for_pipelines()
     hw = costs.hw
+    link = link.for_pipelines(shared=pipelines_share_cores(hw, costs.world, replicas))
     alone = costs.slowdown  # the phases' prices assume every rank computing at once
 
     def cost(action) -> float:
@@ -439,6 +443,13 @@ def pipeline_timeline(schedule: Any, costs: OpCosts, received: Sequence[int], li
         return collective_time("send", nbytes, 2, link)
 
     return simulate(schedule, cost, handoff, crowding(hw, costs.world, schedule.ranks))
+
+
+def pipelines_share_cores(hw: Hardware, world: int, replicas: int) -> bool:
+    """Whether `replicas` pipelines that run apart (data-parallel replicas) share a CPU's cores
+    with each other: more ranks than cores. Their messages then wait the measured shared
+    hand-off (`Link.shared_handoff`)."""
+    return bool(hw.cores) and replicas > 1 and world > (hw.cores or 0)
 
 
 # passes over a parameter-sized tensor an Adafactor step makes beyond reading the gradient and

@@ -86,11 +86,41 @@ def test_selective_checkpointing_costs_its_policy_on_every_op_twice():
 
 def test_a_pipelines_hand_off_is_measured_through_the_pipeline():
     """`--calibrate`'s hand-off: two ranks' interleaved pipeline of small stages against its
-    simulation: a message costs something, and less than the step."""
-    from meshplan.runtime.handoff_cost import measure
+    simulation: a message costs something, and less than the step; two such pipelines on two
+    cores (a pipeline's data-parallel replicas on a CPU with fewer cores than ranks) as well."""
+    from meshplan.compiler.step_time import crowding
+    from meshplan.runtime.handoff_cost import can_share_cores, measure
 
     latency = measure(rounds=1)
     assert 0 < latency < 0.05
+    if can_share_cores():
+        two_cores = dataclasses.replace(CPU, cores=2, crowding=1.0)
+        assert 0 < measure(rounds=1, pipelines=2, crowded=crowding(two_cores, 4, 2)) < 0.1
+
+
+def test_pipelines_that_share_the_cores_with_their_replicas_wait_the_shared_hand_off():
+    """dp=2 x pp=2 on a CPU of 2 cores: the two pipelines run apart until the step's end and
+    wake each other's ranks' turns, so their messages wait the shared hand-off; one pipeline
+    of 4 ranks (its turns ordered by its schedule), or dp x pp on a core a rank, does not."""
+    dp_pp = "mesh dp=2, pp=2\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
+    dp_pp += "\ndata_parallel over dp {\n    zero = 1\n}\n"
+    pp4 = "mesh pp=4\n\npipeline over pp {\n    schedule = 1f1b\n    microbatches = 4\n}\n"
+    link = Link(bandwidth=1e9, latency=1e-4, handoff=1e-3)
+    cpu = dataclasses.replace(CPU, cores=2, crowding=1.0, intra=link, inter=link)
+    shared = dataclasses.replace(link, shared_handoff=5e-3)
+
+    def step(plan: str, hw: Hardware) -> float:
+        time = estimate(compiled_for(plan), hw=hw).step_time
+        assert time is not None
+        return time
+
+    slower = dataclasses.replace(cpu, intra=shared, inter=shared)
+    # the first microbatch's forward message and the last one's backward are on every path (the
+    # other stage meanwhile computes with a core of its own: the step grows by a little less)
+    assert step(dp_pp, slower) > step(dp_pp, cpu) + 4e-3
+    assert step(pp4, slower) == step(pp4, cpu)
+    four_cores = dataclasses.replace(slower, cores=4)
+    assert step(dp_pp, four_cores) == step(dp_pp, dataclasses.replace(cpu, cores=4))
 
 
 def test_the_optimizer_step_moves_the_state_of_the_plans_optimizer():

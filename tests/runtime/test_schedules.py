@@ -162,3 +162,7 @@ def test_the_hand_off_latency_is_what_makes_the_simulation_take_the_measured_ste
     step = simulate(schedule, lambda a: costs[(a.kind, a.stage)], lambda a: 7e-4).makespan
     assert fit(costs, [step * 0.99, step, step * 1.01]) == pytest.approx(7e-4, rel=1e-3)
     assert fit(costs, [simulate(schedule, lambda a: costs[(a.kind, a.stage)]).makespan * 0.9]) == 0.0
+    # two pipelines' ranks on two cores: the actions running at once slowed as they share them
+    crowded = lambda n: max(1.0, n)  # noqa: E731
+    step = simulate(schedule, lambda a: costs[(a.kind, a.stage)], lambda a: 3e-3, crowded=crowded).makespan
+    assert fit(costs, [step], crowded) == pytest.approx(3e-3, rel=1e-3)

@@ -1,14 +1,14 @@
 """`meshplan estimate`'s step time against `meshplan run`'s, cell by cell, on this machine.
 
     meshplan estimate --calibrate              # once: this machine's entry
-    python bench/step_time_accuracy.py [--cells dp,tp,...] [--batch 4] [--seq 64] [--steps 20] [--rounds 2]
+    python bench/step_time_accuracy.py [--cells dp,tp,...] [--batch 4] [--seq 64] [--steps 20] [--rounds 3]
 
 Measured: `meshplan run PLAN --steps N` (torchrun, gloo on this machine's CPUs); a step's time
 is the slowest rank's `time_s` (every rank waits for the others at the step's end), the median
 over the steps after the first two, leaving out the steps the CPU peak tracker slows (those
 with `peak_tensor_bytes`). A shared machine has slow minutes: each cell runs `--rounds` times,
-the cells in reverse order every other round, and its time is the median of its rounds (the table
-shows their spread). Estimated: `compiler.estimate.estimate` priced with `--hardware cpu`
+the cells in reverse order every other round, and its time is the median of its rounds (of
+three, one slow run is outvoted; the table shows their spread). Estimated: `compiler.estimate.estimate` priced with `--hardware cpu`
 (what `--calibrate` measured) on the program compiled for the same shapes.
 
 Goals (issue: estimate): median |error| <= 15% over the cells, and the cells ordered by
@@ -103,7 +103,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hardware", default="cpu")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each cell, in turn (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each cell, in turn (default 3)")
     args = ap.parse_args()
     names = args.cells.split(",")
     print(

@@ -309,11 +309,12 @@ class Screen:
             fwd = blocks * forward_block + (first if s == 0 else 0.0) + (last if s == lay.pp - 1 else 0.0)
             bwd = blocks * backward_block + 2 * (fwd - blocks * forward_block)
             if fwd + bwd > forward + backward:
-                forward, backward = fwd + lay.virtual * send, bwd + lay.virtual * send
+                forward, backward = fwd, bwd
         m = lay.microbatches
         if lay.pp > 1 and self.hw.cores and self.world > 1:
-            steps = self._crowded_pipeline(lay, forward, backward)
-        else:  # 1F1B: the slowest stage, plus the bubble (interleaved: a chunk's share of it)
+            steps = self._crowded_pipeline(lay, forward, backward, send)
+        else:  # 1F1B: the slowest stage and its sends, plus the bubble (interleaved: a chunk's share of it)
+            forward, backward = forward + lay.virtual * send, backward + lay.virtual * send
             steps = (m + (lay.pp - 1) / lay.virtual) * (forward + backward)
         return (
             steps
@@ -322,15 +323,17 @@ class Screen:
             + self._optimizer(lay)
         )
 
-    def _crowded_pipeline(self, lay: Layout, forward: float, backward: float) -> float:
+    def _crowded_pipeline(self, lay: Layout, forward: float, backward: float, send: float) -> float:
         """The pipeline's forwards and backwards on ranks sharing a CPU's cores: its schedule
         simulated as `step_time.pipeline_timeline` simulates it, every stage at the slowest
-        one's time alone, slowed by the ranks computing beside it (in the bubble, fewer)."""
+        one's time alone, slowed by the ranks computing beside it (in the bubble, fewer), each
+        message `send` in flight (its sender goes on meanwhile)."""
         from meshplan.runtime.schedules import build, simulate
 
         schedule = build("interleaved" if lay.virtual > 1 else "1f1b", lay.pp, lay.microbatches, lay.virtual)
         chunk = {"F": forward / lay.virtual / self.slowdown, "B": backward / lay.virtual / self.slowdown}
-        return simulate(schedule, chunk, crowded=crowding(self.hw, self.world, lay.pp)).makespan
+        crowded = crowding(self.hw, self.world, lay.pp)
+        return simulate(schedule, chunk, lambda action: send, crowded=crowded).makespan
 
     def _ring(self, lay: Layout, f: float) -> float:
         """A block's forward ring: cp - 1 sends of this rank's keys and values (its heads)."""

@@ -453,7 +453,9 @@ STEP_TIME_ASSUMPTIONS = {
     "loss over the batch axes and of the gradient norm over the axes that cut parameters",
     "shared_cores": "a CPU's ranks beyond its cores take turns: every op, and every collective "
     "other ranks compute beside, that much longer (a collective of every rank: not); a pipeline's "
-    "stages only while they compute (in the schedule's bubble, fewer ranks share the cores)",
+    "stages only while they compute (in the schedule's bubble, fewer ranks share the cores); a "
+    "pipeline's data-parallel replicas sharing them wait the hand-off `--calibrate` measures for "
+    "two pipelines on two cores",
 }
 
 

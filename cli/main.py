@@ -136,7 +136,7 @@ def _calibrate() -> None:
         figure = f"{latency * 1e6:.0f} us a message (through the pipeline)"
         if can_share_cores():
             two_cores = dataclasses.replace(hw, cores=CORES)
-            shared = handoff(pipelines=2, crowded=crowding(two_cores, 2 * CORES, 2))
+            shared = handoff(pipelines=CORES, crowded=crowding(two_cores, 2 * CORES, 2))  # two ranks a core
             figure += f", {shared * 1e6:.0f} us with another pipeline on its cores"
         link = dataclasses.replace(hw.intra, handoff=latency, shared_handoff=shared)
         hw = dataclasses.replace(hw, intra=link, inter=link)

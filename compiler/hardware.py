@@ -12,8 +12,8 @@ collective takes the ring algorithm's bytes over the link's bandwidth plus a lat
 step (its op's own where the link measured one: gloo's), on the intra-node link when every
 rank of its group is on one node, else on the inter-node one. Datasheet entries use dense
 (not sparse) tensor-core peaks and the bandwidth NCCL reaches in practice, not the wire's;
-fp32 matmuls are priced without TF32 (PyTorch's default). A CPU entry is one core: ranks run one thread each (`OMP_NUM_THREADS=1`), and more
-ranks than `cores` on a node share them.
+fp32 matmuls are priced without TF32 (PyTorch's default). A CPU entry is one core: ranks run
+one thread each (`OMP_NUM_THREADS=1`), and more ranks than `cores` on a node share them.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ What is assumed (and said in the report):
 - A collective costs a ring's steps at its op's latency and its bytes at the link's bandwidth
   (`collective_time`); sends issued back to back are one batch (`batch_isend_irecv`, a ring
   attention step's keys and values) and pay one latency. A collective the program issues
-  inline (tensor, sequence, context, expert parallelism) is waited for where it is issued. ZeRO-3's gathers (the ledger's) are prefetched: they can
-  hide behind the phase's compute, all but the first. The engine's gradient reductions
+  inline (tensor, sequence, context, expert parallelism) is waited for where it is issued.
+  ZeRO-3's gathers (the ledger's) are prefetched: they can hide behind the phase's compute,
+  all but the first. The engine's gradient reductions
   (buckets, flats) can overlap the last microbatch's backward, all but the last; ZeRO-1/2's
   parameter all-gathers after the step can overlap the next forward. How much of what can
   hide does is the hardware's `overlap` (a GPU's collectives run beside its compute: 1; gloo

@@ -66,9 +66,9 @@ def measure(rounds: int = 3, *, pipelines: int = 1, crowded: Callable[[int], flo
 
     import torch.multiprocessing as mp
 
-    cores = sorted(os.sched_getaffinity(0))[:CORES] if pipelines > 1 else None
-    if cores is not None and not can_share_cores():
+    if pipelines > 1 and not can_share_cores():
         raise RuntimeError("pipelines sharing two cores need two cores and a way to pin processes to them")
+    cores = sorted(os.sched_getaffinity(0))[:CORES] if pipelines > 1 else None
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="meshplan-handoff-") as folder:

@@ -51,6 +51,24 @@ CELLS: dict[str, tuple[str, str, str]] = {
     ),
     "interleaved": (PP.replace("1f1b", "interleaved\n    virtual_stages = 2"), LLAMA, "interleaved 1F1B"),
     "zero_bubble": (PP.replace("1f1b", "zero_bubble"), LLAMA, "zero-bubble (split backward)"),
+    "pp_gpipe": (PP.replace("1f1b", "gpipe"), LLAMA, "GPipe"),
+    "zbv": (PP.replace("1f1b", "zbv\n    virtual_stages = 2"), LLAMA, "zero-bubble V (two stages a rank)"),
+    "pp_zero1": (
+        PP.replace("mesh pp=2", "mesh dp=2, pp=2") + "\ndata_parallel over dp {\n    zero = 1\n}\n",
+        LLAMA,
+        "1F1B x ZeRO-1 (4 ranks)",
+    ),
+    "interleaved_zero1": (
+        PP.replace("mesh pp=2", "mesh dp=2, pp=2").replace("1f1b", "interleaved\n    virtual_stages = 2")
+        + "\ndata_parallel over dp {\n    zero = 1\n}\n",
+        LLAMA,
+        "interleaved x ZeRO-1 (4 ranks, two stages a rank)",
+    ),
+    "pp_zero3": (
+        PP.replace("mesh pp=2", "mesh dp=2, pp=2") + "\ndata_parallel over dp {\n    zero = 3\n}\n",
+        LLAMA,
+        "1F1B x ZeRO-3 (4 ranks)",
+    ),
     "ep": ((ROOT / "examples/moe_ep.plan").read_text().replace("dp=*", "dp=1"), MOE, "experts over ep"),
     "cp": (
         "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n",
@@ -195,27 +213,28 @@ precision {
 """
 
 
-def llama8b():
+def llama8b(layers: int = 32):
     """A Llama-3-8B-shaped example Llama (32 layers, H=4096, I=14336, 32/8 heads, 128256 tokens)."""
     from meshplan.examples.models.llama import build
 
     return build(
+        num_hidden_layers=layers,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
-        num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=8192,
     )
 
 
-def arithmetic_8b(seq: int, batch: int) -> None:
-    """Llama-3-8B at tp=8 (Megatron's layout, bf16 compute, fp32 parameters and AdamW), one
-    rank, estimated against the published arithmetic: 16 bytes a parameter (4 parameter, 4
-    gradient, 8 for two fp32 moments) of the rank's share, and Korthikanti et al.'s per-layer
-    activations, s b h (10 + 24 / t + 5 a s / (h t)) bytes for GPT's block without sequence
-    parallelism or recomputation."""
+def llama8b_block():
+    """`llama8b` with one block: the estimate at 32 blocks less this one's is 31 blocks'."""
+    return llama8b(layers=1)
+
+
+def _llama8b_rank(factory: str, seq: int, batch: int, t: int):
+    """The estimate of rank 0 for an 8B-shaped factory of this file at tp=`t`."""
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.estimate import estimate
@@ -223,18 +242,32 @@ def arithmetic_8b(seq: int, batch: int) -> None:
     from meshplan.compiler.load import load_model, on_meta_inputs
     from meshplan.dsl import check_text
 
+    plan = check_text(LLAMA8B_PLAN, "llama8b_tp8.plan")
+    model = load_model(f"{Path(__file__).resolve()}:{factory}", shapes_only=True)
+    source = on_meta_inputs(with_token_shape(model, batch=batch, seq=seq))
+    return estimate(compile_plan(plan, source, world_size=t, dynamic=False), hw=hardware("h100")).ranks[0]
+
+
+def arithmetic_8b(seq: int, batch: int) -> None:
+    """Llama-3-8B at tp=8 (Megatron's layout, bf16 compute, fp32 parameters and AdamW), one
+    rank, estimated against the published arithmetic: 16 bytes a parameter (4 parameter, 4
+    gradient, 8 for two fp32 moments) of the rank's share, and Korthikanti et al.'s per-layer
+    activations.
+
+    Their formula, s b h (34 + 5 a s / h) bytes a layer and at tp=t s b h (10 + 24 / t + 5 a s /
+    (h t)) without sequence parallelism or recomputation, counts GPT's block: LayerNorm, a 4h
+    GeLU MLP, dropout masks, and the attention scores kept whole. Their method (every tensor
+    backward reads, its bytes) applied to this block instead, term by term, is what the
+    estimate's walk should find a layer keeping: a layer's bytes are the estimate at 32 blocks
+    less the estimate at one, over 31."""
     h, inter, layers, heads, kv, vocab, t = 4096, 14336, 32, 32, 8, 128256, 8
     d = h // heads
     per_layer = h * (h + 2 * kv * d) + h * h + 3 * h * inter  # q, k, v; o; gate, up, down
     split = layers * per_layer + 2 * vocab * h  # cut over tp (embedding and head by vocabulary)
     whole = layers * 2 * h + h  # the norms, on every rank
     local = split // t + whole
-    plan = check_text(LLAMA8B_PLAN, "llama8b_tp8.plan")
-    model = load_model(f"{Path(__file__).resolve()}:llama8b", shapes_only=True)
-    source = on_meta_inputs(with_token_shape(model, batch=batch, seq=seq))
     t0 = time.perf_counter()
-    est = estimate(compile_plan(plan, source, world_size=t, dynamic=False), hw=hardware("h100"))
-    r = est.ranks[0]
+    r = _llama8b_rank("llama8b", seq, batch, t)
     print(
         f"Llama-3-8B, tp=8, batch {batch}, seq {seq} (estimated in {time.perf_counter() - t0:.1f} s), rank 0:"
     )
@@ -242,11 +275,32 @@ def arithmetic_8b(seq: int, batch: int) -> None:
         f"  state       {r.state / 2**30:8.3f} GiB; arithmetic 16 B x {local / 1e9:.3f}B local parameters = "
         f"{16 * local / 2**30:.3f} GiB ({r.state / (16 * local):.4f})"
     )
-    s_, b_, a_ = seq, batch, heads
-    korthikanti = layers * s_ * b_ * h * (10 + 24 / t + 5 * a_ * s_ / (h * t))
+    one = _llama8b_rank("llama8b_block", seq, batch, t)
+    walked = (r.activations - one.activations) / (layers - 1)
+    sb = seq * batch
+    terms = {  # bytes a layer keeps for backward, bf16 (2 bytes) unless said
+        "2 RMSNorms in fp32: the fp32 input (pow, mul), 1/rms, the bf16 cast (weight's mul), "
+        "the output (the projections')": 2 * (4 * sb * h + 4 * sb + 2 * sb * h + 2 * sb * h),
+        "flash attention: q, k and v (k, v repeated to the query heads), its output, its fp32 "
+        "logsumexp (no scores, no dropout)": 4 * 2 * sb * h // t + 4 * heads // t * sb,
+        "SwiGLU: the gate's output (silu), silu's and up's outputs (their product), the "
+        "product (down_proj)": 4 * 2 * sb * inter // t,
+        "the bf16 casts of the layer's fp32 weights (each linear's backward reads its cast)": 2
+        * per_layer
+        // t
+        + 2 * 2 * h,
+    }
+    method = sum(terms.values())
     print(
-        f"  activations {r.activations / 2**30:8.3f} GiB; Korthikanti (GPT block, dropout, 4h GeLU MLP, "
-        f"whole attention scores) {korthikanti / 2**30:.3f} GiB ({r.activations / korthikanti:.3f})"
+        f"  activations {r.activations / 2**30:8.3f} GiB in all; a layer {walked / 2**20:.2f} MiB (the walk)"
+    )
+    for what, nbytes in terms.items():
+        print(f"    {nbytes / 2**20:9.2f} MiB  {what}")
+    print(f"    {method / 2**20:9.2f} MiB  Korthikanti et al.'s method on this block ({walked / method:.4f})")
+    gpt = sb * h * (10 + 24 / t + 5 * heads * seq / (h * t))
+    print(
+        f"    {gpt / 2**20:9.2f} MiB  their formula for GPT's block ({walked / gpt:.3f}): LayerNorm in bf16, a 4h "
+        "GeLU MLP, dropout masks, the scores whole, no weight casts"
     )
     if r.time is not None:
         print(f"  step on h100 {r.time.total * 1e3:.1f} ms, FLOP utilization {r.time.utilization:.1%}")
@@ -264,7 +318,7 @@ def main() -> int:
         f"batch {args.batch}, seq {args.seq}; ratio = estimate / measured (goal: state 1 +- 0.005, peak 1 +- 0.1)"
     )
     print(
-        f"{'cell':10} {'rank':>4} {'state est':>11} {'measured':>11} {'ratio':>7} {'peak est':>11} {'measured':>11} {'ratio':>7}"
+        f"{'cell':17} {'rank':>4} {'state est':>11} {'measured':>11} {'ratio':>7} {'peak est':>11} {'measured':>11} {'ratio':>7}"
     )
     worst_state = worst_peak = (0.0, "")
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,7 +333,7 @@ def main() -> int:
                 worst_state = max(worst_state, (abs(state - 1), f"{name} rank {r.rank}"))
                 worst_peak = max(worst_peak, (abs(peak - 1), f"{name} rank {r.rank}"))
                 print(
-                    f"{name:10} {r.rank:>4} {r.state:>11} {rec['state_bytes']:>11} {state:>7.4f} "
+                    f"{name:17} {r.rank:>4} {r.state:>11} {rec['state_bytes']:>11} {state:>7.4f} "
                     f"{r.peak:>11} {rec['peak_tensor_bytes']:>11} {peak:>7.3f}"
                 )
     print(

@@ -64,6 +64,7 @@ def state_of(
     optimizer: OptimizerSpec | None = None,
     compress: tuple[str, int] | None = None,
     whole: Mapping[str, torch.Size] | None = None,
+    programs: Mapping[str, int | None] | None = None,
 ) -> State:
     """The training state the engine keeps for `params` (this rank's, local shapes), as
     `GradSync.memory()` counts it right after the optimizer step. `group_size(name)`: the ranks
@@ -82,7 +83,10 @@ def state_of(
     `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
     gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
     of the whole padded flat). `whole`: each parameter's whole shape (Adafactor's row and column
-    moments are the whole matrix's; default: the local shape)."""
+    moments are the whole matrix's; default: the local shape). `programs`: on a pipeline rank
+    of several stages, the one whose program reads each parameter first (`runtime.buckets.
+    by_program`), None for one several read: stages 1/2's flats never span two programs, and
+    such a parameter has a flat of its own (`runtime.zero`)."""
     optimizer = optimizer or OptimizerSpec()
     shape_of = lambda n: (whole or {}).get(n, params[n].shape)  # noqa: E731
     s = State(engine=engine)
@@ -106,12 +110,16 @@ def state_of(
     flats: list[tuple[list[str], torch.dtype, torch.dtype]] = []  # names, dtype, gather dtype
     if zero < 3:
         # one engine per group size (the per-axes engines cut each set of parameters over its own)
-        by_group: dict[int, list[tuple[str, Tensor]]] = {}
+        programs = programs or {}
+        alone = [n for n in trainable if n in programs and programs[n] is None]
+        by_group: dict[tuple[int, int | None], list[tuple[str, Tensor]]] = {}
         for n, p in trainable.items():
-            by_group.setdefault(group_size(n), []).append((n, p))
+            if n not in alone:
+                by_group.setdefault((group_size(n), programs.get(n, 0)), []).append((n, p))
         for named in by_group.values():
             for names, ps in bucket_params(named, bucket_bytes, dec):
                 flats.append((names, ps[0].dtype, ps[0].dtype))
+        flats += [([n], trainable[n].dtype, trainable[n].dtype) for n in alone]
     else:
         left = dict(trainable)
         for _, names, dtypes in units:

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from meshplan.dsl.axes import axes_of
-from meshplan.runtime.buckets import bucket_params, decays
+from meshplan.runtime.buckets import bucket_params, by_program, decays, read_by_several
 from meshplan.runtime.experts import meta_routing
 from meshplan.runtime.mesh import MeshLayout
 from meshplan.runtime.zero_nodes import graph_units
@@ -209,7 +209,7 @@ def estimate(
     from meshplan.runtime.mesh import init_mesh
 
     from .capture import bind_inputs
-    from .liveness import in_flight, most_kept, walk_stages
+    from .liveness import in_flight, kept_around_first_backward, walk_stages
     from .lower import build_rank_program, place, placed_names, shared_cast_stages, stage_names
     from .stages import compiled_cuts, cut_stages
 
@@ -244,13 +244,14 @@ def estimate(
             stages = [program]
         engine, zero, group_size = _engine(plan, layout, compiled)
         # ZeRO's gathers and gradient flats are counted in the walk, as the engine makes them
-        steps = _zero_steps(program, plan, layout, engine, zero)
+        steps = _zero_steps(program, stages, plan, layout, engine, zero)
         free = (zero == 2 and steps is None) or engine in ("data parallel", "per-axes data parallel")
         backwards = plan.train.gradient_accumulation * (schedule.microbatches if schedule is not None else 1)
         # without a data-parallel engine, each parameter's gradient is whole in `.grad` from the
         # step's first backward to its optimizer step
         grads_held = engine == "none" and backwards > 1
-        accumulated = (zero >= 2 and plan.train.gradient_accumulation > 1) or grads_held
+        # ZeRO-2/3 as well: a pipeline's earlier microbatches run backward under `no_sync`
+        accumulated = (zero >= 2 and backwards > 1) or grads_held
         if accumulated:  # the walk is a later backward: gradients add into the whole ones held
             for p in program.parameters():  # (`State.accumulating`, `grads_held`): not counted
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -302,12 +303,13 @@ def estimate(
                 on_disk=bool(dp and dp.optimizer_on_disk and zero > 0),
                 params_on_disk=bool(dp and dp.params_on_disk and zero == 3),
                 on_host=on_host,
-                accumulation=plan.train.gradient_accumulation,
+                accumulation=backwards,
                 bucketed=lambda n: group_size(n) > 1 or _summed(compiled.grad_sums.get(n, ()), layout),
                 units=[u for u in units if held is None or set(u[1]) <= held],
                 optimizer=plan.train.optimizer,
                 compress=(dp.compress.method, dp.compress.rank) if dp is not None and dp.compress else None,
                 whole=whole,
+                programs=_programs(program, [stages[s] for s in mine]) if len(mine) > 1 else None,
             )
             if on_cpu:
                 kept = state_of(
@@ -323,18 +325,24 @@ def estimate(
             flight = {s: in_flight(schedule, s) if schedule is not None else 1 for s in mine}
             if schedule is None:
                 activations = sum(walks[s].saved for s in mine)
+                with_grads, first_backward = activations, 0
             else:  # the most the rank's actions keep at once, its stages' microbatches together
                 saved = {s: walks[s].saved for s in mine}
                 # a split backward's gradients kept from I to W (none where the stage's inputs
                 # need none: the first stage's I is nothing, its W the whole backward)
                 joins = {s: walks[s].joins if s > 0 else 0 for s in mine}
                 casts = {s: walks[s].shared for s in mine}  # the weights' casts, once a step
-                activations = most_kept(schedule, position, saved, joins, casts)
+                before, after = kept_around_first_backward(schedule, position, saved, joins, casts)
+                activations = max(before, after)
+                # with `grads_held`, the step's gradients are whole from its first backward on:
+                # kept beside what is kept after it, and made in it (GPipe's peak: every
+                # microbatch kept, no gradient yet)
+                with_grads, first_backward = (after, before) if grads_held else (activations, 0)
+                if grads_held:
+                    first_backward += max(walks[s].first_backward_peak - walks[s].saved for s in mine)
             receive = sum(walks[s].received * flight[s] for s in mine) if schedule is not None else 0
-            extra = max(
-                mine, key=lambda s: max(walks[s].forward_peak, walks[s].backward_peak) - walks[s].saved
-            )
-            transient = max(walks[extra].forward_peak, walks[extra].backward_peak) - walks[extra].saved
+            extra = max(mine, key=lambda s: _beyond_saved(walks, s, mine))
+            transient = _beyond_saved(walks, extra, mine)
             buffers = st.gathered + st.reducing + st.accumulating + receive
             walked = (st.gathered + st.reducing) if steps is not None else 0  # in the walk's peak already
             model_buffers = _buffer_bytes(stages, mine)
@@ -384,9 +392,10 @@ def estimate(
                     start
                     + buffers
                     - walked
-                    + activations
+                    + with_grads
                     + max(transient, 0)
                     + (st.grads if grads_held else 0),
+                    start + buffers - walked + first_backward,
                     st.params + st.grads + st.optimizer + model_buffers,
                 )
                 + shared,
@@ -570,9 +579,33 @@ def _reads_no_data() -> Iterator[None]:
 _ORIGINAL = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
 
 
-def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero: int) -> ZeroSteps | None:
+def _programs(program: nn.Module, stages: Sequence[nn.Module]) -> dict[str, int | None]:
+    """Each parameter's program among a pipeline rank's `stages` (the first that reads it), None
+    for one several read: as `runtime.zero` splits its flats."""
+    aliases = dict(program.named_parameters(remove_duplicate=False))
+    named = list(aliases.items())
+    several = read_by_several(named, stages, aliases)
+    return {
+        n: None if n in several else k
+        for k, part in enumerate(by_program(named, stages, aliases))
+        for n, _ in part
+    }
+
+
+def _beyond_saved(walks, s: int, mine: Sequence[int]) -> int:
+    """Stage `s`'s peak over its activations, on the rank holding `mine`: in backward, with the
+    engine's buffers for the rank's other stages (their gradients, made before), which the walk
+    counts with their own stages only."""
+    others = sum(b for t, b in enumerate(walks[s].engine_held) if t in mine and t != s)
+    return max(walks[s].forward_peak, walks[s].backward_peak + others) - walks[s].saved
+
+
+def _zero_steps(
+    program: nn.Module, stages: Sequence[nn.Module], plan, layout: MeshLayout, engine: str, zero: int
+) -> ZeroSteps | None:
     """What the walk emulates of the ZeRO engine: stage 3's units (any engine), or the flats of
-    stages 1/2 as the single-axis engine buckets them; None where the walk adds no engine."""
+    stages 1/2 as the single-axis engine buckets them (per stage program: `runtime.zero`'s);
+    None where the walk adds no engine."""
 
     def group(axis: str) -> int:
         return math.prod(layout.size(a) for a in axes_of(axis))
@@ -583,8 +616,13 @@ def _zero_steps(program: nn.Module, plan, layout: MeshLayout, engine: str, zero:
         return None
     dp = plan.data_parallel
     named = [(n, p) for n, p in program.named_parameters() if p.requires_grad]
+    aliases = dict(program.named_parameters(remove_duplicate=False))
+    decayed = {id(p): decays(n, p) for n, p in named}
+    parts = by_program(named, stages, aliases)  # per stage, then what none reads (no gradient)
     flats = [
-        names for names, _ in bucket_params(named, dp.bucket_bytes, {id(p): decays(n, p) for n, p in named})
+        (min(k, len(stages) - 1), names)
+        for k, part in enumerate(parts)
+        for names, _ in bucket_params(part, dp.bucket_bytes, decayed)
     ]
     return ZeroSteps(zero, group, dp.axis, flats)
 

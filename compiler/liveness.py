@@ -56,6 +56,10 @@ class LiveBytes(TorchDispatchMode):
         # storages of the parameters and of what only they make (a cast), by id while alive
         self.weights: dict[int, weakref.ref] = {}
         self.joins = 0  # bytes of the outputs where weights join activations, in forward
+        # gradients backward has added into ones held from before (a later microbatch's
+        # backward), counted toward `first_peak` only: the peak a step's first backward, which
+        # makes them, reaches
+        self.made = self.first_peak = 0
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
@@ -63,11 +67,20 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_at = self.live, ""
+        self.made, self.first_peak = 0, self.live
+
+    def _grew(self) -> None:
+        self.first_peak = max(self.first_peak, self.live + self.made)
+
+    def gradient_made(self, nbytes: int) -> None:
+        self.made += nbytes
+        self._grew()
 
     def hold(self, nbytes: int, what: str) -> None:
         """Bytes an engine allocates outside the program's ops (`ZeroWalk`), counted as if made."""
         self.engine += nbytes
         self.live += nbytes
+        self._grew()
         if self.live > self.peak:
             self.peak, self.peak_at = self.live, f"{self._where()} ({what})"
 
@@ -113,6 +126,7 @@ class LiveBytes(TorchDispatchMode):
             return
         self._storages[key] = (nbytes, weakref.ref(storage, functools.partial(self._dead, key)))
         self.live += nbytes
+        self._grew()
         if self.live > self.peak:
             self.peak, self.peak_at = self.live, f"{self._where()} ({func.__name__})"
 
@@ -175,6 +189,11 @@ class StageWalk:
     saved: int = 0  # created in forward, alive when it ends: what backward reads
     forward_peak: int = 0
     backward_peak: int = 0  # over the live bytes when backward starts (the saved ones included)
+    # `backward_peak` were the gradients it adds into held ones made by it (the step's first)
+    first_backward_peak: int = 0
+    # each stage's engine buffers when this one's backward starts (`ZeroWalk.held`: a later
+    # stage's, on this stage's rank, are the gradients its backward has already made)
+    engine_held: tuple[int, ...] = ()
     peak_at: str = ""
     received: int = 0  # bytes of the values it receives from the stage before
     joins: int = 0  # bytes of the forward's outputs where a weight joins (kept from I to W if split)
@@ -237,10 +256,18 @@ def walk_stages(
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(free_grads))
     tracker = LiveBytes(_where_backward(note), observer)
+    # gradients held from an earlier backward (accumulation): what the first would have made
+    held = [p for st in stages for p in st.parameters() if p.requires_grad and p.grad is not None]
+    handles += [
+        p.register_post_accumulate_grad_hook(lambda q: tracker.gradient_made(_nbytes(q)))
+        for p in dict.fromkeys(held)
+    ]
     tracker.weights = dict(_by_id(p) for st in stages for p in st.parameters() if p.requires_grad)
     engine = ZeroWalk(stages, tracker, zero) if zero is not None else None
     begin = observer.begin if observer is not None else (lambda stage, phase: None)
     engine_at = [0] * len(stages)  # the engine's bytes when each stage's forward starts
+    own_at = [0] * len(stages)  # of those, the stage's own (`ZeroWalk.held`)
+    own = (lambda s: engine.held[s]) if engine is not None else (lambda s: 0)
     try:
         with tracker:
             sends: Sequence[Any] = ()
@@ -251,7 +278,7 @@ def walk_stages(
                 ]
                 received.append([t if isinstance(t, Tensor) and t.requires_grad else None for t in recv])
                 walks[s].received = sum(_nbytes(t) for t in recv if isinstance(t, Tensor))
-                start, engine_at[s] = tracker.live, tracker.engine
+                start, engine_at[s], own_at[s] = tracker.live, tracker.engine, own(s)
                 tracker.reset_peak()
                 tracker.joins = 0
                 begin(s, "forward")
@@ -276,7 +303,8 @@ def walk_stages(
                         if isinstance(v, Tensor) and r is not None and r.grad is not None:
                             roots.append(v)
                             grads.append(r.grad)
-                start, engine_b = tracker.live, tracker.engine
+                start, engine_b = tracker.live, own(s)
+                walks[s].engine_held = tuple(engine.held) if engine is not None else ()
                 tracker.reset_peak()
                 note[0] = f"stage {s} backward"
                 begin(s, "backward")
@@ -285,8 +313,11 @@ def walk_stages(
                 if engine is not None:
                     engine.drain()
                 peak = tracker.peak - start
-                # over the stage's forward start: its activations, and what the engine held then
-                walks[s].backward_peak = peak + walks[s].saved + max(0, engine_b - engine_at[s])
+                # over the stage's forward start: its activations, and what the engine held
+                # for it then (the later stages' buffers are their ranks')
+                held_before = walks[s].saved + max(0, engine_b - own_at[s])
+                walks[s].backward_peak = peak + held_before
+                walks[s].first_backward_peak = tracker.first_peak - start + held_before
                 if walks[s].backward_peak > walks[s].forward_peak:
                     walks[s].peak_at = tracker.peak_at
                 outputs[s] = None
@@ -305,12 +336,13 @@ def walk_stages(
 @dataclass(frozen=True)
 class ZeroSteps:
     """What `ZeroWalk` emulates: the ZeRO `stage`, the ranks a flat of an axis is sharded over
-    (`group`), and under stages 1/2 the flats (parameter names; stage 3's are its units)."""
+    (`group`), and under stages 1/2 the flats, each the stage program whose backward completes
+    it and its parameter names (a flat never spans two programs; stage 3's are its units)."""
 
     stage: int
     group: Callable[[str], int]
     axis: str = ""
-    flats: Sequence[Sequence[str]] = ()
+    flats: Sequence[tuple[int, Sequence[str]]] = ()
 
 
 class ZeroWalk:
@@ -326,6 +358,9 @@ class ZeroWalk:
     and at every stage, once backward has made every gradient of a flat (stage 3: a unit): the
     gradients copied into one flat buffer (and freed), at most `MAX_IN_FLIGHT` reductions in
     flight, then what the rank keeps: the whole averaged flat (stage 1) or its shard (2, 3).
+
+    Each buffer is its stage program's (`held`): the walk runs every stage of a pipeline, and a
+    stage's rank holds its own stages' buffers, not those of the stages on other ranks.
     """
 
     def __init__(self, stages: Sequence[fx.GraphModule], tracker: LiveBytes, zero: ZeroSteps) -> None:
@@ -337,6 +372,8 @@ class ZeroWalk:
         self.program: list[int] = []  # each unit's stage program
         self.bytes: list[int] = []  # each unit gathered, in the dtypes the graph reads it in
         flats: list[tuple[list[nn.Parameter], str, int | None]] = []  # params, axis, unit
+        self.held = [0] * len(stages)  # bytes of each stage program's buffers
+        self.flat_stage: list[int] = []
         if zero.stage == 3:
             for s, stage in enumerate(stages):
                 for gather, release in graph_units(stage):
@@ -344,11 +381,13 @@ class ZeroWalk:
                         (named[n], d) for n, d in zip(gather.params, gather.dtypes, strict=True) if n in named
                     ]
                     flats.append(([q for q, _ in held], gather.axis, len(self.nodes)))
+                    self.flat_stage.append(s)
                     self.nodes.append((gather, release))
                     self.program.append(s)
                     self.bytes.append(sum(q.numel() * (d or q.dtype).itemsize for q, d in held))
         else:
-            flats = [([named[n] for n in names if n in named], zero.axis, None) for names in zero.flats]
+            flats = [([named[n] for n in names if n in named], zero.axis, None) for _, names in zero.flats]
+            self.flat_stage = [s for s, _ in zero.flats]
         self.gathered = [False] * len(self.nodes)
         self.pins = [0] * len(self.nodes)
         self.release_order: list[int] = []
@@ -374,15 +413,23 @@ class ZeroWalk:
         for h in self.handles:
             h.remove()
 
+    def _hold(self, stage: int, nbytes: int, what: str) -> None:
+        self.held[stage] += nbytes
+        self.tracker.hold(nbytes, what)
+
+    def _let_go(self, stage: int, nbytes: int) -> None:
+        self.held[stage] -= nbytes
+        self.tracker.let_go(nbytes)
+
     def _gather(self, i: int) -> None:
         if not self.gathered[i]:
             self.gathered[i] = True
-            self.tracker.hold(self.bytes[i], f"gather {self.nodes[i][0].unit or 'root'}")
+            self._hold(self.program[i], self.bytes[i], f"gather {self.nodes[i][0].unit or 'root'}")
 
     def _free(self, i: int) -> None:
         if self.gathered[i]:
             self.gathered[i] = False
-            self.tracker.let_go(self.bytes[i])
+            self._let_go(self.program[i], self.bytes[i])
 
     # the engine's side of the nodes (`runtime.zero_nodes.Engine`)
 
@@ -436,7 +483,7 @@ class ZeroWalk:
         if self.waiting[f]:
             return
         params, _, unit = self.flats[f]
-        self.tracker.hold(self._flat_bytes(f), "gradient flat")
+        self._hold(self.flat_stage[f], self._flat_bytes(f), "gradient flat")
         for p in params:
             p.grad = None  # copied into the flat
         self.pending.append(f)
@@ -453,10 +500,9 @@ class ZeroWalk:
             if self.zero.stage == 1:
                 continue  # the averaged flat is kept whole: its params' gradients view it
             nbytes = self._flat_bytes(f)
-            self.tracker.let_go(nbytes)
-            self.tracker.hold(
-                -(-nbytes // self.zero.group(self.flats[f][1])), "gradient shard"
-            )  # to the step
+            self._let_go(self.flat_stage[f], nbytes)
+            shard = -(-nbytes // self.zero.group(self.flats[f][1]))
+            self._hold(self.flat_stage[f], shard, "gradient shard")  # to the step
 
     def drain(self) -> None:
         """Backward is over: the reductions still in flight finish."""
@@ -471,11 +517,24 @@ def most_kept(
     under a split backward its `joins` bytes from I to W (the gradients W starts from). Of
     `saved`, a stage's `shared` bytes (its weights' casts, `runtime/shared_cast.py`) are kept
     once, from its first forward of the step to its last backward."""
+    return max(kept_around_first_backward(schedule, owner, saved, joins, shared))
+
+
+def kept_around_first_backward(
+    schedule, owner: int, saved: dict[int, int], joins: dict[int, int], shared: dict[int, int] | None = None
+) -> tuple[int, int]:
+    """`most_kept`, split at the rank's first backward: the most kept when it starts (no
+    gradient made yet: GPipe's peak, every microbatch kept, meets none), and the most kept
+    from its end on (the gradients made, as 1F1B's steady state keeps them)."""
     shared = shared or {}
-    first = {s: next(i for i, a in enumerate(schedule.actions[owner]) if a.stage == s) for s in saved}
-    last = {a.stage: i for i, a in enumerate(schedule.actions[owner]) if a.kind in ("B", "W")}
-    live = most = 0
-    for i, a in enumerate(schedule.actions[owner]):
+    actions = schedule.actions[owner]
+    first = {s: next(i for i, a in enumerate(actions) if a.stage == s) for s in saved}
+    last = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+    backward = next(
+        (i for i, a in enumerate(actions) if a.stage in saved and a.kind in ("B", "I")), len(actions)
+    )
+    live = before = after = 0
+    for i, a in enumerate(actions):
         if a.stage not in saved:
             continue
         once = shared.get(a.stage, 0)
@@ -487,8 +546,11 @@ def most_kept(
             live += joins[a.stage]
         elif a.kind == "W":
             live -= joins[a.stage]
-        most = max(most, live)
-    return most
+        if i < backward:
+            before = max(before, live)
+        else:
+            after = max(after, live)
+    return before, after
 
 
 def in_flight(schedule, stage: int) -> int:

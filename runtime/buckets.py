@@ -6,6 +6,8 @@ construction (tests compare them with what was issued).
 - `dp_buckets`: `DataParallel`'s gradient buckets;
 - `bucket_params`: ZeRO-1/2's flats (gradient buckets by dtype and decay class);
 - `group_by_kind`: a ZeRO-3 unit's flats;
+- `by_program`, `read_by_several`: a pipeline rank's parameters by the stage program that
+  reads each first (ZeRO-1/2's flats never span two stages), and those several read;
 - `compressed_wire`: the all-reduces of a bucket under `compress` (`runtime/compression.py`);
   `zero_compressed_wire`: a ZeRO flat's.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 
 def decays(name: str, param: nn.Parameter) -> bool:
@@ -144,3 +146,38 @@ def group_by_kind(
         kind = (p.dtype, gather_dtypes.get(id(p), p.dtype), decays[id(p)])
         by_kind.setdefault(kind, []).append((name, p))
     return list(by_kind.values())
+
+
+def read_by_several(
+    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
+) -> set[str]:
+    """The names of the `params` that more than one of `programs` reads."""
+    readers: dict[int, int] = {}
+    for program in programs if len(programs) > 1 else ():
+        graph = program.graph if isinstance(program, fx.GraphModule) else None
+        nodes = graph.nodes if graph is not None else ()
+        read = {id(aliases[str(n.target)]) for n in nodes if n.op == "get_attr" and str(n.target) in aliases}
+        for i in read:
+            readers[i] = readers.get(i, 0) + 1
+    return {n for n, p in params if readers.get(id(p), 0) > 1}
+
+
+def by_program(
+    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """`params` split by the first of `programs` that reads each: one part per program, in
+    their order, then one of those none reads (parts may be empty); one part, all of them,
+    when there is one program."""
+    if len(programs) == 1:
+        return [params]
+    first: dict[int, int] = {}
+    for k, program in enumerate(programs):
+        graph = program.graph if isinstance(program, fx.GraphModule) else None
+        for node in graph.nodes if graph is not None else ():
+            p = aliases.get(str(node.target)) if node.op == "get_attr" else None
+            if p is not None:
+                first.setdefault(id(p), k)
+    parts: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(programs) + 1)]
+    for name, p in params:
+        parts[first.get(id(p), len(programs))].append((name, p))
+    return parts

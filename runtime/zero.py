@@ -54,10 +54,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 from . import watchdog
 from .axes import Axes
+from .buckets import by_program, read_by_several
 from .compression import Compression, restore_state, saved_state
 from .disk_offload import ParamFiles, rank_folder, shards_in_memory
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState, held_weakly
@@ -178,7 +179,7 @@ class Zero(Accumulates):
         # A param several programs read (a weight tied across two stages of a pipeline rank) has
         # a flat of its own, reduced only by `finish()`: each program's last backward of the
         # step is synchronized, and neither is the last to add to its gradient.
-        shared = _read_by_several(params, programs, aliases)
+        shared = read_by_several(params, programs, aliases)
         self.units: list[Unit]
         if options.stage == 3 and nodes:
             self.units = units_from_nodes(nodes, params, aliases, sharding, alone)
@@ -191,7 +192,7 @@ class Zero(Accumulates):
             # a flat within one program: its gradients are complete after that program's backward
             self.flats = [
                 f
-                for part in _by_program(params, programs, aliases)
+                for part in by_program(params, programs, aliases)
                 for f in bucket_flats(part, options.bucket_bytes, sharding, [*alone, *shared])
             ]
         # the params in a flat of their own, whose gradient pieces `own_grad_of` hands out
@@ -500,40 +501,6 @@ shard_for_zero = Zero
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _read_by_several(
-    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
-) -> set[str]:
-    """The names of the `params` that more than one of `programs` reads."""
-    readers: dict[int, int] = {}
-    for program in programs if len(programs) > 1 else ():
-        graph = program.graph if isinstance(program, fx.GraphModule) else None
-        nodes = graph.nodes if graph is not None else ()
-        read = {id(aliases[str(n.target)]) for n in nodes if n.op == "get_attr" and str(n.target) in aliases}
-        for i in read:
-            readers[i] = readers.get(i, 0) + 1
-    return {n for n, p in params if readers.get(id(p), 0) > 1}
-
-
-def _by_program(
-    params: list[tuple[str, nn.Parameter]], programs: Sequence[nn.Module], aliases: dict[str, nn.Parameter]
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """`params` split by the first of `programs` that reads each (the rest in a last part);
-    one part, all of them, when there is one program."""
-    if len(programs) == 1:
-        return [params]
-    first: dict[int, int] = {}
-    for k, program in enumerate(programs):
-        graph = program.graph if isinstance(program, fx.GraphModule) else None
-        for node in graph.nodes if graph is not None else ():
-            p = aliases.get(str(node.target)) if node.op == "get_attr" else None
-            if p is not None:
-                first.setdefault(id(p), k)
-    parts: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(programs) + 1)]
-    for name, p in params:
-        parts[first.get(id(p), len(programs))].append((name, p))
-    return [part for part in parts if part]
 
 
 def _storage_bytes(t: Tensor, seen: set[int]) -> int:

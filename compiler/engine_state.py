@@ -30,7 +30,7 @@ class State:
     host: int = 0
     gathered: int = 0  # ZeRO-3: bytes of the largest unit, gathered
     reducing: int = 0  # ZeRO: the largest flat's whole gradient, made for its reduction
-    accumulating: int = 0  # ZeRO-2/3 under gradient accumulation: whole gradients between micro-steps
+    accumulating: int = 0  # ZeRO under gradient accumulation: whole gradients between micro-steps
     grads_between_steps: int = 0  # gradient storage held across steps (data-parallel buckets)
     engine: str = "none"
     flats: int = 0  # ZeRO: the flats the optimizer steps (one fused update each)
@@ -71,7 +71,8 @@ def state_of(
     a parameter's ZeRO state is cut over (1: not cut). `units`: ZeRO-3's gather units in
     program order (name, its parameters, the dtype each is gathered in). `on_host`: the ranks
     run on CPUs, where offloading moves nothing (no fp32 copy of an fp32 shard is made).
-    `accumulation`: micro-steps a step; ZeRO-2/3 keep whole gradients between them (`no_sync`).
+    `accumulation`: backwards a step (micro-steps, a pipeline's microbatches); ZeRO keeps whole
+    gradients between them (`no_sync`; stage 1's flat, dropped by `zero_grad`, is made again).
     `bucketed(name)`: the per-axes engine reduces this parameter's gradient (in a bucket).
     `optimizer`: the plan's, whose state is counted (`optimizer_state.py`; None: AdamW).
     `on_disk`: the optimizer's state is in files (`State.disk`), the host holding the
@@ -172,7 +173,7 @@ def state_of(
     if shard_bytes:
         s.disk += sum(shard_bytes.values())
         s.host += _largest_unit(flats, shard_bytes, units) if on_disk else sum(shard_bytes.values())
-    if zero >= 2 and accumulation > 1:
+    if zero >= 1 and accumulation > 1:
         s.accumulating = sum(grad_bytes.values())
     if zero == 3:
         s.gathered = _largest_unit(flats, unit_bytes, units)

@@ -250,8 +250,8 @@ def estimate(
         # without a data-parallel engine, each parameter's gradient is whole in `.grad` from the
         # step's first backward to its optimizer step
         grads_held = engine == "none" and backwards > 1
-        # ZeRO-2/3 as well: a pipeline's earlier microbatches run backward under `no_sync`
-        accumulated = (zero >= 2 and backwards > 1) or grads_held
+        # under ZeRO too: a pipeline's earlier microbatches run backward under `no_sync`
+        accumulated = (zero >= 1 and backwards > 1) or grads_held
         if accumulated:  # the walk is a later backward: gradients add into the whole ones held
             for p in program.parameters():  # (`State.accumulating`, `grads_held`): not counted
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -341,8 +341,12 @@ def estimate(
                 if grads_held:
                     first_backward += max(walks[s].first_backward_peak - walks[s].saved for s in mine)
             receive = sum(walks[s].received * flight[s] for s in mine) if schedule is not None else 0
-            extra = max(mine, key=lambda s: _beyond_saved(walks, s, mine))
-            transient = _beyond_saved(walks, extra, mine)
+            # the engine's buffers of the rank's other stages: in `State.accumulating` already
+            # where the gradients are held whole between microbatches (a flat or a shard of
+            # them replaces them, no larger)
+            others = () if accumulated else mine
+            extra = max(mine, key=lambda s: _beyond_saved(walks, s, others))
+            transient = _beyond_saved(walks, extra, others)
             buffers = st.gathered + st.reducing + st.accumulating + receive
             walked = (st.gathered + st.reducing) if steps is not None else 0  # in the walk's peak already
             model_buffers = _buffer_bytes(stages, mine)
@@ -593,9 +597,9 @@ def _programs(program: nn.Module, stages: Sequence[nn.Module]) -> dict[str, int 
 
 
 def _beyond_saved(walks, s: int, mine: Sequence[int]) -> int:
-    """Stage `s`'s peak over its activations, on the rank holding `mine`: in backward, with the
-    engine's buffers for the rank's other stages (their gradients, made before), which the walk
-    counts with their own stages only."""
+    """Stage `s`'s peak over its activations: in backward, with the engine's buffers for the
+    rank's other stages in `mine` (their gradients, made before), which the walk counts with
+    their own stages only."""
     others = sum(b for t, b in enumerate(walks[s].engine_held) if t in mine and t != s)
     return max(walks[s].forward_peak, walks[s].backward_peak + others) - walks[s].saved
 

@@ -179,7 +179,7 @@ def big(world: str) -> None:
     )
     for ranks, r in est.classes():
         print(
-            f"  ranks {ranks[0]}..({len(ranks)}): params {r.params / 2**30:.2f} GiB, grads {r.grads / 2**30:.2f}, "
+            f"  {len(ranks)} ranks like rank {ranks[0]}: params {r.params / 2**30:.2f} GiB, grads {r.grads / 2**30:.2f}, "
             f"optimizer {r.optimizer / 2**30:.2f}, activations {r.activations / 2**30:.2f}, "
             f"buffers {r.buffers / 2**30:.2f}, peak {r.peak / 2**30:.2f} GiB at {r.peak_op}"
         )

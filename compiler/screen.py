@@ -177,15 +177,18 @@ class Screen:
         return n
 
     def state_bytes(self, lay: Layout, n: int) -> tuple[int, int]:
-        """(device bytes, the largest ZeRO-3 unit's whole bytes) of `n` local parameters."""
+        """(device bytes, the largest ZeRO-3 unit's whole bytes) of `n` local parameters. A
+        pipeline's earlier microbatches run backward under `no_sync`: ZeRO-2/3 hold the whole
+        gradients between them (ZeRO-1 and plain data parallelism hold them whole anyway)."""
         d = lay.dp
+        between = 4 * n if lay.microbatches > 1 else 0
         if lay.zero == 0:
             return 16 * n, 0
         if lay.zero == 1:
             return 8 * n + 8 * n // d, 0
         if lay.zero == 2:
-            return 4 * n + 12 * n // d, 0
-        device = (8 if lay.offload else 16) * n // d
+            return 4 * n + 12 * n // d + between, 0
+        device = (8 if lay.offload else 16) * n // d + between
         c = self.counts
         unit = 4 * (c.split // lay.tp + c.rest + c.experts // lay.ep)
         return device, unit

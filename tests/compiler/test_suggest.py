@@ -120,6 +120,9 @@ def test_the_screen_follows_the_memory_arithmetic(llama_4):
     assert scr.local_params(Layout(dp=4), 0, shape.layers) == n
     states = [scr.state_bytes(Layout(dp=4, zero=z), n)[0] for z in range(4)]
     assert states == [16 * n, 8 * n + 2 * n, 4 * n + 3 * n, 4 * n]
+    # a pipeline's microbatches: ZeRO-2/3's whole gradients between them (`estimate` agrees)
+    piped = [scr.state_bytes(Layout(dp=4, zero=z, pp=2, microbatches=4), n)[0] for z in range(4)]
+    assert piped == [16 * n, 8 * n + 2 * n, 4 * n + 3 * n + 4 * n, 4 * n + 4 * n]
     plain, ckpt = scr.peak(Layout(dp=4)), scr.peak(Layout(dp=4, checkpoint="full"))
     assert ckpt < plain
     # tensor parallelism divides the pairs' parameters; the norms stay whole

@@ -189,7 +189,8 @@ class StageWalk:
     saved: int = 0  # created in forward, alive when it ends: what backward reads
     forward_peak: int = 0
     backward_peak: int = 0  # over the live bytes when backward starts (the saved ones included)
-    # `backward_peak` were the gradients it adds into held ones made by it (the step's first)
+    # `backward_peak` as the step's first backward reaches it: the gradients it adds into ones
+    # held from an earlier microbatch are made by it instead
     first_backward_peak: int = 0
     # each stage's engine buffers when this one's backward starts (`ZeroWalk.held`: a later
     # stage's, on this stage's rank, are the gradients its backward has already made)

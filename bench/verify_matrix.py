@@ -9,8 +9,9 @@ Llama (GQA), Qwen2 (GQA, q/k/v biases), GPT-2 (Conv1D, fused c_attn, tied), Mixt
 replicated until expert parallelism lands), BERT MLM (tied decoder bias), PyTorch's DTensor
 test Transformer, and a Llama in plain PyTorch (`nn.RMSNorm`, complex RoPE, sum-reduced loss).
 
-Cells: tp=2, tp=2 + sequence parallelism, tp=4, and dp=2 x tp=2 + SP with ZeRO 1, 2 and 3; the
-plain-PyTorch Llama also with checkpointing and with bf16 compute.
+Cells: tp=2, tp=2 + sequence parallelism, tp=4, dp=2 x tp=2 + SP with ZeRO 1, 2 and 3, and
+cp=2 x tp=2 + SP (ring attention, each rank's slice of the sequence cut again by the norms'
+sequence shards); the plain-PyTorch Llama also with checkpointing and with bf16 compute.
 
 MoE families (experts split over an expert axis): Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE
 (a shared expert), OLMoE, DeepSeek-V3 (latent attention, a shared expert, biased group
@@ -176,6 +177,12 @@ def zero(stage: int) -> str:
     return f"\ndata_parallel over dp {{\n    zero = {stage}\n}}\n"
 
 
+def attention(tensor: str) -> str:
+    """The attention module of a family's tensor rules: the parent of its first projection."""
+    first = next(line for line in tensor.splitlines() if ":" in line)
+    return first.split(":")[0].strip().rsplit(".", 1)[0]
+
+
 def cells(family: str) -> dict[str, str]:
     """Cell name -> plan text."""
     _, tensor, sequence, checkpointed = FAMILIES[family]
@@ -187,6 +194,10 @@ def cells(family: str) -> dict[str, str]:
             f"dp2xtp2+sp+zero{s}": plan(tensor + sequence, mesh="dp=2, tp=2", extra=zero(s))
             for s in (1, 2, 3)
         },
+        # ring attention over cp, the norms' sequence shards cut again over tp
+        "cp2xtp2+sp": plan(
+            f"\n    {attention(tensor)}: context ring over cp{sequence}{tensor}", mesh="cp=2, tp=2"
+        ),
     }
     if family == "plain_llama":
         composed = plan(

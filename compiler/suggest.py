@@ -139,8 +139,8 @@ def layouts(
     for t, e, c in itertools.product(tps, eps, cps):
         if world % (t * e * c):
             continue
-        # sequence parallelism under a context axis would cut the sequence twice: not lowered
-        sp = t > 1 and c == 1 and bool(shape.norms) and (seq is None or seq % t == 0)
+        # under a context axis, each rank's slice of the sequence is cut again over tp
+        sp = t > 1 and bool(shape.norms) and (seq is None or seq % (c * t) == 0)
         vocab = t > 1 and shape.vocab is not None and shape.vocab % t == 0 and shape.embedding is not None
         rest = world // (t * e * c)
         for p in _divisors(rest):

@@ -9,6 +9,8 @@ Ulysses runs a model with one key/value head for its four query heads, fewer tha
 ranks (repeated to the query heads by the model in layers 0 and 2, handed to attention
 grouped with `enable_gqa` in 1 and 3): each rank gathers the head its query heads use. The
 example Llama repeats its 2 key/value heads for 4 query heads: ring and all_gather move the 2.
+The all_gather cell adds Megatron's tensor and sequence parallelism over `tp`: each cp rank's
+slice of the sequence is cut again over tp at the norms.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from plans import llama_rules, plan
+from plans import llama_rules, llama_sequence, plan
 from runs import metrics
 from test_run_pipeline import run, same_steps
 
@@ -49,8 +51,8 @@ def test_context_parallel_trains_like_one_process(
     tmp_path: Path, request: pytest.FixtureRequest, mode: str, mesh: str
 ) -> None:
     rules = f"\n    layers.*.self_attn: context {mode} over cp\n"
-    if "tp" in mesh:  # Megatron attention and MLP over tp, sequence over cp
-        text = plan(rules + llama_rules(), mesh=mesh)
+    if "tp" in mesh:  # Megatron attention and MLP over tp, the norms' sequence shards cut again
+        text = plan(rules + llama_rules() + llama_sequence(), mesh=mesh)
     else:
         text = f"mesh {mesh}\n\nmodules {{\n{rules}}}\n"
     path = tmp_path / "cp.plan"

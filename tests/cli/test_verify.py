@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from gloo_pool import shared_processes
+from plans import GPT2_RULES, GPT2_SEQUENCE, llama_rules, llama_sequence, plan
 
 from meshplan.main import main
 from meshplan.verify import Job, Measure, Report, Trajectory, _rank, render, verify
@@ -138,7 +139,6 @@ def test_hf_gpt2_sequence_parallel_zero3_without_checkpointing(tmp_path, factory
     import sys
 
     sys.path.insert(0, str(COMPILER_TESTS))
-    from plans import GPT2_RULES, GPT2_SEQUENCE, plan
 
     text = plan(
         GPT2_RULES + GPT2_SEQUENCE, mesh="dp=2, tp=2", extra="data_parallel over dp {\n    zero = 3\n}\n"
@@ -152,7 +152,6 @@ def test_hf_llama_pipeline_with_tensor_parallel(tmp_path):
     gradients), on unmodified Hugging Face Llama: the rotary embedding module every layer
     shares and the causal mask are remade in each stage."""
     pytest.importorskip("transformers")
-    from plans import llama_rules, plan
 
     extra = "\npipeline over pp {\n    schedule = zero_bubble\n    microbatches = 4\n}\n"
     text = plan(llama_rules("model.", vocab=False), mesh="pp=2, tp=2", extra=extra)
@@ -184,7 +183,7 @@ def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
         (
             "hf_factories.py:hf_llama_eager",
             "cp=2, tp=2",
-            "    model.layers.*.self_attn: context ring over cp\n",
+            "    model.layers.*.self_attn: context ring over cp\n" + llama_sequence("model."),
         ),
         ("hf_factories.py:hf_llama_eager", "cp=2", "    model.layers.*.self_attn: context ulysses over cp\n"),
     ],
@@ -193,10 +192,9 @@ def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, fact
     """nanoGPT's attention (a mask buffer, masked_fill) and Hugging Face's eager one (its own
     causal mask added, kv heads repeated by expand + reshape, heads also cut over tp). Under
     all_gather the keys and values are gathered at the matmuls, each rank's scores are its
-    queries' rows; ring and Ulysses take the chain as the one sdpa call it computes."""
+    queries' rows; ring and Ulysses take the chain as the one sdpa call it computes. The ring
+    under cp x tp also has the norms sequence-parallel: each cp rank's slice cut again over tp."""
     pytest.importorskip("transformers")
-    from plans import llama_rules, plan
-
     if "tp" in mesh:
         rules += llama_rules("model.")
     text = plan(rules, mesh=mesh)

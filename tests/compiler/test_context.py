@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import llama_rules, llama_sequence, plan
 
 from meshplan.compiler.compile import compile_plan
 from meshplan.compiler.load import ModelSource
@@ -171,6 +172,65 @@ def test_a_context_axis_before_the_tensor_axis_compiles_as_after_it():
         ]
         ledgers.append(sorted(rows))
     assert ledgers[0] == ledgers[1]
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_gather", "ulysses"])
+def test_sequence_parallel_norms_cut_each_ranks_slice_of_the_sequence_again(mode: str):
+    """Megatron's sequence parallelism inside context parallelism: a rank of `cp` holds 8 of
+    the 16 tokens, and the norms between the tensor-parallel pairs hold 4 of those 8 on each
+    rank of `tp`: the reduce-scatters and all-gathers move (B, 8, H), the cp rank's slice; the
+    norm weights' gradients are summed over both axes (layer 0's first norm reads the
+    embedding's output, whole over `tp`: it runs whole). Ulysses moves heads over `cp`, so its
+    attention stays whole over `tp` (the MLP is split). Mesh order does not change what the
+    layers move (the loss's scalar sums differ: the walk that meets it first counts the tokens).
+    Numbers: meshplan verify of each against float64 (tests/cli/test_run_context.py runs one)."""
+    attention = "" if mode == "ulysses" else llama_rules(vocab=False).split("    layers.*.mlp")[0]
+    mlp = "    layers.*.mlp.{gate,up}_proj: column over tp\n    layers.*.mlp.down_proj: row over tp\n"
+    rules = f"\n    layers.*.self_attn: context {mode} over cp\n{attention}{mlp}{llama_sequence()}"
+    ledgers = []
+    for mesh in ("cp=2, tp=2", "tp=2, cp=2"):
+        compiled = _compile(plan(rules, mesh=mesh))
+        norm = next(
+            n
+            for n in compiled.graph.graph.nodes
+            if n.op == "call_function"
+            and "layernorm" in str(n.meta.get("nn_module_stack", ""))
+            and isinstance(placement(n).get("tp"), Shard)
+        )
+        assert placement(norm) == {"cp": Shard(1), "tp": Shard(1)}
+        tp_rows = [
+            r for r in compiled.ledger.rows if r.axis == "tp" and r.kind in ("reduce_scatter", "all_gather")
+        ]
+        pairs = 2 if mode == "ulysses" else 4  # per layer: MLP in and out (and attention's)
+        # less one: layer 0 reads the embedding's output, whole on every tp rank
+        assert sum(r.count for r in tp_rows if r.phase == "forward") == 4 * pairs - 1
+        assert {tuple(r.shape) for r in tp_rows} == {(2, 8, 64)}
+        sums = compiled.grad_sums
+        assert set(sums["norm.weight"]) == set(sums["layers.1.input_layernorm.weight"]) == {"cp", "tp"}
+        assert sums["layers.0.mlp.up_proj.weight"] == ("cp",)
+        layers = [r for r in compiled.ledger.rows if r.kind not in ("all_reduce", "gather_replicated")]
+        ledgers.append(
+            sorted((r.kind, sorted(r.axis.split(" x ")), r.phase, r.count, r.bytes) for r in layers)
+        )
+    assert ledgers[0] == ledgers[1]
+
+
+def test_a_sequence_cut_over_two_axes_must_divide_by_both():
+    """Each cp rank's slice is cut again over `tp`: the sequence must divide by cp x tp, and
+    the error says so at the rule that cuts it second (in mesh order)."""
+    rules = "\n    layers.*.self_attn: context ring over cp (layout=contiguous)\n" + llama_rules(vocab=False)
+    for mesh, first, at in (
+        ("cp=2, tp=2", "`cp` x `tp`", "sequence over"),
+        ("tp=2, cp=2", "`tp` x `cp`", "context"),
+    ):
+        text = plan(rules + llama_sequence(), mesh=mesh)
+        line = next(i for i, t in enumerate(text.splitlines(), 1) if at in t)
+        with pytest.raises(PlanError) as info:
+            _compile(text, seq=6)
+        message = info.value.render().splitlines()[0]
+        assert message.startswith(f"p.plan:{line}:"), message
+        assert f"cuts dim 1 (size 6) into 4 shards over {first}, and 6 does not divide by 4" in message
+    _compile(plan(rules + llama_sequence(), mesh="cp=2, tp=2"), seq=8)
 
 
 def test_ring_attention_is_one_module_per_layer_with_its_bytes_in_the_ledger():

@@ -353,6 +353,35 @@ def test_a_context_axis_halves_the_activations_the_screen_prices():
     assert any(lay.cp == 2 for lay in layouts(shape, 4, 4, 2048, per_node=8))
 
 
+def test_sequence_parallel_norms_are_searched_and_written_under_a_context_axis():
+    """cp=2 x tp=2: each rank's 1,024 tokens of a 2,048-token sequence are cut again over tp at
+    the norms; the written plan compiles with the norm weights' gradients summed over both."""
+    from meshplan.compiler.compile import capture_for
+    from meshplan.compiler.suggest import Candidate, layouts
+    from meshplan.compiler.suggest_plan import base_plan, write_plan
+
+    src = shaped(HF_LLAMA, 1, 2048)
+    captured = capture_for(check_text(base_plan(model_shape(src.model), "fp32"), "<b>", world_size=1), src)
+    shape = model_shape(src.model, captured)  # the attention module: the one calling SDPA
+    space = list(layouts(shape, 4, 1, 2048, per_node=8, axes=frozenset({"cp", "tp"})))
+    lay = next(lay for lay in space if lay.cp == 2 and lay.tp == 2 and lay.sp)
+    text = write_plan(
+        shape,
+        Candidate(lay, 0, 0.0),
+        compute="fp32",
+        world=4,
+        hw=hardware("h100"),
+        limit=None,
+        batch=1,
+        seq=2048,
+    )
+    assert "context ring over cp" in text and "norm: sequence over tp" in text
+    compiled = compile_plan(
+        check_text(text, "suggested.plan", world_size=4), src, world_size=4, dynamic=False
+    )
+    assert set(compiled.grad_sums["model.norm.weight"]) == {"cp", "tp"}
+
+
 def test_an_interleaved_pipeline_is_searched_and_written():
     from meshplan.compiler.suggest import Candidate, layouts
     from meshplan.compiler.suggest_plan import write_plan

@@ -195,7 +195,7 @@ def test_commands_that_compile_refuse_them(command: list[str], tmp_path: Path, m
 
 
 def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, capsys):
-    """examples/long_context.plan (pp x cp x tp, ring attention, zero bubble) compiles at its
+    """examples/long_context.plan (pp x cp x tp + SP, ring attention, zero bubble) compiles at its
     example shape, and `--seq` is the length it is checked for (by 2 x cp: the balanced layout)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("NO_COLOR", "1")
@@ -205,7 +205,7 @@ def test_check_with_a_model_reads_the_sequence_length_from_seq(monkeypatch, caps
     assert main(["check", "examples/long_context.plan", "--model", LLAMA, "--seq", "10"]) == 2
     err = capsys.readouterr().err
     assert (
-        "examples/long_context.plan:8:5: error: the sequence length 10 is not divisible by 4 = 2 x 2 ranks "
+        "examples/long_context.plan:9:5: error: the sequence length 10 is not divisible by 4 = 2 x 2 ranks "
         "over `cp`: causal attention's load-balanced layout gives each rank two chunks (r and 3 - r of 4)"
         in err
     )

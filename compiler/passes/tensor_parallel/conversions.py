@@ -6,6 +6,7 @@ readers. `walk.Walk` decides the placements, one node after another, with these.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import NoReturn
 
@@ -55,22 +56,46 @@ class Conversions:
 
     def set(self, node: fx.Node, placement: Placement, rule: PlanRule | None = None) -> None:
         if isinstance(placement, Shard):
-            nested = [
-                a for a, p in self.other_axes(node).items() if isinstance(p, Shard) and p.dim == placement.dim
-            ]
-            if nested:
-                self.error(
-                    node,
-                    f"{describe(node)} would be sharded along dim {placement.dim} over both `{nested[0]}` and "
-                    f"`{self.axis}`; meshplan does not nest two axes' shards of one dim yet",
-                    hint="split each dim over one axis (e.g. keep `sequence` rules on one tensor axis)",
-                    rule=rule,
-                )
+            self.check_nested(node, placement, rule)
         meta.set_axis_placement(node, self.axis, placement)
         if rule is not None:
             meta.set_rule(node, rule)
         if isinstance(placement, Shard) and is_tensor_node(node):
             self.cut(node, placement, rule)
+
+    def check_nested(self, node: fx.Node, placement: Shard, rule: PlanRule | None) -> None:
+        """A dim another axis already cuts may be cut again over this one (each rank's slice of
+        the sequence under context parallelism, cut once more by sequence parallelism): every
+        collective moves the local tensor along the dim, so the nesting is the runtime's. A
+        padded or replicated chunk is sized from the global dim, so those do not nest."""
+        for other, p in self.other_axes(node).items():
+            if not (isinstance(p, Shard) and p.dim == placement.dim):
+                continue
+            uneven = next((q for q in (p, placement) if q.padded or q.replicas > 1), None)
+            if uneven is not None or other not in self.spec.nested:
+                self.error(
+                    node,
+                    f"{describe(node)} would be sharded along dim {placement.dim} over both `{other}` and "
+                    f"`{self.axis}` ({uneven or p}); meshplan nests two axes' even shards of one dim only",
+                    hint="split each dim over one axis here",
+                    rule=rule,
+                )
+
+    def cut_with(self, node: fx.Node, placement: Shard) -> dict[str, int]:
+        """The other axes that already cut the dim this axis cuts (`check_nested`): their sizes."""
+        return {
+            a: n
+            for a, n in self.spec.nested.items()
+            if isinstance(p := self.other_axes(node).get(a), Shard) and p.dim == placement.dim
+        }
+
+    def pieces(self, node: fx.Node, placement: Shard) -> int:
+        """What the global dim must divide by once this axis cuts it: this axis's pieces (two
+        chunks a rank under the load-balanced layout), and the product of every axis's ranks
+        that cut the dim (each rank's slice is cut again)."""
+        own = self.n // placement.replicas
+        together = own * math.prod(self.cut_with(node, placement).values())
+        return math.lcm(own * (2 if self.spec.balanced else 1), together)
 
     def cut(self, node: fx.Node, placement: Shard, rule: PlanRule | None) -> None:
         """Check a shard of a size that follows from the token shape (a sequence over the axis):
@@ -83,7 +108,7 @@ class Conversions:
         example = hint(size)
         if example is None:
             return  # a data-dependent size: never sharded into (the rules refuse it)
-        pieces = self.n // placement.replicas * (2 if self.spec.balanced else 1)
+        pieces = self.pieces(node, placement)
         ok = divides(pieces, size)
         because = (
             (self.rule_for_module(node) or self.sequence_rule_near(node))
@@ -96,10 +121,11 @@ class Conversions:
                 if self.spec.balanced
                 else f"{pieces} shards"
             )
+            over = " x ".join(f"`{a}`" for a in [*self.cut_with(node, placement), self.axis])
             self.error(
                 node,
                 f"{describe(node)} cuts dim {placement.dim} (size {example}) into {what} "
-                f"over `{self.axis}`, and {example} does not divide by {pieces}",
+                f"over {over}, and {example} does not divide by {pieces}",
                 hint="compile and run with a --seq (and --batch) that the plan's splits divide",
                 rule=because,
             )

@@ -88,7 +88,7 @@ def _view(w: Walk, node: fx.Node) -> None:
     if out_dim is None and not blocks and merged:
         if node.target is aten.view.default:  # a sequence shard (a collective's output) may be strided
             node.target = aten.reshape.default
-        _set_merged(w, node, merged, p)
+        _set_merged(w, node, x, merged, p)
         node.args = (node.args[0], w.local_sizes(node.args[1], w.placement(node)), *node.args[2:])
         return
     if out_dim is not None and blocks and not known_equal(shape(node)[out_dim], shape(x)[p.dim]):
@@ -126,9 +126,9 @@ def _never_divides(size, pieces: int) -> bool:
     return divides(pieces, size) is False or (known is not None and known % pieces != 0)
 
 
-def _set_merged(w: Walk, node: fx.Node, merged: tuple[int, tuple[int, ...]], p: Shard) -> None:
+def _set_merged(w: Walk, node: fx.Node, x: fx.Node, merged: tuple[int, tuple[int, ...]], p: Shard) -> None:
     out_dim, blocks = merged
-    if blocks[0] % w.n:
+    if blocks[0] % w.pieces(x, p):
         w.error(node, f"{describe(node)} merges a dim sharded over `{w.axis}` whose size does not divide")
     w.set(node, Shard(out_dim, blocks), w.rule_near(node))
     if p.dim == w.spec.seq_dim and out_dim == 0:
@@ -150,7 +150,7 @@ def _flatten(w: Walk, node: fx.Node) -> None:
             _merged_blocks(shape(x), shape(node), p.dim) if start < p.dim <= end and not p.blocks else None
         )
         if merged:
-            _set_merged(w, node, merged, p)
+            _set_merged(w, node, x, merged, p)
             return
         if start < p.dim <= end and all(known_equal(s, 1) for s in shape(x)[start : p.dim]):
             w.set(node, p.at(start), w.rule_near(node))  # (1, T, V) -> (T, V): only ones before it

@@ -49,6 +49,11 @@ class TensorParallelSpec:
     # experts modules (module path -> their `experts` rule): a unit whose tokens come in cut by
     # rows over this axis runs on them as they are, unless its capacity needs every token
     experts: dict[str, PlanRule] = field(default_factory=dict)
+    # the other axes whose cut of a dim this axis may cut again, or the other way round (axis
+    # -> its size): Megatron's sequence parallelism on each rank's slice of the sequence under
+    # context parallelism, or the sequence shards of two tensor axes. The global dim is then cut
+    # into the product of their sizes.
+    nested: dict[str, int] = field(default_factory=dict)
 
     @property
     def fallback_rule(self) -> PlanRule | None:

@@ -55,13 +55,18 @@ def tensor_specs(
     context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1}
     specs, diagnostics = [], []
     experts = {path: rule for path, kinds in resolution.placements.items() if (rule := kinds.get("experts"))}
+
+    def _cut_with(axis: str) -> dict[str, int]:  # the other walked axes: a dim may be cut by several
+        return {a: layout.size(a) for a in layout.names if a != axis and (a in named or a in context)}
+
     for axis in [a for a in layout.names if a in named or a in context]:
         if axis in context:
-            specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
+            spec = _context_spec(plan, resolution, layout, axis)
+            specs.append(dataclasses.replace(spec, experts=experts, nested=_cut_with(axis)))
             diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
             continue
         spec, found = _axis_spec(plan, resolution, model, layout, axis, weights)
-        specs.append(dataclasses.replace(spec, experts=experts))
+        specs.append(dataclasses.replace(spec, experts=experts, nested=_cut_with(axis)))
         diagnostics += found
     return specs, diagnostics
 

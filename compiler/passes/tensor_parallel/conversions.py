@@ -64,10 +64,12 @@ class Conversions:
             self.cut(node, placement, rule)
 
     def check_nested(self, node: fx.Node, placement: Shard, rule: PlanRule | None) -> None:
-        """A dim another axis already cuts may be cut again over this one (each rank's slice of
-        the sequence under context parallelism, cut once more by sequence parallelism): every
-        collective moves the local tensor along the dim, so the nesting is the runtime's. A
-        padded or replicated chunk is sized from the global dim, so those do not nest."""
+        """A sequence a context axis cuts may be cut again over this tensor axis (each rank's
+        slice, Megatron's sequence parallelism inside context parallelism): every collective of
+        this axis moves the local tensor along the dim, and `Walk.nested_under` gathers ours
+        before a context axis's collective moves the dim. Other nestings are refused: two
+        tensor axes' cuts would need an order the placements do not keep, and a padded or
+        replicated chunk is sized from the global dim."""
         for other, p in self.other_axes(node).items():
             if not (isinstance(p, Shard) and p.dim == placement.dim):
                 continue
@@ -76,7 +78,7 @@ class Conversions:
                 self.error(
                     node,
                     f"{describe(node)} would be sharded along dim {placement.dim} over both `{other}` and "
-                    f"`{self.axis}` ({uneven or p}); meshplan nests two axes' even shards of one dim only",
+                    f"`{self.axis}`; meshplan nests a tensor axis's even shards inside a context axis's only",
                     hint="split each dim over one axis here",
                     rule=rule,
                 )

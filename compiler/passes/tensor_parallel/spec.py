@@ -49,10 +49,10 @@ class TensorParallelSpec:
     # experts modules (module path -> their `experts` rule): a unit whose tokens come in cut by
     # rows over this axis runs on them as they are, unless its capacity needs every token
     experts: dict[str, PlanRule] = field(default_factory=dict)
-    # the other axes whose cut of a dim this axis may cut again, or the other way round (axis
-    # -> its size): Megatron's sequence parallelism on each rank's slice of the sequence under
-    # context parallelism, or the sequence shards of two tensor axes. The global dim is then cut
-    # into the product of their sizes.
+    # the context axes (axis -> size) whose cut of the sequence this tensor axis may cut again:
+    # Megatron's sequence parallelism on each rank's slice of the sequence. They are walked
+    # first and cut the token inputs, so theirs is always the outer cut: the global dim is cut
+    # into the product of the sizes, and their gathers of it gather ours first.
     nested: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -45,7 +45,8 @@ def _is_conv1d(module: nn.Module) -> bool:
 def tensor_specs(
     plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, weights: Weights
 ) -> tuple[list[TensorParallelSpec], list[Diagnostic]]:
-    """One spec per mesh axis that tensor rules name, in mesh order: each parameter's placement
+    """One spec per mesh axis that tensor or context rules name, the context axes first, then the
+    tensor axes in mesh order: each parameter's placement
     over that axis, from the winning tensor rules. A module has one winning tensor rule, so a
     parameter is split over at most one of them; the walk gives every tensor a placement on each.
     `weights` says which parameters the graph multiplies as weights, and how (`weights.py`):
@@ -55,18 +56,16 @@ def tensor_specs(
     context = {r.axis for r in plan.rules_of("context") if r.axis and layout.size(r.axis) > 1}
     specs, diagnostics = [], []
     experts = {path: rule for path, kinds in resolution.placements.items() if (rule := kinds.get("experts"))}
-
-    def _cut_with(axis: str) -> dict[str, int]:  # the other walked axes: a dim may be cut by several
-        return {a: layout.size(a) for a in layout.names if a != axis and (a in named or a in context)}
-
-    for axis in [a for a in layout.names if a in named or a in context]:
+    # the context axes first: they cut the token inputs, so a tensor axis's sequence shard is
+    # always a cut inside theirs (`nested`), whatever order the mesh names them in
+    inside = {a: layout.size(a) for a in layout.names if a in context}
+    for axis in sorted((a for a in layout.names if a in named or a in context), key=lambda a: a not in context):
         if axis in context:
-            spec = _context_spec(plan, resolution, layout, axis)
-            specs.append(dataclasses.replace(spec, experts=experts, nested=_cut_with(axis)))
+            specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
             diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
             continue
         spec, found = _axis_spec(plan, resolution, model, layout, axis, weights)
-        specs.append(dataclasses.replace(spec, experts=experts, nested=_cut_with(axis)))
+        specs.append(dataclasses.replace(spec, experts=experts, nested=inside))
         diagnostics += found
     return specs, diagnostics
 

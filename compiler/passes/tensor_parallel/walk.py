@@ -16,7 +16,7 @@ from torch.fx.node import Argument, Target
 
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
-from meshplan.runtime.collectives import LAYOUT_KEEPING, CopyToAxis
+from meshplan.runtime.collectives import LAYOUT_KEEPING, AllToAll, CopyToAxis
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
 
 from ... import meta
@@ -186,7 +186,12 @@ class Walk(Conversions):
         embedding or loss) sees whole tensors over this axis."""
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
-        if isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+        if isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs and self.nested_under(node):
+            # it moves a dim this axis cuts inside its cut (a context axis's gather of the
+            # sequence this tensor axis's norms cut again): whole over this axis first
+            self.use(node, inputs[0], self.convert(inputs[0], REPLICATE, because=meta.rule(inputs[0])))
+            self.set(node, REPLICATE)
+        elif isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs:
             # and the rule behind the input's placement here (a split weight's, read through the
             # f of a context axis walked before this one)
             self.set(node, self.placement(inputs[0]), meta.rule(inputs[0]))
@@ -197,6 +202,17 @@ class Walk(Conversions):
             self.set(node, REPLICATE)
         else:
             self.run_whole(node, inputs)
+
+    def nested_under(self, node: fx.Node) -> bool:
+        """Whether another axis's collective `node` moves a dim that this axis cuts again inside
+        that axis's cut (`Conversions.check_nested`): its gather would interleave our pieces."""
+        x = node.args[0]
+        p = self.placement(x)
+        if not isinstance(p, Shard) or not isinstance(x, fx.Node):
+            return False
+        moved = node.args[1:3] if isinstance(self.gm.get_submodule(str(node.target)), AllToAll) else node.args[1:2]
+        ndim = len(shape(x))
+        return any(isinstance(d, int) and d % ndim == p.dim for d in moved)
 
     def mark_requires_grad(self, node: fx.Node) -> None:
         if node.op == "get_attr":

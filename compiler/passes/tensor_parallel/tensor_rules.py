@@ -59,7 +59,9 @@ def tensor_specs(
     # the context axes first: they cut the token inputs, so a tensor axis's sequence shard is
     # always a cut inside theirs (`nested`), whatever order the mesh names them in
     inside = {a: layout.size(a) for a in layout.names if a in context}
-    for axis in sorted((a for a in layout.names if a in named or a in context), key=lambda a: a not in context):
+    for axis in sorted(
+        (a for a in layout.names if a in named or a in context), key=lambda a: a not in context
+    ):
         if axis in context:
             specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
             diagnostics += _ulysses_over_split_heads(plan, resolution, axis)

@@ -186,7 +186,12 @@ class Walk(Conversions):
         embedding or loss) sees whole tensors over this axis."""
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
-        if isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs and self.nested_under(node):
+        if (
+            isinstance(module, LAYOUT_KEEPING)
+            and module.axis != self.axis
+            and inputs
+            and self.nested_under(node)
+        ):
             # it moves a dim this axis cuts inside its cut (a context axis's gather of the
             # sequence this tensor axis's norms cut again): whole over this axis first
             self.use(node, inputs[0], self.convert(inputs[0], REPLICATE, because=meta.rule(inputs[0])))
@@ -210,7 +215,11 @@ class Walk(Conversions):
         p = self.placement(x)
         if not isinstance(p, Shard) or not isinstance(x, fx.Node):
             return False
-        moved = node.args[1:3] if isinstance(self.gm.get_submodule(str(node.target)), AllToAll) else node.args[1:2]
+        moved = (
+            node.args[1:3]
+            if isinstance(self.gm.get_submodule(str(node.target)), AllToAll)
+            else node.args[1:2]
+        )
         ndim = len(shape(x))
         return any(isinstance(d, int) and d % ndim == p.dim for d in moved)
 

@@ -75,6 +75,14 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "ring attention",
     ),
+    "cp_tp_sp": (
+        (ROOT / "examples/llama_tp.plan")
+        .read_text()
+        .replace("mesh tp=2", "mesh cp=2, tp=2")
+        .replace("modules {", "modules {\n    layers.*.self_attn: context ring over cp\n"),
+        LLAMA,
+        "ring attention x TP + SP (each cp rank's slice cut again at the norms)",
+    ),
 }
 
 

@@ -1,12 +1,13 @@
 """Tensor and sequence parallelism over each tensor axis: placements, collectives, local shapes.
 
 One walk per axis that tensor or context rules name, the context axes first (they cut the
-token inputs, so a tensor axis's sequence shard is a cut inside theirs), then the tensor axes in
-mesh order, with the same op rules (written for any axis): a walk sets its axis's entry of
-every node's placements, keeps the others', and passes them through the collectives an earlier
-walk inserted (they move data over their own axis only; one that moves a dim this axis cuts
-inside it gets this axis's pieces gathered first). So `mesh tp=2, tq=2` with attention over `tp` and the MLP over `tq` is two
-walks over one graph, and each collective's ledger bytes are what a rank holds.
+token inputs, so a tensor axis's sequence shard is a cut inside theirs), then the tensor axes
+in mesh order, with the same op rules (written for any axis): a walk sets its axis's entry of
+every node's placements, keeps the others', and passes them through the collectives an
+earlier walk inserted (they move data over their own axis only; one that moves a dim this
+axis cuts inside it gets this axis's pieces gathered first). So `mesh tp=2, tq=2` with
+attention over `tp` and the MLP over `tq` is two walks over one graph, and each collective's
+ledger bytes are what a rank holds.
 
 Requires: a normalized captured graph (`compiler.graph.normalize`) whose nodes carry
 export's `val` and `nn_module_stack`, and the plan's resolved tensor/sequence rules.
@@ -71,9 +72,9 @@ def tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec) -> tuple[fx.Gr
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The pass: parameter placements from the tensor rules (their problems are reported even
     when other rules have errors), then, on a plan without errors, one walk per context axis
-    and then per tensor axis in mesh order. A walk keeps the placements the earlier ones gave (every node has one per axis)
-    and passes them through the collectives they inserted, which move data over their own
-    axis only."""
+    and then per tensor axis in mesh order. A walk keeps the placements the earlier ones gave
+    (every node has one per axis) and passes them through the collectives they inserted,
+    which move data over their own axis only."""
     ctx.tensor, found = tensor_specs(ctx.plan, ctx.resolution, ctx.source.model, ctx.layout, weights(gm))
     ctx.diagnostics += found
     if ctx.failed:

@@ -45,10 +45,10 @@ def _is_conv1d(module: nn.Module) -> bool:
 def tensor_specs(
     plan: Plan, resolution: Resolution, model: nn.Module, layout: MeshLayout, weights: Weights
 ) -> tuple[list[TensorParallelSpec], list[Diagnostic]]:
-    """One spec per mesh axis that tensor or context rules name, the context axes first, then the
-    tensor axes in mesh order: each parameter's placement
-    over that axis, from the winning tensor rules. A module has one winning tensor rule, so a
-    parameter is split over at most one of them; the walk gives every tensor a placement on each.
+    """One spec per mesh axis that tensor or context rules name, the context axes first, then
+    the tensor axes in mesh order: each parameter's placement over that axis, from the winning
+    tensor rules. A module has one winning tensor rule, so a parameter is split over at most
+    one of them; the walk gives every tensor a placement on each.
     `weights` says which parameters the graph multiplies as weights, and how (`weights.py`):
     a `column`/`row` rule on a module other than a linear layer splits those of its own."""
     tensor_rules = [r for r in plan.rules if isinstance(r.action, ast.TensorParallel)]

@@ -217,6 +217,23 @@ def test_hf_mixtral_under_context_parallelism_with_sequence_parallel_norms(tmp_p
 
 
 @pytest.mark.slow
+def test_hf_mixtral_router_loss_and_experts_under_context_and_sequence_parallelism(tmp_path):
+    """cp=2 x tp=2 + SP with the experts spread over tp: each rank's experts route its own
+    tokens (a tp piece of its cp slice), and the router's load-balancing loss, computed whole,
+    is added to the token loss summed over cp first (it was refused: DTensor would have made
+    the whole one partial)."""
+    pytest.importorskip("transformers")
+    rules = (
+        "\n    model.layers.*.self_attn: context ring over cp\n"
+        + MIXTRAL_RULES
+        + llama_sequence("model.")
+        + "    model.layers.*.mlp.experts: experts over tp (top_k=2)\n"
+    )
+    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_mixtral_aux"
+    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, tp=2")), factory, steps=2))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mesh", "args", "extra"),
     [

@@ -34,11 +34,11 @@ from ...graph import (
     shape,
     value,
 )
-from ...placement import REPLICATE, Placement, Replicate, Shard
+from ...placement import REPLICATE, Partial, Placement, Replicate, Shard
 from . import weights
 from .conversions import Conversions, _uneven
 from .spec import ParamPlacement, TensorParallelSpec
-from .strategies import ask
+from .strategies import Strategy, ask
 
 aten = torch.ops.aten
 # ops whose output is a new constant, whatever their input (read for its shape or dtype only):
@@ -259,6 +259,14 @@ class Walk(Conversions):
         if self.heads_shared(node, inputs):
             return
         strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
+        if strategy is not None and self.partial_from_whole(strategy):
+            # DTensor would cut a whole input into a partial one (a loss partial over `cp` plus
+            # a router's loss computed whole): sum the partial ones here instead
+            for a in inputs:
+                if isinstance(self.placement(a), Partial):
+                    self.use(node, a, self.reduce_partial(a))
+            inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+            strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
         if strategy is None:
             self.run_whole(node, inputs)
             return
@@ -272,6 +280,14 @@ class Walk(Conversions):
                 # f: its gradient is partial (a norm weight under sequence parallelism)
                 self.use(node, a, self.convert(a, REPLICATE, into_sharded=True, because=because))
         self.set(node, strategy.output, self.rule_near(node))
+
+    def partial_from_whole(self, strategy: Strategy) -> bool:
+        """Whether `strategy` asks for an input that is not partial to become partial, which
+        no collective does (DTensor would divide it over the ranks)."""
+        return any(
+            isinstance(t, Partial) and not isinstance(self.placement(a), Partial)
+            for a, t in strategy.inputs.items()
+        )
 
     def heads_shared(self, node: fx.Node, inputs: list[fx.Node]) -> bool:
         """Key/value heads shared by several ranks (`Shard(d, replicas=m)`) through an op that

@@ -266,7 +266,9 @@ class Walk(Conversions):
                 if isinstance(self.placement(a), Partial):
                     self.use(node, a, self.reduce_partial(a))
             inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
-            strategy = ask(node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n)
+            strategy = ask(
+                node.target, node.args, node.kwargs, {a: self.placement(a) for a in inputs}, self.n
+            )
         if strategy is None:
             self.run_whole(node, inputs)
             return

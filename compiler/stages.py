@@ -340,19 +340,19 @@ def _alias_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     result of an in-place op: then the root of the input it aliases)."""
     root: dict[fx.Node, fx.Node] = {}
     for n in graph.nodes:
-        source = _aliased(n)
+        source = aliased_input(n)
         root[n] = root[source] if source is not None else n
     return root
 
 
-def _aliased(node: fx.Node) -> fx.Node | None:
+def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input whose storage `node`'s value shares (a view's or an in-place op's `self`; a
     piece of a split), or None for a value of its own."""
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:
         source = node.args[0]
-        return source if isinstance(source, fx.Node) and _aliased(source) is not None else None
+        return source if isinstance(source, fx.Node) and aliased_input(source) is not None else None
     schema = getattr(node.target, "_schema", None)
     if schema is None or not any(r.alias_info is not None for r in schema.returns):
         return None

@@ -234,6 +234,22 @@ def test_hf_mixtral_router_loss_and_experts_under_context_and_sequence_paralleli
 
 
 @pytest.mark.slow
+def test_hf_deepseek_v3_under_context_and_sequence_parallelism(tmp_path):
+    """Latent attention under a ring over cp (its keys filled in place, then cut: the cut
+    after the writes), the norms sequence-parallel over tp inside each cp rank's slice, the
+    experts spread over tp with their biased group routing."""
+    pytest.importorskip("transformers")
+    rules = (
+        "\n    model.layers.*.self_attn: context ring over cp\n"
+        "    model.embed_tokens: vocab over tp\n    lm_head: vocab over tp\n"
+        + llama_sequence("model.")
+        + "    model.layers.*.mlp.experts: experts over tp (top_k=2)\n"
+    )
+    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_deepseek_v3"
+    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, tp=2")), factory, steps=2))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mesh", "args", "extra"),
     [

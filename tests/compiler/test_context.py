@@ -240,6 +240,26 @@ def test_a_context_gather_of_tokens_the_tensor_axis_cuts_again_gathers_those_fir
     assert tokens and all(placement(x) == {"cp": Shard(0, (16, 16)), "tp": REPLICATE} for x in tokens)
 
 
+def test_a_tensor_filled_in_place_is_cut_after_its_writes():
+    """DeepSeek-V3's attention makes its keys with `new_empty` and copies their two halves in
+    through slices; the ring takes this rank's chunk of them. The split goes after the copies:
+    taken right after `new_empty` it read uninitialized memory (the loss was NaN at step 1)."""
+    pytest.importorskip("transformers")
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
+
+    source = with_token_shape(load_model(f"{Path(__file__).parent}/hf_factories.py:hf_deepseek_v3"), seq=16)
+    text = "mesh dp=2, cp=2\n\nmodules {\n    model.layers.*.self_attn: context ring over cp\n"
+    text += "    model.layers.*.mlp.experts: experts over dp (top_k=2)\n}\n"
+    nodes = list(compile_plan(check_text(text, "p.plan"), source, dynamic=False).graph.graph.nodes)
+    empties = [n for n in nodes if n.target is torch.ops.aten.new_empty.default]
+    assert empties
+    for empty in empties:
+        split = next(u for u in empty.users if u.op == "call_module")
+        writes = [u for view in empty.users for u in view.users if u.target is torch.ops.aten.copy_.default]
+        assert len(writes) == 2 and all(nodes.index(w) < nodes.index(split) for w in writes)
+
+
 def test_a_sequence_cut_over_two_axes_must_divide_by_both():
     """Each cp rank's slice is cut again over `tp`: the sequence must divide by cp x tp, and
     the error says so at the rule that cuts it again, whichever order the mesh names the axes."""

@@ -31,6 +31,7 @@ from ...graph import (
     shape,
 )
 from ...placement import REPLICATE, Partial, Placement, Replicate, Shard
+from ...stages import aliased_input, written
 from .spec import TensorParallelError, TensorParallelSpec
 
 aten = torch.ops.aten
@@ -47,6 +48,7 @@ class Conversions:
         # (rows, blocks) of the token dim once a sequence shard is flattened with the batch:
         # (B, T/n, H) -> (B*T/n, H) is Shard(0, blocks=(T,) * B)
         self.flat_tokens: tuple[int, tuple[int, ...]] | None = None
+        self.walking: fx.Node | None = None  # the node the walk decides (`Walk.run` sets it)
 
     # -- facts
     def placement(self, node: Argument) -> Placement:
@@ -298,7 +300,7 @@ class Conversions:
         )
         if to is not None:
             args = (arg, dim, to)
-        with self.graph.inserting_after(arg):
+        with self.graph.inserting_after(self.written_last(arg)):
             node = self.graph.call_module(name, args)
         node.meta.update({k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack")})
         meta.copy_facts(arg, node, meta.REQUIRES_GRAD)
@@ -308,6 +310,20 @@ class Conversions:
         self.set(node, out, self.sequence_rule_near(arg) if sequence else meta.rule(arg))
         self.converted[key] = node
         return node
+
+    def written_last(self, arg: fx.Node) -> fx.Node:
+        """Where a conversion of `arg` goes: right after it, unless the graph fills it in place
+        before the node being walked reads it (DeepSeek-V3's keys: `new_empty`, then its two
+        halves copied in through slices), then after the last of those writes: a split taken
+        before them would read uninitialized memory."""
+        aliases, last, node = {arg}, arg, arg.next
+        while node is not self.walking and node.op != "root":
+            if aliased_input(node) in aliases:
+                aliases.add(node)
+            if any(a in aliases for a in written(node)):
+                last = node
+            node = node.next
+        return last
 
     def replace_by_module(
         self,

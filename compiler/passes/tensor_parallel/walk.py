@@ -76,6 +76,7 @@ class Walk(Conversions):
     # -- driver
     def run(self) -> None:
         for node in list(self.graph.nodes):
+            self.walking = node
             self.mark_requires_grad(node)
             if node.op == "placeholder":
                 self.set(node, REPLICATE)

@@ -316,6 +316,8 @@ class Conversions:
         before the node being walked reads it (DeepSeek-V3's keys: `new_empty`, then its two
         halves copied in through slices), then after the last of those writes: a split taken
         before them would read uninitialized memory."""
+        if not any(aliased_input(u) is arg or arg in written(u) for u in arg.users):
+            return arg  # nothing views or writes it: the common case, no scan
         aliases, last, node = {arg}, arg, arg.next
         while node is not self.walking and node.op != "root":
             if aliased_input(node) in aliases:

@@ -187,20 +187,16 @@ class Walk(Conversions):
         embedding or loss) sees whole tensors over this axis."""
         module = self.gm.get_submodule(str(node.target))
         inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
-        if (
-            isinstance(module, LAYOUT_KEEPING)
-            and module.axis != self.axis
-            and inputs
-            and self.nested_under(node)
-        ):
-            # it moves a dim this axis cuts inside its cut (a context axis's gather of the
-            # sequence this tensor axis's norms cut again): whole over this axis first
-            self.use(node, inputs[0], self.convert(inputs[0], REPLICATE, because=meta.rule(inputs[0])))
-            self.set(node, REPLICATE)
-        elif isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs:
-            # and the rule behind the input's placement here (a split weight's, read through the
-            # f of a context axis walked before this one)
-            self.set(node, self.placement(inputs[0]), meta.rule(inputs[0]))
+        if isinstance(module, LAYOUT_KEEPING) and module.axis != self.axis and inputs:
+            if self.nested_under(node, module):
+                # it moves a dim this axis cuts inside its cut (a context axis's gather of the
+                # sequence this tensor axis's norms cut again): whole over this axis first
+                self.use(node, inputs[0], self.convert(inputs[0], REPLICATE, because=meta.rule(inputs[0])))
+                self.set(node, REPLICATE)
+            else:
+                # and the rule behind the input's placement here (a split weight's, read through
+                # the f of a context axis walked before this one)
+                self.set(node, self.placement(inputs[0]), meta.rule(inputs[0]))
         elif isinstance(module, RingAttention) and _heads_alike(*(self.placement(a) for a in node.args[:3])):
             # attention is independent per head: q, k, v split alike by heads stay so
             self.set(node, self.placement(node.args[0]))
@@ -209,18 +205,15 @@ class Walk(Conversions):
         else:
             self.run_whole(node, inputs)
 
-    def nested_under(self, node: fx.Node) -> bool:
-        """Whether another axis's collective `node` moves a dim that this axis cuts again inside
-        that axis's cut (`Conversions.check_nested`): its gather would interleave our pieces."""
+    def nested_under(self, node: fx.Node, module: torch.nn.Module) -> bool:
+        """Whether another axis's collective `node` (`module`) moves a dim that this axis cuts
+        again inside that axis's cut (`Conversions.check_nested`): its gather would interleave
+        our pieces."""
         x = node.args[0]
         p = self.placement(x)
         if not isinstance(p, Shard) or not isinstance(x, fx.Node):
             return False
-        moved = (
-            node.args[1:3]
-            if isinstance(self.gm.get_submodule(str(node.target)), AllToAll)
-            else node.args[1:2]
-        )
+        moved = node.args[1:3] if isinstance(module, AllToAll) else node.args[1:2]
         ndim = len(shape(x))
         return any(isinstance(d, int) and d % ndim == p.dim for d in moved)
 

@@ -260,6 +260,22 @@ def test_a_tensor_filled_in_place_is_cut_after_its_writes():
         assert len(writes) == 2 and all(nodes.index(w) < nodes.index(split) for w in writes)
 
 
+def test_a_context_rule_on_a_model_fed_images_is_refused_at_the_rule():
+    """A ViT's inputs are pixels and labels, no token sequence: the rule would cut nothing and
+    do nothing (it compiled to a program with no collective), so it is a located error."""
+    from meshplan.compiler.load import load_model
+
+    source = load_model(f"{Path(__file__).parent}/vision_models.py:build")
+    text = "mesh cp=2\n\nmodules {\n    blocks.*.attn: context ring over cp\n}\n"
+    with pytest.raises(PlanError) as info:
+        compile_plan(check_text(text, "p.plan"), source, dynamic=False)
+    first = info.value.render().splitlines()[0]
+    assert first.startswith(
+        "p.plan:4:5: error: `context` over `cp` cuts the sequence of the model's token inputs"
+    )
+    assert "this model takes none (pixels (2, 3, 16, 16), labels (2,))" in first
+
+
 def test_a_sequence_cut_over_two_axes_must_divide_by_both():
     """Each cp rank's slice is cut again over `tp`: the sequence must divide by cp x tp, and
     the error says so at the rule that cuts it again, whichever order the mesh names the axes."""

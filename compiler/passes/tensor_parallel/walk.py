@@ -75,6 +75,8 @@ class Walk(Conversions):
 
     # -- driver
     def run(self) -> None:
+        if self.spec.context_modules:
+            self.refuse_without_tokens()
         for node in list(self.graph.nodes):
             self.walking = node
             self.mark_requires_grad(node)
@@ -149,6 +151,20 @@ class Walk(Conversions):
                     "`context ring` for long sequences",
                     severity="warning",
                 )
+            )
+
+    def refuse_without_tokens(self) -> None:
+        """A context rule cuts the sequence of the token inputs ((B, T) integer ids); a model fed
+        none (images, say) would have nothing cut and the rule would do nothing: refused."""
+        inputs = [n for n in self.graph.nodes if n.op == "placeholder" and is_tensor_node(n)]
+        if not any(_is_token_input(n) for n in inputs):
+            shapes = ", ".join(f"{n.name} {tuple(shape(n))}" for n in inputs) or "none"
+            self.error(
+                inputs[0] if inputs else next(iter(self.graph.nodes)),
+                f"`context` over `{self.axis}` cuts the sequence of the model's token inputs ((B, T) "
+                f"integer ids), and this model takes none ({shapes}): nothing would be cut",
+                hint="context parallelism is for models fed token sequences: remove the `context` rule",
+                rule=self.spec.fallback_rule,
             )
 
     def cut_by_sequence(self, tokens: fx.Node) -> None:

@@ -69,6 +69,17 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "1F1B x ZeRO-3 (4 ranks)",
     ),
+    "hsdp3": (
+        "mesh node=2, dp=2\n\ndata_parallel over node x dp {\n    zero = 3 over dp\n}\n",
+        LLAMA,
+        "HSDP: ZeRO-3 over dp, copies over node (4 ranks)",
+    ),
+    "hsdp2_experts": (
+        "mesh node=2, dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp (top_k=2)\n}\n\n"
+        "data_parallel over node x dp {\n    zero = 2 over dp\n}\n",
+        MOE,
+        "HSDP under experts: dense state over dp, the experts' whole, copies over node (4 ranks)",
+    ),
     "ep": ((ROOT / "examples/moe_ep.plan").read_text().replace("dp=*", "dp=1"), MOE, "experts over ep"),
     "cp": (
         "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ring over cp\n}\n",

@@ -322,7 +322,8 @@ def summarize(plan: Plan) -> str:
             )
             if on
         ]
-        detail = f"over {d.axis}, ZeRO-{d.zero}, bucket {_size(d.bucket_bytes)}"
+        hsdp = f" over {d.shard} (HSDP: a copy per {' x '.join(d.replicated_over)})" if d.shard else ""
+        detail = f"over {d.axis}, ZeRO-{d.zero}{hsdp}, bucket {_size(d.bucket_bytes)}"
         detail += f", offload {' + '.join(offload)}" if offload else ""
         detail += f", compress {d.compress.text}" if d.compress is not None else ""
         lines.append(f"  data       {detail}")

@@ -611,8 +611,10 @@ def _zero_steps(
     stages 1/2 as the single-axis engine buckets them (per stage program: `runtime.zero`'s);
     None where the walk adds no engine."""
 
-    def group(axis: str) -> int:
-        return math.prod(layout.size(a) for a in axes_of(axis))
+    copies = plan.data_parallel.replicated_over if plan.data_parallel is not None else ()
+
+    def group(axis: str) -> int:  # under HSDP a group's state is cut over its axes but the copies'
+        return math.prod(layout.size(a) for a in axes_of(axis) if a not in copies)
 
     if zero == 3:
         return ZeroSteps(3, group)
@@ -646,8 +648,9 @@ def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str
     dp_axis = dp.axis if dp is not None and layout.size(dp.axis) > 1 else None
     experts = {x for r in plan.rules_of("experts") for x in axes_of(r.axis)}
     zero = dp.zero if dp is not None else 0
+    copies = dp.replicated_over if dp is not None and zero else ()  # HSDP: the state copied over these
     if experts or compiled.grad_sums:
-        data = tuple(plan.batch_axes)
+        data = tuple(a for a in plan.batch_axes if a not in copies)
 
         def per_axes(name: str) -> int:
             cut = {a for a, p in compiled.param_placements.get(name, {}).items() if isinstance(p, Shard)}
@@ -656,7 +659,7 @@ def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str
         return ("per-axes zero" if zero else "per-axes data parallel"), zero, per_axes
     if dp_axis is None:
         return "none", 0, lambda name: 1
-    size = layout.size(dp_axis)
+    size = layout.size(dp.sharded_over if zero else dp_axis)
     return ("zero" if zero else "data parallel"), zero, lambda name: size
 
 

@@ -68,7 +68,7 @@ from meshplan.runtime.mesh import MeshLayout, axes_of
 from . import meta
 from .graph import arg_node, hint, shape, value
 from .ledger_row import COPY, LedgerRow, plan_line
-from .ledger_zero import zero_bucket_rows, zero_unit_rows
+from .ledger_zero import Replicas, zero_bucket_rows, zero_unit_rows
 from .meta import Collective
 from .passes.checkpoint import collective_nodes
 from .passes.devices import copy_nodes
@@ -159,6 +159,11 @@ class DataParallelFacts:
     # them (buckets; under ZeRO flats of at most stage 2), after the device's
     host: frozenset[str] = frozenset()
     compress: CompressSpec | None = None  # the buckets' (or ZeRO flats') reduction compressed
+    replicated: tuple[str, ...] = ()  # HSDP: the data axes over which ZeRO's shards are copies
+
+    def zero_groups(self, layout: MeshLayout) -> tuple[str, Replicas | None]:
+        """The axes ZeRO cuts the state over and, under HSDP, the replicas of each shard."""
+        return zero_groups(self.axis, self.replicated, layout)
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,17 @@ class ExpertDataFacts:
     zero: int = 0  # ZeRO: each group's state sharded over its ranks (`runtime/expert_zero.py`)
     decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
     aliases: dict[str, str] = field(default_factory=dict)  # a param's graph names -> its name (ties)
+    replicated: tuple[str, ...] = ()  # HSDP: the data axes over which ZeRO's shards are copies
+
+
+def zero_groups(axis: str, replicated: Sequence[str], layout: MeshLayout) -> tuple[str, Replicas | None]:
+    """The group `axis` (the axes a ZeRO engine averages over) as its engine splits it: the axes
+    that cut the state, and HSDP's copies of each shard over the `replicated` ones (None: none
+    of more than one rank), as `cli/session/sync.py` builds the engine."""
+    axes = axes_of(axis) if axis else ()
+    cut = " x ".join(a for a in axes if a not in replicated)
+    copies = [a for a in axes if a in replicated and layout.size(a) > 1]
+    return cut, Replicas(" x ".join(copies), layout.size(" x ".join(copies))) if copies else None
 
 
 def data_parallel_facts(
@@ -214,6 +230,7 @@ def data_parallel_facts(
         norm_sums,
         host & set(params),
         dp.compress,
+        dp.replicated_over if dp.zero else (),
     )
 
 
@@ -285,6 +302,7 @@ def expert_data_facts(
         zero,
         decays,
         aliases,
+        dp.replicated_over if dp is not None and zero else (),
     )
 
 
@@ -316,7 +334,7 @@ def build_ledger(
     if data is not None and layout.size(data.axis) > 1:
         rows += _data_parallel_rows(gm, layout, data, accumulation)
     if experts_data is not None:
-        rows += _expert_data_rows(gm, experts_data, accumulation)
+        rows += _expert_data_rows(gm, layout, experts_data, accumulation)
     rows += _copy_rows(gm, layout, accumulation)
     return Ledger(tuple(rows))
 
@@ -504,7 +522,9 @@ def _expert_rows(node: fx.Node, info: Collective, layout: MeshLayout, recomputed
     return rows
 
 
-def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: int) -> list[LedgerRow]:
+def _expert_data_rows(
+    gm: fx.GraphModule, layout: MeshLayout, facts: ExpertDataFacts, accumulation: int
+) -> list[LedgerRow]:
     """Each group's buckets, all-reduced; under ZeRO its flats (stages 1/2: reduced and gathered
     back over the group's ranks; 3: its units' nodes), and its engine's gradient-norm sums. A
     group no other rank shares (`experts over dp`) is ZeRO-2 at most, over this rank alone:
@@ -512,9 +532,11 @@ def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: 
     rows = []
     decay = facts.decay or (lambda name, p: True)
     for axes, n, params in facts.groups:
-        if n <= 1:
-            continue
         axis = " x ".join(axes)
+        cut, replicas = zero_groups(axis, facts.replicated, layout)
+        m = layout.size(cut) if cut else 1
+        if n <= 1 or (facts.zero and replicas is None and m <= 1):
+            continue
         if not facts.zero:
             sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
             rows += [
@@ -524,18 +546,18 @@ def _expert_data_rows(gm: fx.GraphModule, facts: ExpertDataFacts, accumulation: 
                 for i, b in enumerate(sizes)
             ]
             continue
-        if facts.zero == 3 and axes:
+        reduce, where = facts.reduce_dtype, facts.where
+        if facts.zero == 3 and m > 1:
             rows += zero_unit_rows(
-                gm, params, facts.aliases, axis, n, decay, facts.reduce_dtype, facts.where, accumulation
+                gm, params, facts.aliases, cut, m, decay, reduce, where, accumulation, None, replicas, axis
             )
         else:
             stage = min(facts.zero, 2)
             rows += zero_bucket_rows(
-                params, axis, n, stage, facts.bucket_bytes, facts.reduce_dtype, decay, facts.where
+                params, cut, m, stage, facts.bucket_bytes, reduce, decay, where, replicas=replicas
             )
-        rows.append(
-            LedgerRow("grad norm", "zero_norm", "all_reduce", "step", axis, (2,), 16, 1, n, facts.where)
-        )
+        if m > 1:
+            rows.append(LedgerRow("grad norm", "zero_norm", "all_reduce", "step", cut, (2,), 16, 1, m, where))
     return rows
 
 
@@ -545,7 +567,10 @@ def _data_parallel_rows(
     """The engine's rows, then those of the engine of the parameters a device rule placed on the
     host (`DataParallelFacts.host`): buckets of their own, under ZeRO flats of at most stage 2,
     and its own gradient-norm sums."""
-    axis, n, where = data.axis, layout.size(data.axis), data.where
+    axis, n, where, replicas = data.axis, layout.size(data.axis), data.where, None
+    if data.zero:  # HSDP: the state cut over some of the data axes, copied over the others
+        axis, replicas = data.zero_groups(layout)
+        n = layout.size(axis)
     params = [(name, p) for name, p in data.params if name not in data.host]
     host = [(name, p) for name, p in data.params if name in data.host]
     if data.zero == 0 and data.compress is not None:  # `dsl.check` refuses it with `on cpu`
@@ -565,12 +590,23 @@ def _data_parallel_rows(
     if params and data.zero in (1, 2):
         stage, bucket_bytes, reduce = data.zero, data.bucket_bytes, data.reduce_dtype
         rows += zero_bucket_rows(
-            params, axis, n, stage, bucket_bytes, reduce, data.decay, where, "bucket", data.compress
+            params, axis, n, stage, bucket_bytes, reduce, data.decay, where, "bucket", data.compress, replicas
         )
     elif params:
         reduce, decay, compress = data.reduce_dtype, data.decay, data.compress
         rows += zero_unit_rows(
-            gm, params, data.aliases, axis, n, decay, reduce, where, accumulation, compress
+            gm,
+            params,
+            data.aliases,
+            axis,
+            n,
+            decay,
+            reduce,
+            where,
+            accumulation,
+            compress,
+            replicas,
+            data.axis,
         )
     if host:
         stage = min(data.zero, 2)

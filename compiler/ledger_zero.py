@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -17,6 +18,14 @@ from meshplan.runtime.buckets import bucket_params, group_by_kind, zero_compress
 from meshplan.runtime.zero_nodes import ZeroGather, ZeroRelease
 
 from .ledger_row import LedgerRow
+
+
+class Replicas(NamedTuple):
+    """HSDP's copies of a ZeRO group's shards (`runtime.zero_grads.Replicas`): their axes' name
+    and how many ranks hold each shard."""
+
+    axis: str
+    size: int
 
 
 def zero_bucket_rows(
@@ -30,21 +39,23 @@ def zero_bucket_rows(
     where: Span,
     label: str = "bucket",
     compress: CompressSpec | None = None,
+    replicas: Replicas | None = None,
 ) -> list[LedgerRow]:
     """ZeRO-1/2's flats: each gradient flat reduced in backward (all-reduce for stage 1,
-    reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards."""
+    reduce-scatter for 2), its updated params all-gathered after the step; padded to n shards.
+    Over a group of one rank (`n == 1`) only HSDP's `replicas` rows send anything."""
     decays = {id(p): decay(name, p) for name, p in params}
     rows = []
     for i, (_, group) in enumerate(bucket_params(params, bucket_bytes, decays)):
         numel = math.ceil(sum(p.numel() for p in group) / n) * n
         name, gathered = f"{label} {i}", numel * group[0].dtype.itemsize
         rows += _reduction_rows(
-            name, "zero_bucket", group, numel, zero, reduce_dtype, compress, axis, n, where
+            name, "zero_bucket", group, numel, zero, reduce_dtype, compress, axis, n, where, replicas
         )
         rows.append(
             LedgerRow(name, "zero_bucket", "all_gather", "step", axis, (numel,), gathered, 1, n, where)
         )
-    return rows
+    return [r for r in rows if r.group_size > 1]
 
 
 def _reduction_rows(
@@ -58,14 +69,34 @@ def _reduction_rows(
     axis: str,
     n: int,
     where: Span,
+    replicas: Replicas | None = None,
 ) -> list[LedgerRow]:
     """The backward reduction of one ZeRO flat of `params` (`numel` padded elements): one
-    all-reduce (stage 1) or reduce-scatter (2, 3) in the reduce dtype, or under `compress`
+    all-reduce (stage 1) or reduce-scatter (2, 3) in the reduce dtype, then under HSDP the
+    all-reduce of what this rank keeps over its `replicas`; or under `compress`
     `buckets.zero_compressed_wire`'s collectives, each a row named by what it sends."""
     if compress is None:
         op = "all_reduce" if zero == 1 else "reduce_scatter"
         nbytes = numel * (reduce_dtype or params[0].dtype).itemsize
-        return [LedgerRow(node, kind, op, "backward", axis, (numel,), nbytes, 1, n, where)]
+        rows = [LedgerRow(node, kind, op, "backward", axis, (numel,), nbytes, 1, n, where)]
+        if replicas is not None:
+            kept = numel if zero == 1 else numel // n
+            size = kept * (reduce_dtype or params[0].dtype).itemsize
+            rows.append(
+                LedgerRow(
+                    node,
+                    kind,
+                    "all_reduce",
+                    "backward",
+                    replicas.axis,
+                    (kept,),
+                    size,
+                    1,
+                    replicas.size,
+                    where,
+                )
+            )
+        return rows
     return [
         LedgerRow(f"{node} {what}", kind, op, "backward", axis, (b,), b, 1, n, where)
         for op, what, b in zero_compressed_wire(params, numel, zero, compress.method, compress.rank)
@@ -83,10 +114,14 @@ def zero_unit_rows(
     where: Span,
     accumulation: int,
     compress: CompressSpec | None = None,
+    replicas: Replicas | None = None,
+    node_axis: str | None = None,
 ) -> list[LedgerRow]:
-    """ZeRO-3's units, from the graph's `ZeroGather` nodes over `axis` (under expert
-    parallelism a layer has one per group): each unit's flats gathered before its forward
-    (and again before its backward unless it stays gathered), its gradients reduce-scattered."""
+    """ZeRO-3's units, from the graph's `ZeroGather` nodes of the group `node_axis` (default
+    `axis`; under expert parallelism a layer has one per group): each unit's flats gathered over
+    `axis` before its forward (and again before its backward unless it stays gathered), its
+    gradients reduce-scattered, and under HSDP their shards all-reduced over `replicas`."""
+    node_axis = node_axis or axis
     decays = {id(p): decay(name, p) for name, p in params}
     params_by_name = dict(params)
     left = dict(params)  # not yet in a unit
@@ -94,7 +129,7 @@ def zero_unit_rows(
     rows = []
     for node in gm.graph.nodes:
         module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        if not isinstance(module, ZeroGather) or module.axis != axis:
+        if not isinstance(module, ZeroGather) or module.axis != node_axis:
             continue
         names = [aliases[p] for p in module.params if p in aliases]
         named = [(p, left.pop(p)) for p in dict.fromkeys(names) if p in left]
@@ -124,6 +159,6 @@ def zero_unit_rows(
                 )
             ps = [p for _, p in group]
             rows += _reduction_rows(
-                node.name, "zero_gather", ps, numel, 3, reduce_dtype, compress, axis, n, where
+                node.name, "zero_gather", ps, numel, 3, reduce_dtype, compress, axis, n, where, replicas
             )
     return rows

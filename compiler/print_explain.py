@@ -176,11 +176,13 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
     if dp is None:
         return []
     size = compiled.layout.size(dp.axis)
+    copies = [a for a in dp.replicated_over if compiled.layout.size(a) > 1] if dp.zero else []
+    cut = compiled.layout.size(dp.sharded_over)
     keeps = {
         0: "a full copy of parameters, gradients and optimizer state; gradients all-reduced in buckets",
-        1: f"1/{size} of the optimizer state; gradients all-reduced in buckets, parameters all-gathered",
-        2: f"1/{size} of the optimizer state and gradients (reduce-scatter in buckets)",
-        3: f"1/{size} of parameters, gradients and optimizer state; each layer gathered before use, freed after",
+        1: f"1/{cut} of the optimizer state; gradients all-reduced in buckets, parameters all-gathered",
+        2: f"1/{cut} of the optimizer state and gradients (reduce-scatter in buckets)",
+        3: f"1/{cut} of parameters, gradients and optimizer state; each layer gathered before use, freed after",
     }[dp.zero]
     layout, plan = compiled.layout, compiled.plan
     # expert axes that split the batch (not those borrowing a tensor axis)
@@ -188,7 +190,7 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         a for r in plan.rules_of("experts") if r.axis for a in axes_of(r.axis) if layout.size(a) > 1
     } & set(plan.batch_axes)
     if dp.zero and experts:  # each parameter's state over the ranks that average it
-        data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1]
+        data = [a for a in layout.names if a in plan.batch_axes and layout.size(a) > 1 and a not in copies]
         others = [a for a in data if a not in experts]
         what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
             dp.zero, "parameters, gradients and optimizer state"
@@ -205,10 +207,17 @@ def _data_parallel_lines(compiled: Compiled) -> list[str]:
         keeps = _state_over_sum_groups(compiled, dp.zero)
     lines = [
         f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)}): ZeRO-{dp.zero}"
+        + (f" over {dp.shard}" if dp.shard else "")
         if dp.zero
         else f"line {dp.span.line}: data_parallel over {dp.axis} ({size} rank{'s' * (size != 1)})",
         f"    each rank keeps {keeps}",
     ]
+    if copies:
+        group = " x ".join(copies)
+        lines.append(
+            f"    HSDP: sharded over {dp.sharded_over} only, {compiled.layout.size(group)} copies of each shard "
+            f"over {group}; each reduced gradient shard all-reduced over {group}, so every copy takes the same step"
+        )
     if dp.optimizer_on_disk:
         lines.append(
             "    offload = optimizer:disk: each rank's fp32 masters and optimizer moments live in files, "
@@ -285,7 +294,9 @@ def _optimizer_lines(compiled: Compiled) -> list[str]:
     trainable = [p for p in compiled.captured.model.parameters() if p.requires_grad]
     mine = sum(whole_state_bytes(spec, p) for p in trainable)
     adamw = sum(whole_state_bytes(OptimizerSpec(), p) for p in trainable)
-    sharded = f", 1/{compiled.layout.size(dp.axis)} of it on each rank under ZeRO" if dp and dp.zero else ""
+    sharded = (
+        f", 1/{compiled.layout.size(dp.sharded_over)} of it on each rank under ZeRO" if dp and dp.zero else ""
+    )
     if spec.kind == "adafactor" and dp and dp.zero:
         sharded = (
             ", its vectors' moments cut by ZeRO, its matrices' row and column moments whole on every rank"
@@ -364,9 +375,11 @@ def _state_over_sum_groups(compiled: Compiled, zero: int) -> str:
     what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
         zero, "parameters, gradients and optimizer state"
     )
-    layout = compiled.layout
+    layout, dp = compiled.layout, compiled.plan.data_parallel
+    copies = dp.replicated_over if dp is not None else ()
     parts = []
     for i, (over, count) in enumerate(_reduce_groups(compiled).most_common()):
+        over = tuple(a for a in over if a not in copies)
         ranks = math.prod(layout.size(a) for a in over)
         share = f"1/{ranks}" if ranks > 1 else "all"
         whose = f"the {what} of {count} weights" if i == 0 else f"{count} more weights'"

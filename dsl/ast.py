@@ -181,6 +181,15 @@ class CompressArg:
 
 
 @dataclass(frozen=True, slots=True)
+class ZeroStage:
+    """The value of `zero = N`, or `zero = N over AXIS` (HSDP: the state sharded over those of
+    the data axes only, replicated over the others)."""
+
+    stage: int
+    over: tuple[Name, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Compression:
     """The value of `compress = METHOD(ARG=N, ...)`: the method and its arguments as written,
     each with its span, so the checker can point at the one that is wrong."""
@@ -208,7 +217,9 @@ class OptimizerChoice:
     args: tuple[OptimizerArg, ...] = ()
 
 
-SettingValue: TypeAlias = int | float | str | tuple[str, ...] | Compression | OptimizerChoice | None
+SettingValue: TypeAlias = (
+    int | float | str | tuple[str, ...] | ZeroStage | Compression | OptimizerChoice | None
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,9 +251,17 @@ class PipelineBlock:
 
 @dataclass(frozen=True, slots=True)
 class DataParallelBlock:
+    """`data_parallel over AXIS { ... }`, or over several axes as one group (`over node x dp`:
+    `axis` the first, `more` the rest)."""
+
     axis: Name
     items: tuple[Setting, ...]
     span: Span = _span()
+    more: tuple[Name, ...] = ()
+
+    @property
+    def axes(self) -> tuple[Name, ...]:
+        return (self.axis, *self.more)
 
 
 @dataclass(frozen=True, slots=True)

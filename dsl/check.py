@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from . import ast
-from .axes import GROUP, MeshSpec, axes_of
+from .axes import MeshSpec, axes_of
 from .errors import (
     Diagnostic,
     PlanSyntaxError,
@@ -72,13 +72,13 @@ class Plan:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The axes the batch is split over, in mesh order: the data-parallel axis and every
+        """The axes the batch is split over, in mesh order: the data-parallel axes and every
         expert axis that no tensor or sequence rule uses. An expert axis splits the batch too
         (torchtitan's layout: data parallel for all but the experts); experts borrowing a tensor
         axis see the tokens its ranks share, and each rank routes its own rows of them."""
         tensor = {r.axis for r in self.rules if r.kind in ("tensor", "sequence")}
         experts = {a for r in self.rules_of("experts") if r.axis for a in axes_of(r.axis)} - tensor
-        data = {self.data_parallel.axis} if self.data_parallel is not None else set()
+        data = set(self.data_parallel.axes) if self.data_parallel is not None else set()
         return tuple(a for a in self.mesh.names if a in experts | data)
 
 
@@ -178,6 +178,8 @@ class _Checker(SettingsChecker):
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         if data_parallel is not None and data_parallel.compress is not None and self.complete(modules):
             self.compression_composes(data_parallel, pipeline, rules, precision)
+        if data_parallel is not None and data_parallel.shard is not None:
+            self.replicas_compose(data_parallel, rules)
         self.check_unused_axes(mesh)
         warnings = tuple(self.found.of("warning"))
         return Plan(
@@ -251,27 +253,7 @@ class _Checker(SettingsChecker):
 
     def expert_axes(self, action: ast.ExpertParallel, mesh: MeshSpec) -> str | None:
         """The rule's expert group: one axis, or several named `dp x tp` (its ranks in mesh order)."""
-        names = [self.axis_ref(name, mesh, "experts") for name in action.axes]
-        for i, name in enumerate(action.axes):
-            if name.text in (a.text for a in action.axes[:i]):
-                once = GROUP.join(dict.fromkeys(a.text for a in action.axes))
-                self.error(
-                    name.span,
-                    f"axis `{name.text}` is named twice in one expert group",
-                    hint=f"name each axis once: `experts over {once}`",
-                )
-                return None
-        if None in names:
-            return None
-        ordered = [a for a in mesh.names if a in names]
-        if ordered != names:
-            self.error(
-                action.axes[0].span,
-                f"the axes of an expert group are written in mesh order: `{GROUP.join(ordered)}`",
-                hint="a group's ranks are numbered as the mesh numbers them",
-            )
-            return None
-        return GROUP.join(names)  # type: ignore[arg-type]
+        return self.axis_group(action.axes, mesh, "experts", "experts over", "expert group")
 
     def expert_args(self, action: ast.ExpertParallel) -> None:
         seen: set[str] = set()
@@ -333,6 +315,20 @@ class _Checker(SettingsChecker):
                     rule.span,
                     f"`precision {rule.action.dtype}` has no effect: compute is already {precision.compute}",
                 )
+
+    def replicas_compose(self, dp: DataParallelSpec, rules: tuple[PlanRule, ...]) -> None:
+        """HSDP (`zero = N over AXES`) reduces each shard twice, in the device's engine: parameters
+        on the host (`on cpu`) have an engine of their own, which does not replicate yet."""
+        host = next((r for r in rules if isinstance(r.action, ast.Device) and r.action.kind == "cpu"), None)
+        if host is not None:
+            self.error(
+                dp.spans["zero"],
+                f"ZeRO replicated over `{' x '.join(dp.replicated_over)}` (HSDP) does not compose with "
+                "parameters on the host yet",
+                hint=f"shard over every data axis (`zero = {dp.zero}` without `over`), or keep the "
+                "module on the device",
+                related=[(host.span, "`on cpu` here")],
+            )
 
     def compression_composes(
         self,

@@ -101,7 +101,7 @@ def plan_facts(plan: Plan) -> dict[str, str]:
         d = plan.data_parallel
         facts |= {
             "data_parallel.axis": d.axis,
-            "data_parallel.zero": str(d.zero),
+            "data_parallel.zero": str(d.zero) + (f" over {d.shard}" if d.shard else ""),
             "data_parallel.bucket": _bytes(d.bucket_bytes),
             "data_parallel.offload_optimizer": "disk" if d.optimizer_on_disk else _flag(d.offload_optimizer),
             "data_parallel.offload_params": "disk" if d.params_on_disk else _flag(d.offload_params),

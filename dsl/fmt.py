@@ -137,8 +137,8 @@ class _Formatter:
                 self.block("modules", stmt, rules)
             case ast.PipelineBlock(axis=axis, items=items):
                 self.block(f"pipeline over {axis.text}", stmt, items)
-            case ast.DataParallelBlock(axis=axis, items=items):
-                self.block(f"data_parallel over {axis.text}", stmt, items)
+            case ast.DataParallelBlock(items=items) as data:
+                self.block(f"data_parallel over {' x '.join(a.text for a in data.axes)}", stmt, items)
             case ast.PrecisionBlock(items=items):
                 self.block("precision", stmt, items)
             case ast.TrainBlock(items=items):

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from meshplan.grammar import SCHEDULES
 
 from . import ast
-from .axes import Axis, MeshSpec
+from .axes import GROUP, Axis, MeshSpec, axes_of
 from .errors import Collector, Diagnostic, Span, did_you_mean
 from .limits import MAX_INT
 from .optimizer import OptimizerSpec, check_optimizer, keyword_arguments
@@ -77,6 +77,24 @@ class DataParallelSpec:
     compress: CompressSpec | None = None  # None: gradients all-reduced exactly
     optimizer_on_disk: bool = False  # `offload = optimizer:disk` (offload_optimizer is True too)
     params_on_disk: bool = False  # `offload = params:disk` (offload_params is True too)
+    shard: str | None = None  # `zero = N over AXES`: the axes ZeRO cuts the state over (None: all)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (`over node x dp`: node, dp)."""
+        return axes_of(self.axis)
+
+    @property
+    def sharded_over(self) -> str:
+        """The axis (or group, `node x dp`) ZeRO cuts the training state over."""
+        return self.shard or self.axis
+
+    @property
+    def replicated_over(self) -> tuple[str, ...]:
+        """The data axes holding copies of one shard under HSDP (`zero = 3 over dp` of
+        `data_parallel over node x dp`: node); () when ZeRO shards over every data axis."""
+        shard = axes_of(self.sharded_over)
+        return tuple(a for a in self.axes if a not in shard)
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,10 @@ _ROLE_WORDS = {
 # experts may borrow a data axis (its ranks hold other experts, the batch split as before) or a
 # tensor axis (its ranks hold other experts; each routes its own rows of the tokens)
 _COMPATIBLE_ROLES = ({"tensor", "sequence", "experts"}, {"data", "experts"})
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[0] in "aeiou" else "a"
 
 
 def _compatible(roles: set[str]) -> bool:
@@ -200,6 +222,35 @@ class SettingsChecker:
             return None
         self.roles.setdefault(name.text, []).append((role, name.span))
         return name.text
+
+    def axis_group(
+        self, axes: tuple[ast.Name, ...], mesh: MeshSpec, role: str, written: str, noun: str
+    ) -> str | None:
+        """One axis, or several as one group named `dp x tp`: each a mesh axis, named once, in
+        mesh order (a group's ranks are numbered as the mesh numbers them). `written`: what
+        precedes the axes in the plan (`experts over`), for the hints; `noun`: the group's name
+        in the messages (`expert group`)."""
+        names = [self.axis_ref(name, mesh, role) for name in axes]
+        for i, name in enumerate(axes):
+            if name.text in (a.text for a in axes[:i]):
+                once = GROUP.join(dict.fromkeys(a.text for a in axes))
+                self.error(
+                    name.span,
+                    f"axis `{name.text}` is named twice in one {noun}",
+                    hint=f"name each axis once: `{written} {once}`",
+                )
+                return None
+        if None in names:
+            return None
+        ordered = [a for a in mesh.names if a in names]
+        if ordered != names:
+            self.error(
+                axes[0].span,
+                f"the axes of {_article(noun)} {noun} are written in mesh order: `{GROUP.join(ordered)}`",
+                hint="a group's ranks are numbered as the mesh numbers them",
+            )
+            return None
+        return GROUP.join(names)  # type: ignore[arg-type]
 
     def check_roles(self) -> None:
         """An axis serves several purposes only within one compatible group, all its uses at once
@@ -351,16 +402,9 @@ class SettingsChecker:
     def data_parallel(self, node: ast.DataParallelBlock | None, mesh: MeshSpec) -> DataParallelSpec | None:
         if node is None:
             return None
-        axis = self.axis_ref(node.axis, mesh, "data")
+        axis = self.axis_group(node.axes, mesh, "data", "data_parallel over", "data-parallel group")
         s = self.settings(node.items, ("zero", "bucket", "offload", "compress"))
-        zero = s["zero"].value if "zero" in s else 0
-        assert isinstance(zero, int)
-        if not 0 <= zero <= 3:
-            self.error(
-                s["zero"].value_span,
-                f"ZeRO stage {zero} does not exist",
-                hint="0: plain data parallel, 1: shard optimizer state, 2: + gradients, 3: + parameters",
-            )
+        zero, shard = self.zero_stage(s["zero"], node, mesh) if "zero" in s else (0, None)
         bucket = s["bucket"].value if "bucket" in s else DEFAULT_BUCKET_BYTES
         assert isinstance(bucket, int)
         if bucket <= 0:
@@ -387,8 +431,16 @@ class SettingsChecker:
         # every ZeRO stage takes it: PowerSGD's factors are all-reduced under ZeRO-2/3 too
         # (`runtime/compression.py`)
         compress = self.compress(s["compress"]) if "compress" in s else None
+        if compress is not None and shard is not None:
+            self.error(
+                s["compress"].value_span,
+                f"`compress` does not compose with a ZeRO state replicated over "
+                f"`{GROUP.join(a.text for a in node.axes if a.text not in axes_of(shard))}` yet",
+                hint="each compressed reduction runs over one group of ranks: drop `compress`, or "
+                "shard over every data axis (`zero = N` without `over`)",
+            )
         return DataParallelSpec(
-            axis or node.axis.text,
+            axis or GROUP.join(a.text for a in node.axes),
             zero,
             bucket,
             "optimizer" in offload,
@@ -398,7 +450,45 @@ class SettingsChecker:
             compress,
             "optimizer:disk" in targets,
             "params:disk" in targets,
+            shard,
         )
+
+    def zero_stage(
+        self, setting: ast.Setting, node: ast.DataParallelBlock, mesh: MeshSpec
+    ) -> tuple[int, str | None]:
+        """`zero = N` or `zero = N over AXES` checked: the stage, and the data axes it shards over
+        when they are not all of the block's (HSDP; None: all of them)."""
+        value = setting.value
+        stage, over = (value.stage, value.over) if isinstance(value, ast.ZeroStage) else (value, ())
+        assert isinstance(stage, int)
+        if not 0 <= stage <= 3:
+            self.error(
+                setting.value_span,
+                f"ZeRO stage {stage} does not exist",
+                hint="0: plain data parallel, 1: shard optimizer state, 2: + gradients, 3: + parameters",
+            )
+        if not over:
+            return stage, None
+        data = [a.text for a in node.axes]
+        group = GROUP.join(data)
+        for name in over:
+            if name.text not in data:
+                self.error(
+                    name.span,
+                    f"ZeRO shards over the data axes only, and `{name.text}` is not one of `{group}`",
+                    hint=f"name some of `{group}`: the state is sharded over those and replicated "
+                    "over the others (HSDP)",
+                )
+                return stage, None
+        if stage == 0:
+            self.error(
+                setting.value_span,
+                "`zero = 0` shards nothing, so it cannot shard over an axis",
+                hint=f"`zero = 3 over {over[0].text}` shards the state over `{over[0].text}`",
+            )
+            return stage, None
+        shard = self.axis_group(over, mesh, "data", f"zero = {stage} over", "ZeRO group")
+        return stage, None if shard is None or set(axes_of(shard)) == set(data) else shard
 
     def compress(self, setting: ast.Setting) -> CompressSpec | None:
         """`compress = METHOD(ARG=N, ...)` checked: a known method, its own arguments in range."""

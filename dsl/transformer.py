@@ -178,11 +178,18 @@ class ToAst(Transformer):
         return str(tok)
 
     # -- data parallel
-    def data_parallel(self, meta, axis, *items):
-        return ast.DataParallelBlock(self._name(axis), tuple(items), self._span(meta))
+    def data_parallel(self, meta, axis, *rest):
+        more = tuple(self._name(t) for t in rest if isinstance(t, Token))
+        items = tuple(i for i in rest if not isinstance(i, Token))
+        return ast.DataParallelBlock(self._name(axis), items, self._span(meta), more)
 
-    def zero(self, meta, tok):
-        return self._setting(meta, "zero", self._int(tok, "ZeRO stage", "0, 1, 2 or 3"), str(tok))
+    def zero(self, meta, tok, *over):
+        stage = self._int(tok, "ZeRO stage", "0, 1, 2 or 3")
+        if not over:
+            return self._setting(meta, "zero", stage, str(tok))
+        names = tuple(self._name(t) for t in over)
+        text = f"{tok} over " + " x ".join(n.text for n in names)
+        return self._setting(meta, "zero", ast.ZeroStage(stage, names), text)
 
     def bucket(self, meta, tok):
         size = parse_size(str(tok))

@@ -34,6 +34,7 @@ from .data_parallel import broadcast_parameters
 from .expert_data_parallel import PerGroup, averaged_over, data_ranks
 from .grad_sync import OptimizerSettings, TrainingState
 from .zero import Collective, Zero, ZeroOptions
+from .zero_grads import Replicas
 from .zero_optim import load_buffers, read_steps, training_state
 
 
@@ -113,31 +114,37 @@ def expert_zero(
     *,
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
+    replicated: Collection[str] = (),
 ) -> ExpertZero:
     """One `Zero` per set of data axes a parameter is averaged over (`averaged_over`), sharding
     those parameters over that set's group, from the group's first rank's values; every rank
     calls it. The engine of the parameters averaged over the most ranks (the dense ones) binds
     the compiled program's ZeRO nodes. `programs` and `alone`: `shard_for_zero`'s (a pipeline
-    rank's stage programs, the weights tied across pipeline ranks)."""
+    rank's stage programs, the weights tied across pipeline ranks). `replicated` (HSDP): the data
+    axes over which each set's state is not cut but copied, its shards all-reduced over them."""
     names = {id(p): n for n, p in module.named_parameters()}
     engines = []
     for over, params in averaged_over(module, axes).items():  # sorted: the same order on every rank
-        group, settings = groups(over), options
+        cut = tuple(a for a in over if a not in replicated)
+        copies = tuple(a for a in over if a in replicated)
+        group, settings = groups(cut), options
         if group is None:  # no other rank holds them: stage 3 would gather from itself
             group, settings = _own_group(), dataclasses.replace(options, stage=min(options.stage, 2))
-        broadcast_parameters(params, group)  # the same seeded model: make it exact
+        broadcast_parameters(params, groups(over) or group)  # the same seeded model: make it exact
         label, mine = " x ".join(over), {names[id(p)] for p in params}
+        peers = groups(copies)
         engines.append(
             Zero(
                 module,
                 group,
                 settings,
-                axis=label or "(this rank)",
+                axis=" x ".join(cut) or "(this rank)",
                 only=mine,
                 node_axis=label,  # the compiler's ZeRO pass names each node's group alike
                 divisor=data_ranks(axes, over),
                 programs=programs,
                 alone=[n for n in alone if n in mine],
+                replicas=Replicas(peers, " x ".join(copies)) if peers is not None else None,
             )
         )
     return ExpertZero(module, engines)

@@ -87,32 +87,35 @@ def group_over(layout: MeshLayout, axes: Sequence[str], mesh: DeviceMesh) -> dis
     """The ranks that share every coordinate with this one but those on `axes`, as one process
     group (None if that is this rank alone). For one axis it is the mesh's own group; for several
     (the data-parallel `dp` and the expert `ep` of `mesh dp=2, ep=2, tp=2`: {0,2,4,6} and
-    {1,3,5,7}) every rank must call this, with the same axes: each group is made by all.
+    {1,3,5,7}) it is made once per mesh, by every rank at its first ask (a collective of the
+    whole world): every rank asks for the same groups in the same order, as every rank binds the
+    same program.
     """
     axes = [a for a in axes if layout.size(a) > 1]
     if not axes:
         return None
     if len(axes) == 1:
         return mesh.get_group(axes[0])
-    partition: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(layout.world_size):
-        coords = layout.coords(rank)
-        partition.setdefault(tuple(c for a, c in coords.items() if a not in axes), []).append(rank)
-    group, _ = dist.new_subgroups_by_enumeration(list(partition.values()), timeout=_world_timeout(mesh))
-    return group
+    made = mesh.__dict__.setdefault("_meshplan_groups", {})
+    key = GROUP.join(axes)
+    if key not in made:
+        partition: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(layout.world_size):
+            coords = layout.coords(rank)
+            partition.setdefault(tuple(c for a, c in coords.items() if a not in axes), []).append(rank)
+        made[key], _ = dist.new_subgroups_by_enumeration(
+            list(partition.values()), timeout=_world_timeout(mesh)
+        )
+    return made[key]
 
 
 def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup | None:
-    """The process group of an axis or of a group of axes (`dp x tp`). A group's is made once per
-    mesh (`group_over`, a collective of the whole world): every rank asks for it at the same
-    point, as every rank binds the same program."""
+    """The process group of an axis or of a group of axes (`dp x tp`: `group_over`'s, None where
+    that is this rank alone)."""
     if GROUP not in axis:
         return mesh.get_group(axis)
-    made = mesh.__dict__.setdefault("_meshplan_groups", {})
-    if axis not in made:
-        layout = MeshLayout(tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
-        made[axis] = group_over(layout, axes_of(axis), mesh)
-    return made[axis]
+    layout = MeshLayout(tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
+    return group_over(layout, axes_of(axis), mesh)
 
 
 def _world_timeout(mesh: DeviceMesh):

@@ -1,5 +1,6 @@
-"""ZeRO stages 1, 2 and 3 and CPU offload over one data-parallel process group: the engine
-that schedules gathers, frees and gradient reductions and drives the optimizer step.
+"""ZeRO stages 1, 2 and 3 and CPU offload over one data-parallel process group (and HSDP's
+replicas of it): the engine that schedules gathers, frees and gradient reductions and drives the
+optimizer step.
 
 The training loop wraps a module (a compiled per-rank GraphModule, or any nn.Module)
 and steps this object instead of an optimizer:
@@ -64,7 +65,7 @@ from .disk_offload import ParamFiles, rank_folder, shards_in_memory
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState, held_weakly
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
 from .zero_gathers import Gathers
-from .zero_grads import ShardedGrads
+from .zero_grads import Replicas, ShardedGrads
 from .zero_nodes import ZeroGather, ZeroRelease, graph_units
 from .zero_optim import OwnElements, ShardedOptimizer, load_buffers, read_steps, training_state
 
@@ -131,6 +132,7 @@ class Zero(Accumulates):
         only: Collection[str] | None = None,
         node_axis: str | None = None,
         divisor: int | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         """Shard `module`'s training state over `group` (the mesh axis `axis`) as `options` say;
         every rank calls it (as `shard_for_zero`). Then `optimizer(config)` builds its optimizer.
@@ -149,10 +151,16 @@ class Zero(Accumulates):
         None binds them all), and `divisor` what a summed gradient is divided by (default: the
         group's size; `expert_data_parallel.data_ranks`).
 
+        `replicas` (HSDP): the ranks that hold the same shards as this one, each training on
+        its own part of the batch (`zero = 3 over dp` of `data_parallel over node x dp`: the
+        `node` peers). Each reduced gradient shard is all-reduced over them too, so every copy
+        of the state takes the same step; the parameters are gathered within `group` only.
+
         The ranks must start from the same parameters (same seed, or a checkpoint): only each
         rank's own shard survives, so a difference would not be noticed.
         """
         self.module, self.group, self.options, self.axis = module, group, options, axis
+        self.replicas = replicas
         self.world = dist.get_world_size(group)
         mine = None if only is None else set(only)
         params = [
@@ -210,6 +218,7 @@ class Zero(Accumulates):
             axis=axis,
             divisor=divisor,
             compression=options.compression,
+            replicas=replicas,
         )
         self._issued: Counter[tuple[str, int]] = Counter()
         self._last_issued: Counter[tuple[str, int]] = Counter()
@@ -373,7 +382,7 @@ class Zero(Accumulates):
         for f in self.flats:
             for op, grad_bytes in self._grads.wire(f):
                 rows[op, grad_bytes] += 1
-            if self.options.stage < 3:
+            if self.options.stage < 3 and self.world > 1:
                 rows["all_gather", f.full_nbytes()] += 1
         for u in self.units:
             for f in u.flats:
@@ -481,10 +490,17 @@ class Zero(Accumulates):
 
     # ------------------------------------------------------------------ communication
 
-    def _record(self, op: str, nbytes: int) -> None:
-        """Count a collective being launched, for `issued()`, and tell the watchdog."""
+    def _record(self, op: str, nbytes: int, *, replicas: bool = False) -> None:
+        """Count a collective being launched, for `issued()`, and tell the watchdog (`replicas`:
+        one over HSDP's replicas rather than the engine's group). A collective over this rank
+        alone sends nothing and is not counted, as the ledger lists none."""
+        if self.world == 1 and not replicas:
+            return
         self._issued[op, nbytes] += 1
-        watchdog.note(op, self.axis, watchdog.size_text(nbytes), self.group)
+        if replicas and self.replicas is not None:
+            watchdog.note(op, self.replicas.axis, watchdog.size_text(nbytes), self.replicas.group)
+        else:
+            watchdog.note(op, self.axis, watchdog.size_text(nbytes), self.group)
 
     def _all_gather_params(self, *, wait: bool) -> None:
         """Stages 1/2: every rank's updated shard into everyone's full params, in forward order

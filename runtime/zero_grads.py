@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -45,9 +46,24 @@ class _Pending(NamedTuple):
     op: str
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """HSDP's other group: the ranks holding the same shard of the state (`zero = 3 over dp` of
+    `data_parallel over node x dp`: this rank's peers over `node`), over which each reduced
+    shard is all-reduced once more."""
+
+    group: dist.ProcessGroup
+    axis: str  # its axes' name, for the ledger and the watchdog (`node`)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
 class ShardedGrads:
     """The gradients of `flats`, averaged over `group`: launched per flat, at most
-    `MAX_IN_FLIGHT` reductions running at once; `record(op, nbytes)` counts each collective.
+    `MAX_IN_FLIGHT` reductions running at once; `record(op, nbytes)` counts each collective
+    (`replicas=True`: one over `replicas`, HSDP's second reduction of each shard).
     `compression`: each flat's reduction made lossy (the module docstring), in the gradients' dtype."""
 
     def __init__(
@@ -57,13 +73,16 @@ class ShardedGrads:
         *,
         stage: int,
         reduce_dtype: torch.dtype | None,
-        record: Callable[[str, int], None],
+        record: Callable[..., None],
         axis: str,
         divisor: int | None = None,
         compression: Compression | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         if compression is not None and reduce_dtype is not None:
             raise ValueError("ZeRO: a compressed flat is reduced in the gradients' dtype, not another")
+        if compression is not None and replicas is not None:
+            raise ValueError("ZeRO: a compressed flat is reduced over one group, not replicated over another")
         self.flats, self.group, self.stage, self.axis = flats, group, stage, axis
         self.compression = compression
         # each flat's compressor, seeded by its index (the same on every rank), keeping its state across steps
@@ -73,8 +92,9 @@ class ShardedGrads:
             else {}
         )
         self.reduce_dtype = reduce_dtype  # None: the params' dtype
+        self.replicas = replicas
         self.world = dist.get_world_size(group)
-        self.divisor = divisor or self.world  # `DataParallel`'s
+        self.divisor = divisor or self.world * (replicas.size if replicas else 1)  # `DataParallel`'s
         self._record = record
         self._gloo = dist.get_backend(group) == "gloo"
         self.pending: list[_Pending] = []  # gradient reductions in flight
@@ -87,7 +107,11 @@ class ShardedGrads:
         padded tensor; under `compress`, `buckets.zero_compressed_wire`'s, after PowerSGD's warm-up)."""
         if self.compression is None:
             op = "all_reduce" if self.stage == 1 else "reduce_scatter"
-            return [(op, f.padded * torch.empty((), dtype=self.dtype(f)).element_size())]
+            nbytes = f.padded * torch.empty((), dtype=self.dtype(f)).element_size()
+            rows = [(op, nbytes)] if self.world > 1 else []  # over this rank alone: nothing sent
+            if self.replicas is not None:
+                rows.append(("all_reduce", nbytes if self.stage == 1 else nbytes // self.world))
+            return rows
         method, rank = self.compression.method, self.compression.rank
         return [(op, b) for op, _, b in zero_compressed_wire(f.params, f.padded, self.stage, method, rank)]
 
@@ -109,16 +133,17 @@ class ShardedGrads:
         self._record(op, flat.nbytes)
         own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
         finish: Callable[[], None]
+        across = self._across_replicas
         if self.stage == 1:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            finish = lambda: self._keep_full(f, flat.div_(self.divisor))  # noqa: E731
+            finish = lambda: self._keep_full(f, across(flat).div_(self.divisor))  # noqa: E731
         elif self._gloo:  # gloo's reduce-scatter is slower than its all-reduce: reduce all, keep ours
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            finish = lambda: self._keep_shard(f, flat[own].clone().div_(self.divisor))  # noqa: E731
+            finish = lambda: self._keep_shard(f, across(flat[own].clone()).div_(self.divisor))  # noqa: E731
         else:
             out = flat.new_empty(f.shard_numel)  # (S,)
             work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
-            finish = lambda: self._keep_shard(f, out.div_(self.divisor))  # noqa: E731
+            finish = lambda: self._keep_shard(f, across(out).div_(self.divisor))  # noqa: E731
         self.pending.append(_Pending(work.wait, finish, flat, op))
         f.reduced = True
         self.drain(keep=MAX_IN_FLIGHT)
@@ -149,6 +174,14 @@ class ShardedGrads:
                 self._record("all_reduce", nbytes)
 
         self.pending.append(_Pending(wait, finish, flat, op))
+
+    def _across_replicas(self, reduced: Tensor) -> Tensor:
+        """HSDP: `reduced` (this rank's shard, summed over its own group) summed over the ranks
+        holding the same shard, each of which reduced its own part of the batch; in place."""
+        if self.replicas is not None:
+            self._record("all_reduce", reduced.nbytes, replicas=True)
+            dist.all_reduce(reduced, group=self.replicas.group)
+        return reduced
 
     def drain(self, keep: int) -> None:
         """Finish the oldest reductions until `keep` are left: bounds the full-size buffers alive."""

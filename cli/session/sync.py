@@ -9,6 +9,7 @@ gradient is partial over a tensor or context axis makes parameters reduce over d
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, cast
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from meshplan.runtime.expert_zero import ExpertZero
     from meshplan.runtime.mesh import MeshLayout
     from meshplan.runtime.zero import Zero, ZeroOptions
+    from meshplan.runtime.zero_grads import Replicas
 
     from .pipeline import PipelineRank, ZeroShards
 
@@ -82,11 +84,13 @@ def gradient_sync(
             f"(hint: use `offload = {target}` to keep {what} in host memory)"
         )
     if dp_axis is not None and dp_spec is not None and not experts and not program.grad_sums:
-        dp_group = mesh.get_group(dp_axis)
+        from meshplan.runtime.mesh import axis_group
+
+        dp_group = axis_group(mesh, dp_axis)
         if host:
             engine = _host_apart(rank_program, dp_group, dp_spec, plan, host, layout)
         elif dp_spec.zero > 0:
-            engine = shard_for_zero(rank_program, dp_group, dp_spec, plan, pipeline, offload_dir)
+            engine = shard_for_zero(rank_program, mesh, dp_spec, plan, pipeline, offload_dir)
         else:
             from meshplan.runtime.data_parallel import DataParallel
 
@@ -99,7 +103,7 @@ def gradient_sync(
                 late=_late(rank_program, pipeline),
                 compression=compression(dp_spec),
             )
-    axes = rank_axes(program, mesh, data=(dp_spec.axis,) if dp_spec is not None else ())
+    axes = rank_axes(program, mesh, data=dp_spec.axes if dp_spec is not None else ())
     if experts or program.grad_sums:
         # the expert axes split the batch too: data parallel for all but the experts; a weight
         # gradient partial over an axis is summed over it with the data axes' average
@@ -269,6 +273,7 @@ def _per_axes(
             _zero_options(dp_spec, plan),
             programs=_stage_programs(pipeline),
             alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
+            replicated=dp_spec.replicated_over,
         )
     return expert_data_parallel(
         rank_program,
@@ -282,13 +287,14 @@ def _per_axes(
 
 def shard_for_zero(
     rank_program: fx.GraphModule,
-    dp_group: torch.distributed.ProcessGroup,
+    mesh,
     dp_spec: DataParallelSpec,
     plan: Plan,
     pipeline: PipelineRank | None,
     offload_dir: Path | None = None,
 ) -> Zero:
-    """ZeRO over the dp group, from dp rank 0's initial params; `train` builds its AdamW
+    """ZeRO over the data axes, from their first rank's initial params (HSDP, `zero = N over
+    dp`: sharded over `dp`, each shard reduced over the other data axes too); `train` builds its AdamW
     (`Zero.optimizer`) with the run's settings, its state in files under `offload_dir` when the
     plan offloads it to disk, and the parameter shards there too under `params:disk`.
 
@@ -299,22 +305,39 @@ def shard_for_zero(
     a copy holds the same piece of its gradient (`PipelineRank.sum_tied_grads` adds them).
     """
     from meshplan.runtime.data_parallel import broadcast_parameters
+    from meshplan.runtime.mesh import axis_group
     from meshplan.runtime.zero import shard_for_zero
 
     # every rank built the same seeded model, but only each rank's own shard survives sharding
-    broadcast_parameters([p for p in rank_program.parameters() if p.requires_grad], dp_group)
+    broadcast_parameters(
+        [p for p in rank_program.parameters() if p.requires_grad], axis_group(mesh, dp_spec.axis)
+    )
+    shard_group = axis_group(mesh, dp_spec.sharded_over)
+    assert shard_group is not None  # `gradient_sync` builds no engine over a data group of one rank
     return shard_for_zero(
         rank_program,
-        dp_group,
+        shard_group,
         dataclasses.replace(
             _zero_options(dp_spec, plan),
             offload_dir=offload_dir if dp_spec.optimizer_on_disk else None,
             params_dir=offload_dir if dp_spec.params_on_disk else None,
         ),
-        axis=dp_spec.axis,
+        axis=dp_spec.sharded_over,
         programs=_stage_programs(pipeline),
         alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
+        replicas=replicas(mesh, dp_spec.replicated_over),
     )
+
+
+def replicas(mesh, axes: Sequence[str]) -> Replicas | None:
+    """HSDP's replicas of this rank's shards: its peers over `axes` (None: no other rank)."""
+    from meshplan.runtime.mesh import GROUP, axis_group
+    from meshplan.runtime.zero_grads import Replicas
+
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = [a for a in axes if mesh.mesh.shape[names.index(a)] > 1]
+    group = axis_group(mesh, GROUP.join(axes)) if axes else None
+    return Replicas(group, GROUP.join(axes)) if group is not None else None
 
 
 def _stage_programs(pipeline: PipelineRank | None) -> list[fx.GraphModule]:

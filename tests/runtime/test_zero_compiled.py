@@ -13,6 +13,9 @@ own worker setup (`session.open_session`) on gloo processes, against the unparti
 - ZeRO-3 under expert parallelism (dp=2 x ep=2, one layer checkpointed): a layer's dense
   parameters gathered over all four ranks and its experts over the two holding them, each
   by its own engine; the ledger again, summed over both.
+- HSDP (`data_parallel over node x dp` with `zero = N over dp`), ZeRO-3 and, under expert
+  parallelism, ZeRO-2: the state cut over dp only, each gradient shard all-reduced over node;
+  the ledger again, and each rank holds half the state, not a quarter.
 
 Each plan also trains like one device: `meshplan verify` against float64 and the yardstick. The
 facts above are read from the ranks of that same verify run (its worker is `meshplan verify`'s,
@@ -61,6 +64,16 @@ PLANS = {  # name: (plan, world size, model)
         4,
         MOE,
     ),
+    # HSDP: the state cut over dp, copied over node; each gradient shard all-reduced over node
+    "hsdp3": ("mesh node=2, dp=2\ndata_parallel over node x dp {\n    zero = 3 over dp\n}\n", 4, LLAMA),
+    # the per-axes engine: the dense state cut over dp, the experts' (which dp splits) copied
+    # whole over node, each engine's shards all-reduced over node
+    "hsdp2_experts": (
+        "mesh node=2, dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp (top_k=2)\n}\n\n"
+        "data_parallel over node x dp {\n    zero = 2 over dp\n}\n",
+        4,
+        MOE,
+    ),
 }
 # 24 tokens a micro-batch: no activation has a parameter's shape (`compute_copies_kept`)
 STEPS, MICRO_BATCH, SEQ = 3, 2, 12
@@ -74,6 +87,8 @@ def processes():
 
 def worker(facts: str, rank: int, world_size: int, job):
     """`meshplan verify`'s own rank, then what its ZeRO engine did, written to `facts`/rank{R}.pkl."""
+    import torch.distributed as dist
+
     import meshplan.session
     from meshplan.verify import _rank
 
@@ -103,6 +118,8 @@ def worker(facts: str, rank: int, world_size: int, job):
                 "units": [u.name for u in units],
                 "peak_gathered": sum(e.peak_gathered for e in engines),
                 "full_bytes": sum(f.full_nbytes() for e in engines for f in e.flats),
+                "shards": [dist.get_world_size(e.group) for e in engines],
+                "replicas": [e.replicas.size if e.replicas else 1 for e in engines],
                 "unit_bytes": {u.name: sum(f.full_nbytes() for f in u.flats) for u in units},
                 "layer_bytes": max(
                     (sum(f.full_nbytes() for f in u.flats) for u in units if _is_layer(u.name)), default=0
@@ -234,3 +251,14 @@ def test_experts_and_dense_parameters_are_units_of_their_own_groups(run) -> None
 
 def _is_layer(unit: str) -> bool:
     return unit.split("+")[0].split(".")[-1].isdigit()
+
+
+def test_hsdp_cuts_the_state_over_its_shard_axis_and_copies_it_over_the_others(run) -> None:
+    """`zero = N over dp` of `data_parallel over node x dp`: each engine's group is the dp pair
+    (the experts', which dp splits, this rank alone), and its shards have a copy on the node peer."""
+    name, _, _, results = run
+    if not name.startswith("hsdp"):
+        pytest.skip("HSDP only")
+    for r in results:
+        assert r["replicas"] == [2] * len(r["shards"])
+        assert sorted(r["shards"]) == ([1, 2] if name == "hsdp2_experts" else [2])

@@ -198,6 +198,12 @@ def cells(family: str) -> dict[str, str]:
         "cp2xtp2+sp": plan(
             f"\n    {attention(tensor)}: context ring over cp{sequence}{tensor}", mesh="cp=2, tp=2"
         ),
+        # HSDP: ZeRO-3 within dp, a copy of the state per node, the shards all-reduced over node
+        "node2xdp2 hsdp3": plan(
+            "\n",
+            mesh="node=2, dp=2",
+            extra="\ndata_parallel over node x dp {\n    zero = 3 over dp\n}\n",
+        ),
     }
     if family == "plain_llama":
         composed = plan(

@@ -55,11 +55,19 @@ class Layout:
     vocab: bool = False  # vocab-parallel embedding and head (with tp)
     cp: int = 1  # context parallel: each sequence's tokens cut over cp ranks, a ring for attention
     virtual: int = 1  # a pipeline rank's chunks: 2 and up is interleaved 1F1B
+    copies: int = 1  # HSDP: ZeRO's state cut over dp / copies ranks of a node, one copy per node
 
     def sizes(self) -> list[tuple[str, int]]:
         """The mesh's axes, outermost first: tensor parallelism innermost (inside a node), then
-        experts and context, whose collectives come next in volume."""
-        return [("dp", self.dp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep), ("tp", self.tp)]
+        experts and context, whose collectives come next in volume; under HSDP the data ranks
+        are `node` x `dp`, the copies of the state outermost."""
+        data = [("node", self.copies), ("dp", self.shards)] if self.copies > 1 else [("dp", self.dp)]
+        return [*data, ("pp", self.pp), ("cp", self.cp), ("ep", self.ep), ("tp", self.tp)]
+
+    @property
+    def shards(self) -> int:
+        """The data ranks ZeRO cuts the state over (all of them but under HSDP)."""
+        return self.dp // self.copies
 
     def mesh(self) -> str:
         return ", ".join(f"{n}={s}" for n, s in self.sizes() if s > 1) or "dp=1"
@@ -70,7 +78,7 @@ class Layout:
 
     def complexity(self) -> int:
         """Moving parts a user reads and runs: what breaks a tie in time (`Candidate.rank_key`)."""
-        parts = self.zero + 2 * self.offload + bool(self.checkpoint) + (self.virtual > 1)
+        parts = self.zero + 2 * self.offload + bool(self.checkpoint) + (self.virtual > 1) + (self.copies > 1)
         return parts + (self.pp > 1) + (self.tp > 1) + (self.ep > 1) + (self.cp > 1)
 
     def features(self) -> frozenset[str]:
@@ -81,6 +89,7 @@ class Layout:
         out |= {"cp"} if self.cp > 1 else set()
         out |= {"interleaved"} if self.virtual > 1 else set()
         out |= {f"zero{self.zero}"} if self.zero else set()
+        out |= {"hsdp"} if self.copies > 1 else set()
         out |= {f"checkpoint {self.checkpoint}"} if self.checkpoint else set()
         return frozenset(out)
 
@@ -180,7 +189,7 @@ class Screen:
         """(device bytes, the largest ZeRO-3 unit's whole bytes) of `n` local parameters. A
         pipeline's earlier microbatches run backward under `no_sync`: ZeRO-2/3 hold the whole
         gradients between them (ZeRO-1 and plain data parallelism hold them whole anyway)."""
-        d = lay.dp
+        d = lay.shards
         between = 4 * n if lay.microbatches > 1 else 0
         if lay.zero == 0:
             return 16 * n, 0
@@ -360,24 +369,28 @@ class Screen:
         if lay.dp <= 1:
             return 0.0
         n = max(self.local_params(lay, s, b) for s, b in enumerate(self.stages(lay)))
-        span = lay.dp * lay.tp * lay.ep * lay.pp * lay.cp
+        inner = lay.tp * lay.ep * lay.pp * lay.cp
+        span = lay.dp * inner
         pieces = max(self.shape.layers // lay.pp, 1) + 2  # buckets, flats or units
         overlap = self.hw.overlap
         if lay.zero == 0:
             reduce = self._collective("all_reduce", 4 * n, lay.dp, span)
             return exposed(reduce, reduce / pieces, backward, overlap)
-        half = self._collective("reduce_scatter", 4 * n, lay.dp, span)
+        d = lay.shards  # under HSDP, within a node; each reduced shard then all-reduced over the copies
+        half = self._collective("reduce_scatter", 4 * n, d, d * inner)
+        if lay.copies > 1:
+            half += self._collective("all_reduce", 4 * n / d, lay.copies, span)
         waited = exposed(half, half / pieces, backward, overlap)  # the gradients' reduce-scatter
         if lay.zero < 3:
             return waited + exposed(half, 0.0, forward, overlap)  # the parameters' all-gather after the step
-        gather = self._collective("all_gather", self.compute_bytes * n, lay.dp, span)
+        gather = self._collective("all_gather", self.compute_bytes * n, d, d * inner)
         gathers = exposed(gather, gather / pieces, forward, overlap)
         return waited + gathers + exposed(gather, gather / pieces, backward, overlap)
 
     def _optimizer(self, lay: Layout) -> float:
         n = max(self.local_params(lay, s, b) for s, b in enumerate(self.stages(lay)))
         if lay.zero:
-            n = math.ceil(n / lay.dp)
+            n = math.ceil(n / lay.shards)
         moved = 28 * n  # gradient read; parameter and two moments read and written (fp32)
         if lay.offload:
             return moved / HOST_STEP + 8 * n / HOST_LINK

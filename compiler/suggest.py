@@ -152,7 +152,14 @@ def layouts(
             per_replica = batch // (d * e)
             micro = [m for m in (p, 2 * p, 4 * p, 8 * p) if per_replica % m == 0] if p > 1 else [1]
             virtuals = (1, 2) if p > 1 and shape.layers >= 2 * p else (1,)
-            for m, v, zero in itertools.product(micro, virtuals, (0, 1, 2, 3) if d > 1 else (0,)):
+            # HSDP: the state cut over the data ranks of one node, a copy on each node
+            node = per_node // (p * c * e * t) if per_node % (p * c * e * t) == 0 else 0
+            hsdp = (1, d // node) if node > 1 and d % node == 0 and d > node else (1,)
+            for m, v, zero, copies in itertools.product(
+                micro, virtuals, (0, 1, 2, 3) if d > 1 else (0,), hsdp
+            ):
+                if copies > 1 and zero == 0:
+                    continue
                 for offload, ckpt in itertools.product(
                     (False, True) if zero == 3 else (False,), CHECKPOINTS if shape.blocks else ("",)
                 ):
@@ -169,6 +176,7 @@ def layouts(
                         virtual=v,
                         sp=sp,
                         vocab=vocab,
+                        copies=copies,
                     )
 
 

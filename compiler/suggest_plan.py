@@ -126,17 +126,20 @@ def write_plan(
             "",
         ]
     if lay.dp > 1:
+        where = f" over each node's {lay.shards} dp ranks, a copy on each node" if lay.copies > 1 else ""
         why = {
             0: "gradients all-reduced in buckets, overlapping backward",
-            1: "the optimizer's state sharded",
-            2: "the optimizer's state and the gradients sharded",
-            3: "parameters, gradients and optimizer state sharded; each block gathered when used",
+            1: f"the optimizer's state sharded{where}",
+            2: f"the optimizer's state and the gradients sharded{where}",
+            3: f"parameters, gradients and optimizer state sharded{where}; each block gathered when used",
         }[lay.zero]
-        lines.append(
-            f"# dp={lay.dp}: {why}" + ("; the optimizer's state in host memory" if lay.offload else "")
-        )
-        lines.append("data_parallel over dp {")
-        lines.append(f"    zero = {lay.zero}")
+        over = "node x dp" if lay.copies > 1 else "dp"
+        sizes = f"node x dp={lay.copies} x {lay.shards}" if lay.copies > 1 else f"dp={lay.dp}"
+        lines.append(f"# {sizes}: {why}" + ("; the optimizer's state in host memory" if lay.offload else ""))
+        if lay.copies > 1:
+            lines.append("# (HSDP: gathers stay within a node; only the reduced gradient shards cross nodes)")
+        lines.append(f"data_parallel over {over} {{")
+        lines.append(f"    zero = {lay.zero}" + (" over dp" if lay.copies > 1 else ""))
         if lay.offload:
             lines.append("    offload = optimizer")
         lines += ["}", ""]

@@ -62,9 +62,11 @@ class MeshLayout:
         return rank
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
-        """The ranks that share every coordinate with `rank` except `axis`."""
-        c = self.coords(rank)
-        return [self.rank_of({**c, axis: i}) for i in range(self.size(axis))]
+        """The ranks that share every coordinate with `rank` except `axis`'s (a group's, `node x
+        dp`: its axes'), in rank order."""
+        c, axes = self.coords(rank), axes_of(axis)
+        kept = [a for a in self.names if a not in axes]
+        return [r for r in range(self.world_size) if all(self.coords(r)[a] == c[a] for a in kept)]
 
 
 def init_mesh(layout: MeshLayout, device_type: str = "cpu") -> DeviceMesh:

@@ -410,3 +410,47 @@ def test_measuring_more_ranks_than_this_machine_starts_is_refused_before_the_sea
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--measure trains each plan here: 1024 ranks are more than" in err and "searched" not in err
+
+
+def test_hsdp_is_searched_across_nodes_written_and_priced_as_a_node_local_zero():
+    """16 ranks of 8-GPU nodes: ZeRO over a node's 8 data ranks with a copy on each node is in
+    the space (not on 8 ranks: one node); the screen holds twice a full shard's state, and its
+    gathers cross no node, so its step is faster than ZeRO-3 over all 16 (the datasheet's links:
+    inter-node 8x slower); the written plan compiles with the state cut over dp and copied over
+    node, and its estimate holds 1/8 of it."""
+    from meshplan.compiler.profile import profile_model
+    from meshplan.compiler.screen import Counts, Screen
+    from meshplan.compiler.suggest import Candidate, layouts
+    from meshplan.compiler.suggest_plan import write_plan
+
+    src = load_model(LLAMA, shapes_only=True)
+    shape = model_shape(src.model)
+    space = list(layouts(shape, 16, 16, 32, per_node=8, axes=frozenset({"dp"})))
+    assert {(lay.copies, lay.shards) for lay in space if lay.zero} == {(1, 16), (2, 8)}
+    assert all(lay.copies == 1 for lay in layouts(shape, 8, 8, 32, per_node=8))
+    assert all(lay.zero for lay in space if lay.copies > 1)  # plain data parallelism has no state to cut
+
+    hw = hardware("h100")
+    compiled = compile_plan(
+        check_text("mesh dp=16\n\ndata_parallel over dp {\n    zero = 3\n}\n", "p.plan", world_size=16),
+        shaped(LLAMA, 1, 32),
+        world_size=16,
+    )
+    scr = Screen(shape, Counts.of(src.model, shape), profile_model(compiled.captured, shape, hw), hw, 16, 16)
+    full, hsdp = Layout(dp=16, zero=3), Layout(dp=16, zero=3, copies=2)
+    n = scr.local_params(full, 0, shape.layers)
+    assert scr.state_bytes(hsdp, n)[0] == 16 * n // 8 and scr.state_bytes(full, n)[0] == 16 * n // 16
+    assert scr.step_time(hsdp) < scr.step_time(full)
+
+    text = write_plan(
+        shape, Candidate(hsdp, 0, 0.0), compute="fp32", world=16, hw=hw, limit=None, batch=16, seq=32
+    )
+    assert "mesh node=2, dp=8" in text and "data_parallel over node x dp {" in text
+    assert "zero = 3 over dp" in text
+    written = compile_plan(
+        check_text(text, "suggested.plan", world_size=16), shaped(LLAMA, 1, 32), world_size=16
+    )
+    (rank,) = {(r.params, r.optimizer) for r in estimate(written, hw=hw).ranks}
+    (whole,) = {(r.params, r.optimizer) for r in estimate(compiled, hw=hw).ranks}
+    # 1/8 of the state, not 1/16 (each flat padded to its shard count: a few bytes apart)
+    assert rank == pytest.approx((2 * whole[0], 2 * whole[1]), rel=1e-3)

@@ -71,3 +71,24 @@ def test_dp2_tp2_checkpoint_resumes_with_dp4(tmp_path, straight, saved: int, res
             resumed_losses[step],
             straight_losses[step],
         )
+
+
+HSDP = "mesh node=2, dp=2\n\ndata_parallel over node x dp {\n    zero = 3 over dp\n}\n"
+
+
+@pytest.mark.parametrize("saved_under_hsdp", [True, False])
+def test_hsdp_checkpoint_resumes_on_another_layout(tmp_path, straight, saved_under_hsdp: bool):
+    """HSDP's shards have a copy on every node: a checkpoint holds each box once, and resumes with
+    dp=4 under ZeRO-1; a dp=2 x tp=2 checkpoint resumes under HSDP (each copy reads its shards)."""
+    straight_run, straight_losses = straight
+    if saved_under_hsdp:
+        run(tmp_path, HSDP, "b", 2, "--steps", "4", "--save-every", "4")
+        resumed = DP4.replace("ZERO", "1")
+    else:
+        stopped_at_step_4(straight_run, tmp_path / "b")
+        resumed = HSDP
+    records = run(tmp_path, resumed, "b", 2, "--steps", "8", "--resume")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records[4:]:
+        step = r["step"]
+        assert abs(r["loss"] - straight_losses[step]) <= 1e-4 * abs(straight_losses[step]), (step, r["loss"])

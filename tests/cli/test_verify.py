@@ -249,6 +249,19 @@ def test_hf_deepseek_v3_under_context_and_sequence_parallelism(tmp_path):
     assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, tp=2")), factory, steps=2))
 
 
+def test_hf_deepseek_v3_keys_filled_in_place_are_gathered_under_context_all_gather(tmp_path):
+    """Latent attention's keys, made whole by `new_empty` and filled in place, reach attention
+    cut over cp; `context all_gather` gathers them (it read the keys it had not yet moved, and
+    padded the call's positional arguments over its `dropout_p` keyword: verify saw a random op)."""
+    pytest.importorskip("transformers")
+    rules = (
+        "\n    model.layers.*.self_attn: context all_gather over cp\n"
+        "    model.layers.*.mlp.experts: experts over ep (top_k=2)\n"
+    )
+    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_deepseek_v3"
+    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, ep=1")), factory, steps=2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mesh", "args", "extra"),

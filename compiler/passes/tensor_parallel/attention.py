@@ -54,6 +54,7 @@ def _sdpa(w: Walk, node: fx.Node) -> None:
 # ---------------------------------------------------------------------------- context parallelism
 
 SEQ = 2  # attention's (batch, heads, seq, head_dim)
+_SDPA_OPTIONAL = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False}  # its 4th to 6th, defaults
 
 
 def _context_attention(w: Walk, node: fx.Node) -> None:
@@ -81,10 +82,13 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
             hint=f"add `{module_path(node)}: context all_gather over {w.axis}` (or ulysses)",
             rule=w.spec.fallback_rule,
         )
+    mode = rule.action.mode  # type: ignore[union-attr]
+    # the queries' rows are this rank's; all_gather reads whole keys and values (which a model
+    # may already hold whole: DeepSeek-V3's, filled in place), the others their sequence shards
     for t in (q, k, v):
         if w.placement(t) != Shard(SEQ):
             w.use(node, t, w.convert(t, Shard(SEQ), because=rule))
-    mode = rule.action.mode  # type: ignore[union-attr]
+    q, k, v = (arg_node(node, i) for i in range(3))
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if mode == "ulysses":
         heads = shape(q)[1]
@@ -130,10 +134,12 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
     elif causal:
         whole = arg_node(node, 1)  # the gathered keys
         mask = _causal_rows(w, node, whole, rule)
-        args = list(node.args) + [None] * (6 - len(node.args))
+        # attn_mask, dropout_p and is_causal positional (the model may have passed any by keyword)
+        given = dict(zip(_SDPA_OPTIONAL, node.args[3:6], strict=False)) | dict(node.kwargs)
+        args = [*node.args[:3], *(given.get(k, default) for k, default in _SDPA_OPTIONAL.items())]
         args[3], args[5] = mask, False
-        node.args = tuple(args[:6])
-        node.kwargs = {k: a for k, a in node.kwargs.items() if k not in ("attn_mask", "is_causal")}
+        node.args = tuple(args)
+        node.kwargs = {k: a for k, a in node.kwargs.items() if k not in _SDPA_OPTIONAL}
     w.set(node, Shard(SEQ), rule)
 
 

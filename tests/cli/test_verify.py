@@ -262,6 +262,20 @@ def test_hf_deepseek_v3_keys_filled_in_place_are_gathered_under_context_all_gath
     assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, ep=1")), factory, steps=2))
 
 
+def test_hf_t5_under_context_parallelism(tmp_path):
+    """An encoder-decoder under `context all_gather`: both stacks' self-attention and the
+    decoder's cross-attention cut by sequence; its labels shifted right inside forward into a
+    `new_zeros` buffer, on the whole sequence (the buffer was placed like the labels it was made
+    from, then gathered at twice its size; the shift, a slice across the cut, was refused)."""
+    pytest.importorskip("transformers")
+    rules = (
+        "\n    {encoder,decoder}.block.*.layer.0.SelfAttention: context all_gather over cp\n"
+        "    decoder.block.*.layer.1.EncDecAttention: context all_gather over cp\n"
+    )
+    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_t5"
+    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2")), factory, steps=2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mesh", "args", "extra"),

@@ -235,6 +235,14 @@ def _expand(w: Walk, node: fx.Node) -> None:
         w.set(node, p)
 
 
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+def _new_sized(w: Walk, node: fx.Node) -> None:
+    """A fresh tensor of the size its arguments give, the whole tensor's (the graph's sizes are
+    global), whatever its input's placement (read for its dtype and device only): whole on every
+    rank (T5 shifts its labels right into `labels.new_zeros(labels.shape)`)."""
+    w.set(node, REPLICATE)
+
+
 @register(
     aten.slice.Tensor,
     aten.narrow.default,
@@ -262,7 +270,9 @@ def _slice_like(w: Walk, node: fx.Node) -> None:
         if p.blocks and _split_local_blocks(w, node, p.blocks):
             w.set(node, Shard(dim), w.rule_near(node))
             return
-        w.error(node, f"{describe(node)} slices dim {dim}, which is sharded over `{w.axis}`")
+        # a slice across shards (T5's labels shifted right) needs rows of other ranks: whole
+        w.run_whole(node, [x])
+        return
     out = p.dim - (node.target in (aten.select.int, aten.unbind.int) and dim < p.dim)
     w.set(node, p.at(out), w.rule_near(node))
 

@@ -249,31 +249,35 @@ def test_hf_deepseek_v3_under_context_and_sequence_parallelism(tmp_path):
     assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, tp=2")), factory, steps=2))
 
 
-def test_hf_deepseek_v3_keys_filled_in_place_are_gathered_under_context_all_gather(tmp_path):
-    """Latent attention's keys, made whole by `new_empty` and filled in place, reach attention
-    cut over cp; `context all_gather` gathers them (it read the keys it had not yet moved, and
-    padded the call's positional arguments over its `dropout_p` keyword: verify saw a random op)."""
+@pytest.mark.parametrize(
+    ("factory", "rules", "mesh"),
+    [
+        (
+            "hf_deepseek_v3",
+            "\n    model.layers.*.self_attn: context all_gather over cp\n"
+            "    model.layers.*.mlp.experts: experts over ep (top_k=2)\n",
+            "cp=2, ep=1",
+        ),
+        (
+            "hf_t5",
+            "\n    {encoder,decoder}.block.*.layer.0.SelfAttention: context all_gather over cp\n"
+            "    decoder.block.*.layer.1.EncDecAttention: context all_gather over cp\n",
+            "cp=2",
+        ),
+    ],
+    ids=["deepseek-v3", "t5"],
+)
+def test_hf_models_under_context_all_gather(tmp_path, factory, rules, mesh):
+    """DeepSeek-V3's latent attention: its keys, made whole by `new_empty` and filled in place,
+    are gathered (the rewrite gathered the keys it had not yet moved, and padded the call's
+    positional arguments over its `dropout_p` keyword: verify saw a random op). T5, an
+    encoder-decoder: both stacks' self-attention and the decoder's cross-attention cut by
+    sequence; its labels shifted right inside forward into a `new_zeros` buffer, on the whole
+    sequence (the buffer was placed like the labels it was made from, then gathered at twice its
+    size; the shift, a slice across the cut, was refused)."""
     pytest.importorskip("transformers")
-    rules = (
-        "\n    model.layers.*.self_attn: context all_gather over cp\n"
-        "    model.layers.*.mlp.experts: experts over ep (top_k=2)\n"
-    )
-    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_deepseek_v3"
-    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2, ep=1")), factory, steps=2))
-
-
-def test_hf_t5_under_context_parallelism(tmp_path):
-    """An encoder-decoder under `context all_gather`: both stacks' self-attention and the
-    decoder's cross-attention cut by sequence; its labels shifted right inside forward into a
-    `new_zeros` buffer, on the whole sequence (the buffer was placed like the labels it was made
-    from, then gathered at twice its size; the shift, a slice across the cut, was refused)."""
-    pytest.importorskip("transformers")
-    rules = (
-        "\n    {encoder,decoder}.block.*.layer.0.SelfAttention: context all_gather over cp\n"
-        "    decoder.block.*.layer.1.EncDecAttention: context all_gather over cp\n"
-    )
-    factory = f"{COMPILER_TESTS}/hf_factories.py:hf_t5"
-    assert_ok(verify(write(tmp_path, plan(rules, mesh="cp=2")), factory, steps=2))
+    text = plan(rules, mesh=mesh)
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:{factory}", steps=2))
 
 
 @pytest.mark.slow

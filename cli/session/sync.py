@@ -312,8 +312,8 @@ def shard_for_zero(
     broadcast_parameters(
         [p for p in rank_program.parameters() if p.requires_grad], axis_group(mesh, dp_spec.axis)
     )
-    shard_group = axis_group(mesh, dp_spec.sharded_over)
-    assert shard_group is not None  # `gradient_sync` builds no engine over a data group of one rank
+    # (an HSDP group whose cut axes are all of one rank: that rank alone, each copy whole)
+    shard_group = axis_group(mesh, dp_spec.sharded_over) or mesh.get_group(axes_of(dp_spec.sharded_over)[0])
     return shard_for_zero(
         rank_program,
         shard_group,

@@ -74,6 +74,16 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "HSDP: ZeRO-3 over dp, copies over node (4 ranks)",
     ),
+    "zero2_bf16": (
+        "mesh dp=2\n\ndata_parallel over dp {\n    zero = 2\n    compress = bf16\n}\n",
+        LLAMA,
+        "ZeRO-2 with bf16 compression: the flat's residual",
+    ),
+    "hsdp2_bf16": (
+        "mesh node=2, dp=2\n\ndata_parallel over node x dp {\n    zero = 2 over dp\n    compress = bf16\n}\n",
+        LLAMA,
+        "HSDP ZeRO-2 with bf16 compression: two residuals, the flat's and the shard's (4 ranks)",
+    ),
     "hsdp2_experts": (
         "mesh node=2, dp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp (top_k=2)\n}\n\n"
         "data_parallel over node x dp {\n    zero = 2 over dp\n}\n",

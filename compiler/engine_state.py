@@ -63,6 +63,7 @@ def state_of(
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
     optimizer: OptimizerSpec | None = None,
     compress: tuple[str, int] | None = None,
+    replicated: bool = False,
     whole: Mapping[str, torch.Size] | None = None,
     programs: Mapping[str, int | None] | None = None,
 ) -> State:
@@ -83,7 +84,8 @@ def state_of(
     them all: `runtime/disk_offload.ParamFiles`).
     `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
     gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
-    of the whole padded flat). `whole`: each parameter's whole shape (Adafactor's row and column
+    of the whole padded flat; `replicated`, HSDP's copies: a second one, of what each rank keeps).
+    `whole`: each parameter's whole shape (Adafactor's row and column
     moments are the whole matrix's; default: the local shape). `programs`: on a pipeline rank
     of several stages, the one whose program reads each parameter first (`runtime.buckets.
     by_program`), None for one several read: stages 1/2's flats never span two programs, and
@@ -145,6 +147,8 @@ def state_of(
         if compress is not None:  # the residual of the whole (padded) flat, or PowerSGD's per matrix
             bf16 = compress[0] == "bf16"
             s.grads += padded * size if bf16 else feedback_bytes([trainable[n] for n in names], *compress)
+            if replicated:  # HSDP's all-reduce across the copies, its own residual of what it sends
+                s.grads += (padded if zero == 1 else shard) * size
         if zero < 3:
             s.params += padded * size  # every parameter whole, the shard a view
             s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`

@@ -308,6 +308,7 @@ def estimate(
                 units=[u for u in units if held is None or set(u[1]) <= held],
                 optimizer=plan.train.optimizer,
                 compress=(dp.compress.method, dp.compress.rank) if dp is not None and dp.compress else None,
+                replicated=bool(dp and zero and any(layout.size(a) > 1 for a in dp.replicated_over)),
                 whole=whole,
                 programs=_programs(program, [stages[s] for s in mine]) if len(mine) > 1 else None,
             )

@@ -74,7 +74,8 @@ def _reduction_rows(
     """The backward reduction of one ZeRO flat of `params` (`numel` padded elements): one
     all-reduce (stage 1) or reduce-scatter (2, 3) in the reduce dtype, then under HSDP the
     all-reduce of what this rank keeps over its `replicas`; or under `compress`
-    `buckets.zero_compressed_wire`'s collectives, each a row named by what it sends."""
+    `buckets.zero_compressed_wire`'s collectives, each a row named by what it sends (and HSDP's
+    all-reduce in bf16)."""
     if compress is None:
         op = "all_reduce" if zero == 1 else "reduce_scatter"
         nbytes = numel * (reduce_dtype or params[0].dtype).itemsize
@@ -97,10 +98,28 @@ def _reduction_rows(
                 )
             )
         return rows
-    return [
+    rows = [
         LedgerRow(f"{node} {what}", kind, op, "backward", axis, (b,), b, 1, n, where)
         for op, what, b in zero_compressed_wire(params, numel, zero, compress.method, compress.rank)
     ]
+    if replicas is not None:  # bf16 (dsl.check refuses PowerSGD here): what this rank keeps
+        kept = numel if zero == 1 else numel // n
+        size = kept * torch.bfloat16.itemsize
+        rows.append(
+            LedgerRow(
+                f"{node} bf16",
+                kind,
+                "all_reduce",
+                "backward",
+                replicas.axis,
+                (kept,),
+                size,
+                1,
+                replicas.size,
+                where,
+            )
+        )
+    return rows
 
 
 def zero_unit_rows(

@@ -354,6 +354,12 @@ def _compression_lines(compiled: Compiled, sent: int) -> list[str]:
             f"    under ZeRO-{dp.zero}: {sends}; error feedback keeps a residual of every gradient on "
             f"each rank ({exact / 1e6:.3f} MB), the memory ZeRO-{dp.zero} saves on gradients"
         )
+    copies = [a for a in dp.replicated_over if compiled.layout.size(a) > 1] if dp.zero else []
+    if copies:
+        lines.append(
+            f"    HSDP: each rank's reduced {'gradient' if dp.zero == 1 else 'shard'} all-reduced over "
+            f"{' x '.join(copies)} in bf16 too, with a residual of its own"
+        )
     return lines
 
 

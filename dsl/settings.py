@@ -431,13 +431,13 @@ class SettingsChecker:
         # every ZeRO stage takes it: PowerSGD's factors are all-reduced under ZeRO-2/3 too
         # (`runtime/compression.py`)
         compress = self.compress(s["compress"]) if "compress" in s else None
-        if compress is not None and shard is not None:
+        if compress is not None and compress.method != "bf16" and shard is not None:
+            copies = GROUP.join(a.text for a in node.axes if a.text not in axes_of(shard))
             self.error(
                 s["compress"].value_span,
-                f"`compress` does not compose with a ZeRO state replicated over "
-                f"`{GROUP.join(a.text for a in node.axes if a.text not in axes_of(shard))}` yet",
-                hint="each compressed reduction runs over one group of ranks: drop `compress`, or "
-                "shard over every data axis (`zero = N` without `over`)",
+                f"`compress = {compress.method}` cannot compress a ZeRO state replicated over `{copies}`: "
+                "each rank holds a shard of a flat, not the whole matrices PowerSGD factors",
+                hint=f"`compress = bf16` sends the shards' all-reduce over `{copies}` in bf16",
             )
         return DataParallelSpec(
             axis or GROUP.join(a.text for a in node.axes),

@@ -422,11 +422,11 @@ class Zero(Accumulates):
         Each rank checkpoints its own, placed in the whole tensor (`runtime/checkpoint.py`), so
         any stage, bucket size or dp size (or no ZeRO) resumes it."""
         state = training_state(self.module, self.own_elements(), self.steps(), self.optim.choice.kind)
-        return dataclasses.replace(state, local=saved_state(list(self._grads.compressors.values())))
+        return dataclasses.replace(state, local=saved_state(self._grads.feedback()))
 
     def restore_local(self, saved: dict[str, Tensor]) -> bool:
         """`GradSync.restore_local`: `compress`'s state of each flat."""
-        return restore_state(list(self._grads.compressors.values()), saved)
+        return restore_state(self._grads.feedback(), saved)
 
     def loaded(self, state: TrainingState) -> None:
         """`GradSync.loaded`: a checkpoint was read into `own_state()`'s views."""

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import watchdog
 from .buckets import zero_compressed_wire
 from .collectives import reduce_scatter_single
-from .compression import Bf16Feedback, Compression, compressor
+from .compression import Bf16Feedback, BucketCompressor, Compression, compressor
 from .grad_sync import sum_of_squares
 from .zero_flats import Flat
 from .zero_nodes import MAX_IN_FLIGHT
@@ -81,8 +81,8 @@ class ShardedGrads:
     ) -> None:
         if compression is not None and reduce_dtype is not None:
             raise ValueError("ZeRO: a compressed flat is reduced in the gradients' dtype, not another")
-        if compression is not None and replicas is not None:
-            raise ValueError("ZeRO: a compressed flat is reduced over one group, not replicated over another")
+        if compression is not None and replicas is not None and compression.method != "bf16":
+            raise ValueError("ZeRO: under HSDP only bf16 compresses a shard (PowerSGD needs whole matrices)")
         self.flats, self.group, self.stage, self.axis = flats, group, stage, axis
         self.compression = compression
         # each flat's compressor, seeded by its index (the same on every rank), keeping its state across steps
@@ -94,6 +94,13 @@ class ShardedGrads:
         self.reduce_dtype = reduce_dtype  # None: the params' dtype
         self.replicas = replicas
         self.world = dist.get_world_size(group)
+        # HSDP under `compress = bf16`: the copies' all-reduce of what each rank keeps, in bf16 with
+        # its own error feedback (the whole flat under stage 1, the shard under 2 and 3)
+        self.across = (
+            {id(f): Bf16Feedback(f.padded if stage == 1 else f.shard_numel) for f in flats}
+            if compression is not None and replicas is not None
+            else {}
+        )
         self.divisor = divisor or self.world * (replicas.size if replicas else 1)  # `DataParallel`'s
         self._record = record
         self._gloo = dist.get_backend(group) == "gloo"
@@ -113,11 +120,19 @@ class ShardedGrads:
                 rows.append(("all_reduce", nbytes if self.stage == 1 else nbytes // self.world))
             return rows
         method, rank = self.compression.method, self.compression.rank
-        return [(op, b) for op, _, b in zero_compressed_wire(f.params, f.padded, self.stage, method, rank)]
+        rows = [(op, b) for op, _, b in zero_compressed_wire(f.params, f.padded, self.stage, method, rank)]
+        rows = rows if self.world > 1 else []
+        if id(f) in self.across:
+            rows.append(("all_reduce", self.across[id(f)].numel * torch.bfloat16.itemsize))
+        return rows
+
+    def feedback(self) -> list[Bf16Feedback | BucketCompressor]:
+        """Every compressor whose state a checkpoint keeps: each flat's, then HSDP's across copies."""
+        return [*self.compressors.values(), *self.across.values()]
 
     def state(self) -> list[Tensor]:
         """The compressors' tensors kept across steps (`compression.py`: a full-size residual per flat)."""
-        return [t for c in self.compressors.values() for t in c.state()]
+        return [t for c in self.feedback() for t in c.state()]
 
     def start(self, f: Flat) -> None:
         """Launch the reduction of one flat's grads and free the full-size grads (stages 2/3)."""
@@ -155,15 +170,16 @@ class ShardedGrads:
         c = self.compressors[id(f)]
         own = slice(f.rank * f.shard_numel, (f.rank + 1) * f.shard_numel)
         finish: Callable[[], None]
+        across = functools.partial(self._across_compressed, f)
         if self.stage > 1 and isinstance(c, Bf16Feedback):
             op = "reduce_scatter"
             reduction, shard = c.launch_scatter(flat, self.group, self.divisor, via_all_reduce=self._gloo)
-            finish = functools.partial(self._keep_shard, f, shard)
+            finish = lambda: self._keep_shard(f, across(shard))  # noqa: E731
         else:
             op = "all_reduce"
             reduction = c.launch(flat, self.group, self.divisor)
             if self.stage == 1:
-                finish = functools.partial(self._keep_full, f, flat)
+                finish = lambda: self._keep_full(f, across(flat))  # noqa: E731
             else:
                 finish = lambda: self._keep_shard(f, flat[own].clone())  # noqa: E731
         for nbytes in reduction.launched:
@@ -181,6 +197,17 @@ class ShardedGrads:
         if self.replicas is not None:
             self._record("all_reduce", reduced.nbytes, replicas=True)
             dist.all_reduce(reduced, group=self.replicas.group)
+        return reduced
+
+    def _across_compressed(self, f: Flat, reduced: Tensor) -> Tensor:
+        """HSDP under `compress = bf16`: `reduced` (already divided by every data rank) summed over
+        the copies in bf16, the rounding kept for the next step; in place. Without copies, as is."""
+        c = self.across.get(id(f))
+        if c is not None and self.replicas is not None:
+            reduction = c.launch(reduced, self.replicas.group, 1)
+            for nbytes in reduction.launched:
+                self._record("all_reduce", nbytes, replicas=True)
+            reduction.wait()
         return reduced
 
     def drain(self, keep: int) -> None:

@@ -1,7 +1,7 @@
 """`compress` end to end: `explain` shows the compressed bytes, `verify` holds a compressed plan
 to the convergence of the same plan uncompressed (and says so), on plain data parallelism, on
 tensor x data parallelism (the same engine, over the dp groups of each tp shard), and under
-ZeRO-1 (PowerSGD) and ZeRO-2 (bf16, a bf16 reduce-scatter)."""
+ZeRO-1 (PowerSGD) and ZeRO-2 (bf16, a bf16 reduce-scatter), and HSDP (bf16 across the copies too)."""
 
 from pathlib import Path
 
@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA = f"{ROOT}/examples/models/llama.py:build"
 DP = "mesh dp=2\n\ndata_parallel over dp {{\n    compress = {compress}\n}}\n"
 ZERO = "mesh dp=2\n\ndata_parallel over dp {{\n    zero = %d\n    compress = {compress}\n}}\n"
+# HSDP: the shards' all-reduce across the copies in bf16 too, with its own error feedback
+HSDP = "mesh node=2, dp=2\n\ndata_parallel over node x dp {{\n    zero = 2 over dp\n    compress = {compress}\n}}\n"
 TP_DP = """mesh dp=2, tp=2
 
 modules {{
@@ -47,8 +49,14 @@ def write(tmp_path: Path, text: str) -> str:
 
 @pytest.mark.parametrize(
     ("template", "compress"),
-    [(DP, "bf16"), (TP_DP, "powersgd(rank=2)"), (ZERO % 1, "powersgd(rank=2)"), (ZERO % 2, "bf16")],
-    ids=["dp-bf16", "tp-x-dp-powersgd", "zero1-powersgd", "zero2-bf16"],
+    [
+        (DP, "bf16"),
+        (TP_DP, "powersgd(rank=2)"),
+        (ZERO % 1, "powersgd(rank=2)"),
+        (ZERO % 2, "bf16"),
+        (HSDP, "bf16"),
+    ],
+    ids=["dp-bf16", "tp-x-dp-powersgd", "zero1-powersgd", "zero2-bf16", "hsdp-zero2-bf16"],
 )
 def test_verify_holds_compression_to_the_uncompressed_run(tmp_path, template, compress):
     report = verify(write(tmp_path, template.format(compress=compress)), LLAMA, steps=3)
@@ -96,3 +104,21 @@ def test_explain_shows_what_zero_sends_compressed():
     assert "under ZeRO-2: reduce-scattered in bf16" in bf16_text
     assert "P and Q all-reduced (no reduce-scatter form)" in powersgd_text
     assert "error feedback keeps a residual of every gradient" in powersgd_text
+
+
+def test_hsdp_sends_the_copies_all_reduce_in_bf16_too():
+    """HSDP under `compress = bf16`: the reduce-scatter within dp in bf16 (half the bytes), then
+    the shards' all-reduce over node in bf16 (half of a shard's bytes), each with its residual."""
+    layout = "mesh node=2, dp=2\n\ndata_parallel over node x dp {\n    zero = 2 over dp\n%s}\n"
+    sent = {}
+    for name, extra in (("exact", ""), ("bf16", "    compress = bf16\n")):
+        compiled = compile_plan(check_text(layout % extra, "c.plan"), load_model(LLAMA), world_size=4)
+        rows = [r for r in compiled.ledger.rows if r.kind == "zero_bucket" and r.phase == "backward"]
+        sent[name] = {
+            (r.op, r.axis): sum(x.bytes * x.count for x in rows if (x.op, x.axis) == (r.op, r.axis))
+            for r in rows
+        }
+    exact, bf16 = sent["exact"], sent["bf16"]
+    assert bf16 == {key: nbytes // 2 for key, nbytes in exact.items()}
+    assert exact[("all_reduce", "node")] == exact[("reduce_scatter", "dp")] // 2  # a shard of two
+    assert "all-reduced over node in bf16 too" in explain(compiled)

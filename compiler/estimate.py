@@ -617,11 +617,14 @@ def _zero_steps(
     def group(axis: str) -> int:  # under HSDP a group's state is cut over its axes but the copies'
         return math.prod(layout.size(a) for a in axes_of(axis) if a not in copies)
 
+    dp = plan.data_parallel
+    # `compress = bf16`'s buffers beside each reduction (HSDP's across the copies too)
+    bf16 = dp is not None and dp.compress is not None and dp.compress.method == "bf16"
+    across = bf16 and any(layout.size(a) > 1 for a in copies)
     if zero == 3:
-        return ZeroSteps(3, group)
+        return ZeroSteps(3, group, bf16=bf16, across=across)
     if zero not in (1, 2) or engine != "zero":
         return None
-    dp = plan.data_parallel
     named = [(n, p) for n, p in program.named_parameters() if p.requires_grad]
     aliases = dict(program.named_parameters(remove_duplicate=False))
     decayed = {id(p): decays(n, p) for n, p in named}
@@ -631,7 +634,7 @@ def _zero_steps(
         for k, part in enumerate(parts)
         for names, _ in bucket_params(part, dp.bucket_bytes, decayed)
     ]
-    return ZeroSteps(zero, group, dp.axis, flats)
+    return ZeroSteps(zero, group, dp.axis, flats, bf16=bf16, across=across)
 
 
 def _replicas_apart(plan, layout: MeshLayout, pipeline_axis: str) -> int:

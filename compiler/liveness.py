@@ -344,6 +344,8 @@ class ZeroSteps:
     group: Callable[[str], int]
     axis: str = ""
     flats: Sequence[tuple[int, Sequence[str]]] = ()
+    bf16: bool = False  # `compress = bf16`: each reduction's bf16 copy and error feedback's buffers
+    across: bool = False  # and HSDP's second one, of what each rank keeps, across the copies
 
 
 class ZeroWalk:
@@ -487,6 +489,8 @@ class ZeroWalk:
         self._hold(self.flat_stage[f], self._flat_bytes(f), "gradient flat")
         for p in params:
             p.grad = None  # copied into the flat
+        if self.zero.bf16:  # the flat sent in bf16, until its reduction finishes
+            self._feedback(f, sum(q.numel() for q in params), "the flat in bf16")
         self.pending.append(f)
         self._drain(self.in_flight)
         if unit is not None:
@@ -495,9 +499,25 @@ class ZeroWalk:
             if not self.pins[unit]:
                 self._free(unit)
 
+    def _feedback(self, f: int, numel: int, what: str) -> None:
+        """`compress = bf16` rounding `numel` elements of flat `f` (`runtime.compression.
+        Bf16Feedback`): its bf16 copy held until the reduction ends (`_drain`), and for a moment
+        the rounding in the flat's dtype and the new residual beside the old one."""
+        size = self.flats[f][0][0].dtype.itemsize
+        self._hold(self.flat_stage[f], numel * 2, what)
+        self._hold(self.flat_stage[f], 2 * numel * size, "error feedback's new residual")
+        self._let_go(self.flat_stage[f], 2 * numel * size)
+
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
             f = self.pending.pop(0)
+            numel = sum(q.numel() for q in self.flats[f][0])
+            if self.zero.bf16:
+                self._let_go(self.flat_stage[f], numel * 2)  # its bf16 copy, reduced
+            kept = numel if self.zero.stage == 1 else -(-numel // self.zero.group(self.flats[f][1]))
+            if self.zero.across:  # HSDP: what this rank keeps, rounded again for the copies
+                self._feedback(f, kept, "the kept gradient in bf16")
+                self._let_go(self.flat_stage[f], kept * 2)
             if self.zero.stage == 1:
                 continue  # the averaged flat is kept whole: its params' gradients view it
             nbytes = self._flat_bytes(f)

@@ -146,9 +146,11 @@ def state_of(
         grad_bytes[i] = padded * size
         if compress is not None:  # the residual of the whole (padded) flat, or PowerSGD's per matrix
             bf16 = compress[0] == "bf16"
-            s.grads += padded * size if bf16 else feedback_bytes([trainable[n] for n in names], *compress)
+            feedback = padded * size if bf16 else feedback_bytes([trainable[n] for n in names], *compress)
             if replicated:  # HSDP's all-reduce across the copies, its own residual of what it sends
-                s.grads += (padded if zero == 1 else shard) * size
+                feedback += (padded if zero == 1 else shard) * size
+            s.grads += feedback
+            s.grads_between_steps += feedback  # kept from one step's reduction to the next
         if zero < 3:
             s.params += padded * size  # every parameter whole, the shard a view
             s.grads += padded * size if zero == 1 else shard * size  # dropped by `zero_grad`

@@ -511,19 +511,22 @@ class ZeroWalk:
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
             f = self.pending.pop(0)
-            numel = sum(q.numel() for q in self.flats[f][0])
-            if self.zero.bf16:
-                self._let_go(self.flat_stage[f], numel * 2)  # its bf16 copy, reduced
-            kept = numel if self.zero.stage == 1 else -(-numel // self.zero.group(self.flats[f][1]))
+            stage, numel, nbytes = (
+                self.flat_stage[f],
+                sum(q.numel() for q in self.flats[f][0]),
+                self._flat_bytes(f),
+            )
+            group = self.zero.group(self.flats[f][1])
+            if self.zero.stage > 1:  # this rank's shard of the average, kept to the step
+                self._hold(stage, -(-nbytes // group), "gradient shard")
             if self.zero.across:  # HSDP: what this rank keeps, rounded again for the copies
+                kept = numel if self.zero.stage == 1 else -(-numel // group)
                 self._feedback(f, kept, "the kept gradient in bf16")
-                self._let_go(self.flat_stage[f], kept * 2)
-            if self.zero.stage == 1:
-                continue  # the averaged flat is kept whole: its params' gradients view it
-            nbytes = self._flat_bytes(f)
-            self._let_go(self.flat_stage[f], nbytes)
-            shard = -(-nbytes // self.zero.group(self.flats[f][1]))
-            self._hold(self.flat_stage[f], shard, "gradient shard")  # to the step
+                self._let_go(stage, kept * 2)
+            if self.zero.bf16:
+                self._let_go(stage, numel * 2)  # the flat's bf16 copy, reduced
+            if self.zero.stage > 1:  # stage 1 keeps the averaged flat whole: its gradients view it
+                self._let_go(stage, nbytes)
 
     def drain(self) -> None:
         """Backward is over: the reductions still in flight finish."""

@@ -155,3 +155,15 @@ def test_attention_keeps_what_its_kernels_keep_not_seq_squared(checkpointed):
     text = "mesh dp=1\n" + ("\nmodules {\n    layers.*: checkpoint\n}\n" if checkpointed else "")
     kept = [estimate(compiled_for(text, batch=2, seq=seq)).ranks[0].activations for seq in (64, 128)]
     assert 1.9 < kept[1] / kept[0] < 2.2, kept
+
+
+@pytest.mark.parametrize("compress", ["", "    compress = bf16\n"], ids=["exact", "bf16"])
+def test_hsdp_holds_a_shard_of_its_group_not_of_every_data_rank(compress):
+    """`data_parallel over node x dp` with `zero = 2 over dp` on 2 x 2 ranks: half the state on a
+    rank, not a quarter; under `compress = bf16` the flat's residual (whole) and HSDP's second
+    one (of the shard) too."""
+    text = f"mesh node=2, dp=2\n\ndata_parallel over node x dp {{\n    zero = 2 over dp\n{compress}}}\n"
+    r = estimate(compiled_for(text)).ranks[3]
+    residuals = (4 * N + 2 * N) if compress else 0
+    assert abs(r.params - 4 * N) <= 64 and abs(r.grads - (2 * N + residuals)) <= 128
+    assert abs(r.optimizer - 8 * N // 2) <= 4 * len(PARAMS) + 64

@@ -361,6 +361,9 @@ class ZeroWalk:
     and at every stage, once backward has made every gradient of a flat (stage 3: a unit): the
     gradients copied into one flat buffer (and freed), at most `MAX_IN_FLIGHT` reductions in
     flight, then what the rank keeps: the whole averaged flat (stage 1) or its shard (2, 3).
+    Under `compress = bf16` each flat's bf16 copy lives until its reduction finishes, and the
+    rounding and new residual briefly beside the old one; under HSDP the kept part is rounded
+    again for the all-reduce across the copies.
 
     Each buffer is its stage program's (`held`): the walk runs every stage of a pipeline, and a
     stage's rank holds its own stages' buffers, not those of the stages on other ranks.

@@ -78,42 +78,26 @@ def _reduction_rows(
     all-reduce in bf16)."""
     if compress is None:
         op = "all_reduce" if zero == 1 else "reduce_scatter"
-        nbytes = numel * (reduce_dtype or params[0].dtype).itemsize
-        rows = [LedgerRow(node, kind, op, "backward", axis, (numel,), nbytes, 1, n, where)]
-        if replicas is not None:
-            kept = numel if zero == 1 else numel // n
-            size = kept * (reduce_dtype or params[0].dtype).itemsize
-            rows.append(
-                LedgerRow(
-                    node,
-                    kind,
-                    "all_reduce",
-                    "backward",
-                    replicas.axis,
-                    (kept,),
-                    size,
-                    1,
-                    replicas.size,
-                    where,
-                )
-            )
-        return rows
-    rows = [
-        LedgerRow(f"{node} {what}", kind, op, "backward", axis, (b,), b, 1, n, where)
-        for op, what, b in zero_compressed_wire(params, numel, zero, compress.method, compress.rank)
-    ]
-    if replicas is not None:  # bf16 (dsl.check refuses PowerSGD here): what this rank keeps
+        dtype, across = reduce_dtype or params[0].dtype, node
+        rows = [LedgerRow(node, kind, op, "backward", axis, (numel,), numel * dtype.itemsize, 1, n, where)]
+    else:  # bf16 across the copies (dsl.check refuses PowerSGD with them)
+        dtype, across = torch.bfloat16, f"{node} bf16"
+        rows = [
+            LedgerRow(f"{node} {what}", kind, op, "backward", axis, (b,), b, 1, n, where)
+            for op, what, b in zero_compressed_wire(params, numel, zero, compress.method, compress.rank)
+        ]
+    if replicas is not None:  # what this rank keeps, all-reduced over the copies
         kept = numel if zero == 1 else numel // n
-        size = kept * torch.bfloat16.itemsize
+        nbytes = kept * dtype.itemsize
         rows.append(
             LedgerRow(
-                f"{node} bf16",
+                across,
                 kind,
                 "all_reduce",
                 "backward",
                 replicas.axis,
                 (kept,),
-                size,
+                nbytes,
                 1,
                 replicas.size,
                 where,

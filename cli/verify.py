@@ -222,9 +222,12 @@ def _eager_loss(model, source, dtype=None) -> Callable:
     return loss_of
 
 
-def _one_device_program(plan, source, precision: bool = True):
+def _one_device_program(plan, source, precision: bool = True, captured=None):
     """The plan's precision policy alone (`precision=False`: not even that), compiled for one
-    rank: the unpartitioned model as the plan computes it. Returns (program, loss_of)."""
+    rank: the unpartitioned model as the plan computes it. Returns (program, loss_of).
+    `captured`: the plan's own capture (`Compiled.captured`), taken instead of capturing the
+    model again where it is what this compile would capture (the same compute dtype and experts
+    units); else None."""
     from meshplan.compiler.capture import bind_inputs
     from meshplan.compiler.compile import compile_plan
     from meshplan.compiler.graph import find_loss
@@ -255,7 +258,12 @@ def _one_device_program(plan, source, precision: bool = True):
     alone = replace(plan, mesh=mesh, rules=rules, pipeline=None, data_parallel=None)
     if not precision:  # the model's own dtype (float64, for the reference): no policy at all
         alone = replace(alone, precision=PrecisionSpec())
-    compiled = compile_plan(alone, source, world_size=1, dynamic=False)  # it runs the job's one shape
+    # the plan's capture serves where the capture would be the same: the same compute dtype and
+    # the same experts rules (which experts modules run as units)
+    same = precision and experts == plan.rules_of("experts")
+    compiled = compile_plan(  # it runs the job's one shape
+        alone, source, world_size=1, dynamic=False, captured=captured if same else None
+    )
     program = build_rank_program(compiled, source.model, 0)
 
     def loss_of(input_ids, labels):
@@ -405,7 +413,7 @@ def verify(
 
         float64 = cast_floating(copy.deepcopy(source.model), torch.float64)
         yard_source = replace(source, model=copy.deepcopy(source.model))
-        program, yard_loss = _one_device_program(plan, yard_source)
+        program, yard_loss = _one_device_program(plan, yard_source, captured=compiled.captured)
         # the model's update between steps, on the program's buffers (one device: nothing to sum)
         update = (
             between_steps_hook(between_steps, program, yard_source.model, Axes()) if between_steps else None

@@ -74,6 +74,8 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     options, plan = _check_before_launch(options)
     world_size = plan.mesh.world_size
     assert world_size is not None  # `_check_before_launch` refuses a mesh it cannot size
+    if options.resume:  # the checkpoint holds the state of the plan's optimizer
+        _check_resumable(options, plan)
     source = _model_source(options)
     if options.init:  # every key and shape from the files' headers, before any worker starts
         from meshplan.compiler.pretrained import InitError
@@ -102,6 +104,17 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
     if dp is not None and (dp.optimizer_on_disk or dp.params_on_disk):
         _check_offload_dir(options, plan, source, world_size)
     return options.replace(program=str(_compile_once(options, world_size, source))), world_size
+
+
+def _check_resumable(options: RunOptions, plan: Plan) -> None:
+    """The newest checkpoint's optimizer state is the plan's optimizer's (`_check_run_folder`
+    found one): said here, before any worker starts, instead of by every worker on loading."""
+    from meshplan.runtime.checkpoint import latest, optimizer_mismatch
+
+    newest = latest(run_dir(options) / "checkpoints")
+    mismatch = optimizer_mismatch(newest, plan.train.optimizer.kind) if newest is not None else ""
+    if mismatch:
+        raise RunError(mismatch)
 
 
 def most_processes_per_node() -> int:

@@ -242,12 +242,9 @@ def load(path: str | Path, sync: GradSync, *, axes: Axes | None = None) -> Resto
     folder (trusted input)."""
     _verified_once(Path(path))
     state, own = _state(sync, 0, axes)
-    saved = _saved_optimizer(Path(path))
-    if saved is not None and saved != own.kind:
-        raise CheckpointError(
-            f"checkpoint {path} holds {saved}'s state, but this run's optimizer is {own.kind} "
-            f"(hint: resume with `optimizer = {saved}` in the plan's `train` block, or start a new run)"
-        )
+    mismatch = optimizer_mismatch(Path(path), own.kind)
+    if mismatch:
+        raise CheckpointError(mismatch)
     del state["train"]["optimizer"]  # told by its key's name, read above
     # a checkpoint written where there was no GPU holds no CUDA generator state: this run keeps
     # its seeded one (and one written on a GPU resumes on a CPU, which ignores it)
@@ -354,6 +351,18 @@ def _first_cause(error: BaseException, path: Path) -> str:
         return f"`{_key(key)}` was saved as {saved[11:-1]}, this run's is {current[11:-1]}"
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(" ")]
     return lines[-1] if lines else type(error).__name__
+
+
+def optimizer_mismatch(path: Path, kind: str) -> str:
+    """Why a run whose optimizer is `kind` cannot resume from the checkpoint at `path` ('' where
+    it can): the launcher says it before any worker starts, a worker (own torchrun) on loading."""
+    saved = _saved_optimizer(path)
+    if saved is None or saved == kind:
+        return ""
+    return (
+        f"checkpoint {path} holds {saved}'s state, but this run's optimizer is {kind} "
+        f"(hint: resume with `optimizer = {saved}` in the plan's `train` block, or start a new run)"
+    )
 
 
 def _saved_optimizer(path: Path) -> str | None:

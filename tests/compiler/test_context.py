@@ -362,7 +362,7 @@ def test_attention_in_matmuls_that_is_not_sdpa_is_refused_under_ring():
     source = with_token_shape(load_model(factory), seq=16)
     text = "mesh cp=2\n\nmodules {\n    h.*.attn: context ring over cp\n}\n"
     with pytest.raises(PlanError) as e:
-        compile_plan(check_text(text, "p.plan"), source)
+        compile_plan(check_text(text, "p.plan"), source, dynamic=False)
     rendered = e.value.render()
     assert "is attention written with matmuls in a form `context ring` does not recognize" in rendered
     assert "hint: use `context all_gather` for this module" in rendered

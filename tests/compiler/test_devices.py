@@ -42,7 +42,9 @@ def compiled(zero: int | None = 0, rules: str = ON_CPU, mesh: str = "dp=2", spec
 def refusal(rules: str, *, mesh: str = "dp=2", extra: str = "", spec: str = LLAMA) -> str:
     text = plan(rules, mesh=mesh, extra=extra)
     with pytest.raises(PlanError) as info:
-        compile_plan(check_text(text, "p.plan"), with_token_shape(load_model(spec), batch=B, seq=T))
+        compile_plan(
+            check_text(text, "p.plan"), with_token_shape(load_model(spec), batch=B, seq=T), dynamic=False
+        )
     return info.value.render()
 
 

@@ -155,7 +155,7 @@ def _with(block: type[ListedMoE]):
 def test_an_expert_called_twice_is_a_located_error():
     source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=_with(Twice))
     with pytest.raises(PlanError) as caught:
-        compile_plan(_plan(EP), source, world_size=2)
+        compile_plan(_plan(EP), source, world_size=2, dynamic=False)
     assert [f"{d.span.line}: {d.message}" for d in caught.value.errors] == [
         f"4: `layers.{i}.mlp.experts` cannot be split over `ep`: the model calls its experts 0, 0 in one "
         "forward, not each of the 4 once"
@@ -168,7 +168,7 @@ def test_a_loop_that_skips_idle_experts_names_the_line_that_decides():
     The error names the user's line (not export's dump of the graph so far) and how to write it."""
     source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=_with(Skipping))
     with pytest.raises(CaptureError) as caught:
-        compile_plan(_plan(EP), source, world_size=2)
+        compile_plan(_plan(EP), source, world_size=2, dynamic=False)
     assert caught.value.message.endswith(f"test_expert_lists.py:{_SKIP_LINE} (`if token.numel() == 0:`)")
     assert caught.value.hint is not None and "`if rows.numel() == 0: continue`" in caught.value.hint
 
@@ -263,7 +263,7 @@ def test_a_capacity_on_a_list_without_token_indices_is_a_located_error():
     text = EP.replace("experts over ep", "experts over ep (capacity_factor=1.25)")
     source = dataclasses.replace(load_model(f"{moe.__file__}:build"), model=_with(Masked))
     with pytest.raises(PlanError) as caught:
-        compile_plan(_plan(text), source, world_size=2)
+        compile_plan(_plan(text), source, world_size=2, dynamic=False)
     assert [(d.span.line, d.span.col, d.message) for d in caught.value.errors] == [
         (
             4,
@@ -325,5 +325,9 @@ def test_tensor_rules_name_a_lists_modules_with_or_without_the_experts_index():
 def test_rules_that_would_cut_a_stacked_lists_experts_apart_are_located_errors(rule, message):
     text = f"mesh ep=2, tp=2\n\nmodules {{\n    layers.*.self_attn.o_proj: row over tp\n    layers.*.mlp.experts: experts over ep\n    {rule}\n}}\n"
     with pytest.raises(PlanError) as caught:
-        compile_plan(check_text(text, "p.plan", world_size=4), load_model(f"{HERE}/expert_layouts.py:listed"))
+        compile_plan(
+            check_text(text, "p.plan", world_size=4),
+            load_model(f"{HERE}/expert_layouts.py:listed"),
+            dynamic=False,
+        )
     assert [(d.span.line, d.message) for d in caught.value.errors] == [(6, message)]

@@ -28,15 +28,20 @@ HERE = Path(__file__).resolve().parent
 EXPERTS = "modules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n"
 
 
-def _compile(text: str, model: nn.Module | None = None, world_size: int | None = None) -> Compiled:
+def _compile(
+    text: str, model: nn.Module | None = None, world_size: int | None = None, *, dynamic: bool = True
+) -> Compiled:
     model = model if model is not None else moe.build()
     inputs = moe.example_inputs(batch=2, seq=16)
-    return compile_plan(check_text(text, "p.plan", world_size=world_size), ModelSource("m", model, inputs))
+    plan = check_text(text, "p.plan", world_size=world_size)
+    return compile_plan(plan, ModelSource("m", model, inputs), dynamic=dynamic)
 
 
 def _errors(text: str, model: nn.Module | None = None, world_size: int | None = None) -> str:
+    """The errors compiling `text` reports: a symbolic compile's are the example shape's
+    (`compile_plan` compiles for it again to tell), so compiled for it alone (one capture)."""
     with pytest.raises(PlanError) as info:
-        _compile(text, model, world_size)
+        _compile(text, model, world_size, dynamic=False)
     return info.value.render()
 
 
@@ -296,7 +301,7 @@ def test_expert_count_of_a_hugging_face_mixtral():
     source = load_model(f"{HERE}/hf_factories.py:hf_mixtral")
     text = "mesh ep=3\n\nmodules {\n    model.layers.*.mlp.experts: experts over ep\n}\n"
     with pytest.raises(PlanError) as info:
-        compile_plan(check_text(text, "p.plan"), source)
+        compile_plan(check_text(text, "p.plan"), source, dynamic=False)
     assert info.value.render().splitlines()[0] == (
         "p.plan:4:5: error: `model.layers.0.mlp.experts` and 1 more like it have 4 experts, "
         "not divisible by 3 ranks over `ep`"

@@ -32,14 +32,16 @@ EP_TP = (
 )
 
 
-def _compile(text: str, factory: str = "build") -> Compiled:
+def _compile(text: str, factory: str = "build", *, dynamic: bool = True) -> Compiled:
     source = load_model(f"{HERE}/grouped_experts.py:{factory}")
-    return compile_plan(check_text(text, "p.plan"), source)
+    return compile_plan(check_text(text, "p.plan"), source, dynamic=dynamic)
 
 
 def _errors(text: str, factory: str = "build") -> str:
+    """The errors compiling `text` reports: a symbolic compile's are the example shape's
+    (`compile_plan` compiles for it again to tell), so compiled for it alone (one capture)."""
     with pytest.raises(PlanError) as info:
-        _compile(text, factory)
+        _compile(text, factory, dynamic=False)
     return info.value.render()
 
 

@@ -271,13 +271,18 @@ def end_all(nodes) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(can_unshare_uts() is not None, reason=str(can_unshare_uts()))
-def test_a_rank_killed_on_one_node_is_named_with_its_node_on_every_node(tmp_path) -> None:
-    """Rank 1 (node B) is killed at step 6: both launchers, started together into one shared
-    folder, exit 3 naming rank 1 on nodeB and the command that resumes from step 4; rank 0's
-    summary table is not printed as if the run had ended."""
+def test_two_nodes_train_as_one_node_does_and_a_rank_killed_on_one_is_named_on_every_node(tmp_path) -> None:
+    """dp=2 as two nodes of one process each, both launchers preparing one shared folder at the
+    same moment: neither is refused, and the steps they make are one node's, bit for bit. Rank 1
+    (node B) is killed at step 6: both launchers exit 3 naming rank 1 on nodeB and the command
+    that resumes from step 4; rank 0's summary table is not printed as if the run had ended."""
     out = tmp_path / "run"
     # a static rendezvous: --node-rank 1 is node B, which holds rank 1
-    argv = [TINY_DP, *SMALL, "--steps", "12", "--save-every", "4", "--out", str(out), "--timeout", "20"]
+    steps = [TINY_DP, *SMALL, "--steps", "12", "--save-every", "4"]
+    argv = [*steps, "--out", str(out), "--timeout", "20"]
+    # one node: `meshplan run` minus torchrun (tests/runs.py), whose losses are torchrun's bit for
+    # bit (tests/cli/test_run_compiled.py), on the session's kept processes
+    meshplan_run(*steps, "--out", str(tmp_path / "one"))
     nodes = two_nodes(argv, dict(os.environ, MESHPLAN_FAULT="rank=1,step=5", NO_COLOR="1"))
     try:
         done = [node.communicate(timeout=400) for node in nodes]  # a ceiling: slow beside other tests
@@ -295,28 +300,9 @@ def test_a_rank_killed_on_one_node_is_named_with_its_node_on_every_node(tmp_path
         )
         assert lines[-1].endswith(" --resume") and "Traceback" not in stderr
         assert "summary" not in stdout
-    assert processes_of(out) == []
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(can_unshare_uts() is not None, reason=str(can_unshare_uts()))
-def test_two_nodes_started_together_into_one_folder_train_as_one_node_does(tmp_path) -> None:
-    """dp=2 as two nodes of one process each, both launchers preparing one shared folder at the
-    same moment: neither is refused, and every rank's losses are one node's, bit for bit."""
-    steps = [TINY_DP, *SMALL, "--steps", "8", "--log-every", "8"]
-    # one node: `meshplan run` minus torchrun (tests/runs.py), whose losses are torchrun's bit for
-    # bit (tests/cli/test_run_compiled.py), on the session's kept processes
-    meshplan_run(*steps, "--out", str(tmp_path / "one"))
-    out = tmp_path / "two"
-    nodes = two_nodes([*steps, "--out", str(out)], dict(os.environ, NO_COLOR="1"))
-    try:
-        done = [node.communicate(timeout=400) for node in nodes]
-    finally:
-        end_all(nodes)
-    for node, (_, stderr) in zip(nodes, done, strict=True):
-        assert node.returncode == 0, stderr
     for rank in (0, 1):
-        assert losses(out, rank) == losses(tmp_path / "one", rank)
+        made = losses(out, rank)
+        assert len(made) >= 4 and made == losses(tmp_path / "one", rank)[: len(made)]
     assert processes_of(out) == []
 
 

@@ -386,3 +386,26 @@ def test_hugging_face_eager_attention_gathers_its_key_value_heads_unrepeated():
     ]
     assert gathered and all(heads == 2 for _, heads, _, _ in gathered), gathered  # k, v of each layer
     assert sum(str(n.target) == "aten.repeat_interleave.self_int" for n in nodes) == 2 * 2
+
+
+def test_an_op_outside_every_rule_run_on_gathered_tokens_is_said_at_the_plans_first_rule():
+    """T5 shifts its labels at the top level (`labels[..., :-1]`): a slice across the sequence
+    the context axis cuts, which runs on the gathered labels. No rule holds it, so the warning
+    points at the plan's first rule, with what the gather moves."""
+    pytest.importorskip("transformers")
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.load import load_model
+
+    spec = f"{Path(__file__).parent}/hf_factories.py:hf_t5"
+    text = (
+        "mesh cp=2\n\nmodules {\n"
+        "    {encoder,decoder}.block.*.layer.0.SelfAttention: context all_gather over cp\n"
+        "    decoder.block.*.layer.1.EncDecAttention: context all_gather over cp\n}\n"
+    )
+    source = with_token_shape(load_model(spec), seq=16)
+    compiled = compile_plan(check_text(text, "t5.plan"), source, dynamic=False)
+    (warning,) = [w for w in compiled.warnings if "at the top level has no sharding rule" in w.message]
+    assert warning.span.line == 4
+    assert (
+        "`slice` at the top level" in warning.message and "all-gathered over `cp` (256 B)" in warning.message
+    )

@@ -18,6 +18,7 @@ from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import LAYOUT_KEEPING, AllToAll, CopyToAxis
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
+from meshplan.runtime.watchdog import size_text
 
 from ... import meta
 from ...graph import (
@@ -342,13 +343,16 @@ class Walk(Conversions):
                     gathered += (hint(value(a).numel()) or 0) * value(a).element_size()
                 self.use(node, a, self.convert(a, REPLICATE))
         rule = self.rule_for_module(node) or self.rule_near(node)
-        if rule is not None and gathered and module_path(node) not in self.whole_modules:
+        # at the model's top level (a label shift) no rule is near: said at the plan's first rule
+        top = not module_path(node)
+        span = rule.span if rule is not None else self.spec.fallback_span if top else None
+        if span is not None and gathered and module_path(node) not in self.whole_modules:
             self.whole_modules.add(module_path(node))
             self.diagnostics.append(
                 Diagnostic(
-                    rule.span,
+                    span,
                     f"{describe(node)} has no sharding rule: its inputs are all-gathered over "
-                    f"`{self.axis}` ({gathered / 1e6:.3g} MB) and it runs on whole tensors",
+                    f"`{self.axis}` ({size_text(gathered)}) and it runs on whole tensors",
                     hint="correct, but each rank repeats the work; report the op if it should shard",
                     severity="warning",
                 )

@@ -18,6 +18,7 @@ os.environ["MESHPLAN_CONFIG"] = tempfile.mkdtemp(prefix="meshplan-config-")
 
 from collections.abc import Iterator
 
+import capture_cache
 import gloo_pool
 import pytest
 import torch
@@ -30,6 +31,13 @@ def _end_kept_processes() -> Iterator[None]:
     """The gloo processes that modules share (`gloo_pool`) end with the session."""
     yield
     gloo_pool.close_all()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _captures_remembered() -> Iterator[None]:
+    """A model exported again at the same shapes takes the first export's graph (`capture_cache`)."""
+    with capture_cache.remembered():
+        yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

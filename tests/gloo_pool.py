@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import capture_cache
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,14 +63,15 @@ def _serve(rank: int, world_size: int, init_file: str, inbox, outbox) -> None:
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
     )
     try:
-        while (job := inbox.get()) is not None:
-            fn, args = job
-            try:
-                result = (rank, True, fn(rank, world_size, *args))
-            except BaseException:
-                result = (rank, False, traceback.format_exc())
-            _destroy_subgroups()
-            outbox.put(result)
+        with capture_cache.remembered():  # ranks that compile for themselves export the same models
+            while (job := inbox.get()) is not None:
+                fn, args = job
+                try:
+                    result = (rank, True, fn(rank, world_size, *args))
+                except BaseException:
+                    result = (rank, False, traceback.format_exc())
+                _destroy_subgroups()
+                outbox.put(result)
     finally:
         dist.destroy_process_group()
 

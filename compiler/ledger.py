@@ -565,8 +565,9 @@ def _data_parallel_rows(
     gm: fx.GraphModule, layout: MeshLayout, data: DataParallelFacts, accumulation: int
 ) -> list[LedgerRow]:
     """The engine's rows, then those of the engine of the parameters a device rule placed on the
-    host (`DataParallelFacts.host`): buckets of their own, under ZeRO flats of at most stage 2,
-    and its own gradient-norm sums."""
+    host (`DataParallelFacts.host`): buckets of their own, under ZeRO flats of at most stage 2
+    (under HSDP over the same shard and replica groups as the device's), and its own
+    gradient-norm sums."""
     axis, n, where, replicas = data.axis, layout.size(data.axis), data.where, None
     if data.zero:  # HSDP: the state cut over some of the data axes, copied over the others
         axis, replicas = data.zero_groups(layout)
@@ -608,10 +609,19 @@ def _data_parallel_rows(
             replicas,
             data.axis,
         )
-    if host:
+    if host:  # HSDP's replicas of the host's shards too: the same groups, on the host
         stage = min(data.zero, 2)
         rows += zero_bucket_rows(
-            host, axis, n, stage, data.bucket_bytes, data.reduce_dtype, data.decay, where, label="host bucket"
+            host,
+            axis,
+            n,
+            stage,
+            data.bucket_bytes,
+            data.reduce_dtype,
+            data.decay,
+            where,
+            label="host bucket",
+            replicas=replicas,
         )
     sums = data.norm_sums
     return rows + [

@@ -178,8 +178,6 @@ class _Checker(SettingsChecker):
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         if data_parallel is not None and data_parallel.compress is not None and self.complete(modules):
             self.compression_composes(data_parallel, pipeline, rules, precision)
-        if data_parallel is not None and data_parallel.shard is not None:
-            self.replicas_compose(data_parallel, rules)
         self.check_unused_axes(mesh)
         warnings = tuple(self.found.of("warning"))
         return Plan(
@@ -315,20 +313,6 @@ class _Checker(SettingsChecker):
                     rule.span,
                     f"`precision {rule.action.dtype}` has no effect: compute is already {precision.compute}",
                 )
-
-    def replicas_compose(self, dp: DataParallelSpec, rules: tuple[PlanRule, ...]) -> None:
-        """HSDP (`zero = N over AXES`) reduces each shard twice, in the device's engine: parameters
-        on the host (`on cpu`) have an engine of their own, which does not replicate yet."""
-        host = next((r for r in rules if isinstance(r.action, ast.Device) and r.action.kind == "cpu"), None)
-        if host is not None:
-            self.error(
-                dp.spans["zero"],
-                f"ZeRO replicated over `{' x '.join(dp.replicated_over)}` (HSDP) does not compose with "
-                "parameters on the host yet",
-                hint=f"shard over every data axis (`zero = {dp.zero}` without `over`), or keep the "
-                "module on the device",
-                related=[(host.span, "`on cpu` here")],
-            )
 
     def compression_composes(
         self,

@@ -88,7 +88,7 @@ def gradient_sync(
 
         dp_group = axis_group(mesh, dp_axis)
         if host:
-            engine = _host_apart(rank_program, dp_group, dp_spec, plan, host, layout)
+            engine = _host_apart(rank_program, mesh, dp_spec, plan, host, layout)
         elif dp_spec.zero > 0:
             engine = shard_for_zero(rank_program, mesh, dp_spec, plan, pipeline, offload_dir)
         else:
@@ -126,7 +126,7 @@ def _host_names(rank_program: fx.GraphModule) -> frozenset[str]:
 
 def _host_apart(
     rank_program: fx.GraphModule,
-    dp_group: torch.distributed.ProcessGroup,
+    mesh,
     dp_spec: DataParallelSpec,
     plan: Plan,
     host: frozenset[str],
@@ -136,26 +136,30 @@ def _host_apart(
     are reduced apart, by an engine of their own over the same ranks, after the device's (what the
     compiler's ledger lists: `ledger.DataParallelFacts.host`). Without ZeRO, each engine's
     buckets; under ZeRO, the device's flats and units as the plan asks, the host's flats sharded
-    at most as ZeRO-2 shards them (the ZeRO pass put no host parameter in a unit), on the host.
-    On a GPU the host engine reduces over a gloo group of the same ranks (`_host_group`): NCCL
+    at most as ZeRO-2 shards them (the ZeRO pass put no host parameter in a unit), on the host;
+    under HSDP both cut over the same axes and copied over the same others.
+    On a GPU the host engine reduces over gloo groups of the same ranks (`_host_group`): NCCL
     reduces device tensors only, and backward's hooks run on two threads there, so the two
     engines' collectives could interleave differently on two ranks of one group."""
     from meshplan.runtime.data_parallel import DataParallel, broadcast_parameters
     from meshplan.runtime.expert_data_parallel import ExpertDataParallel
     from meshplan.runtime.expert_zero import ExpertZero
+    from meshplan.runtime.mesh import axis_group
     from meshplan.runtime.zero import Zero
+    from meshplan.runtime.zero_grads import Replicas
 
     # in the order the graph reads them, as the ledger buckets them (a module's own order differs)
     by_name = dict(rank_program.named_parameters())
     reads = dict.fromkeys(str(n.target) for n in rank_program.graph.nodes if n.op == "get_attr")
     named = [(n, by_name[n]) for n in [*reads, *by_name] if n in by_name and by_name[n].requires_grad]
     named = list(dict(named).items())
-    sides = [
-        ([p for n, p in named if n not in host], dp_group, "device"),
-        ([p for n, p in named if n in host], _host_group(dp_group, layout, dp_spec.axis, named), "host"),
-    ]
-    sides = [side for side in sides if side[0]]
+    on_host = all(p.device.type == "cpu" for _, p in named)  # the whole rank on the host: its groups serve
+    dp_group = axis_group(mesh, dp_spec.axis)
     if dp_spec.zero == 0:
+        halves = [
+            ([p for n, p in named if n not in host], dp_group),
+            ([p for n, p in named if n in host], _host_group(dp_group, layout, dp_spec.axis, on_host)),
+        ]
         return ExpertDataParallel(
             rank_program,
             [
@@ -167,41 +171,60 @@ def _host_apart(
                     axis=dp_spec.axis,
                     params=params,
                 )
-                for params, group, _ in sides
+                for params, group in halves
+                if params
             ],
         )
+    # ZeRO cuts the state over `sharded_over` (every data axis but HSDP's replicated ones); the
+    # host's groups are made on every rank, whether or not it holds host parameters
+    cut = dp_spec.sharded_over
+    shard_group = axis_group(mesh, cut) or mesh.get_group(axes_of(cut)[0])
+    copies = replicas(mesh, dp_spec.replicated_over)
+    host_copies = copies and Replicas(_host_group(copies.group, layout, copies.axis, on_host), copies.axis)
+    sides = [
+        ([p for n, p in named if n not in host], dp_group, shard_group, copies),
+        (
+            [p for n, p in named if n in host],
+            _host_group(dp_group, layout, dp_spec.axis, on_host),
+            _host_group(shard_group, layout, cut, on_host),
+            host_copies,
+        ),
+    ]
     options = _zero_options(dp_spec, plan)
     engines = []
-    for params, group, side in sides:
-        broadcast_parameters(params, group)  # every rank built the same seeded model: make it exact
+    for i, (params, every, group, side_replicas) in enumerate(sides):
+        if not params:
+            continue
+        broadcast_parameters(params, every)  # every rank built the same seeded model: make it exact
         engines.append(
             Zero(
                 rank_program,
                 group,
-                options if side == "device" else dataclasses.replace(options, stage=min(options.stage, 2)),
-                axis=dp_spec.axis,
+                options if i == 0 else dataclasses.replace(options, stage=min(options.stage, 2)),
+                axis=cut,
                 only=[n for n, p in named if any(p is q for q in params)],
-                node_axis=None if side == "device" else "(host)",  # the ZeRO pass's nodes are the device's
+                node_axis=None if i == 0 else "(host)",  # the ZeRO pass's nodes are the device's
+                replicas=side_replicas,
             )
         )
     return ExpertZero(rank_program, engines)
 
 
 def _host_group(
-    dp_group: torch.distributed.ProcessGroup,
+    group: torch.distributed.ProcessGroup,
     layout: MeshLayout,
     axis: str,
-    named: list[tuple[str, nn.Parameter]],
+    on_host: bool,
 ) -> torch.distributed.ProcessGroup:
-    """The group the host parameters' engine reduces over: the data axis's own where the rank's
+    """`group` (the ranks along `axis`) for the host parameters' engine: itself where the rank's
     program is on the host too (a CPU run), else a gloo group of the same ranks, made by every rank."""
     import torch.distributed as dist
 
-    if all(p.device.type == "cpu" for _, p in named):
-        return dp_group
+    if on_host:
+        return group
     groups = sorted({tuple(layout.group_ranks(axis, r)) for r in range(layout.world_size)})
-    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
-    return group
+    made, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+    return made
 
 
 def rank_axes(program: Program, mesh, data: tuple[str, ...] = ()) -> Axes:

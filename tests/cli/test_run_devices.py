@@ -1,6 +1,7 @@
 """Module placement (`lm_head: on cpu`) trained, on gloo processes: `meshplan verify` against the
 unpartitioned model in float64 under data parallelism and ZeRO-2, the host parameters reduced by
-an engine of their own whose collectives are the compiler's ledger's, and `meshplan run`. On a
+an engine of their own whose collectives are the compiler's ledger's (under HSDP too: cut and
+copied over the same axes as the device's), and `meshplan run`. On a
 CPU every copy is a no-op: what this proves is the program, the engines and the ledger; the real
 copies are the `gpu` tier's (tests/gpu/test_gpu_placement.py)."""
 
@@ -69,8 +70,17 @@ def worker(facts: str, rank: int, world_size: int, job):
     return result
 
 
-@pytest.fixture(scope="module", params=[0, 2])
-def run(request, tmp_path_factory) -> tuple[int, Report, dict, list[dict]]:
+# (zero, mesh, data axes): data parallelism, ZeRO-2, and HSDP (ZeRO-2 cut over `dp`, each
+# shard's gradient all-reduced over `node` too, the host's as the device's)
+CASES = {
+    "zero0": (0, "dp=2", "dp"),
+    "zero2": (2, "dp=2", "dp"),
+    "hsdp2": ("2 over dp", "node=2, dp=2", "node x dp"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request, tmp_path_factory) -> tuple[int | str, Report, dict, list[dict]]:
     """(zero, the verify report, the compiler's data-parallel ledger, each rank's engine facts)."""
     from meshplan.compiler.capture import with_token_shape
     from meshplan.compiler.compile import compile_plan
@@ -78,21 +88,22 @@ def run(request, tmp_path_factory) -> tuple[int, Report, dict, list[dict]]:
     from meshplan.dsl import load_plan
     from meshplan.verify import verify
 
-    zero = request.param
-    tmp = tmp_path_factory.mktemp(f"zero{zero}")
+    zero, mesh, axis = CASES[request.param]
+    world = 4 if "node" in mesh else 2
+    tmp = tmp_path_factory.mktemp(request.param)
     path = tmp / "on_cpu.plan"
-    path.write_text(plan(ON_CPU, mesh="dp=2", extra=data_parallel(zero=zero, bucket="64KB")))
+    path.write_text(plan(ON_CPU, mesh=mesh, extra=data_parallel(zero=zero, bucket="64KB", axis=axis)))
     report = verify(
         str(path), LLAMA, steps=STEPS, batch=BATCH, seq=SEQ, worker=functools.partial(worker, str(tmp))
     )
     compiled = compile_plan(
-        load_plan(path, world_size=2), with_token_shape(load_model(LLAMA), batch=BATCH, seq=SEQ)
+        load_plan(path, world_size=world), with_token_shape(load_model(LLAMA), batch=BATCH, seq=SEQ)
     )
     ledger: Counter[tuple[str, int]] = Counter()
     for row in compiled.ledger.rows:
         if row.kind in ("dp_bucket", "zero_bucket", "zero_gather", "zero_norm"):
             ledger[row.op, row.bytes] += row.count
-    facts = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    facts = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     return zero, report, dict(ledger), facts
 
 

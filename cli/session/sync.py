@@ -181,9 +181,10 @@ def _host_apart(
     shard_group = axis_group(mesh, cut) or mesh.get_group(axes_of(cut)[0])
     copies = replicas(mesh, dp_spec.replicated_over)
     host_copies = copies and Replicas(_host_group(copies.group, layout, copies.axis, on_host), copies.axis)
-    sides = [
-        ([p for n, p in named if n not in host], dp_group, shard_group, copies),
+    sides = [  # (on the host, its parameters, the group they start from, cut over, copied over)
+        (False, [p for n, p in named if n not in host], dp_group, shard_group, copies),
         (
+            True,
             [p for n, p in named if n in host],
             _host_group(dp_group, layout, dp_spec.axis, on_host),
             _host_group(shard_group, layout, cut, on_host),
@@ -192,7 +193,7 @@ def _host_apart(
     ]
     options = _zero_options(dp_spec, plan)
     engines = []
-    for i, (params, every, group, side_replicas) in enumerate(sides):
+    for host_side, params, every, group, side_replicas in sides:
         if not params:
             continue
         broadcast_parameters(params, every)  # every rank built the same seeded model: make it exact
@@ -200,10 +201,10 @@ def _host_apart(
             Zero(
                 rank_program,
                 group,
-                options if i == 0 else dataclasses.replace(options, stage=min(options.stage, 2)),
+                dataclasses.replace(options, stage=min(options.stage, 2)) if host_side else options,
                 axis=cut,
                 only=[n for n, p in named if any(p is q for q in params)],
-                node_axis=None if i == 0 else "(host)",  # the ZeRO pass's nodes are the device's
+                node_axis="(host)" if host_side else None,  # the ZeRO pass's nodes are the device's
                 replicas=side_replicas,
             )
         )

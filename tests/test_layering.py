@@ -53,6 +53,7 @@ PROGRAM_LIBRARY = {
     "shards",
     "buckets",
     "schedules",
+    "watchdog",  # what the collectives tell as they wait (and how they write a size)
     "__init__",
 }
 RUNTIME_ENGINE = tuple(

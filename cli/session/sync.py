@@ -178,7 +178,7 @@ def _host_apart(
     # ZeRO cuts the state over `sharded_over` (every data axis but HSDP's replicated ones); the
     # host's groups are made on every rank, whether or not it holds host parameters
     cut = dp_spec.sharded_over
-    shard_group = axis_group(mesh, cut) or mesh.get_group(axes_of(cut)[0])
+    shard_group = _shard_group(mesh, dp_spec)
     copies = replicas(mesh, dp_spec.replicated_over)
     host_copies = copies and Replicas(_host_group(copies.group, layout, copies.axis, on_host), copies.axis)
     sides = [  # (on the host, its parameters, the group they start from, cut over, copied over)
@@ -336,11 +336,9 @@ def shard_for_zero(
     broadcast_parameters(
         [p for p in rank_program.parameters() if p.requires_grad], axis_group(mesh, dp_spec.axis)
     )
-    # (an HSDP group whose cut axes are all of one rank: that rank alone, each copy whole)
-    shard_group = axis_group(mesh, dp_spec.sharded_over) or mesh.get_group(axes_of(dp_spec.sharded_over)[0])
     return shard_for_zero(
         rank_program,
-        shard_group,
+        _shard_group(mesh, dp_spec),
         dataclasses.replace(
             _zero_options(dp_spec, plan),
             offload_dir=offload_dir if dp_spec.optimizer_on_disk else None,
@@ -351,6 +349,15 @@ def shard_for_zero(
         alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
         replicas=replicas(mesh, dp_spec.replicated_over),
     )
+
+
+def _shard_group(mesh, dp_spec: DataParallelSpec) -> torch.distributed.ProcessGroup:
+    """The group ZeRO cuts the state over (`sharded_over`); an HSDP group whose cut axes are all
+    of one rank is that rank alone, each copy whole."""
+    from meshplan.runtime.mesh import axis_group
+
+    cut = dp_spec.sharded_over
+    return axis_group(mesh, cut) or mesh.get_group(axes_of(cut)[0])
 
 
 def replicas(mesh, axes: Sequence[str]) -> Replicas | None:

@@ -18,6 +18,7 @@ from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.collectives import LAYOUT_KEEPING, AllToAll, CopyToAxis
 from meshplan.runtime.ring_attention import RingAttention  # (it registers the ring collective)
+from meshplan.runtime.watchdog import size_text
 
 from ... import meta
 from ...graph import (
@@ -351,7 +352,7 @@ class Walk(Conversions):
                 Diagnostic(
                     span,
                     f"{describe(node)} has no sharding rule: its inputs are all-gathered over "
-                    f"`{self.axis}` ({_bytes_text(gathered)}) and it runs on whole tensors",
+                    f"`{self.axis}` ({size_text(gathered)}) and it runs on whole tensors",
                     hint="correct, but each rank repeats the work; report the op if it should shard",
                     severity="warning",
                 )
@@ -652,10 +653,3 @@ def _separates(users: list[fx.Node], dim: int, pieces: int) -> bool:
         return all(_norm_dim(u.args[1], ndim) == dim for u in users) and taken == set(range(pieces))
     return False
 
-
-def _bytes_text(nbytes: int) -> str:
-    """`8.2 KB`, `256 B` (decimal units): what a gather moves, for a warning."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"

@@ -652,4 +652,3 @@ def _separates(users: list[fx.Node], dim: int, pieces: int) -> bool:
         taken = {_norm_dim(u.args[2], pieces) for u in users}
         return all(_norm_dim(u.args[1], ndim) == dim for u in users) and taken == set(range(pieces))
     return False
-

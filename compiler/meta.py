@@ -61,6 +61,11 @@ ROWS_CUT = "meshplan.rows_cut"
 # that device; `compiler.lower.place` leaves such nodes' tensors and devices where they are
 DEVICE = "meshplan.device"
 DEVICE_COPY = "meshplan.device_copy"
+# on a Ulysses all-to-all of a context axis whose attention's heads tensor axes split too
+# (`context ulysses over cp` beside `column over tp`): the heads dim it splits or gathers, inside
+# each tensor axis's shard of it. A tensor axis walked after keeps its cut through it (its
+# rank's heads, cut again by the context axis), instead of gathering them first
+HEADS_INSIDE = "meshplan.heads_inside"
 
 
 class Collective(TypedDict, total=False):

@@ -523,6 +523,7 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
                            2 h (N / P) (P - 1) / P + 2 h_kv (N / P) (P - 1)   (kv heads < P: k, v gathered)
     """
     axis = rule.axis
+    governed = compiled.resolution.matched.get(rule.order, ())
     attention = next(
         (
             n
@@ -531,7 +532,8 @@ def _context_lines(compiled: Compiled, rule) -> list[str]:
                 n.target is torch.ops.aten.scaled_dot_product_attention.default
                 or str(n.target).startswith("ring_attention")
             )
-            and meta.rule(n) is rule
+            # (a tensor axis walked after may have set its own rule on heads it splits too)
+            and (meta.rule(n) is rule or any(f"{module_path(n)}.".startswith(f"{g}.") for g in governed))
         ),
         None,
     )

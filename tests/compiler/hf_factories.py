@@ -6,7 +6,7 @@ No `example_inputs` here: meshplan makes token inputs for models with a config
 import torch
 
 
-def hf_llama(max_position_embeddings: int = 128):
+def hf_llama(max_position_embeddings: int = 128, heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -14,8 +14,8 @@ def hf_llama(max_position_embeddings: int = 128):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_position_embeddings,
     )
     torch.manual_seed(0)
@@ -31,6 +31,13 @@ def hf_llama_eager():
     """`hf_llama` with Hugging Face's own attention code (`attn_implementation="eager"`): scores by
     matmul, the causal mask added, softmax, and the GQA repeat of the kv heads by expand + reshape."""
     model = hf_llama()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def hf_llama_eager_8_heads():
+    """`hf_llama_eager` with 8 query and 4 key/value heads: enough to split over tp x cp = 4."""
+    model = hf_llama(heads=8, kv_heads=4)
     model.config._attn_implementation = "eager"
     return model
 

@@ -137,18 +137,52 @@ def test_ulysses_refuses_query_heads_the_ranks_do_not_divide():
     )
 
 
-def test_ulysses_over_heads_already_split_by_tensor_parallelism_is_refused_at_its_rule():
-    text = (
-        "mesh cp=2, tp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n"
-        "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n}\n"
-    )
+ULYSSES_IN_TP = (
+    "mesh cp=2, tp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n"
+    "    layers.*.self_attn.{q,k,v}_proj: column over tp\n    layers.*.self_attn.o_proj: row over tp\n}\n"
+)
+
+
+def test_ulysses_cuts_again_the_heads_tensor_parallelism_splits():
+    """Ulysses over cp beside q/k/v split by heads over tp (8 query, 4 key/value heads): each tp
+    rank's heads go through the all-to-alls as they are, cut again over cp, so attention runs
+    on 8 / 4 query heads per rank, split over both axes, and the all-to-alls move half the
+    bytes of the same plan without tp. Nothing gathers the heads over tp first (it did, before
+    this composition was lowered: correct, but every tp rank attended with all its cp heads)."""
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 4}
+    both = _compile(ULYSSES_IN_TP, **heads)
+    alone = _compile(_plan("ulysses"), **heads)
+    calls = _calls(both)
+    assert calls.count("all_to_all_cp") == 4 * 4  # q, k, v in and the output back, per layer
+    assert not [c for c in calls if c.endswith("_tp") and "gather" in c]
+    attention = [
+        n for n in both.graph.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default
+    ]
+    assert len(attention) == 4
+    assert {str(p) for n in attention for p in n.meta[PLACEMENT].values()} == {"Shard(1)"}  # heads, both axes
+
+    def moved(compiled) -> list[int]:
+        return sorted(r.bytes for r in compiled.ledger.rows if r.kind == "all_to_all")
+
+    assert moved(both) == [b // 2 for b in moved(alone)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kind", "count", "split"), [((4, 2), "key/value", 2, 4), ((2, 2), "query", 2, 4)]
+)
+def test_ulysses_refuses_heads_tensor_parallelism_leaves_too_few_of(heads, kind, count, split):
+    """Heads that tp x cp do not divide: a rank would hold part of a head. Located at the context
+    rule, with a note at the tensor rule that split them first."""
     with pytest.raises(PlanError) as info:
-        _compile(text)
+        _compile(ULYSSES_IN_TP, num_attention_heads=heads[0], num_key_value_heads=heads[1])
     rendered = info.value.render()
     assert rendered.startswith(
-        "p.plan:4:5: error: Ulysses over `cp` would split the heads of `layers.0.self_attn`"
+        f"p.plan:4:5: error: the {count} {kind} heads of `layers.0.self_attn` are split over 2 ranks of "
+        f"`tp`, and Ulysses over `cp` would split each rank's share again over 2: {split} does not "
+        f"divide {count}, and a rank must hold whole heads"
     )
-    assert "hint: use `context all_gather` with tensor-parallel attention" in rendered
+    assert "p.plan:5:5: note: `tp` splits the heads here" in rendered
+    assert "hint: use `context ring` or `context all_gather` for this module" in rendered
 
 
 def test_a_context_axis_before_the_tensor_axis_compiles_as_after_it():

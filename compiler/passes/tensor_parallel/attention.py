@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import fx
 
@@ -16,6 +18,9 @@ from ...graph import (
 from ...placement import REPLICATE, Shard
 from .linear import weight_product
 from .walk import _RULES, Walk, _norm_dim, register
+
+if TYPE_CHECKING:
+    from meshplan.dsl.check import PlanRule
 
 aten = torch.ops.aten
 
@@ -92,16 +97,24 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if mode == "ulysses":
         heads = shape(q)[1]
-        if not isinstance(heads, int) or heads % w.n:
+        split, split_rule = _heads_split(w, node)
+        if not isinstance(heads, int) or heads % (w.n * split):
             w.error(
                 node,
                 f"{describe(node)} has {heads} query heads, not divisible by {w.n} ranks over `{w.axis}`: "
-                "Ulysses gives each rank whole heads",
-                hint=f"use `context ring` or `context all_gather` for this module, or a `{w.axis}` size "
-                f"dividing {heads}",
+                "Ulysses gives each rank whole heads"
+                if split == 1
+                else _split_twice(node, "query", heads, split, split_rule, w),
+                hint="use `context ring` or `context all_gather` for this module, or "
+                + (
+                    f"a `{w.axis}` size dividing {heads}"
+                    if split == 1
+                    else f"axes whose sizes multiply to a divisor of {heads}"
+                ),
                 rule=rule,
+                related=split_rule,
             )
-        w.use(node, q, w.convert(q, Shard(1), because=rule))
+        w.use(node, q, _nested(w.convert(q, Shard(1), because=rule), split))
         for t in (k, v):
             grouped = _grouped(w, t)
             if grouped is None:
@@ -113,7 +126,7 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         if isinstance(mask, fx.Node) and w.placement(mask) != REPLICATE:
             w.use(node, mask, w.convert(mask, REPLICATE, because=rule))
         w.set(node, Shard(1), rule)
-        back = w.convert(node, Shard(SEQ), because=rule)
+        back = _nested(w.convert(node, Shard(SEQ), because=rule), split)
         node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
         return
     causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
@@ -143,6 +156,36 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
     w.set(node, Shard(SEQ), rule)
 
 
+def _heads_split(w: Walk, node: fx.Node) -> tuple[int, PlanRule | None]:
+    """How many ways tensor axes split the heads of the Ulysses module `node` is in (1: none),
+    and the first rule that does (`TensorParallelSpec.heads_split`)."""
+    path = module_path(node)
+    while path:
+        if path in w.spec.heads_split:
+            return w.spec.heads_split[path]
+        path = path.rpartition(".")[0]
+    return 1, None
+
+
+def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: PlanRule | None, w: Walk) -> str:
+    """Why Ulysses cannot cut heads that tensor axes split first (`split` ways)."""
+    axes = f"`{rule.axis}`" if rule is not None else "tensor axes"
+    return (
+        f"the {count} {kind} heads of `{module_path(node)}` are split over {split} ranks of {axes}, "
+        f"and Ulysses over `{w.axis}` would split each rank's share again over {w.n}: "
+        f"{split * w.n} does not divide {count}, and a rank must hold whole heads"
+    )
+
+
+def _nested(a2a: fx.Node, split: int) -> fx.Node:
+    """A Ulysses all-to-all of heads that tensor axes split first (`split` > 1): it cuts (or
+    joins) each of their ranks' heads, inside their shard, so their walks keep their cut through
+    it (`Walk.nested_under`)."""
+    if split > 1 and a2a.op == "call_module":
+        a2a.meta[meta.HEADS_INSIDE] = 1
+    return a2a
+
+
 def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> None:
     """Keys or values to Ulysses' head shards. As many heads as the queries, or a multiple of
     the ranks: an all-to-all like the queries'. Fewer key/value heads than ranks (GQA reaching
@@ -155,9 +198,19 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
         k = self.kv_group_cp(k, 1, m)          # (B, 1, T, D): head rank // m
     """
     kv = shape(t)[1]
-    if isinstance(kv, int) and kv % w.n == 0:
-        w.use(node, t, w.convert(t, Shard(1), because=rule))
+    split, split_rule = _heads_split(w, node)
+    if isinstance(kv, int) and kv % (w.n * split) == 0:
+        w.use(node, t, _nested(w.convert(t, Shard(1), because=rule), split))
         return
+    if split > 1:  # each rank's kv heads fewer than the ranks: gathered whole over `tp` first
+        w.error(
+            node,
+            _split_twice(node, "key/value", kv, split, split_rule, w),
+            hint=f"use `context ring` or `context all_gather` for this module, or axes whose sizes "
+            f"multiply to a divisor of {kv}",
+            rule=rule,
+            related=split_rule,
+        )
     if not isinstance(kv, int) or w.n % kv or heads % kv:
         w.error(
             node,

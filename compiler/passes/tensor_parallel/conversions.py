@@ -144,11 +144,18 @@ class Conversions:
         return isinstance(node, fx.Node) and bool(meta.requires_grad(node))
 
     def error(
-        self, node: fx.Node, message: str, hint: str | None = None, rule: PlanRule | None = None
+        self,
+        node: fx.Node,
+        message: str,
+        hint: str | None = None,
+        rule: PlanRule | None = None,
+        related: PlanRule | None = None,
     ) -> NoReturn:
+        """A located error at `rule` (else the rule near `node`), with a note at `related`'s line."""
         rule = rule or self.rule_near(node)
         span = rule.span if rule else self.spec.fallback_span
-        raise TensorParallelError(Diagnostic(span, message, hint))
+        notes = [(related.span, f"`{related.axis}` splits the heads here")] if related else []
+        raise TensorParallelError(Diagnostic(span, message, hint, related=notes))
 
     def rule_near(self, node: fx.Node) -> PlanRule | None:
         for arg in node.all_input_nodes:

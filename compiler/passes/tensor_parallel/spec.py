@@ -54,6 +54,10 @@ class TensorParallelSpec:
     # first and cut the token inputs, so theirs is always the outer cut: the global dim is cut
     # into the product of the sizes, and their gathers of it gather ours first.
     nested: dict[str, int] = field(default_factory=dict)
+    # the Ulysses modules of this (context) axis whose heads tensor axes split first (module path
+    # -> the product of their sizes and the first such rule): each rank of theirs holds that many
+    # times fewer heads, which Ulysses cuts again over this axis
+    heads_split: dict[str, tuple[int, PlanRule]] = field(default_factory=dict)
 
     @property
     def fallback_rule(self) -> PlanRule | None:

@@ -11,6 +11,7 @@ which the tensor-parallel pass walks the graph with, axis after axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -64,7 +65,6 @@ def tensor_specs(
     ):
         if axis in context:
             specs.append(dataclasses.replace(_context_spec(plan, resolution, layout, axis), experts=experts))
-            diagnostics += _ulysses_over_split_heads(plan, resolution, axis)
             continue
         spec, found = _axis_spec(plan, resolution, model, layout, axis, weights)
         specs.append(dataclasses.replace(spec, experts=experts, nested=inside))
@@ -72,33 +72,29 @@ def tensor_specs(
     return specs, diagnostics
 
 
-def _ulysses_over_split_heads(plan: Plan, resolution: Resolution, axis: str) -> list[Diagnostic]:
-    """Ulysses gives each rank of `axis` whole heads: heads a tensor rule already splits over
-    another axis would be split twice, which meshplan does not nest."""
-    out = []
-    for rule in plan.rules_of("context"):
-        if rule.axis != axis or rule.action.mode != "ulysses":  # type: ignore[union-attr]
+def _heads_split(
+    resolution: Resolution, layout: MeshLayout, modules: dict[str, PlanRule]
+) -> dict[str, tuple[int, PlanRule]]:
+    """The Ulysses modules among `modules` whose projections tensor rules of other axes split:
+    module path -> the product of those axes' sizes (how many times fewer heads each of their
+    ranks holds, Ulysses' to cut again) and the first such rule."""
+    out = {}
+    for path, rule in modules.items():
+        if rule.action.mode != "ulysses":  # type: ignore[union-attr]
             continue
-        for path in resolution.matched.get(rule.order, ()):
-            inner = [
-                tensor
-                for p, kinds in resolution.placements.items()
-                if p.startswith(f"{path}.")
-                and (tensor := kinds.get("tensor")) is not None
-                and isinstance(tensor.action, ast.TensorParallel)
-                and tensor.axis != axis
-            ]
-            if inner:
-                out.append(
-                    Diagnostic(
-                        rule.span,
-                        f"Ulysses over `{axis}` would split the heads of `{path}`, which "
-                        f"`{inner[0].axis}` already splits; meshplan does not nest two axes' shards of one dim yet",
-                        hint="use `context all_gather` with tensor-parallel attention",
-                        related=[(inner[0].span, "the heads are split here")],
-                    )
-                )
-                break
+        inner: dict[str, PlanRule] = {}  # axis -> its first rule under the module (q_proj's)
+        for p, kinds in resolution.placements.items():
+            tensor = kinds.get("tensor")
+            if (
+                tensor is None
+                or not p.startswith(f"{path}.")
+                or not isinstance(tensor.action, ast.TensorParallel)
+            ):
+                continue
+            if tensor.axis is not None and tensor.axis != rule.axis:
+                inner.setdefault(tensor.axis, tensor)
+        if inner:
+            out[path] = (math.prod(layout.size(a) for a in inner), next(iter(inner.values())))
     return out
 
 
@@ -127,6 +123,7 @@ def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: 
         fallback_span=next(iter(modules.values())).span if modules else plan.mesh.span,
         context_modules=modules,
         balanced=balanced,
+        heads_split=_heads_split(resolution, layout, modules),
     )
 
 

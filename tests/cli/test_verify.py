@@ -429,14 +429,19 @@ modules {
             "    layers.*.*_layernorm: sequence over tp\n    layers.1: checkpoint\n}\n\n"
             "data_parallel over dp {\n    zero = 3\n}\n",
         ),
+        ("hf_factories.py:hf_gpt_oss", "ep=2, tp=2", "ep", "gate_up_proj*", "down_proj*", "}\n"),
+        ("expert_layouts.py:biased", "ep=2, tp=2", "ep", "gate_up_proj*", "down_proj*", "}\n"),
     ],
-    ids=["mixtral", "grouped-sp-zero3"],
+    ids=["mixtral", "grouped-sp-zero3", "gpt-oss", "biased"],
 )
 def test_tensor_parallelism_inside_experts(tmp_path, factory, mesh, axis, column, row, extra):
     """Each expert's matrices split over `tp` (column, then row), the experts over `ep` or
-    borrowing `dp`: Hugging Face Mixtral (gate and up fused: two blocks, (E, out, in)), and a
+    borrowing `dp`: Hugging Face Mixtral (gate and up fused: two blocks, (E, out, in)), a
     grouped-matmul layout (E, in, out) with sequence-parallel norms, a checkpointed layer and
-    ZeRO-3 gathering each layer's experts over dp (their tp slices)."""
+    ZeRO-3 gathering each layer's experts over dp (their tp slices), and biases after both
+    matrices, the one after the row matrix added 1/tp by each rank: Hugging Face GPT-OSS (gate
+    and up interleaved feature by feature: one block, (E, in, out); attention with sinks split
+    over tp too) and Mixtral's layout with random biases."""
     if factory.startswith("hf_"):
         pytest.importorskip("transformers")
     prefix = "model." if factory.startswith("hf_") else ""

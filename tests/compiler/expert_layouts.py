@@ -4,9 +4,11 @@ codebases lay them out, for tensor parallelism inside experts (`compiler/passes/
 - `grouped`: separate gate `w1`, up `w3` (E, H, I) and down `w2` (E, I, H), stored (in, out) and
   applied as `x @ w` (a grouped-matmul layout), I = 32 != H = 64;
 - `interleaved`: gate and up fused in one matrix with their features alternating (gate at even
-  rows, up at odd), which a split in two halves cannot cut: refused;
-- `biased`: Mixtral's layout with a bias after each matrix (the down bias is added after the row
-  matrix, which is not lowered yet): refused.
+  rows, up at odd): split as one block, each rank's contiguous rows pairs of both;
+- `biased`: Mixtral's layout with a random bias after each matrix (the down bias is added after
+  the row matrix: each rank adds 1/tp of it);
+- `squashed`: a nonlinearity after the row matrix, which no split's partial sums add up to:
+  refused.
 
 - `listed`: the experts as a list of SwiGLU modules the block loops over (`moe.build_listed`),
   stacked by `experts over` rules (`runtime/expert_list.py`).
@@ -87,14 +89,19 @@ class BiasedExperts(_Routed):
         super().__init__(config)
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
-        _init(self.gate_up_proj, self.down_proj)
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        _init(self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rows, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e], self.down_proj_bias[e])
+
+
+class SquashedExperts(InterleavedExperts):
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().expert(e, rows))
 
 
 def _with(experts: type[_Routed]) -> moe.MoEModel:
@@ -116,6 +123,10 @@ def interleaved() -> moe.MoEModel:
 
 def biased() -> moe.MoEModel:
     return _with(BiasedExperts)
+
+
+def squashed() -> moe.MoEModel:
+    return _with(SquashedExperts)
 
 
 def listed() -> moe.MoEModel:

@@ -18,7 +18,7 @@ from meshplan.compiler.compile import Compiled, compile_plan
 from meshplan.compiler.ledger import plan_line
 from meshplan.compiler.load import ModelSource, load_model
 from meshplan.compiler.meta import COLLECTIVE
-from meshplan.compiler.placement import Shard
+from meshplan.compiler.placement import REPLICATE, Shard
 from meshplan.compiler.print_explain import explain
 from meshplan.compiler.print_program import annotated_code
 from meshplan.dsl import PlanError, check_text
@@ -369,18 +369,52 @@ def test_experts_stored_in_out_split_on_the_other_dims():
     assert split == {"w1": Shard(2), "w3": Shard(2), "w2": Shard(1)}
 
 
+def test_gate_and_up_interleaved_split_as_one_block():
+    """Gate and up fused feature by feature (GPT-OSS's `[..., ::2]`, `[..., 1::2]`): cut in two
+    halves, a rank's gate and up features would not match; the probe finds that cutting the
+    fused matrix as one block does (each rank's contiguous rows are pairs of both)."""
+    compiled = _compile(_expert_tp(), expert_layouts.interleaved())
+    placed = compiled.param_placements
+    assert placed["layers.0.mlp.experts.gate_up_proj"] == {"tp": Shard(1), "ep": Shard(0)}
+    assert placed["layers.0.mlp.experts.down_proj"] == {"tp": Shard(2), "ep": Shard(0)}
+
+
+def test_a_bias_after_the_row_matrix_is_added_once_over_the_axis():
+    """`down_proj_bias: row over tp` (matched by `down_proj*`): the bias stays whole, each rank's
+    experts add half of it to their partial sum (the unit reads `div(bias, 2)`), and its
+    gradient, half on each rank, is summed over tp by the gradient sync."""
+    compiled = _compile(_expert_tp("gate_up_proj*", "down_proj*"), expert_layouts.biased())
+    name = "layers.0.mlp.experts.down_proj_bias"
+    assert compiled.param_placements[name] == {"tp": REPLICATE, "ep": Shard(0)}
+    assert compiled.param_placements["layers.0.mlp.experts.gate_up_proj_bias"] == {
+        "tp": Shard(1, (32, 32)),  # with its column matrix: gate and up in two halves
+        "ep": Shard(0),
+    }
+    unit = next(n for n in compiled.graph.graph.nodes if n.target == "experts_ep_0")
+    (share,) = [a for a in unit.all_input_nodes if a.target is torch.ops.aten.div.Tensor]
+    assert share.args[1] == 2
+    assert (share.args[0].op, share.args[0].target) == (
+        "get_attr",
+        name,
+    )  # its f taken out: summed in a bucket
+    assert "tp" in compiled.grad_sums[name]
+
+
 def test_experts_split_that_would_not_add_up_are_located_errors():
-    """The split is tried on the experts' own code: gate and up interleaved feature by feature
-    cannot be cut in two halves; a bias after the row matrix would be added by every rank; a
+    """The split is tried on the experts' own code: a nonlinearity after the row matrix adds up
+    under no cut; a bias after the row matrix with no rule would be added by every rank; a
     column split alone leaves no partial sums to reduce."""
-    assert _errors(_expert_tp(), expert_layouts.interleaved()) == (
+    squashed = _errors(_expert_tp(), expert_layouts.squashed())
+    assert squashed.startswith(
         "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it cannot be split over "
-        "`tp` as the rules say: the sum of the 2 ranks' slices differs from the whole expert by 1.3 "
+        "`tp` as the rules say: the sum of the 2 ranks' slices differs from the whole expert by "
+    )
+    assert squashed.endswith(
         "(relative), tried on random values\n"
         "        layers.*.mlp.experts.gate_up_proj: column over tp\n"
         "        ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~\n"
-        "hint: each expert's first matrices `column`, its last `row`, as for an MLP's linear layers; "
-        "gate and up projections fused in two halves split as two blocks"
+        "hint: each expert's first matrices `column`, its last `row`, as for an MLP's linear layers "
+        "(a bias after the row matrix `row` too)"
     )
     assert _errors(_expert_tp("gate_up_proj*"), expert_layouts.biased()).splitlines()[0] == (
         "p.plan:5:5: error: the experts of `layers.0.mlp.experts` and 1 more like it have matrices split "

@@ -19,6 +19,10 @@ weights stored (E, out, in) as `F.linear` reads them or transposed (E, in, out) 
 matmul reads them (a module's own `is_transposed` says which when I = H). A column matrix
 wider than the row's input by a factor k (Mixtral's gate and up projections fused: 2I) is k
 blocks, each split alike, so every rank keeps its slice of the gate and of the up projection.
+A bias added after the row matrix (GPT-OSS's `down_proj_bias`, (E, H)) takes a `row` rule too:
+it stays whole on every rank, and each rank's experts add 1/n of it to their partial sum
+(`TensorParallelSpec.row_biases`), so the sum over the axis adds it once; its gradient, 1/n
+of the whole on each rank, is summed over the axis by the gradient sync.
 
 The experts' code is the model's, so the split is checked on it before it is used: one expert
 with random float64 weights and a few tokens, run whole and as the sum of its `tp` slices
@@ -39,24 +43,25 @@ from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.experts import local_experts, takes_counts
 from meshplan.runtime.shards import Cut, shard_of
 
-from ...placement import Placement, Shard
+from ...placement import REPLICATE, Placement, Shard
 
 _PROBE_TOKENS = 5
 
 
 def expert_split(
     path: str, module: nn.Module, rules: Mapping[str, PlanRule], axis: str, n: int
-) -> tuple[dict[str, Placement], list[Diagnostic]]:
+) -> tuple[dict[str, Placement], set[str], list[Diagnostic]]:
     """The placement over `axis` of each parameter of the experts module at `path`, from the
-    tensor rules that name them (`rules`: parameter name -> rule), or the located errors."""
+    tensor rules that name them (`rules`: parameter name -> rule), the biases added after the
+    row matrices (whole, each rank adding 1/n of them), or the located errors."""
     params = dict(module.named_parameters())
     first = min(rules.values(), key=lambda r: r.order)
     split = {name: r for name, r in rules.items() if _style(r) != "replicate"}
     if not split:
-        return {}, []
+        return {}, set(), []
     problem = _rules_problem(path, params, rules, split, axis)
     if problem is not None:
-        return {}, [Diagnostic(first.pattern_span, problem[0], hint=problem[1])]
+        return {}, set(), [Diagnostic(first.pattern_span, problem[0], hint=problem[1])]
     columns = [name for name, r in split.items() if _style(r) == "column"]
     rows = [name for name, r in split.items() if _style(r) == "row"]
     unfit: list[str] = []  # why the shapes do not fit an orientation
@@ -66,30 +71,39 @@ def expert_split(
         if isinstance(shaped, str):
             unfit.append(shaped)
             continue
-        layout, width = shaped
+        layout, width, biases = shaped
         uneven = next((f for f in _chunks(params, layout) if f % n), None)
         if uneven is not None:
             rule = split[rows[0]]
-            return {}, [
-                Diagnostic(
-                    rule.span,
-                    f"the experts of `{path}` have {uneven} intermediate features, not divisible by "
-                    f"{n} ranks over `{axis}`",
-                    hint="pick a tensor-parallel size that divides it",
-                )
-            ]
-        why = _probe(module, params, layout, width, n)
-        if why is None:
-            return dict(layout), []
-        failed.append(why)
-    return {}, [
-        Diagnostic(
-            first.pattern_span,
-            f"the experts of `{path}` cannot be split over `{axis}` as the rules say: {(failed or unfit)[0]}",
-            hint="each expert's first matrices `column`, its last `row`, as for an MLP's linear layers; "
-            "gate and up projections fused in two halves split as two blocks",
-        )
-    ]
+            return (
+                {},
+                set(),
+                [
+                    Diagnostic(
+                        rule.span,
+                        f"the experts of `{path}` have {uneven} intermediate features, not divisible by "
+                        f"{n} ranks over `{axis}`",
+                        hint="pick a tensor-parallel size that divides it",
+                    )
+                ],
+            )
+        for tried in (layout, _interleaved(layout)):
+            why = _probe(module, params, tried, biases, width, n)
+            if why is None:
+                return {**tried, **dict.fromkeys(biases, REPLICATE)}, biases, []
+            failed.append(why)
+    return (
+        {},
+        set(),
+        [
+            Diagnostic(
+                first.pattern_span,
+                f"the experts of `{path}` cannot be split over `{axis}` as the rules say: {(failed or unfit)[0]}",
+                hint="each expert's first matrices `column`, its last `row`, as for an MLP's linear layers "
+                "(a bias after the row matrix `row` too)",
+            )
+        ],
+    )
 
 
 def _style(rule: PlanRule) -> str:
@@ -124,7 +138,7 @@ def _rules_problem(
             f"the experts of `{path}` have matrices split over `{axis}` and {named} whole: every rank "
             f"of `{axis}` would add the whole of what {'they compute' if len(missing) > 1 else 'it computes'}",
             f"give {named} a `column` or `row` rule too (a bias is split with its column matrix; "
-            "a bias added after the row matrix is not lowered yet)",
+            "one added after the row matrix takes `row`)",
         )
     styles = {_style(r) for r in split.values()}
     if styles != {"column", "row"}:
@@ -144,22 +158,26 @@ def _orientations(module: nn.Module) -> tuple[bool, ...]:
 
 def _layout(
     params: Mapping[str, torch.Tensor], columns: list[str], rows: list[str], transposed: bool
-) -> tuple[dict[str, Shard], int] | str:
-    """Each parameter's `Shard` and the token width H, if the shapes fit this orientation;
-    else why not."""
+) -> tuple[dict[str, Shard], int, set[str]] | str:
+    """Each split parameter's `Shard`, the token width H and the biases added after the row
+    matrices (`row` rules on (E, H) parameters), if the shapes fit this orientation; else why not."""
     out_dim, in_dim = (2, 1) if transposed else (1, 2)
     shapes = {name: tuple(params[name].shape) for name in (*columns, *rows)}
-    bad = next((name for name in rows if len(shapes[name]) != 3), None)
+    bad = next((name for name in rows if len(shapes[name]) not in (2, 3)), None)
     if bad is not None:
         return (
-            f"`{bad}` {shapes[bad]} is split `row`, which needs a stacked matrix (E, out, in) "
-            "(a bias added after the row matrices is not lowered yet)"
+            f"`{bad}` {shapes[bad]} is split `row`: neither a stacked matrix (E, out, in) nor a bias (E, out)"
         )
+    biases = {name for name in rows if len(shapes[name]) == 2}
+    rows = [name for name in rows if name not in biases]
+    if not rows:
+        return "no `row` parameter is a stacked matrix (E, out, in)"
     inner = {shapes[name][in_dim] for name in rows}
     width = {shapes[name][out_dim] for name in rows}
     width |= {shapes[name][in_dim] for name in columns if len(shapes[name]) == 3}
     if not any(len(shapes[name]) == 3 for name in columns):
         return "no `column` parameter is a stacked matrix (E, out, in)"
+    width |= {shapes[name][1] for name in biases}
     if len(inner) > 1 or len(width) > 1:
         return f"the matrices' shapes {', '.join(f'{n} {s}' for n, s in shapes.items())} do not chain"
     (features,) = inner
@@ -171,7 +189,14 @@ def _layout(
             return f"`{name}` {shapes[name]} does not feed the row matrices' {features} input features"
         blocks = size // features
         layout[name] = Shard(dim, (features,) * blocks if blocks > 1 else ())
-    return layout, width.pop()
+    return layout, width.pop(), biases
+
+
+def _interleaved(layout: dict[str, Shard]) -> dict[str, Shard]:
+    """The layout with fused column matrices cut as one block: gate and up projections
+    interleaved feature by feature (GPT-OSS's `gate_up[..., ::2]`, `[..., 1::2]`), whose
+    contiguous slices hold pairs of both. The probe decides which of the two the code reads."""
+    return {name: Shard(p.dim) for name, p in layout.items()}
 
 
 def _chunks(params: Mapping[str, torch.Tensor], layout: Mapping[str, Shard]) -> list[int]:
@@ -183,10 +208,16 @@ def _chunks(params: Mapping[str, torch.Tensor], layout: Mapping[str, Shard]) -> 
 
 
 def _probe(
-    module: nn.Module, params: Mapping[str, torch.Tensor], layout: Mapping[str, Shard], width: int, n: int
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    layout: Mapping[str, Shard],
+    biases: set[str],
+    width: int,
+    n: int,
 ) -> str | None:
-    """Why the model's experts code, on one expert's slices, does not add up to the whole
-    expert, or None. Random float64 values: a wrong split is off by O(1), rounding by 1e-15."""
+    """Why the model's experts code, on one expert's slices (and 1/n of each bias added after
+    the row matrices), does not add up to the whole expert, or None. Random float64 values: a
+    wrong split is off by O(1), rounding by 1e-15."""
     one = local_experts(module, 1)
     gen = torch.Generator().manual_seed(0)
     whole = {
@@ -205,7 +236,9 @@ def _probe(
                 torch.func.functional_call(
                     one,
                     {
-                        name: shard_of(t, Cut(layout[name].dim, layout[name].blocks), r, n)
+                        name: t / n
+                        if name in biases
+                        else shard_of(t, Cut(layout[name].dim, layout[name].blocks), r, n)
                         for name, t in whole.items()
                     },
                     args,

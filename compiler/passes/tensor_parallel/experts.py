@@ -140,6 +140,24 @@ def _routing_cut_like(
             w.use(node, arg, w.convert(arg, rows, because=rule))
 
 
+def _bias_share(w: Walk, node: fx.Node, bias: fx.Node, rule: PlanRule | None) -> None:
+    """A bias the experts add after their row matrices: each rank's unit adds 1/n of it to its
+    partial sum, so the reduction over the axis adds it once. Read through f, its gradient (1/n
+    of the whole on each rank) is summed over the axis (by the gradient sync: `grad_sums.py`).
+
+        down_proj_bias = self.copy_to_tp(down_proj_bias)      # f
+        down_proj_bias = torch.ops.aten.div.Tensor(down_proj_bias, 2)
+    """
+    read = w.convert(bias, REPLICATE, into_sharded=True, because=rule)
+    with w.graph.inserting_after(read):
+        share = w.graph.call_function(torch.ops.aten.div.Tensor, (read, w.n))
+    share.meta.update({k: v for k, v in read.meta.items() if k in ("val", "nn_module_stack")})
+    meta.copy_facts(read, share, meta.REQUIRES_GRAD)
+    meta.set_placement(share, w.other_axes(read))
+    w.set(share, REPLICATE, rule)
+    w.use(node, bias, share)
+
+
 @register(MARKER)
 def _experts(w: Walk, node: fx.Node) -> None:
     tokens, index, weights = (arg_node(node, i) for i in range(3))
@@ -156,6 +174,9 @@ def _experts(w: Walk, node: fx.Node) -> None:
         w.use(node, weights, w.convert(weights, REPLICATE, into_sharded=True, because=rule))
     if not isinstance(w.placement(index), Replicate):
         w.use(node, index, w.convert(index, REPLICATE, because=rule))
+    for p in params:
+        if p.op == "get_attr" and str(p.target) in w.spec.row_biases:
+            _bias_share(w, node, p, rule)
     w.set(node, PARTIAL, rule)
     reduced = w.reduce_partial(node)
     for user in list(node.users):

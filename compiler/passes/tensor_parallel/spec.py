@@ -35,6 +35,9 @@ class TensorParallelSpec:
     # key/value projection weight -> ranks sharing each of its heads (GQA with fewer kv heads
     # than ranks): the weight stays whole and each rank keeps its head after the projection
     kv_replicas: dict[str, int] = field(default_factory=dict)
+    # experts' biases added after their row matrices (GPT-OSS's `down_proj_bias`): whole on
+    # every rank, each rank's experts adding 1/n of them to their partial sums
+    row_biases: set[str] = field(default_factory=set)
     fallback_span: Span | None = None  # where to point when no rule is near the problem
     # sizes that depend on the token shape and that this axis cuts: (size, pieces) -> the rule
     # behind the cut; a run's --batch/--seq must make each divide (`capture.TokenShapes`)

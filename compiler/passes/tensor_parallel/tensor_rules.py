@@ -137,6 +137,7 @@ def _axis_spec(
     params: dict[str, ParamPlacement] = {}
     replicated: dict[str, ParamPlacement] = {}  # kept whole by an explicit `replicate` rule
     in_experts: dict[str, dict[str, PlanRule]] = {}  # experts module -> its parameter -> rule
+    row_biases: set[str] = set()  # experts' biases added after their row matrices
     for path, kinds in resolution.placements.items():
         rule = kinds.get("tensor")
         if path not in modules:  # a parameter of an experts module (`expert_tensor_rules`)
@@ -181,9 +182,10 @@ def _axis_spec(
             )
             diagnostics.append(_once_per_rule(clash, owner, in_experts))
             continue
-        placed, found = expert_split(owner, modules[owner], named, axis, n)
+        placed, biases, found = expert_split(owner, modules[owner], named, axis, n)
         diagnostics += [_once_per_rule(d, owner, in_experts) for d in found]
         params.update({f"{owner}.{name}": ParamPlacement(p, named[name]) for name, p in placed.items()})
+        row_biases |= {f"{owner}.{name}" for name in biases}
     diagnostics = list(dict.fromkeys(diagnostics))  # an experts problem, once per rule
     diagnostics = _collapse_repeats(diagnostics)
     heads = _check_heads(plan, model, axis, n, tensor_rules)
@@ -205,6 +207,7 @@ def _axis_spec(
         sequence_modules=sequence_modules,
         fallback_span=plan.mesh.span,
         kv_replicas=kv_replicas,
+        row_biases=row_biases,
     )
     return spec, diagnostics
 

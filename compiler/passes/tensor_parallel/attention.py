@@ -21,6 +21,7 @@ from .walk import _RULES, Walk, _norm_dim, register
 
 if TYPE_CHECKING:
     from meshplan.dsl.check import PlanRule
+    from meshplan.dsl.errors import Span
 
 aten = torch.ops.aten
 
@@ -112,7 +113,7 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
                     else f"axes whose sizes multiply to a divisor of {heads}"
                 ),
                 rule=rule,
-                related=split_rule,
+                related=_split_here(split_rule),
             )
         w.use(node, q, _nested(w.convert(q, Shard(1), because=rule), split))
         for t in (k, v):
@@ -177,6 +178,11 @@ def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: Plan
     )
 
 
+def _split_here(rule: PlanRule | None) -> list[tuple[Span, str]]:
+    """The note at the tensor rule that split the heads first."""
+    return [(rule.span, f"`{rule.axis}` splits the heads here")] if rule is not None else []
+
+
 def _nested(a2a: fx.Node, split: int) -> fx.Node:
     """A Ulysses all-to-all of heads that tensor axes split first (`split` > 1): it cuts (or
     joins) each of their ranks' heads, inside their shard, so their walks keep their cut through
@@ -209,7 +215,7 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
             hint=f"use `context ring` or `context all_gather` for this module, or axes whose sizes "
             f"multiply to a divisor of {kv}",
             rule=rule,
-            related=split_rule,
+            related=_split_here(split_rule),
         )
     if not isinstance(kv, int) or w.n % kv or heads % kv:
         w.error(

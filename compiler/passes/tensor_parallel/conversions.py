@@ -15,7 +15,7 @@ from torch import fx
 from torch.fx.node import Argument
 
 from meshplan.dsl.check import PlanRule
-from meshplan.dsl.errors import Diagnostic
+from meshplan.dsl.errors import Diagnostic, Span
 from meshplan.runtime.collectives import COLLECTIVES
 
 from ... import meta
@@ -149,13 +149,12 @@ class Conversions:
         message: str,
         hint: str | None = None,
         rule: PlanRule | None = None,
-        related: PlanRule | None = None,
+        related: list[tuple[Span, str]] | None = None,
     ) -> NoReturn:
-        """A located error at `rule` (else the rule near `node`), with a note at `related`'s line."""
+        """A located error at `rule` (else the rule near `node`), with notes at other lines."""
         rule = rule or self.rule_near(node)
         span = rule.span if rule else self.spec.fallback_span
-        notes = [(related.span, f"`{related.axis}` splits the heads here")] if related else []
-        raise TensorParallelError(Diagnostic(span, message, hint, related=notes))
+        raise TensorParallelError(Diagnostic(span, message, hint, related=related or []))
 
     def rule_near(self, node: fx.Node) -> PlanRule | None:
         for arg in node.all_input_nodes:

@@ -39,7 +39,7 @@ from torch import nn
 
 from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
-from meshplan.dsl.errors import Diagnostic
+from meshplan.dsl.errors import Diagnostic, Span
 from meshplan.runtime.experts import local_experts, takes_counts
 from meshplan.runtime.shards import Cut, shard_of
 
@@ -61,7 +61,7 @@ def expert_split(
         return {}, set(), []
     problem = _rules_problem(path, params, rules, split, axis)
     if problem is not None:
-        return {}, set(), [Diagnostic(first.pattern_span, problem[0], hint=problem[1])]
+        return _refused(first.pattern_span, *problem)
     columns = [name for name, r in split.items() if _style(r) == "column"]
     rows = [name for name, r in split.items() if _style(r) == "row"]
     unfit: list[str] = []  # why the shapes do not fit an orientation
@@ -74,36 +74,27 @@ def expert_split(
         layout, width, biases = shaped
         uneven = next((f for f in _chunks(params, layout) if f % n), None)
         if uneven is not None:
-            rule = split[rows[0]]
-            return (
-                {},
-                set(),
-                [
-                    Diagnostic(
-                        rule.span,
-                        f"the experts of `{path}` have {uneven} intermediate features, not divisible by "
-                        f"{n} ranks over `{axis}`",
-                        hint="pick a tensor-parallel size that divides it",
-                    )
-                ],
+            return _refused(
+                split[rows[0]].span,
+                f"the experts of `{path}` have {uneven} intermediate features, not divisible by "
+                f"{n} ranks over `{axis}`",
+                "pick a tensor-parallel size that divides it",
             )
         for tried in (layout, _interleaved(layout)):
             why = _probe(module, params, tried, biases, width, n)
             if why is None:
                 return {**tried, **dict.fromkeys(biases, REPLICATE)}, biases, []
             failed.append(why)
-    return (
-        {},
-        set(),
-        [
-            Diagnostic(
-                first.pattern_span,
-                f"the experts of `{path}` cannot be split over `{axis}` as the rules say: {(failed or unfit)[0]}",
-                hint="each expert's first matrices `column`, its last `row`, as for an MLP's linear layers "
-                "(a bias after the row matrix `row` too)",
-            )
-        ],
+    return _refused(
+        first.pattern_span,
+        f"the experts of `{path}` cannot be split over `{axis}` as the rules say: {(failed or unfit)[0]}",
+        "each expert's first matrices `column`, its last `row`, as for an MLP's linear layers "
+        "(a bias after the row matrix `row` too)",
     )
+
+
+def _refused(span: Span, message: str, hint: str) -> tuple[dict[str, Placement], set[str], list[Diagnostic]]:
+    return {}, set(), [Diagnostic(span, message, hint=hint)]
 
 
 def _style(rule: PlanRule) -> str:

@@ -72,7 +72,7 @@ def tensor_specs(
     return specs, diagnostics
 
 
-def _heads_split(
+def _heads_split_by_tensor_axes(
     resolution: Resolution, layout: MeshLayout, modules: dict[str, PlanRule]
 ) -> dict[str, tuple[int, PlanRule]]:
     """The Ulysses modules among `modules` whose projections tensor rules of other axes split:
@@ -123,7 +123,7 @@ def _context_spec(plan: Plan, resolution: Resolution, layout: MeshLayout, axis: 
         fallback_span=next(iter(modules.values())).span if modules else plan.mesh.span,
         context_modules=modules,
         balanced=balanced,
-        heads_split=_heads_split(resolution, layout, modules),
+        heads_split=_heads_split_by_tensor_axes(resolution, layout, modules),
     )
 
 

@@ -104,6 +104,14 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "ring attention x TP + SP (each cp rank's slice cut again at the norms)",
     ),
+    "ulysses_tp": (
+        (ROOT / "examples/gpt_tp.plan")
+        .read_text()
+        .replace("mesh tp=2", "mesh cp=2, tp=2")
+        .replace("modules {", "modules {\n    h.*.attn: context ulysses over cp\n"),
+        GPT,
+        "Ulysses x TP (each tp rank's heads cut again over cp)",
+    ),
 }
 
 

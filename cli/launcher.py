@@ -88,10 +88,6 @@ def prepare(options: RunOptions) -> tuple[RunOptions, int]:
             raise RunError(str(e)) from None
         print(f"meshplan: starting from the weights in {weights.path}", file=sys.stderr)
     options = options.replace(vocab_size=_check_data(options, plan, source))
-    if options.between_steps and plan.pipeline is not None:
-        from meshplan.session import PIPELINE_BETWEEN_STEPS
-
-        raise RunError(PIPELINE_BETWEEN_STEPS)
     if options.between_steps:  # a missing function is the user's mistake: before any worker starts
         from meshplan.compiler.errors import CompileError
         from meshplan.compiler.load import load_function

@@ -314,12 +314,7 @@ def verify(
     from meshplan.pretrained import open_init
     from meshplan.runtime.axes import Axes
     from meshplan.runtime.launch import spawn
-    from meshplan.session import (
-        PIPELINE_BETWEEN_STEPS,
-        between_steps_hook,
-        check_supported,
-        pipeline_microbatches,
-    )
+    from meshplan.session import between_steps_hook, check_supported, pipeline_microbatches
 
     plan = load_plan(plan_path, world_size=world_size)
     world = plan.mesh.world_size
@@ -337,9 +332,7 @@ def verify(
             load_whole(source.model, open_init(init))
         except InitError as e:
             raise RunError(str(e)) from None
-    if between_steps:  # said before any process starts: a pipeline, a missing function
-        if plan.pipeline is not None:
-            raise RunError(PIPELINE_BETWEEN_STEPS)
+    if between_steps:  # said before any process starts: a missing function
         load_function(between_steps, "--between-steps")
     # every refusal, before processes start; for the job's one shape (as `run` compiles)
     compiled = compile_plan(plan, source, world_size=world, dynamic=False)
@@ -416,7 +409,9 @@ def verify(
         program, yard_loss = _one_device_program(plan, yard_source, captured=compiled.captured)
         # the model's update between steps, on the program's buffers (one device: nothing to sum)
         update = (
-            between_steps_hook(between_steps, program, yard_source.model, Axes()) if between_steps else None
+            between_steps_hook(between_steps, program, [program], yard_source.model, Axes())
+            if between_steps
+            else None
         )
         start, buffers = _named_weights(program), {n: b.clone() for n, b in program.named_buffers()}
         yardstick = one_device(program, yard_loss, "yardstick", update)
@@ -436,7 +431,9 @@ def verify(
             if capacity_lists(plan, source.model):  # which pair a row is: the unit's graph knows
                 ref_program, ref_loss = _one_device_program(plan, replace(source, model=float64), False)
                 hook = (
-                    between_steps_hook(between_steps, ref_program, float64, Axes()) if between_steps else None
+                    between_steps_hook(between_steps, ref_program, [ref_program], float64, Axes())
+                    if between_steps
+                    else None
                 )
                 reference = one_device(ref_program, ref_loss, "reference", hook)
                 _fill_tied(reference.weights, source.model)

@@ -17,7 +17,7 @@ The session is put together from parts, one module each:
     rank.py       `Session` and `open_session`, the composition of the above
 """
 
-from .hooks import PIPELINE_BETWEEN_STEPS, between_steps_hook
+from .hooks import between_steps_hook
 from .pipeline import pipeline_microbatches
 from .program import check_supported, compiled_folder, load_program
 from .rank import Session, open_session
@@ -25,7 +25,6 @@ from .sync import partial_grad_sync, rank_axes
 from .training import call_inputs, consolidated_state, export_weights, train_config, train_session
 
 __all__ = [
-    "PIPELINE_BETWEEN_STEPS",
     "Session",
     "between_steps_hook",
     "call_inputs",

@@ -63,23 +63,32 @@ def expert_metrics(programs: list[fx.GraphModule], axes: Axes) -> Callable[[], d
 
 
 def between_steps_hook(
-    spec: str, program: fx.GraphModule, model: nn.Module, axes: Axes, pipeline: bool = False
+    spec: str,
+    held: fx.GraphModule,
+    programs: list[fx.GraphModule],
+    model: nn.Module,
+    axes: Axes,
+    *,
+    pipeline: bool = False,
 ) -> Callable[[], None]:
     """`--between-steps FILE.py:update`: after each optimizer step, `update(model)` on the
-    user's own model object, its buffers this rank's. The buffers the program writes while it
-    runs (a router's token counts) are statistics of this rank's tokens: they are summed over
-    the data axes first, so every rank calls `update` on the same numbers and the buffers it
-    sets (an expert bias) stay identical everywhere, as on one device over the whole batch."""
+    user's own model object, its buffers this rank's (`held`'s, under the model's names). The
+    buffers the rank's programs write while they run (a router's token counts) are statistics
+    of this rank's tokens: they are summed over the data axes first, so every rank calls
+    `update` on the same numbers and the buffers it sets (an expert bias) stay identical
+    everywhere, as on one device over the whole batch. Under a pipeline `programs` are the
+    rank's stages and the model's other layers are another rank's: `update` runs over them too
+    (on the model's own tensors, on the meta device where it was built so), and only this
+    rank's stages' buffers are read back."""
     import torch
 
     from meshplan.compiler.graph import mutated_buffers
     from meshplan.compiler.load import describe_error, load_function
 
-    if pipeline:
-        raise RunError(PIPELINE_BETWEEN_STEPS)
     update = load_function(spec, "--between-steps")
-    written = mutated_buffers(program)  # a checkpointed layer may not write any (checkpoint pass)
-    own = dict(program.named_buffers())
+    # (a checkpointed layer may not write any: the checkpoint pass)
+    written = list(dict.fromkeys(name for program in programs for name in mutated_buffers(program)))
+    own = dict(held.named_buffers())
     theirs = dict(model.named_buffers())
     mirrored = [n for n, b in own.items() if n in theirs and theirs[n].shape == b.shape]
     for n in mirrored:  # the model's buffers are the program's: an in-place update needs no copy
@@ -92,7 +101,10 @@ def between_steps_hook(
                 total = axes.sum_over(torch.cat([s.flatten().double() for s in stats]), axes.data, spec)
                 for s, part in zip(stats, total.split([s.numel() for s in stats]), strict=True):
                     s.copy_(part.view_as(s))
-            cut = {n: b.clone() for n, b in theirs.items() if n not in mirrored}  # usually none
+            # the buffers the plan cuts (usually none); under a pipeline, of this rank's stages
+            cut = {
+                n: b.clone() for n, b in theirs.items() if n not in mirrored and (n in own or not pipeline)
+            }
         try:
             update(model)
         except Exception as e:
@@ -118,9 +130,3 @@ def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
     """Make `value` the tensor of `model`'s buffer `name` (its persistence unchanged)."""
     owner, _, leaf = name.rpartition(".")
     model.get_submodule(owner)._buffers[leaf] = value
-
-
-PIPELINE_BETWEEN_STEPS = (
-    "--between-steps with a pipeline is not supported yet: each stage holds other layers' buffers "
-    "(hint: run the plan without its `pipeline` block)"
-)

@@ -129,7 +129,9 @@ def open_session(options: RunOptions, rank: int, world_size: int) -> Session:
             expert_metrics(units, axes) if sync.experts else None,
         ),
         pipeline.sum_tied_grads if pipeline is not None and pipeline.parts.tied else None,
-        between_steps_hook(options.between_steps, held, source.model, axes, pipeline is not None)
+        between_steps_hook(
+            options.between_steps, held, units, source.model, axes, pipeline=pipeline is not None
+        )
         if options.between_steps
         else None,
         stacked_lists(source.model),

@@ -204,17 +204,6 @@ def test_a_between_steps_function_that_is_not_there_is_one_error(
     ) in err
 
 
-def test_between_steps_with_a_pipeline_is_refused_before_the_workers(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    write(tmp_path, "update.py", "def update_bias(model):\n    pass\n")
-    plan = write(tmp_path, "pp.plan", "mesh pp=2\n\npipeline over pp {\n    schedule = gpipe\n}\n")
-    done = meshplan("run", plan, *SHAPES, "--between-steps", "update.py:update_bias", capsys=capsys)
-    assert "meshplan: error: --between-steps with a pipeline is not supported yet" in one_error(
-        done, tmp_path
-    )
-
-
 DISK_PLAN = "mesh dp=2\ndata_parallel over dp {\n    zero = 1\n    offload = optimizer:disk\n}\n"
 
 

@@ -77,9 +77,9 @@ def between_steps_hook(
     of this rank's tokens: they are summed over the data axes first, so every rank calls
     `update` on the same numbers and the buffers it sets (an expert bias) stay identical
     everywhere, as on one device over the whole batch. Under a pipeline `programs` are the
-    rank's stages and the model's other layers are another rank's: `update` runs over them too
-    (on the model's own tensors, on the meta device where it was built so), and only this
-    rank's stages' buffers are read back."""
+    rank's stages and the model's other layers are other ranks': `update` runs over them too,
+    on whatever this rank's model holds of them, and only this rank's stages' buffers are read
+    back."""
     import torch
 
     from meshplan.compiler.graph import mutated_buffers

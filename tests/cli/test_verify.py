@@ -192,6 +192,11 @@ def test_hf_gpt2_pipeline_with_weights_tied_across_stages(tmp_path):
             "    model.layers.*.self_attn: context ulysses over cp\n    model.layers.*: checkpoint\n"
             + llama_sequence("model."),
         ),
+        (
+            "hf_factories.py:hf_llama_eager",
+            "cp=2, tp=2",
+            "    model.layers.*.self_attn: context ulysses over cp\n",
+        ),
     ],
 )
 def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, factory, mesh, rules):
@@ -200,8 +205,9 @@ def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, fact
     all_gather the keys and values are gathered at the matmuls, each rank's scores are its
     queries' rows; ring and Ulysses take the chain as the one sdpa call it computes. The ring
     under cp x tp also has the norms sequence-parallel: each cp rank's slice cut again over tp;
-    Ulysses under cp x tp (8 query, 4 key/value heads, checkpointed layers) cuts each tp rank's
-    heads again over cp."""
+    Ulysses under cp x tp cuts each tp rank's heads again over cp: with 8 query and 4 key/value
+    heads (checkpointed layers) by all-to-all, with 4 and 2 each tp rank's one key/value head
+    kept by both its cp ranks."""
     pytest.importorskip("transformers")
     if "tp" in mesh:
         rules += llama_rules("model.")

@@ -167,22 +167,49 @@ def test_ulysses_cuts_again_the_heads_tensor_parallelism_splits():
     assert moved(both) == [b // 2 for b in moved(alone)]
 
 
-@pytest.mark.parametrize(
-    ("heads", "kind", "count", "split"), [((4, 2), "key/value", 2, 4), ((2, 2), "query", 2, 4)]
-)
-def test_ulysses_refuses_heads_tensor_parallelism_leaves_too_few_of(heads, kind, count, split):
-    """Heads that tp x cp do not divide: a rank would hold part of a head. Located at the context
+def test_ulysses_inside_tensor_parallelism_with_fewer_key_value_heads_than_ranks():
+    """4 query and 2 key/value heads over tp=2 x cp=2: each tp rank has 2 query heads (1 per cp
+    rank, by all-to-all) and 1 key/value head, which both its cp ranks' queries use: k and v are
+    gathered by sequence over cp and each rank keeps that head (`kv_group_cp`, 2 ranks a head,
+    picking among the tp rank's heads: nothing gathered over tp)."""
+    compiled = _compile(ULYSSES_IN_TP)
+    calls = _calls(compiled)
+    layers = 4
+    assert calls.count("all_to_all_cp") == 2 * layers  # q in, the output back
+    assert calls.count("all_gather_cp") == calls.count("kv_group_cp") == 2 * layers  # k and v
+    assert not [c for c in calls if c.endswith("_tp") and "gather" in c]
+    kept = [n for n in compiled.graph.graph.nodes if n.target == "kv_group_cp"]
+    assert {n.args[1:] for n in kept} == {(1, 2)}
+    assert {(str(n.meta[PLACEMENT]["cp"]), str(n.meta[PLACEMENT]["tp"])) for n in kept} == {
+        ("Shard(1, replicas=2)", "Shard(1)")
+    }
+
+
+def test_ulysses_refuses_query_heads_tensor_parallelism_leaves_too_few_of():
+    """2 query heads over tp=2 x cp=2: a rank would hold half a head. Located at the context
     rule, with a note at the tensor rule that split them first."""
     with pytest.raises(PlanError) as info:
-        _compile(ULYSSES_IN_TP, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+        _compile(ULYSSES_IN_TP, num_attention_heads=2, num_key_value_heads=2)
     rendered = info.value.render()
     assert rendered.startswith(
-        f"p.plan:4:5: error: the {count} {kind} heads of `layers.0.self_attn` are split over 2 ranks of "
-        f"`tp`, and Ulysses over `cp` would split each rank's share again over 2: {split} does not "
-        f"divide {count}, and a rank must hold whole heads"
+        "p.plan:4:5: error: the 2 query heads of `layers.0.self_attn` are split over 2 ranks of `tp`, and "
+        "Ulysses over `cp` would split each rank's share again over 2: 4 does not divide 2, and a rank "
+        "must hold whole heads"
     )
     assert "p.plan:5:5: note: `tp` splits the heads here" in rendered
     assert "hint: use `context ring` or `context all_gather` for this module" in rendered
+
+
+def test_ulysses_refuses_key_value_heads_a_tensor_rank_keeps_that_the_context_ranks_cannot_share():
+    """12 query, 6 key/value heads over tp=2 x cp=2: each tp rank keeps 3 key/value heads, which
+    neither divide over 2 cp ranks nor 2 ranks share evenly."""
+    with pytest.raises(PlanError) as info:
+        _compile(ULYSSES_IN_TP, hidden_size=96, num_attention_heads=12, num_key_value_heads=6)
+    assert info.value.render().startswith(
+        "p.plan:4:5: error: the 6 key/value heads of `layers.0.self_attn` are split over 2 ranks of `tp`, "
+        "and what each keeps is neither a multiple of 2 ranks over `cp` nor dividing it with its query "
+        "heads: Ulysses cannot give each rank the key/value heads its query heads use"
+    )
 
 
 def test_a_context_axis_before_the_tensor_axis_compiles_as_after_it():

@@ -171,10 +171,16 @@ def _heads_split(w: Walk, node: fx.Node) -> tuple[int, PlanRule | None]:
 def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: PlanRule | None, w: Walk) -> str:
     """Why Ulysses cannot cut heads that tensor axes split first (`split` ways)."""
     axes = f"`{rule.axis}`" if rule is not None else "tensor axes"
+    if kind == "query":
+        return (
+            f"the {count} query heads of `{module_path(node)}` are split over {split} ranks of {axes}, "
+            f"and Ulysses over `{w.axis}` would split each rank's share again over {w.n}: "
+            f"{split * w.n} does not divide {count}, and a rank must hold whole heads"
+        )
     return (
-        f"the {count} {kind} heads of `{module_path(node)}` are split over {split} ranks of {axes}, "
-        f"and Ulysses over `{w.axis}` would split each rank's share again over {w.n}: "
-        f"{split * w.n} does not divide {count}, and a rank must hold whole heads"
+        f"the {count} key/value heads of `{module_path(node)}` are split over {split} ranks of {axes}, "
+        f"and what each keeps is neither a multiple of {w.n} ranks over `{w.axis}` nor dividing it "
+        "with its query heads: Ulysses cannot give each rank the key/value heads its query heads use"
     )
 
 
@@ -202,35 +208,45 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
 
         k = self.all_gather_cp(k, 2)           # (B, kv, T, D)
         k = self.kv_group_cp(k, 1, m)          # (B, 1, T, D): head rank // m
+
+    Where tensor axes split the heads first (`split` ways), the counts are a rank's of theirs:
+    kv / split heads (one, where they keep fewer heads than their ranks, each rank its own),
+    and the group picks among those.
     """
     kv = shape(t)[1]
     split, split_rule = _heads_split(w, node)
     if isinstance(kv, int) and kv % (w.n * split) == 0:
         w.use(node, t, _nested(w.convert(t, Shard(1), because=rule), split))
         return
-    if split > 1:  # each rank's kv heads fewer than the ranks: gathered whole over `tp` first
-        w.error(
-            node,
-            _split_twice(node, "key/value", kv, split, split_rule, w),
-            hint=f"use `context ring` or `context all_gather` for this module, or axes whose sizes "
-            f"multiply to a divisor of {kv}",
-            rule=rule,
-            related=_split_here(split_rule),
-        )
-    if not isinstance(kv, int) or w.n % kv or heads % kv:
+    held = (
+        None
+        if not isinstance(kv, int)
+        else kv // split
+        if kv % split == 0
+        else 1
+        if split % kv == 0
+        else None
+    )
+    if held is None or w.n % held or (heads // split) % held:
         w.error(
             node,
             f"{describe(node)} has {kv} key/value heads in {describe(t)} for {heads} query heads: "
             f"neither a multiple of {w.n} ranks over `{w.axis}` nor dividing it, so Ulysses cannot "
-            "give each rank the key/value heads its query heads use",
+            "give each rank the key/value heads its query heads use"
+            if split == 1
+            else _split_twice(node, "key/value", kv, split, split_rule, w),
             hint=f"use `context ring` or `context all_gather` for this module, or a `{w.axis}` size "
-            f"that {kv} divides or that divides {kv}",
+            f"that {kv} divides or that divides {kv}"
+            if split == 1
+            else "use `context ring` or `context all_gather` for this module, or tensor and context "
+            "axes whose sizes fit the heads",
             rule=rule,
+            related=_split_here(split_rule),
         )
-    replicas = w.n // kv
+    replicas = w.n // held
     whole = w.convert(t, REPLICATE, into_sharded=True, because=rule)
     with w.graph.inserting_after(whole):
-        group = w.graph.call_module(w.module_for("kv_group"), (whole, 1, replicas))
+        group = _nested(w.graph.call_module(w.module_for("kv_group"), (whole, 1, replicas)), split)
     group.meta.update({k: a for k, a in whole.meta.items() if k in ("val", "nn_module_stack")})
     meta.copy_facts(whole, group, meta.REQUIRES_GRAD)
     meta.set_placement(group, w.other_axes(whole))

@@ -71,7 +71,10 @@ class Conversions:
         this axis moves the local tensor along the dim, and `Walk.nested_under` gathers ours
         before a context axis's collective moves the dim. Other nestings are refused: two
         tensor axes' cuts would need an order the placements do not keep, and a padded or
-        replicated chunk is sized from the global dim."""
+        replicated chunk is sized from the global dim. Ulysses' cut of heads a tensor axis split
+        first is inside that axis's shard, on the local heads (`meta.HEADS_INSIDE`): any."""
+        if node.meta.get(meta.HEADS_INSIDE) == placement.dim:
+            return
         for other, p in self.other_axes(node).items():
             if not (isinstance(p, Shard) and p.dim == placement.dim):
                 continue
@@ -86,9 +89,10 @@ class Conversions:
                 )
 
     def cut_with(self, node: fx.Node, placement: Shard) -> dict[str, int]:
-        """The other axes that already cut the dim this axis cuts (`check_nested`): their sizes."""
+        """The other axes that already cut the dim this axis cuts (`check_nested`): their pieces
+        (their size, over the ranks sharing each piece)."""
         return {
-            a: n
+            a: n // p.replicas
             for a, n in self.spec.nested.items()
             if isinstance(p := self.other_axes(node).get(a), Shard) and p.dim == placement.dim
         }

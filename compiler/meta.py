@@ -246,6 +246,15 @@ def add_rows_cut(node: fx.Node, axis: str) -> None:
     node.meta.setdefault(ROWS_CUT, []).append(axis)
 
 
+def heads_inside(node: fx.Node) -> int | None:
+    """The heads dim a Ulysses collective cuts inside the tensor axes' shards of it (`HEADS_INSIDE`)."""
+    return node.meta.get(HEADS_INSIDE)
+
+
+def set_heads_inside(node: fx.Node, dim: int) -> None:
+    node.meta[HEADS_INSIDE] = dim
+
+
 def device(node: fx.Node) -> str | None:
     """The device the node runs on (its tensor lives on) when not the rank's: `"cpu"`,
     `"cuda:N"`; None for the rank's own."""

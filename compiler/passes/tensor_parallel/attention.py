@@ -194,7 +194,7 @@ def _nested(a2a: fx.Node, split: int) -> fx.Node:
     joins) each of their ranks' heads, inside their shard, so their walks keep their cut through
     it (`Walk.nested_under`)."""
     if split > 1 and a2a.op == "call_module":
-        a2a.meta[meta.HEADS_INSIDE] = 1
+        meta.set_heads_inside(a2a, 1)
     return a2a
 
 

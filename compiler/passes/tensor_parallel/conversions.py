@@ -73,7 +73,7 @@ class Conversions:
         tensor axes' cuts would need an order the placements do not keep, and a padded or
         replicated chunk is sized from the global dim. Ulysses' cut of heads a tensor axis split
         first is inside that axis's shard, on the local heads (`meta.HEADS_INSIDE`): any."""
-        if node.meta.get(meta.HEADS_INSIDE) == placement.dim:
+        if meta.heads_inside(node) == placement.dim:
             return
         for other, p in self.other_axes(node).items():
             if not (isinstance(p, Shard) and p.dim == placement.dim):

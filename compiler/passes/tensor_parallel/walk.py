@@ -230,7 +230,7 @@ class Walk(Conversions):
         p = self.placement(x)
         if not isinstance(p, Shard) or not isinstance(x, fx.Node):
             return False
-        if node.meta.get(meta.HEADS_INSIDE) == p.dim:  # Ulysses' cut of this axis's heads: inside ours
+        if meta.heads_inside(node) == p.dim:  # Ulysses' cut of this axis's heads: inside ours
             return False
         moved = node.args[1:3] if isinstance(module, AllToAll) else node.args[1:2]
         ndim = len(shape(x))

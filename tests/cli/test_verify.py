@@ -471,18 +471,29 @@ def test_experts_over_ep_on_sequence_parallel_token_shards(tmp_path):
     assert_ok(verify(write(tmp_path, text), f"{ROOT}/examples/models/moe.py:build", steps=2))
 
 
+AUX_FREE = f"{ROOT}/tests/cli/aux_free_moe.py"
+
+
 @pytest.mark.slow
-def test_aux_loss_free_balancing_under_zero_2(tmp_path):
-    """`--between-steps`: the model's expert-bias update runs after every step of all three
-    trainings; the partitioned one sums the token counts of the 4 data ranks first (without the
-    sum its routing drifts from one device's by the second step: losses off by 1e-3)."""
-    text = (
+@pytest.mark.parametrize(
+    "text",
+    [
         "mesh dp=2, ep=2\n\nmodules {\n    layers.*.mlp.experts: experts over ep (top_k=2)\n}\n\n"
-        "data_parallel over dp {\n    zero = 2\n}\n"
-    )
-    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
+        "data_parallel over dp {\n    zero = 2\n}\n",
+        "mesh dp=2, pp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp (top_k=2)\n}\n\n"
+        "pipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n",
+    ],
+    ids=["zero2", "pipeline"],
+)
+def test_aux_loss_free_balancing(tmp_path, text):
+    """`--between-steps`: the model's expert-bias update runs after every step of all three
+    trainings; the partitioned one sums the token counts of the data ranks first (without the
+    sum its routing drifts from one device's by the second step: losses off by 1e-3 under
+    ZeRO-2, 7e-4 under the pipeline). Under dp=2 x pp=2 (1F1B) each pipeline rank's update runs
+    on the model with its stage's router buffers (the other stage's layer is another rank's);
+    it was refused before the workers started."""
     report = verify(
-        write(tmp_path, text), f"{factory}:build", steps=3, between_steps=f"{factory}:update_bias"
+        write(tmp_path, text), f"{AUX_FREE}:build", steps=3, between_steps=f"{AUX_FREE}:update_bias"
     )
     assert_ok(report)
 
@@ -504,26 +515,8 @@ def test_aux_loss_free_balancing_beside_sequence_shards(tmp_path, rules):
     text = (
         f"mesh dp=2, {axis}=2\n\nmodules {{\n{rules}    layers.*.mlp.experts: experts over dp (top_k=2)\n}}\n"
     )
-    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
     report = verify(
-        write(tmp_path, text), f"{factory}:build", steps=3, between_steps=f"{factory}:update_bias"
-    )
-    assert_ok(report)
-
-
-@pytest.mark.slow
-def test_aux_loss_free_balancing_under_a_pipeline(tmp_path):
-    """`--between-steps` under dp=2 x pp=2 (1F1B): each pipeline rank's update runs on the model
-    with its stage's router buffers (the other stage's layer is another rank's), their token
-    counts summed over dp first: as one device's (without the sum, losses off by 7e-4 by the
-    third step). It was refused before the workers started."""
-    text = (
-        "mesh dp=2, pp=2\n\nmodules {\n    layers.*.mlp.experts: experts over dp (top_k=2)\n}\n\n"
-        "pipeline over pp {\n    schedule = 1f1b\n    microbatches = 2\n}\n"
-    )
-    factory = f"{ROOT}/tests/cli/aux_free_moe.py"
-    report = verify(
-        write(tmp_path, text), f"{factory}:build", steps=3, between_steps=f"{factory}:update_bias"
+        write(tmp_path, text), f"{AUX_FREE}:build", steps=3, between_steps=f"{AUX_FREE}:update_bias"
     )
     assert_ok(report)
 

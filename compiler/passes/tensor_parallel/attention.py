@@ -184,6 +184,16 @@ def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: Plan
     )
 
 
+def _held_heads(kv: object, split: int) -> int | None:
+    """The key/value heads one rank of the tensor axes keeps of `kv` split `split` ways: its
+    share, or one where they keep fewer heads than their ranks; None where neither divides."""
+    if not isinstance(kv, int):
+        return None
+    if kv % split == 0:
+        return kv // split
+    return 1 if split % kv == 0 else None
+
+
 def _split_here(rule: PlanRule | None) -> list[tuple[Span, str]]:
     """The note at the tensor rule that split the heads first."""
     return [(rule.span, f"`{rule.axis}` splits the heads here")] if rule is not None else []
@@ -218,15 +228,7 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
     if isinstance(kv, int) and kv % (w.n * split) == 0:
         w.use(node, t, _nested(w.convert(t, Shard(1), because=rule), split))
         return
-    held = (
-        None
-        if not isinstance(kv, int)
-        else kv // split
-        if kv % split == 0
-        else 1
-        if split % kv == 0
-        else None
-    )
+    held = _held_heads(kv, split)
     if held is None or w.n % held or (heads // split) % held:
         w.error(
             node,

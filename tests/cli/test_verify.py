@@ -278,17 +278,28 @@ def test_hf_deepseek_v3_under_context_and_sequence_parallelism(tmp_path):
             "    decoder.block.*.layer.1.EncDecAttention: context all_gather over cp\n",
             "cp=2",
         ),
+        (
+            "hf_t5",
+            "\n    {encoder,decoder}.block.*.layer.0.SelfAttention: context ulysses over cp\n"
+            "    decoder.block.*.layer.1.EncDecAttention: context ulysses over cp\n"
+            "    {encoder,decoder}.block.*.layer.*.{SelfAttention,EncDecAttention}.{q,k,v}: column over tp\n"
+            "    {encoder,decoder}.block.*.layer.*.{SelfAttention,EncDecAttention}.o: row over tp\n",
+            "cp=2, tp=2",
+        ),
     ],
-    ids=["deepseek-v3", "t5"],
+    ids=["deepseek-v3", "t5", "t5-ulysses-tp"],
 )
-def test_hf_models_under_context_all_gather(tmp_path, factory, rules, mesh):
+def test_hf_models_under_context_parallelism(tmp_path, factory, rules, mesh):
     """DeepSeek-V3's latent attention: its keys, made whole by `new_empty` and filled in place,
     are gathered (the rewrite gathered the keys it had not yet moved, and padded the call's
     positional arguments over its `dropout_p` keyword: verify saw a random op). T5, an
     encoder-decoder: both stacks' self-attention and the decoder's cross-attention cut by
     sequence; its labels shifted right inside forward into a `new_zeros` buffer, on the whole
     sequence (the buffer was placed like the labels it was made from, then gathered at twice its
-    size; the shift, a slice across the cut, was refused)."""
+    size; the shift, a slice across the cut, was refused). T5 under Ulysses beside tensor-parallel
+    attention: its relative position bias, (B, H, T, T) added to the scores, is cut by heads as
+    the queries are, over tp first and then inside each tp rank's heads over cp (replicated, it
+    crashed the run; cut over cp alone, it trained with other heads' biases)."""
     pytest.importorskip("transformers")
     text = plan(rules, mesh=mesh)
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:{factory}", steps=2))

@@ -32,7 +32,12 @@ aten = torch.ops.aten
 def _sdpa(w: Walk, node: fx.Node) -> None:
     q, k, v = node.args[:3]
     ps = {w.placement(t) for t in (q, k, v)}
-    if w.spec.context_modules and any(isinstance(p, Shard) and p.dim == SEQ for p in ps):
+    if w.spec.context_modules and (
+        any(isinstance(p, Shard) and p.dim == SEQ for p in ps)
+        # whole (a sequence remade whole on the way: T5's decoder inputs, shifted from the
+        # labels): cut by the rule of the module it runs in, not repeated on every rank
+        or (ps == {REPLICATE} and w.rule_for_module(node) is not None)
+    ):
         _context_attention(w, node)
         return
     if ps == {REPLICATE}:
@@ -53,7 +58,14 @@ def _sdpa(w: Walk, node: fx.Node) -> None:
         )
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and not known_equal(shape(mask)[-3], 1):
-        w.use(node, mask, w.convert(mask, Shard(len(shape(mask)) - 3)))
+        heads = Shard(len(shape(mask)) - 3)
+        if meta.heads_inside(mask) == heads.dim and w.placement(mask) == REPLICATE:
+            # Ulysses cut the mask's heads inside ours (`_ulysses_mask`): ours goes first
+            whole = arg_node(mask, 0)
+            w.use(mask, whole, w.convert(whole, heads))
+            w.set(mask, heads)
+        elif w.placement(mask) != heads:
+            w.use(node, mask, w.convert(mask, heads))
     w.set(node, Shard(1), w.rule_near(node))
 
 
@@ -90,9 +102,11 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
         )
     mode = rule.action.mode  # type: ignore[union-attr]
     # the queries' rows are this rank's; all_gather reads whole keys and values (which a model
-    # may already hold whole: DeepSeek-V3's, filled in place), the others their sequence shards
+    # may already hold whole: DeepSeek-V3's, filled in place: cut and gathered all the same, so
+    # that their gradients, this rank's queries' part, are summed), the ring their sequence
+    # shards; Ulysses cuts whole ones by heads where they are (backward: the heads gathered)
     for t in (q, k, v):
-        if w.placement(t) != Shard(SEQ):
+        if w.placement(t) != Shard(SEQ) and not (mode == "ulysses" and w.placement(t) == REPLICATE):
             w.use(node, t, w.convert(t, Shard(SEQ), because=rule))
     q, k, v = (arg_node(node, i) for i in range(3))
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -124,8 +138,8 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
             # move the key/value heads, then repeat this rank's to its query heads
             _ulysses_key_value(w, t, grouped, heads, rule)
             _repeat_interleave(w, t)
-        if isinstance(mask, fx.Node) and w.placement(mask) != REPLICATE:
-            w.use(node, mask, w.convert(mask, REPLICATE, because=rule))
+        if isinstance(mask, fx.Node):
+            _ulysses_mask(w, node, mask, split, rule)
         w.set(node, Shard(1), rule)
         back = _nested(w.convert(node, Shard(SEQ), because=rule), split)
         node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
@@ -206,6 +220,16 @@ def _nested(a2a: fx.Node, split: int) -> fx.Node:
     if split > 1 and a2a.op == "call_module":
         meta.set_heads_inside(a2a, 1)
     return a2a
+
+
+def _ulysses_mask(w: Walk, node: fx.Node, mask: fx.Node, split: int, rule) -> None:
+    """The model's own mask of attention over the whole sequence: its rows and columns whole;
+    one with a heads dim (T5's relative position bias, (B, H, T, T)) cut like the queries' heads,
+    inside a tensor axis's cut where one split them first (its walk cuts the mask before ours)."""
+    heads = len(shape(mask)) - 3
+    placement = REPLICATE if heads < 0 or known_equal(shape(mask)[heads], 1) else Shard(heads)
+    if w.placement(mask) != placement:
+        w.use(node, mask, _nested(w.convert(mask, placement, because=rule), split))
 
 
 def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> None:

@@ -39,7 +39,8 @@ def layout_cells(lay: Layout) -> tuple[str, str, str, str]:
     schedule = f"interleaved x{lay.virtual}" if lay.virtual > 1 else "1f1b"
     pipeline = f"{schedule}, {lay.microbatches} microbatches" if lay.pp > 1 else "-"
     checkpoint = {"full": "every block", "selective": "selective"}.get(lay.checkpoint, "-")
-    return lay.mesh(), zero, checkpoint, pipeline
+    mesh = lay.mesh() + (" (ulysses)" if lay.cp > 1 and lay.context == "ulysses" else "")
+    return mesh, zero, checkpoint, pipeline
 
 
 def aligned(rows: list[tuple[str, ...]]) -> list[str]:
@@ -85,6 +86,7 @@ def suggest_json(found: Suggestion) -> dict[str, Any]:
             "offload": lay.offload,
             "checkpoint": lay.checkpoint or None,  # "full", "selective" (every block's) or none
             "microbatches": lay.microbatches,
+            "context": lay.context if lay.cp > 1 else None,  # "ring" or "ulysses" under a cp axis
             "sequence_parallel": lay.sp,
             "vocab_parallel": lay.vocab,
             "screened": {"peak": c.peak, "step_time_s": c.time},

@@ -29,6 +29,8 @@ ASSUMED = (
     "screen: offloaded optimizer steps at 10 GB/s on the host, its gradients and weights cross at 25 GB/s",
     "screen: a context ring passes each block's keys and values cp - 1 times forward and twice that "
     "backward, behind the block's compute",
+    "screen: Ulysses moves each block's queries, keys, values and attention output by all-to-all over cp, "
+    "forward and again backward, in the block's path",
     "screen: interleaved 1F1B's bubble is (pp - 1) / virtual microbatches; its sends virtual times 1F1B's",
     "the suggestion's numbers are `meshplan estimate`'s for the written plan",
 )
@@ -53,7 +55,8 @@ class Layout:
     microbatches: int = 1  # a pipeline's; 1 without one
     sp: bool = False  # sequence parallel norms (with tp)
     vocab: bool = False  # vocab-parallel embedding and head (with tp)
-    cp: int = 1  # context parallel: each sequence's tokens cut over cp ranks, a ring for attention
+    cp: int = 1  # context parallel: each sequence's tokens cut over cp ranks
+    context: Literal["ring", "ulysses"] = "ring"  # attention under cp: a ring, or Ulysses' all-to-alls
     virtual: int = 1  # a pipeline rank's chunks: 2 and up is interleaved 1F1B
     copies: int = 1  # HSDP: ZeRO's state cut over dp / copies ranks of a node, one copy per node
 
@@ -86,7 +89,7 @@ class Layout:
         out = {f"tp{'+sp' if self.sp else ''}{'+vocab' if self.vocab else ''}"} if self.tp > 1 else set()
         out |= {"pp"} if self.pp > 1 else set()
         out |= {"ep"} if self.ep > 1 else set()
-        out |= {"cp"} if self.cp > 1 else set()
+        out |= {f"cp ({self.context})"} if self.cp > 1 else set()
         out |= {"interleaved"} if self.virtual > 1 else set()
         out |= {f"zero{self.zero}"} if self.zero else set()
         out |= {"hsdp"} if self.copies > 1 else set()
@@ -290,9 +293,12 @@ class Screen:
         ep_comm = 0.0
         if lay.ep > 1:
             ep_comm = 2 * self._collective("all_to_all", activation * self.top_k, lay.ep, t * lay.ep)
-        ring = self._ring(lay, f) if lay.cp > 1 else 0.0
+        ulysses = self._ulysses(lay, f) if lay.cp > 1 and lay.context == "ulysses" else 0.0
+        ring = self._ring(lay, f) if lay.cp > 1 and not ulysses else 0.0
         overlap = self.hw.overlap
-        forward_block = block + tp_comm + ep_comm + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)
+        forward_block = (
+            block + tp_comm + ep_comm + ulysses + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)
+        )
         recomputed = forward_block if lay.checkpoint == "full" else 0.0
         if lay.checkpoint == "selective":  # all but the matmuls again, the collectives among them
             rest = sum(self._scaled(prof.part(name).recomputed(), f, d) for name, d in cuts.items())
@@ -304,6 +310,7 @@ class Screen:
             2 * block
             + tp_comm
             + ep_comm
+            + ulysses
             + exposed(2 * ring, 2 * ring / (lay.cp - 1 or 1), 2 * block, overlap)
             + recomputed
         )
@@ -353,6 +360,15 @@ class Screen:
         width = shape.kv_width or 2 * (shape.hidden or 1)
         kv = prof.hidden_bytes * prof.tokens * f * width / (shape.hidden or width) / lay.tp
         return (lay.cp - 1) * self._collective("send", kv, 2, lay.cp * lay.ep * lay.tp)
+
+    def _ulysses(self, lay: Layout, f: float) -> float:
+        """A block's forward all-to-alls under Ulysses: its queries, keys and values to head
+        shards, the output back to sequence shards (this rank's tp heads of each)."""
+        prof, shape = self.profile, self.shape
+        hidden = shape.hidden or 1
+        width = 2 * hidden + (shape.kv_width or 2 * hidden)  # queries and output, keys and values
+        moved = prof.hidden_bytes * prof.tokens * f * width / hidden / lay.tp
+        return self._collective("all_to_all", moved, lay.cp, lay.cp * lay.ep * lay.tp)
 
     def _context_sums(self, lay: Layout) -> float:
         """The gradients' sum over the context axis after backward (every cp rank holds every

@@ -53,6 +53,20 @@ class ModelShape:
     top_k: int | None
     attention: str | None = None  # the module inside a block calling scaled_dot_product_attention
     kv_width: int | None = None  # its keys' and values' features together (what a context ring passes)
+    kv_heads: int | None = None  # its key/value heads (fewer than `heads` under GQA), from the config
+
+    def ulysses(self, cp: int, tp: int) -> bool:
+        """Whether Ulysses over `cp` ranks gives each rank whole heads beside `tp` splitting them
+        first: the query heads divide by cp x tp, and the key/value heads a tp rank keeps (its
+        share, or one where tp outnumbers them) either divide by cp or divide cp, their query
+        heads sharing each (as the compiler's `context ulysses` lowering requires)."""
+        heads, kv = self.heads, self.kv_heads or self.heads
+        if not heads or not kv or heads % (cp * tp):
+            return False
+        if kv % (cp * tp) == 0:
+            return True
+        held = kv // tp if kv % tp == 0 else 1 if tp % kv == 0 else 0
+        return held > 0 and cp % held == 0 and (heads // tp) % held == 0
 
     def block(self, inner: str = "") -> str:
         """The pattern naming `inner` in every block: `model.layers.*.self_attn`."""
@@ -113,6 +127,7 @@ def model_shape(model: nn.Module, captured: Captured | None = None) -> ModelShap
         vocab=vocab,
         hidden=table.embedding_dim if table is not None else None,
         heads=_int_attr(config, "num_attention_heads", "n_head", "num_heads"),
+        kv_heads=_int_attr(config, "num_key_value_heads", "n_kv_heads", "num_kv_heads"),
         experts=experts,
         num_experts=num_experts(experts_module, model) if experts_module is not None else None,
         top_k=_top_k(model, modules, blocks, experts) if experts is not None else None,

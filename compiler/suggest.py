@@ -13,8 +13,8 @@ Three steps, each cheaper than the next is sure:
    x tp, ZeRO 0-3 (with optimizer offload at 3), checkpointing every block (all of it, or
    selectively: its matmul and attention outputs kept) or none, a
    pipeline's microbatches and schedule (1F1B, interleaved over 2 chunks a rank); sequence
-   parallelism and vocab-parallel ends with tp; a context ring where sequences are long
-   (`CONTEXT_TOKENS` a rank). Each is priced from the parameter counts and the profile by
+   parallelism and vocab-parallel ends with tp; a context axis where sequences are long
+   (`CONTEXT_TOKENS` a rank), its attention a ring or Ulysses (where the heads divide). Each is priced from the parameter counts and the profile by
    arithmetic (microseconds): the state each stage holds, the activations its microbatches
    in flight keep, the step from the parts' priced forward, the collectives' ring times and
    the pipeline's bubble. This ranks; it does not decide.
@@ -139,6 +139,9 @@ def layouts(
     for t, e, c in itertools.product(tps, eps, cps):
         if world % (t * e * c):
             continue
+        contexts: tuple[Literal["ring", "ulysses"], ...] = (
+            ("ring", "ulysses") if c > 1 and shape.ulysses(c, t) else ("ring",)
+        )
         # under a context axis, each rank's slice of the sequence is cut again over tp
         sp = t > 1 and bool(shape.norms) and (seq is None or seq % (c * t) == 0)
         vocab = t > 1 and shape.vocab is not None and shape.vocab % t == 0 and shape.embedding is not None
@@ -160,8 +163,8 @@ def layouts(
             ):
                 if copies > 1 and zero == 0:
                     continue
-                for offload, ckpt in itertools.product(
-                    (False, True) if zero == 3 else (False,), CHECKPOINTS if shape.blocks else ("",)
+                for offload, ckpt, context in itertools.product(
+                    (False, True) if zero == 3 else (False,), CHECKPOINTS if shape.blocks else ("",), contexts
                 ):
                     yield Layout(
                         dp=d,
@@ -169,6 +172,7 @@ def layouts(
                         ep=e,
                         tp=t,
                         cp=c,
+                        context=context,
                         zero=zero,
                         offload=offload,
                         checkpoint=ckpt,

@@ -67,11 +67,17 @@ def write_plan(
     rules: list[str] = []
     if lay.cp > 1:
         assert shape.attention is not None and seq is not None
-        rules.append(
-            f"# cp={lay.cp}: each sequence's {seq} tokens cut over {lay.cp} ranks (balanced for causal "
-            "attention); keys and values go around the ring"
-        )
-        rules.append(f"{shape.block(shape.attention)}: context ring over cp")
+        if lay.context == "ulysses":
+            rules.append(
+                f"# cp={lay.cp}: each sequence's {seq} tokens cut over {lay.cp} ranks; all-to-alls move "
+                f"attention to {lay.cp} head shards, each over the whole sequence (Ulysses)"
+            )
+        else:
+            rules.append(
+                f"# cp={lay.cp}: each sequence's {seq} tokens cut over {lay.cp} ranks (balanced for causal "
+                "attention); keys and values go around the ring"
+            )
+        rules.append(f"{shape.block(shape.attention)}: context {lay.context} over cp")
     if lay.tp > 1:
         rules.append(
             f"# tp={lay.tp}: each block's {_pair_names(shape)} split over {lay.tp} ranks of a node "

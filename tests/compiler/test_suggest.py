@@ -3,6 +3,8 @@ plan held to what the compiler, `estimate` and a training run say of it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -319,17 +321,47 @@ HF_LLAMA = "tests/compiler/hf_factories.py:hf_llama_long"
 
 def test_long_sequences_are_cut_over_a_context_axis():
     """At 2,048 tokens a sequence (1,024 a rank), one sequence a step on two ranks: the
-    attention module (the one calling SDPA) gets a context ring, and the plan compiles."""
+    attention module (the one calling SDPA) gets a context axis, its attention a ring or
+    Ulysses (4 query and 2 key/value heads: one of each a rank), each estimated; the faster
+    is the suggestion, and its plan compiles."""
     found = suggest(
-        source(HF_LLAMA), world=2, hw=hardware("h100"), batch=1, seq=2048, axes=frozenset({"cp"}), top=1
+        source(HF_LLAMA), world=2, hw=hardware("h100"), batch=1, seq=2048, axes=frozenset({"cp"}), top=2
     )
     shape = found.shape
     assert shape is not None and shape.attention == "self_attn"
     assert shape.kv_width == 2 * 2 * 16  # keys and values, 2 kv heads of 16 features each
+    assert (shape.heads, shape.kv_heads) == (4, 2)
+    plain = {c.layout.context: c for c in found.ranked if c.layout == Layout(cp=2, context=c.layout.context)}
+    assert set(plain) == {"ring", "ulysses"} and all(c.fits for c in plain.values())
     best = found.best
-    assert best is not None and best.fits and best.layout == Layout(cp=2)
-    assert "mesh cp=2" in best.text and "model.layers.*.self_attn: context ring over cp" in best.text
-    check_text(best.text, "suggested.plan", world_size=2)
+    assert best is not None and best.layout.cp == 2 and not best.layout.checkpoint
+    assert best is min(plain.values(), key=lambda c: c.rank_key(estimated=True))
+    assert f"model.layers.*.self_attn: context {best.layout.context} over cp" in best.text
+    src = shaped(HF_LLAMA, 1, 2048)
+    for c in plain.values():  # each plan as written compiles
+        compile_plan(
+            check_text(c.text or "", "suggested.plan", world_size=2), src, world_size=2, dynamic=False
+        )
+
+
+def test_ulysses_is_searched_where_the_heads_divide():
+    """The compiler's rule for `context ulysses` beside `column over tp`: query heads divide by
+    cp x tp; the key/value heads a tp rank keeps divide by cp or divide it."""
+    from meshplan.compiler.suggest import layouts
+
+    shape = model_shape(load_model(HF_LLAMA, shapes_only=True).model)
+    shape = dataclasses.replace(shape, attention="self_attn")  # what the capture finds
+    assert shape.ulysses(2, 1) and shape.ulysses(4, 1) and shape.ulysses(2, 2)  # 4 / 2 heads
+    assert not shape.ulysses(8, 1) and not shape.ulysses(4, 2)  # 8 ranks for 4 query heads
+    gqa = dataclasses.replace(shape, heads=12, kv_heads=3)
+    assert gqa.ulysses(3, 1) and gqa.ulysses(2, 3) and not gqa.ulysses(2, 1)  # 3 kv heads on 2 ranks
+
+    def modes(world: int) -> set[tuple[int, int, str]]:
+        space = layouts(shape, world, 1, 8192, 8, frozenset({"cp", "tp"}))
+        return {(lay.cp, lay.tp, lay.context) for lay in space if lay.cp > 1}
+
+    assert modes(4) == {(4, 1, "ring"), (4, 1, "ulysses"), (2, 2, "ring"), (2, 2, "ulysses")}
+    assert modes(8) == {(8, 1, "ring"), (4, 2, "ring"), (2, 4, "ring")}
 
 
 def test_a_context_axis_halves_the_activations_the_screen_prices():

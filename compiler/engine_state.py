@@ -63,6 +63,7 @@ def state_of(
     units: Sequence[tuple[str, Sequence[str], Sequence[torch.dtype | None]]] = (),
     optimizer: OptimizerSpec | None = None,
     compress: tuple[str, int] | None = None,
+    compressed: Callable[[str], bool] = lambda name: True,
     replicated: bool = False,
     whole: Mapping[str, torch.Size] | None = None,
     programs: Mapping[str, int | None] | None = None,
@@ -84,7 +85,9 @@ def state_of(
     them all: `runtime/disk_offload.ParamFiles`).
     `compress`: the plan's (method, rank): what its error feedback keeps, counted with the
     gradients as the engines count it (`buckets.feedback_bytes`; under ZeRO a bf16 residual is
-    of the whole padded flat; `replicated`, HSDP's copies: a second one, of what each rank keeps).
+    of the whole padded flat; `replicated`, HSDP's copies: a second one, of what each rank keeps);
+    `compressed(name)`: whether the engine reducing this parameter compresses (the per-axes
+    engines: those over a data axis).
     `whole`: each parameter's whole shape (Adafactor's row and column
     moments are the whole matrix's; default: the local shape). `programs`: on a pipeline rank
     of several stages, the one whose program reads each parameter first (`runtime.buckets.
@@ -105,7 +108,7 @@ def state_of(
         kept = trainable if engine == "data parallel" else {n: p for n, p in trainable.items() if bucketed(n)}
         s.grads_between_steps = sum(nbytes(p) for p in kept.values()) if engine != "none" else 0
         if compress is not None:
-            feedback = feedback_bytes(list(trainable.values()), *compress)
+            feedback = feedback_bytes([p for n, p in trainable.items() if compressed(n)], *compress)
             s.grads += feedback
             s.grads_between_steps += feedback
         return s
@@ -144,7 +147,7 @@ def state_of(
         shard = math.ceil(numel / world)
         padded, size = shard * world, dtype.itemsize
         grad_bytes[i] = padded * size
-        if compress is not None:  # the residual of the whole (padded) flat, or PowerSGD's per matrix
+        if compress is not None and compressed(names[0]):  # the whole (padded) flat's residual, or PowerSGD's
             bf16 = compress[0] == "bf16"
             feedback = padded * size if bf16 else feedback_bytes([trainable[n] for n in names], *compress)
             if replicated:  # HSDP's all-reduce across the copies, its own residual of what it sends

@@ -308,6 +308,7 @@ def estimate(
                 units=[u for u in units if held is None or set(u[1]) <= held],
                 optimizer=plan.train.optimizer,
                 compress=(dp.compress.method, dp.compress.rank) if dp is not None and dp.compress else None,
+                compressed=_compressed(plan, layout, compiled, engine, group_size),
                 replicated=bool(dp and zero and any(layout.size(a) > 1 for a in dp.replicated_over)),
                 whole=whole,
                 programs=_programs(program, [stages[s] for s in mine]) if len(mine) > 1 else None,
@@ -643,6 +644,24 @@ def _replicas_apart(plan, layout: MeshLayout, pipeline_axis: str) -> int:
     context or expert rule's axis exchanges every layer and keeps its ranks together)."""
     tied = {a for r in plan.rules if r.axis for a in axes_of(r.axis)} | {pipeline_axis}
     return axis_size(layout, (a for a in plan.mesh.names if a not in tied))
+
+
+def _compressed(
+    plan, layout: MeshLayout, compiled, engine: str, group_size: Callable[[str], int]
+) -> Callable[[str], bool]:
+    """Which parameters' reductions `compress` makes lossy: every one in the data-parallel and
+    ZeRO engines; in the per-axes ones, those reduced over a data axis that does not shard them,
+    by more than this rank (`runtime.expert_data_parallel`, `runtime.expert_zero`)."""
+    dp = plan.data_parallel
+    if dp is None or not engine.startswith("per-axes"):
+        return lambda name: True
+
+    def over_data(name: str) -> bool:
+        cut = {a for a, p in compiled.param_placements.get(name, {}).items() if isinstance(p, Shard)}
+        zero_alone = engine == "per-axes zero" and group_size(name) <= 1
+        return not zero_alone and any(layout.size(a) > 1 and a not in cut for a in dp.axes)
+
+    return over_data
 
 
 def _engine(plan, layout: MeshLayout, compiled) -> tuple[str, int, Callable[[str], int]]:

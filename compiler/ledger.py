@@ -180,6 +180,13 @@ class ExpertDataFacts:
     decay: Callable[[str, torch.Tensor], bool] | None = None  # which params AdamW decays (ZeRO's flats)
     aliases: dict[str, str] = field(default_factory=dict)  # a param's graph names -> its name (ties)
     replicated: tuple[str, ...] = ()  # HSDP: the data axes over which ZeRO's shards are copies
+    compress: CompressSpec | None = None  # `compress`: the reductions of the groups over a data axis
+    data_axes: tuple[str, ...] = ()  # the data_parallel block's axes (which groups compress)
+
+    def compress_of(self, axes: Sequence[str]) -> CompressSpec | None:
+        """The compression of the group over `axes` (`runtime.expert_data_parallel`): the plan's
+        where the group takes in a data-parallel axis; a sum over other axes alone is exact."""
+        return self.compress if any(a in self.data_axes for a in axes) else None
 
 
 def zero_groups(axis: str, replicated: Sequence[str], layout: MeshLayout) -> tuple[str, Replicas | None]:
@@ -303,6 +310,8 @@ def expert_data_facts(
         decays,
         aliases,
         dp.replicated_over if dp is not None and zero else (),
+        dp.compress if dp is not None else None,
+        dp.axes if dp is not None else (),
     )
 
 
@@ -537,6 +546,26 @@ def _expert_data_rows(
         m = layout.size(cut) if cut else 1
         if n <= 1 or (facts.zero and replicas is None and m <= 1):
             continue
+        compress = facts.compress_of(axes)
+        if not facts.zero and compress is not None:
+            ps = [p for _, p in params]
+            rows += [
+                LedgerRow(
+                    f"bucket {i} {what}",
+                    "dp_bucket",
+                    "all_reduce",
+                    "backward",
+                    axis,
+                    (b,),
+                    b,
+                    1,
+                    n,
+                    facts.where,
+                )
+                for i, (bucket, _) in enumerate(dp_buckets(ps, facts.bucket_bytes, None))
+                for what, b in compressed_wire(bucket, compress.method, compress.rank)
+            ]
+            continue
         if not facts.zero:
             sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
             rows += [
@@ -547,14 +576,35 @@ def _expert_data_rows(
             ]
             continue
         reduce, where = facts.reduce_dtype, facts.where
+        compress = compress if m > 1 else None  # a group of this rank alone reduces nothing
         if facts.zero == 3 and m > 1:
             rows += zero_unit_rows(
-                gm, params, facts.aliases, cut, m, decay, reduce, where, accumulation, None, replicas, axis
+                gm,
+                params,
+                facts.aliases,
+                cut,
+                m,
+                decay,
+                reduce,
+                where,
+                accumulation,
+                compress,
+                replicas,
+                axis,
             )
         else:
             stage = min(facts.zero, 2)
             rows += zero_bucket_rows(
-                params, cut, m, stage, facts.bucket_bytes, reduce, decay, where, replicas=replicas
+                params,
+                cut,
+                m,
+                stage,
+                facts.bucket_bytes,
+                reduce,
+                decay,
+                where,
+                compress=compress,
+                replicas=replicas,
             )
         if m > 1:
             rows.append(LedgerRow("grad norm", "zero_norm", "all_reduce", "step", cut, (2,), 16, 1, m, where))

@@ -321,11 +321,12 @@ class _Checker(SettingsChecker):
         rules: tuple[PlanRule, ...],
         precision: PrecisionSpec,
     ) -> None:
-        """`compress` runs in the data-parallel or ZeRO engine, over whole replicated gradients in
-        fp32: what hands the gradients to another engine, or rounds them first, is refused at it."""
+        """`compress` runs in the data-parallel and ZeRO engines (the per-axes ones too: under
+        experts, and where sequence or context rules leave weight gradients partial), over
+        gradients in fp32: what hands the gradients to another engine (a pipeline's hand-made
+        sums, the host's engine), or rounds them first, is refused at it."""
         assert dp.compress is not None and dp.compress.span is not None
         at = dp.compress.span
-        first = {r.kind: r for r in reversed(rules)}
         host = next((r for r in rules if isinstance(r.action, ast.Device) and r.action.kind == "cpu"), None)
         why = [
             (
@@ -333,22 +334,6 @@ class _Checker(SettingsChecker):
                 "a pipeline reduces a weight several stages read after its last backward, by hand",
                 pipeline.span if pipeline else None,
             ),
-            (
-                "experts" in first,
-                "expert parallelism averages each parameter over its own data axes (one engine per set)",
-                first["experts"].span if "experts" in first else None,
-            ),
-            *[
-                (
-                    kind in first,
-                    f"{what} leaves weight gradients partial over `{first[kind].axis}`, summed by the "
-                    "per-axes engine"
-                    if kind in first
-                    else "",
-                    first[kind].span if kind in first else None,
-                )
-                for kind, what in (("sequence", "sequence parallelism"), ("context", "context parallelism"))
-            ],
             (
                 host is not None,
                 "parameters on the host (`on cpu`) are reduced by an engine of their own",

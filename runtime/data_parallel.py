@@ -198,12 +198,13 @@ class DataParallel(nn.Module, WholeParams, Accumulates):
 
     def own_local(self) -> dict[str, Tensor]:
         """`compress`'s state of every bucket (`compression.saved_state`), for checkpoints."""
-        return saved_state(self._compressors())
+        return saved_state(self.compressors())
 
     def restore_local(self, saved: dict[str, Tensor]) -> bool:
-        return restore_state(self._compressors(), saved)
+        return restore_state(self.compressors(), saved)
 
-    def _compressors(self) -> list[BucketCompressor]:
+    def compressors(self) -> list[BucketCompressor]:
+        """Each compressed bucket's compressor, in bucket order."""
         return [b.compressor for b in self.buckets if b.compressor is not None]
 
     def grad_buffers(self) -> list[Tensor]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .axes import Axes
+from .compression import BucketCompressor, Compression, restore_state, saved_state
 from .data_parallel import DataParallel
 from .grad_sync import LocalParams, WholeParams
 
@@ -85,6 +86,16 @@ class ExpertDataParallel(PerGroup["DataParallel | LocalParams"], WholeParams):
         mesh dp=2, ep=2: dense over {0,1,2,3}; experts over dp: {0,2} (experts 0..E/2) and {1,3}
     """
 
+    def own_local(self) -> dict[str, Tensor]:
+        """`compress`'s state of every engine's buckets, numbered across the engines in order."""
+        return saved_state(self._compressors())
+
+    def restore_local(self, saved: dict[str, Tensor]) -> bool:
+        return restore_state(self._compressors(), saved)
+
+    def _compressors(self) -> list[BucketCompressor]:
+        return [c for e in self.engines if isinstance(e, DataParallel) for c in e.compressors()]
+
     def grad_buffers(self) -> list[Tensor]:
         """Every `DataParallel` engine's gradient buckets (`WholeParams.memory` counts them)."""
         return [t for e in self.engines if isinstance(e, DataParallel) for t in e.grad_buffers()]
@@ -127,9 +138,13 @@ def expert_data_parallel(
     bucket_bytes: int = 25_000_000,
     reduce_dtype: torch.dtype | None = None,
     late: Collection[nn.Parameter] = (),
+    compression: Compression | None = None,
+    compressed: Collection[str] = (),
 ) -> ExpertDataParallel:
     """One engine per set of data axes a parameter is averaged over (`averaged_over`);
-    `groups(axes)` is the process group of those axes together. `late`: `DataParallel`'s."""
+    `groups(axes)` is the process group of those axes together. `late`: `DataParallel`'s.
+    `compression`: the buckets of each set that takes in an axis of `compressed` (the plan's
+    data-parallel axes) made lossy; a sum over other axes alone stays exact."""
     engines: list[DataParallel | LocalParams] = []
     for over, params in averaged_over(module, axes).items():
         group = groups(over)
@@ -146,6 +161,7 @@ def expert_data_parallel(
                 params=params,
                 divisor=data_ranks(axes, over),
                 late=[p for p in late if any(p is q for q in params)],
+                compression=compression if any(a in compressed for a in over) else None,
             )
         )
     return ExpertDataParallel(module, engines)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .axes import Axes
+from .compression import Bf16Feedback, BucketCompressor, restore_state, saved_state
 from .data_parallel import broadcast_parameters
 from .expert_data_parallel import PerGroup, averaged_over, data_ranks
 from .grad_sync import OptimizerSettings, TrainingState
@@ -93,11 +94,15 @@ class ExpertZero(PerGroup[Zero]):
         """`Zero.own_state` of every engine's elements together: the engines own disjoint names."""
         elements = {name: held for e in self.engines for name, held in e.own_elements().items()}
         steps = {name: step for e in self.engines for name, step in e.steps().items()}
-        return training_state(self.module, elements, steps, self.engines[0].optim.choice.kind)
+        state = training_state(self.module, elements, steps, self.engines[0].optim.choice.kind)
+        return dataclasses.replace(state, local=saved_state(self._feedback()))
 
     def restore_local(self, saved: dict[str, Tensor]) -> bool:
-        """No local state: the plan checker refuses `compress` beside experts."""
-        return not saved
+        """`compress`'s state of every engine's flats, numbered across the engines in order."""
+        return restore_state(self._feedback(), saved)
+
+    def _feedback(self) -> list[Bf16Feedback | BucketCompressor]:
+        return [c for e in self.engines for c in e.feedback()]
 
     def loaded(self, state: TrainingState) -> None:
         steps = read_steps(state)
@@ -115,21 +120,27 @@ def expert_zero(
     programs: Sequence[nn.Module] = (),
     alone: Collection[str] = (),
     replicated: Collection[str] = (),
+    compressed: Collection[str] = (),
 ) -> ExpertZero:
     """One `Zero` per set of data axes a parameter is averaged over (`averaged_over`), sharding
     those parameters over that set's group, from the group's first rank's values; every rank
     calls it. The engine of the parameters averaged over the most ranks (the dense ones) binds
     the compiled program's ZeRO nodes. `programs` and `alone`: `shard_for_zero`'s (a pipeline
     rank's stage programs, the weights tied across pipeline ranks). `replicated` (HSDP): the data
-    axes over which each set's state is not cut but copied, its shards all-reduced over them."""
+    axes over which each set's state is not cut but copied, its shards all-reduced over them.
+    `compressed` (the plan's data-parallel axes): the sets that take one in reduce under
+    `options.compression`; the others exactly."""
     names = {id(p): n for n, p in module.named_parameters()}
     engines = []
     for over, params in averaged_over(module, axes).items():  # sorted: the same order on every rank
         cut = tuple(a for a in over if a not in replicated)
         copies = tuple(a for a in over if a in replicated)
         group, settings = groups(cut), options
+        if not any(a in compressed for a in over):  # a sum over other axes alone stays exact
+            settings = dataclasses.replace(settings, compression=None)
         if group is None:  # no other rank holds them: stage 3 would gather from itself
-            group, settings = _own_group(), dataclasses.replace(options, stage=min(options.stage, 2))
+            group = _own_group()
+            settings = dataclasses.replace(options, stage=min(options.stage, 2), compression=None)
         broadcast_parameters(params, groups(over) or group)  # the same seeded model: make it exact
         label, mine = " x ".join(over), {names[id(p)] for p in params}
         peers = groups(copies)

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from . import watchdog
 from .axes import Axes
 from .buckets import by_program, read_by_several
-from .compression import Compression, restore_state, saved_state
+from .compression import Bf16Feedback, BucketCompressor, Compression, restore_state, saved_state
 from .disk_offload import ParamFiles, rank_folder, shards_in_memory
 from .grad_sync import Accumulates, OptimizerSettings, TrainingState, held_weakly
 from .zero_flats import Sharding, Unit, bucket_flats, build_units, unique, units_from_nodes
@@ -422,11 +422,15 @@ class Zero(Accumulates):
         Each rank checkpoints its own, placed in the whole tensor (`runtime/checkpoint.py`), so
         any stage, bucket size or dp size (or no ZeRO) resumes it."""
         state = training_state(self.module, self.own_elements(), self.steps(), self.optim.choice.kind)
-        return dataclasses.replace(state, local=saved_state(self._grads.feedback()))
+        return dataclasses.replace(state, local=saved_state(self.feedback()))
 
     def restore_local(self, saved: dict[str, Tensor]) -> bool:
         """`GradSync.restore_local`: `compress`'s state of each flat."""
-        return restore_state(self._grads.feedback(), saved)
+        return restore_state(self.feedback(), saved)
+
+    def feedback(self) -> list[Bf16Feedback | BucketCompressor]:
+        """`compress`'s compressors whose state a checkpoint keeps (`ZeroGrads.feedback`)."""
+        return self._grads.feedback()
 
     def loaded(self, state: TrainingState) -> None:
         """`GradSync.loaded`: a checkpoint was read into `own_state()`'s views."""

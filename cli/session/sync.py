@@ -298,6 +298,7 @@ def _per_axes(
             programs=_stage_programs(pipeline),
             alone=sorted(pipeline.parts.tied) if pipeline is not None else [],
             replicated=dp_spec.replicated_over,
+            compressed=dp_spec.axes,
         )
     return expert_data_parallel(
         rank_program,
@@ -306,6 +307,8 @@ def _per_axes(
         bucket_bytes=dp_spec.bucket_bytes if dp_spec is not None else 25_000_000,
         reduce_dtype=_reduce_dtype(plan),
         late=_late(rank_program, pipeline),
+        compression=compression(dp_spec) if dp_spec is not None else None,
+        compressed=dp_spec.axes if dp_spec is not None else (),
     )
 
 
@@ -386,8 +389,9 @@ def _late(rank_program: fx.GraphModule, pipeline: PipelineRank | None) -> list[n
 
 
 def compression(dp_spec: DataParallelSpec) -> Compression | None:
-    """The plan's `compress` as the plain data-parallel and ZeRO engines take it (`dsl.check` and
-    the compiler refuse it wherever another engine would reduce the gradients)."""
+    """The plan's `compress` as the data-parallel and ZeRO engines take it (the per-axes ones on
+    the sets of parameters reduced over a data axis; `dsl.check` refuses it under a pipeline and
+    beside parameters on the host, whose gradients other engines reduce)."""
     from meshplan.runtime.compression import Compression
 
     c = dp_spec.compress

@@ -19,8 +19,7 @@ sizes (microbatches vs stages) are `dsl.settings`'s.
 When a pass lowers one of these constructs, its refusal goes from `not_lowered` and its
 size checks move to that pass (the sequence a context axis cuts: the tensor-parallel pass;
 the experts an expert axis splits: the experts pass; device placement, `on cpu`: the
-devices pass, which keeps its own refusals). `compress` over weights whose gradients are partial
-over a tensor axis is refused here too: those are known only once the tensor walks ran.
+devices pass, which keeps its own refusals).
 
 Golden: `tests/compiler/golden/passes/unsupported.diff`, this pass's before/after (empty: a check changes nothing),
 kept equal by `tests/compiler/test_pass_golden.py`.
@@ -114,30 +113,8 @@ def _num_layers(model: nn.Module) -> int | None:
     return layers[1] if layers is not None else None
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def _compression_sums(plan: Plan, grad_sums: dict[str, tuple[str, ...]]) -> list[Diagnostic]:
-    """`compress` runs in the plain data-parallel engine; weights whose gradients are partial over
-    a tensor axis (`Context.grad_sums`, known once the tensor walks ran: `dsl.check` refuses the
-    rules that always make them) are reduced by the per-axes engine instead."""
-    dp = plan.data_parallel
-    if dp is None or dp.compress is None or dp.compress.span is None or not grad_sums:
-        return []
-    axes = " x ".join(sorted({a for over in grad_sums.values() for a in over}))
-    return [
-        Diagnostic(
-            dp.compress.span,
-            f"`compress` cannot compose with this plan yet: {len(grad_sums)} weight gradient(s) are "
-            f"partial over `{axes}` (every use computes on shards), summed by the per-axes engine",
-            hint="remove `compress`, or the rules that shard those weights' activations",
-        )
-    ]
-
-
 def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     ctx.diagnostics += check_unsupported(ctx.plan, ctx.source, ctx.resolution)
-    ctx.diagnostics += _compression_sums(ctx.plan, ctx.grad_sums)
     return gm
 
 

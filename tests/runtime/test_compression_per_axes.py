@@ -1,0 +1,196 @@
+"""`compress` in the per-axes engines: the gradient sync of plans whose weight gradients are
+reduced over more than the data axis, one engine per set of axes (`expert_data_parallel`,
+`expert_zero`), each set over a data axis compressed.
+
+- dp=2 x tp=2 with sequence-parallel norms, PowerSGD: the norms' gradients summed over tp and
+  averaged over dp in one engine (`dp x tp`), the rest over dp, both compressed.
+- dp=2 x cp=2 under a ring, bf16: every weight's gradient over `dp x cp`.
+- dp=2 x ep=2 under ZeRO-2, bf16: the dense state cut over `dp x ep`, the experts' over dp,
+  each engine's reduce-scatter in bf16 with its own error feedback.
+- `experts over dp` on dp=4, bf16: the dense gradients compressed over dp; each rank's
+  experts, which no other rank holds, reduced by no one (no residual kept for them).
+
+Each plan is verified (held to the same plan's uncompressed run, `cli/verify_lossy.py`) and, from
+that verify's own ranks, what each engine sent in the last step is the compiler's ledger, and
+what error feedback keeps is counted in the engine's gradient memory, as `meshplan estimate`
+counts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from gloo_pool import shared_processes
+from plans import data_parallel, llama_rules, llama_sequence, plan
+
+from meshplan.verify import Report
+
+pytestmark = pytest.mark.slow
+
+LLAMA, MOE = "meshplan.examples.models.llama:build", "meshplan.examples.models.moe:build"
+COMPRESS = "    compress = {}\n}}\n"
+PLANS = {  # name: (plan, model)
+    "sp-powersgd": (
+        plan(
+            llama_rules(vocab=False) + llama_sequence(),
+            mesh="dp=2, tp=2",
+            extra=data_parallel().replace("}\n", COMPRESS.format("powersgd(rank=2, warmup=1)")),
+        ),
+        LLAMA,
+    ),
+    "cp-bf16": (
+        plan(
+            "\n    layers.*.self_attn: context ring over cp\n",
+            mesh="dp=2, cp=2",
+            extra=data_parallel().replace("}\n", COMPRESS.format("bf16")),
+        ),
+        LLAMA,
+    ),
+    "experts-zero2-bf16": (
+        plan(
+            "\n    layers.*.mlp.experts: experts over ep (top_k=2)\n",
+            mesh="dp=2, ep=2",
+            extra=data_parallel(zero=2).replace("}\n", COMPRESS.format("bf16")),
+        ),
+        MOE,
+    ),
+    "experts-over-dp-bf16": (
+        plan(
+            "\n    layers.*.mlp.experts: experts over dp (top_k=2)\n",
+            mesh="dp=4",
+            extra=data_parallel().replace("}\n", COMPRESS.format("bf16")),
+        ),
+        MOE,
+    ),
+}
+STEPS, MICRO_BATCH, SEQ = 3, 2, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes():
+    with shared_processes():
+        yield
+
+
+def worker(facts: str, rank: int, world_size: int, job):
+    """`meshplan verify`'s own rank; for the compressed run, what its engines did, written to
+    `facts`/rank{R}.pkl."""
+    import meshplan.session
+    from meshplan.runtime.data_parallel import DataParallel
+    from meshplan.verify import _rank
+
+    opened = []
+    open_session = meshplan.session.open_session
+
+    def recording(*args, **kwargs):
+        opened.append(open_session(*args, **kwargs))
+        return opened[-1]
+
+    meshplan.session.open_session = recording  # `_rank` imports it when it is called
+    try:
+        result = _rank(rank, world_size, job)
+    finally:
+        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
+    if Path(job.plan).parent.name == "uncompressed":  # verify's yardstick run
+        return result
+    sync = opened[0].dp
+    sent: Counter[tuple[str, int]] = Counter()
+    if hasattr(sync, "issued"):  # ZeRO: what the last step issued, reductions only
+        for c in sync.issued():
+            if c.op != "all_gather":
+                sent[c.op, c.bytes] += c.count
+        compressed = [e.axis for e in sync.engines if e.feedback()]
+        compressors = [c for e in sync.engines for c in e.feedback()]
+    else:  # the last step's launches of each bucket engine
+        engines = [e for e in sync.engines if isinstance(e, DataParallel)]
+        for e in engines:
+            for launch in e.launches[-len(e.ledger()) :]:
+                sent["all_reduce", launch.nbytes] += 1
+        compressed = [e.axis for e in engines if e.compressors()]
+        compressors = [c for e in engines for c in e.compressors()]
+    with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:
+        pickle.dump(
+            {
+                "sent": dict(sent),
+                "compressed": compressed,
+                "feedback": sum(t.nbytes for c in compressors for t in c.state()),  # kept across steps
+                "grads": sync.memory()["grads"],
+            },
+            f,
+        )
+    return result
+
+
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def run(request, tmp_path_factory) -> tuple[str, Report, dict, list[dict]]:
+    """(name, the verify report, the compiler's ledger of the data-parallel reductions, each
+    rank's engine facts)."""
+    from meshplan.compiler.capture import with_token_shape
+    from meshplan.compiler.compile import compile_plan
+    from meshplan.compiler.estimate import estimate
+    from meshplan.compiler.load import load_model
+    from meshplan.dsl import check_text, load_plan
+    from meshplan.verify import verify
+    from meshplan.verify_lossy import uncompressed_text
+
+    name = request.param
+    text, model = PLANS[name]
+    tmp = tmp_path_factory.mktemp(name)
+    plan_path = tmp / f"{name}.plan"
+    plan_path.write_text(text)
+    report = verify(
+        str(plan_path),
+        model,
+        steps=STEPS,
+        batch=MICRO_BATCH,
+        seq=SEQ,
+        worker=functools.partial(worker, str(tmp)),
+    )
+    source = with_token_shape(load_model(model), batch=MICRO_BATCH, seq=SEQ)
+    checked = load_plan(plan_path, world_size=4)
+    compiled = compile_plan(checked, source)
+    estimated = [r.grads for r in estimate(compiled).ranks]
+    # what error feedback keeps: the gradient bytes beyond the same plan's uncompressed
+    exact = compile_plan(check_text(uncompressed_text(checked), "exact.plan", world_size=4), source)
+    estimated = [a - b.grads for a, b in zip(estimated, estimate(exact).ranks, strict=True)]
+    ledger: Counter[tuple[str, int]] = Counter()
+    for row in compiled.ledger.rows:
+        if row.kind == "dp_bucket" or (row.kind.startswith("zero_") and row.op != "all_gather"):
+            ledger[row.op, row.bytes] += row.count
+    facts = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(4)]
+    for r, held in zip(facts, estimated, strict=True):
+        r["estimated"] = held
+    return name, report, dict(ledger), facts
+
+
+def test_converges_as_the_uncompressed_plan_does(run) -> None:
+    from meshplan.verify import render
+
+    _, report, _, _ = run
+    assert report.ok, render(report)
+    assert report.lossy and not report.float64
+    assert report.partitioned.losses != report.reference.losses  # the compression acted
+
+
+def test_every_engine_over_a_data_axis_compresses(run) -> None:
+    name, _, _, facts = run
+    expected = {
+        "sp-powersgd": ["dp", "dp x tp"],
+        "cp-bf16": ["dp x cp"],
+        "experts-zero2-bf16": ["dp", "dp x ep"],
+        "experts-over-dp-bf16": ["dp"],  # each rank's experts its own: exact, no feedback
+    }[name]
+    for r in facts:
+        assert sorted(r["compressed"]) == expected
+        assert 0 < r["feedback"] <= r["grads"]  # error feedback, counted as gradient memory
+        assert r["feedback"] == r["estimated"]  # and by `meshplan estimate`
+
+
+def test_the_engines_send_the_ledgers_bytes(run) -> None:
+    _, _, ledger, facts = run
+    for r in facts:
+        assert r["sent"] == ledger

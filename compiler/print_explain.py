@@ -337,7 +337,8 @@ def _compression_lines(compiled: Compiled, sent: int) -> list[str]:
         how = (
             f"{matrices} of {len(params)} gradients as rank-{c.rank} factors P and Q (error feedback, "
             "Q warm-started), the rest whole"
-            + (f"; the first {c.warmup} steps uncompressed" if c.warmup else "")
+            + (f"; the first {c.warmup} steps uncompressed" if c.warmup > 1 else "")
+            + ("; the first step uncompressed" if c.warmup == 1 else "")
         )
     lines = [
         f"    gradients compressed ({c.text}, line {c.span.line if c.span else dp.span.line}): {how}",

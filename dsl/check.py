@@ -177,7 +177,7 @@ class _Checker(SettingsChecker):
         self.check_roles()
         self.check_rule_consistency(rules, precision, complete=self.complete(modules))
         if data_parallel is not None and data_parallel.compress is not None and self.complete(modules):
-            self.compression_composes(data_parallel, pipeline, rules, precision)
+            self.compression_composes(data_parallel, rules, precision)
         self.check_unused_axes(mesh)
         warnings = tuple(self.found.of("warning"))
         return Plan(
@@ -317,39 +317,26 @@ class _Checker(SettingsChecker):
     def compression_composes(
         self,
         dp: DataParallelSpec,
-        pipeline: PipelineSpec | None,
         rules: tuple[PlanRule, ...],
         precision: PrecisionSpec,
     ) -> None:
         """`compress` runs in the data-parallel and ZeRO engines (the per-axes ones too: under
         experts, and where sequence or context rules leave weight gradients partial), over
-        gradients in fp32: what hands the gradients to another engine (a pipeline's hand-made
-        sums, the host's engine), or rounds them first, is refused at it."""
+        gradients in fp32, under pipelines too (a weight tied across stages is summed after
+        each copy's reduction): what hands the gradients to another engine (the host's), or
+        rounds them first, is refused at it."""
         assert dp.compress is not None and dp.compress.span is not None
         at = dp.compress.span
         host = next((r for r in rules if isinstance(r.action, ast.Device) and r.action.kind == "cpu"), None)
-        why = [
-            (
-                pipeline is not None,
-                "a pipeline reduces a weight several stages read after its last backward, by hand",
-                pipeline.span if pipeline else None,
-            ),
-            (
-                host is not None,
-                "parameters on the host (`on cpu`) are reduced by an engine of their own",
-                host.span if host else None,
-            ),
-        ]
-        for refused, reason, span in why:
-            if refused:
-                assert span is not None
-                self.error(
-                    at,
-                    f"`compress` cannot compose with this plan yet: {reason}",
-                    hint="remove `compress`, or the construct it cannot compose with",
-                    related=[(span, "here")],
-                )
-                return
+        if host is not None:
+            self.error(
+                at,
+                "`compress` cannot compose with this plan yet: parameters on the host (`on cpu`) are "
+                "reduced by an engine of their own",
+                hint="remove `compress`, or the construct it cannot compose with",
+                related=[(host.span, "here")],
+            )
+            return
         if precision.reduce != "fp32":
             # the reduce dtype defaults to the gradients', which default to the parameters'
             key = next(k for k in ("reduce", "grads", "params") if k in precision.spans)

@@ -390,8 +390,8 @@ def _late(rank_program: fx.GraphModule, pipeline: PipelineRank | None) -> list[n
 
 def compression(dp_spec: DataParallelSpec) -> Compression | None:
     """The plan's `compress` as the data-parallel and ZeRO engines take it (the per-axes ones on
-    the sets of parameters reduced over a data axis; `dsl.check` refuses it under a pipeline and
-    beside parameters on the host, whose gradients other engines reduce)."""
+    the sets of parameters reduced over a data axis; `dsl.check` refuses it beside parameters
+    on the host, whose gradients an engine of their own reduces)."""
     from meshplan.runtime.compression import Compression
 
     c = dp_spec.compress

@@ -1,6 +1,8 @@
-"""`compress` in the per-axes engines: the gradient sync of plans whose weight gradients are
-reduced over more than the data axis, one engine per set of axes (`expert_data_parallel`,
-`expert_zero`), each set over a data axis compressed.
+"""`compress` composed with the other axes.
+
+The per-axes engines: the gradient sync of plans whose weight gradients are reduced over more
+than the data axis, one engine per set of axes (`expert_data_parallel`, `expert_zero`), each
+set over a data axis compressed.
 
 - dp=2 x tp=2 with sequence-parallel norms, PowerSGD: the norms' gradients summed over tp and
   averaged over dp in one engine (`dp x tp`), the rest over dp, both compressed.
@@ -10,10 +12,21 @@ reduced over more than the data axis, one engine per set of axes (`expert_data_p
 - `experts over dp` on dp=4, bf16: the dense gradients compressed over dp; each rank's
   experts, which no other rank holds, reduced by no one (no residual kept for them).
 
+Pipelines, on the example GPT, whose embedding is its LM head:
+
+- dp=2 x pp=2 under ZBV: the embedding and the head are stages 0 and 3, both on pipeline rank
+  0; the weight's gradient is whole after the rank's last backward only, so its bucket is
+  reduced last (`DataParallel`'s late buckets), compressed like the others.
+- dp=2 x pp=2 under 1F1B with ZeRO-2, bf16: the tied weight's two copies on the two pipeline
+  ranks, each reduced over dp on its own (compressed), then their shards summed over pp: the
+  copies stay equal.
+
 Each plan is verified (held to the same plan's uncompressed run, `cli/verify_lossy.py`) and, from
-that verify's own ranks, what each engine sent in the last step is the compiler's ledger, and
+that verify's own ranks, what each engine sent in the last step is the compiler's ledger (but
+under a pipeline, whose ledger lists the whole model's reductions, not a rank's), and
 what error feedback keeps is counted in the engine's gradient memory, as `meshplan estimate`
-counts it.
+counts it. The data-parallel replicas end the run bit for bit equal, and so do the copies of
+a weight tied across pipeline ranks.
 """
 
 from __future__ import annotations
@@ -32,6 +45,8 @@ from meshplan.verify import Report
 pytestmark = pytest.mark.slow
 
 LLAMA, MOE = "meshplan.examples.models.llama:build", "meshplan.examples.models.moe:build"
+GPT = "meshplan.examples.models.gpt:build"
+PIPELINE = "mesh dp=2, pp=2\n\npipeline over pp {{\n    schedule = {}\n    microbatches = 4\n}}\n"
 COMPRESS = "    compress = {}\n}}\n"
 PLANS = {  # name: (plan, model)
     "sp-powersgd": (
@@ -66,6 +81,15 @@ PLANS = {  # name: (plan, model)
         ),
         MOE,
     ),
+    "pp-zbv-powersgd": (
+        PIPELINE.format("zbv")
+        + data_parallel().replace("}\n", COMPRESS.format("powersgd(rank=2, warmup=1)")),
+        GPT,
+    ),
+    "pp-zero2-bf16": (
+        PIPELINE.format("1f1b") + data_parallel(zero=2).replace("}\n", COMPRESS.format("bf16")),
+        GPT,
+    ),
 }
 STEPS, MICRO_BATCH, SEQ = 3, 2, 16
 
@@ -97,16 +121,18 @@ def worker(facts: str, rank: int, world_size: int, job):
         meshplan.session.open_session = open_session  # the process runs the next plan's rank too
     if Path(job.plan).parent.name == "uncompressed":  # verify's yardstick run
         return result
-    sync = opened[0].dp
+    session = opened[0]
+    sync = session.dp
     sent: Counter[tuple[str, int]] = Counter()
     if hasattr(sync, "issued"):  # ZeRO: what the last step issued, reductions only
         for c in sync.issued():
             if c.op != "all_gather":
                 sent[c.op, c.bytes] += c.count
-        compressed = [e.axis for e in sync.engines if e.feedback()]
-        compressors = [c for e in sync.engines for c in e.feedback()]
+        zeros = getattr(sync, "engines", [sync])
+        compressed = [e.axis for e in zeros if e.feedback()]
+        compressors = [c for e in zeros for c in e.feedback()]
     else:  # the last step's launches of each bucket engine
-        engines = [e for e in sync.engines if isinstance(e, DataParallel)]
+        engines = [e for e in getattr(sync, "engines", [sync]) if isinstance(e, DataParallel)]
         for e in engines:
             for launch in e.launches[-len(e.ledger()) :]:
                 sent["all_reduce", launch.nbytes] += 1
@@ -119,6 +145,7 @@ def worker(facts: str, rank: int, world_size: int, job):
                 "compressed": compressed,
                 "feedback": sum(t.nbytes for c in compressors for t in c.state()),  # kept across steps
                 "grads": sync.memory()["grads"],
+                "params": {n: p.detach().clone() for n, p in session.program.named_parameters()},
             },
             f,
         )
@@ -183,6 +210,8 @@ def test_every_engine_over_a_data_axis_compresses(run) -> None:
         "cp-bf16": ["dp x cp"],
         "experts-zero2-bf16": ["dp", "dp x ep"],
         "experts-over-dp-bf16": ["dp"],  # each rank's experts its own: exact, no feedback
+        "pp-zbv-powersgd": ["dp"],
+        "pp-zero2-bf16": ["dp"],
     }[name]
     for r in facts:
         assert sorted(r["compressed"]) == expected
@@ -191,6 +220,27 @@ def test_every_engine_over_a_data_axis_compresses(run) -> None:
 
 
 def test_the_engines_send_the_ledgers_bytes(run) -> None:
-    _, _, ledger, facts = run
+    name, _, ledger, facts = run
+    if name.startswith("pp-"):
+        pytest.skip("a pipeline's ledger lists the whole model's reductions, not one rank's")
     for r in facts:
         assert r["sent"] == ledger
+
+
+def test_replicas_and_tied_copies_end_equal(run) -> None:
+    """Every rank applied the same reduced gradient to what it shares with another: its data
+    replica (ranks dp-major: rank r and r + 2 under `dp=2` beside another axis of 2, r and r + 1
+    on `dp=4`), and a pipeline neighbour holding a copy of the same tied weight."""
+    import torch
+
+    name, _, _, facts = run
+    pairs = [(0, 1), (2, 3)] if name.startswith("experts-over") else [(0, 2), (1, 3)]
+    for a, b in pairs:
+        for n, p in facts[a]["params"].items():
+            if not (name.startswith("experts-over") and ".experts." in n):  # each rank's own experts
+                assert torch.equal(p, facts[b]["params"][n]), (name, n)
+    if name == "pp-zero2-bf16":  # 1F1B: the embedding on rank 0, the head on rank 1
+        shared = set(facts[0]["params"]) & set(facts[1]["params"])
+        assert shared
+        for n in shared:
+            assert torch.equal(facts[0]["params"][n], facts[1]["params"][n]), n

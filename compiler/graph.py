@@ -10,8 +10,8 @@ Facts the compiler adds live in `node.meta` under namespaced keys:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TypeGuard
+from collections.abc import Iterator, Mapping
+from typing import TypeGuard, TypeVar
 
 import sympy
 import torch
@@ -111,6 +111,20 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     return list(stack.values())[-1][0]
+
+
+V = TypeVar("V")
+
+
+def innermost(path: str, by_path: Mapping[str, V]) -> V | None:
+    """The value `by_path` has for the innermost module enclosing `path` (itself included, up
+    to the root, ''): the rule of a module a node runs in, its region's dtype."""
+    while True:
+        if path in by_path:
+            return by_path[path]
+        if not path:
+            return None
+        path = path.rpartition(".")[0]
 
 
 def value(node: fx.Node):

@@ -69,7 +69,7 @@ from meshplan.dsl.fmt import action_text
 from meshplan.runtime.device_copy import DEVICE, HOST, DeviceCopy
 
 from .. import meta
-from ..graph import is_tensor_node, module_path, value
+from ..graph import innermost, is_tensor_node, module_path, value
 from ..outline import value_meta
 from . import Context, Pass
 from .checkpoint import recomputed_nodes
@@ -127,12 +127,7 @@ class Placed:
 
     def rule_for(self, path: str) -> PlanRule | None:
         """The device rule of the innermost placed module enclosing `path` (itself included)."""
-        while True:
-            if path in self._rules:
-                return self._rules[path]
-            if not path:
-                return None
-            path = path.rpartition(".")[0]
+        return innermost(path, self._rules)
 
     def tensor_rules(self, name: str) -> list[PlanRule | None]:
         """The rule placing each name of a model tensor (its owner module's)."""

@@ -43,7 +43,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 
 from .. import meta
-from ..graph import arg_node, module_path
+from ..graph import arg_node, innermost, module_path
 from ..match import Resolution
 from . import Context, Pass
 
@@ -61,12 +61,8 @@ class PrecisionSpec:
 
     def dtype_at(self, node: fx.Node) -> torch.dtype:
         """The dtype a node computes in: the innermost override region around it, else compute."""
-        path = module_path(node)
-        while path:
-            if path in self.overrides:
-                return self.overrides[path][0]
-            path = path.rpartition(".")[0]
-        return self.compute
+        override = innermost(module_path(node), self.overrides)
+        return override[0] if override is not None else self.compute
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -11,6 +11,7 @@ from ... import meta
 from ...graph import (
     arg_node,
     describe,
+    innermost,
     known_equal,
     module_path,
     shape,
@@ -174,12 +175,7 @@ def _context_attention(w: Walk, node: fx.Node) -> None:
 def _heads_split(w: Walk, node: fx.Node) -> tuple[int, PlanRule | None]:
     """How many ways tensor axes split the heads of the Ulysses module `node` is in (1: none),
     and the first rule that does (`TensorParallelSpec.heads_split`)."""
-    path = module_path(node)
-    while path:
-        if path in w.spec.heads_split:
-            return w.spec.heads_split[path]
-        path = path.rpartition(".")[0]
-    return 1, None
+    return innermost(module_path(node), w.spec.heads_split) or (1, None)
 
 
 def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: PlanRule | None, w: Walk) -> str:

@@ -25,6 +25,7 @@ from ...graph import (
     describe,
     divides,
     hint,
+    innermost,
     is_tensor_node,
     known_equal,
     module_path,
@@ -169,12 +170,7 @@ class Conversions:
 
     def rule_for_module(self, node: fx.Node) -> PlanRule | None:
         """The `sequence` rule of the module `node` runs in, if any (it is why the node is sharded)."""
-        path = module_path(node)
-        while path:
-            if path in self.spec.sequence_modules:
-                return self.spec.sequence_modules[path]
-            path = path.rpartition(".")[0]
-        return None
+        return innermost(module_path(node), self.spec.sequence_modules)
 
     def sequence_rule_near(self, node: fx.Node) -> PlanRule | None:
         """The `sequence` rule that put a tensor on sequence shards near `node`: its module's own,

@@ -27,7 +27,7 @@ from torch import fx
 from meshplan.dsl.check import PlanRule
 
 from ... import meta
-from ...graph import arg_node, module_path, shape
+from ...graph import arg_node, innermost, module_path, shape
 
 aten = torch.ops.aten
 
@@ -65,13 +65,8 @@ def attention_as_sdpa(gm: fx.GraphModule, modules: dict[str, PlanRule]) -> int:
 
 
 def _under_rewritten(node: fx.Node, modules: dict[str, PlanRule]) -> bool:
-    path = module_path(node)
-    while path:
-        rule = modules.get(path)
-        if rule is not None:
-            return getattr(rule.action, "mode", None) in REWRITTEN
-        path = path.rpartition(".")[0]
-    return False
+    rule = innermost(module_path(node), modules)
+    return rule is not None and getattr(rule.action, "mode", None) in REWRITTEN
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:

@@ -28,7 +28,8 @@ What is assumed (and said in the report):
   two moments, one for Lion and SGD with momentum; Adafactor a few passes over the parameter's
   size), plus a cost per tensor.
 - A pipeline's forward and backward actions cost their stage's priced forward and backward
-  (a split backward half each), plus the send of what the next stage receives.
+  (a split backward half each, but its checkpointed regions' recomputation, which runs in both
+  halves), plus the send of what the next stage receives.
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ class PhaseCost:
     prefetched: float = 0.0  # s of ZeRO-3 gathers issued ahead of their unit
     gathers: int = 0
     issued: dict[str, float] = field(default_factory=dict)  # s of collectives per op, for the report
+    recomputed: float = 0.0  # s of `compute`: a backward's recomputation of checkpointed forwards
+
+    def half(self, overlap: float) -> float:
+        """One half of a backward split into input and weight gradients: half the rest each,
+        and the recomputation whole in both (torch's checkpoint recomputes once per backward
+        pass, and the halves are two)."""
+        return (self.time(overlap) - self.recomputed) / 2 + self.recomputed
 
     def exposed(self, overlap: float) -> float:
         """The collectives' time this phase waits for: inline ones whole; prefetched gathers
@@ -153,9 +161,11 @@ class OpCosts:
         self._attention: set[Any] = set()  # attention kernels: at `hw.attention` of the matmul rate
         self.record: list[tuple[float, float]] | None = None  # a list: each op's FLOP seconds and bytes
         self._sending = False  # the last thing seen was a send: the next one joins its batch
+        self._backward = False  # the phase `begin` named last is a backward
 
     def begin(self, stage: int, phase: str) -> None:
         self._current = self.phases.setdefault((stage, phase), PhaseCost())
+        self._backward = phase == "backward"
 
     def phase(self, stage: int, phase: str) -> PhaseCost:
         return self.phases.get((stage, phase), PhaseCost())
@@ -163,9 +173,13 @@ class OpCosts:
     def __call__(self, func, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any, where: str) -> None:
         kind, formula = self._kind(func)
         cost = self._current
+        # autograd runs a backward's formulas without grad mode: an op with it, inside the engine
+        # (not the loss's seed gradient, made before it starts), is a checkpoint's recomputation
+        recomputing = self._backward and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
         if kind == "view":
             cost.ops += 1
             cost.compute += self.hw.op_overhead * self.slowdown
+            cost.recomputed += self.hw.op_overhead * self.slowdown if recomputing else 0.0
             return
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if kind != "op":
@@ -187,6 +201,7 @@ class OpCosts:
             self.record.append((flops / rate, nbytes))
         spent = self.hw.op_overhead + max(flops / rate, nbytes / self.hw.bandwidth(nbytes))
         cost.compute += spent * self.slowdown
+        cost.recomputed += spent * self.slowdown if recomputing else 0.0
 
     def _kind(self, func) -> tuple[str, Any]:
         known = self._kinds.get(func)
@@ -415,7 +430,7 @@ def pipeline_timeline(
     schedule: Any, costs: OpCosts, received: Sequence[int], link: Link, replicas: int = 1
 ) -> Any:
     """The schedule simulated with each action at its stage's priced time (a split backward's
-    halves half each) and each message between ranks a send's time in flight: a forward's
+    halves half each, a checkpoint's recomputation in both: `PhaseCost.half`) and each message between ranks a send's time in flight: a forward's
     outputs reach the next stage's forward, a backward's input gradients the previous
     stage's backward (`received[s]`: the bytes stage s receives). A message waits the link's
     hand-off (`Link.for_pipelines`): the measured hand-off is a wake of the receiving process
@@ -436,8 +451,7 @@ def pipeline_timeline(
 
     def cost(action) -> float:
         phase = costs.phase(action.stage, "forward" if action.kind == "F" else "backward")
-        whole = phase.time(hw.overlap) / alone
-        return whole if action.kind in ("F", "B") else whole / 2
+        return (phase.time(hw.overlap) if action.kind in ("F", "B") else phase.half(hw.overlap)) / alone
 
     def handoff(action) -> float:
         nbytes = received[action.stage + 1] if action.kind == "F" else received[action.stage]

@@ -203,6 +203,28 @@ def test_pipeline_ranks_sharing_one_core_take_turns_and_leave_it_no_bubble():
     assert apart < 0.75 * shared
 
 
+def test_a_split_backward_recomputes_a_checkpointed_stage_in_both_halves():
+    """torch's checkpoint recomputes a region once per backward pass, and zero-bubble's input
+    and weight gradients are two passes: a rank's work under it is 1F1B's plus one more
+    recomputation a microbatch, what checkpointing adds to 1F1B's. Without checkpointing the
+    two schedules do the same work (only its order differs). Priced without a per-op cost: the
+    checkpoint's own bookkeeping (a detach of each tensor it recomputes, without grad mode) is
+    counted once, its recomputed ops twice."""
+    # a device each (every rank's work its own), ops priced by their FLOPs and bytes alone
+    apart = dataclasses.replace(CPU, cores=None, op_overhead=0.0)
+    kept = "\nmodules {\n    layers.*: checkpoint\n}\n"
+
+    def work(schedule: str, extra: str = "") -> list[float]:
+        est = estimate(compiled_for(PP.format(s=schedule) + extra), hw=apart)
+        return [r.time.compute + r.time.communication for r in est.ranks if r.time is not None]
+
+    plain, checkpointed = work("1f1b"), work("1f1b", kept)
+    assert work("zero_bubble") == pytest.approx(plain, rel=1e-9)
+    for once, twice, none in zip(checkpointed, work("zero_bubble", kept), plain, strict=True):
+        assert once > none
+        assert twice - once == pytest.approx(once - none, rel=0.02)
+
+
 def test_the_command_prices_the_step_and_refuses_unknown_hardware(capsys, tmp_path):
     argv = ["estimate", "examples/llama_tp.plan", "--model", LLAMA, "--batch", "2", "--seq", "16"]
     assert main([*argv, "--hardware", "h100", "--json"]) == 0

@@ -66,6 +66,16 @@ CELLS: dict[str, tuple[str, str, str]] = {
         LLAMA,
         "ring attention",
     ),
+    "ulysses": (
+        "mesh cp=2\n\nmodules {\n    layers.*.self_attn: context ulysses over cp\n}\n",
+        LLAMA,
+        "Ulysses attention",
+    ),
+    "ulysses_tp": (
+        _plan("examples/ulysses_tp.plan").replace("dp=*", "dp=1"),
+        LLAMA,
+        "Ulysses x TP + SP, 4 ranks",
+    ),
     "dp4_zero1": (DP4, LLAMA, "ZeRO-1 over 4 ranks"),
     "pp4": (PP4, LLAMA, "1F1B over 4 ranks, 8 microbatches"),
     "dp_pp": (DP_PP, LLAMA, "dp=2 x interleaved pp=2"),

@@ -548,23 +548,9 @@ def _expert_data_rows(
             continue
         compress = facts.compress_of(axes)
         if not facts.zero and compress is not None:
-            ps = [p for _, p in params]
-            rows += [
-                LedgerRow(
-                    f"bucket {i} {what}",
-                    "dp_bucket",
-                    "all_reduce",
-                    "backward",
-                    axis,
-                    (b,),
-                    b,
-                    1,
-                    n,
-                    facts.where,
-                )
-                for i, (bucket, _) in enumerate(dp_buckets(ps, facts.bucket_bytes, None))
-                for what, b in compressed_wire(bucket, compress.method, compress.rank)
-            ]
+            rows += compressed_bucket_rows(
+                [p for _, p in params], facts.bucket_bytes, compress, axis, n, facts.where
+            )
             continue
         if not facts.zero:
             sizes = bucket_sizes([p for _, p in params], facts.bucket_bytes, facts.reduce_dtype)
@@ -611,6 +597,18 @@ def _expert_data_rows(
     return rows
 
 
+def compressed_bucket_rows(
+    params: Sequence[torch.Tensor], bucket_bytes: int, compress: CompressSpec, axis: str, n: int, where: Span
+) -> list[LedgerRow]:
+    """`DataParallel`'s buckets under `compress`: each bucket's parts as the compression sends
+    them (`buckets.compressed_wire`), all-reduced over the `n` ranks of `axis` in backward."""
+    return [
+        LedgerRow(f"bucket {i} {what}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)
+        for i, (ps, _) in enumerate(dp_buckets(params, bucket_bytes, None))
+        for what, b in compressed_wire(ps, compress.method, compress.rank)
+    ]
+
+
 def _data_parallel_rows(
     gm: fx.GraphModule, layout: MeshLayout, data: DataParallelFacts, accumulation: int
 ) -> list[LedgerRow]:
@@ -625,12 +623,9 @@ def _data_parallel_rows(
     params = [(name, p) for name, p in data.params if name not in data.host]
     host = [(name, p) for name, p in data.params if name in data.host]
     if data.zero == 0 and data.compress is not None:  # `dsl.check` refuses it with `on cpu`
-        method, rank = data.compress.method, data.compress.rank
-        return [
-            LedgerRow(f"bucket {i} {what}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)
-            for i, (ps, _) in enumerate(dp_buckets([p for _, p in params], data.bucket_bytes, None))
-            for what, b in compressed_wire(ps, method, rank)
-        ]
+        return compressed_bucket_rows(
+            [p for _, p in params], data.bucket_bytes, data.compress, axis, n, where
+        )
     if data.zero == 0:
         return [
             LedgerRow(f"{label} {i}", "dp_bucket", "all_reduce", "backward", axis, (b,), b, 1, n, where)

@@ -10,10 +10,13 @@ def plan(rules: str, *, mesh: str = "tp=2", extra: str = "") -> str:
     return f"mesh {mesh}\n\nmodules {{{rules}}}\n{extra}"
 
 
-def data_parallel(*, zero: int | str = 0, bucket: str | None = None, axis: str = "dp") -> str:
+def data_parallel(
+    *, zero: int | str = 0, bucket: str | None = None, axis: str = "dp", compress: str | None = None
+) -> str:
     """A `data_parallel` block (`zero` may be a placeholder a test substitutes)."""
     bucket_line = f"    bucket = {bucket}\n" if bucket else ""
-    return f"\ndata_parallel over {axis} {{\n    zero = {zero}\n{bucket_line}}}\n"
+    compress_line = f"    compress = {compress}\n" if compress else ""
+    return f"\ndata_parallel over {axis} {{\n    zero = {zero}\n{bucket_line}{compress_line}}}\n"
 
 
 def llama_rules(prefix: str = "", *, vocab: bool = True) -> str:

@@ -58,3 +58,30 @@ def meshplan_command(capfd: pytest.CaptureFixture[str], *argv: str) -> SimpleNam
     status = main(list(argv))
     out, err = capfd.readouterr()
     return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
+def verified_rank(rank: int, world_size: int, job):
+    """`meshplan verify`'s own rank (its worker, `verify._rank`), and the session it opened:
+    for a test's worker to read what the rank's engines did after training.
+
+        def worker(facts, rank, world_size, job):
+            result, session = verified_rank(rank, world_size, job)
+            ...  # session.dp, session.program
+            return result
+    """
+    import meshplan.session
+    from meshplan.verify import _rank
+
+    opened = []
+    open_session = meshplan.session.open_session
+
+    def recording(*args, **kwargs):
+        opened.append(open_session(*args, **kwargs))
+        return opened[-1]
+
+    meshplan.session.open_session = recording  # `_rank` imports it when it is called
+    try:
+        result = _rank(rank, world_size, job)
+    finally:
+        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
+    return result, opened[0]

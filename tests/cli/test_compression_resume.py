@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_pool import shared_processes, spawn
-from plans import llama_rules, llama_sequence, plan
+from plans import data_parallel, llama_rules, llama_sequence, plan
 from runs import meshplan_run
 
 PLANS = {
@@ -24,7 +24,7 @@ PLANS = {
     "powersgd-zero2-sp": plan(
         llama_rules(vocab=False) + llama_sequence(),
         mesh="dp=2, tp=2",
-        extra="\ndata_parallel over dp {\n    zero = 2\n    compress = powersgd(rank=2, warmup=1)\n}\n",
+        extra=data_parallel(zero=2, compress="powersgd(rank=2, warmup=1)"),
     ),
 }
 

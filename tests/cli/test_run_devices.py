@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from gloo_pool import shared_processes
 from plans import data_parallel, plan
-from runs import meshplan_run
+from runs import meshplan_run, verified_rank
 
 from meshplan.verify import Report
 
@@ -36,23 +36,9 @@ def processes():
 
 def worker(facts: str, rank: int, world_size: int, job):
     """`meshplan verify`'s own rank, then what its engines did, written to `facts`/rank{R}.pkl."""
-    import meshplan.session
     from meshplan.runtime.data_parallel import DataParallel
-    from meshplan.verify import _rank
 
-    opened = []
-    open_session = meshplan.session.open_session
-
-    def recording(*args, **kwargs):
-        opened.append(open_session(*args, **kwargs))
-        return opened[-1]
-
-    meshplan.session.open_session = recording  # `_rank` imports it when it is called
-    try:
-        result = _rank(rank, world_size, job)
-    finally:
-        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
-    session = opened[0]
+    result, session = verified_rank(rank, world_size, job)
     names = {id(p): n for n, p in session.program.named_parameters()}
     issued: Counter[tuple[str, int]] = Counter()
     engines = []

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 from gloo_pool import shared_processes
 from plans import data_parallel, llama_rules, llama_sequence, plan
+from runs import verified_rank
 
 from meshplan.verify import Report
 
@@ -47,13 +48,12 @@ pytestmark = pytest.mark.slow
 LLAMA, MOE = "meshplan.examples.models.llama:build", "meshplan.examples.models.moe:build"
 GPT = "meshplan.examples.models.gpt:build"
 PIPELINE = "mesh dp=2, pp=2\n\npipeline over pp {{\n    schedule = {}\n    microbatches = 4\n}}\n"
-COMPRESS = "    compress = {}\n}}\n"
 PLANS = {  # name: (plan, model)
     "sp-powersgd": (
         plan(
             llama_rules(vocab=False) + llama_sequence(),
             mesh="dp=2, tp=2",
-            extra=data_parallel().replace("}\n", COMPRESS.format("powersgd(rank=2, warmup=1)")),
+            extra=data_parallel(compress="powersgd(rank=2, warmup=1)"),
         ),
         LLAMA,
     ),
@@ -61,7 +61,7 @@ PLANS = {  # name: (plan, model)
         plan(
             "\n    layers.*.self_attn: context ring over cp\n",
             mesh="dp=2, cp=2",
-            extra=data_parallel().replace("}\n", COMPRESS.format("bf16")),
+            extra=data_parallel(compress="bf16"),
         ),
         LLAMA,
     ),
@@ -69,7 +69,7 @@ PLANS = {  # name: (plan, model)
         plan(
             "\n    layers.*.mlp.experts: experts over ep (top_k=2)\n",
             mesh="dp=2, ep=2",
-            extra=data_parallel(zero=2).replace("}\n", COMPRESS.format("bf16")),
+            extra=data_parallel(zero=2, compress="bf16"),
         ),
         MOE,
     ),
@@ -77,17 +77,16 @@ PLANS = {  # name: (plan, model)
         plan(
             "\n    layers.*.mlp.experts: experts over dp (top_k=2)\n",
             mesh="dp=4",
-            extra=data_parallel().replace("}\n", COMPRESS.format("bf16")),
+            extra=data_parallel(compress="bf16"),
         ),
         MOE,
     ),
     "pp-zbv-powersgd": (
-        PIPELINE.format("zbv")
-        + data_parallel().replace("}\n", COMPRESS.format("powersgd(rank=2, warmup=1)")),
+        PIPELINE.format("zbv") + data_parallel(compress="powersgd(rank=2, warmup=1)"),
         GPT,
     ),
     "pp-zero2-bf16": (
-        PIPELINE.format("1f1b") + data_parallel(zero=2).replace("}\n", COMPRESS.format("bf16")),
+        PIPELINE.format("1f1b") + data_parallel(zero=2, compress="bf16"),
         GPT,
     ),
 }
@@ -103,25 +102,11 @@ def processes():
 def worker(facts: str, rank: int, world_size: int, job):
     """`meshplan verify`'s own rank; for the compressed run, what its engines did, written to
     `facts`/rank{R}.pkl."""
-    import meshplan.session
     from meshplan.runtime.data_parallel import DataParallel
-    from meshplan.verify import _rank
 
-    opened = []
-    open_session = meshplan.session.open_session
-
-    def recording(*args, **kwargs):
-        opened.append(open_session(*args, **kwargs))
-        return opened[-1]
-
-    meshplan.session.open_session = recording  # `_rank` imports it when it is called
-    try:
-        result = _rank(rank, world_size, job)
-    finally:
-        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
+    result, session = verified_rank(rank, world_size, job)
     if Path(job.plan).parent.name == "uncompressed":  # verify's yardstick run
         return result
-    session = opened[0]
     sync = session.dp
     sent: Counter[tuple[str, int]] = Counter()
     if hasattr(sync, "issued"):  # ZeRO: what the last step issued, reductions only

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from gloo_pool import shared_processes
 from plans import data_parallel, llama_rules, plan
+from runs import verified_rank
 
 from meshplan.verify import Report
 
@@ -89,28 +90,14 @@ def worker(facts: str, rank: int, world_size: int, job):
     """`meshplan verify`'s own rank, then what its ZeRO engine did, written to `facts`/rank{R}.pkl."""
     import torch.distributed as dist
 
-    import meshplan.session
-    from meshplan.verify import _rank
-
-    opened = []
-    open_session = meshplan.session.open_session
-
-    def recording(*args, **kwargs):
-        opened.append(open_session(*args, **kwargs))
-        return opened[-1]
-
-    meshplan.session.open_session = recording  # `_rank` imports it when it is called
-    try:
-        result = _rank(rank, world_size, job)
-    finally:
-        meshplan.session.open_session = open_session  # the process runs the next plan's rank too
-    zero = opened[0].dp
+    result, session = verified_rank(rank, world_size, job)
+    zero = session.dp
     engines = getattr(zero, "engines", [zero])  # under expert parallelism, one per group
     issued: Counter[tuple[str, int]] = Counter()
     for c in zero.issued():
         issued[c.op, c.bytes] += c.count
     units = [u for e in engines for u in e.units]
-    copies = compute_copies_kept(opened[0].program, [f for e in engines for f in e.flats])
+    copies = compute_copies_kept(session.program, [f for e in engines for f in e.flats])
     with (Path(facts) / f"rank{rank}.pkl").open("wb") as f:
         pickle.dump(
             {

@@ -140,6 +140,14 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             print("no plan measured ran under --memory: the estimate's fastest is written", file=report)
         print(file=report)
     best = found.best
+    if best is None and found.refusals and not any(c.estimate is not None for c in found.ranked):
+        print(
+            f"meshplan: error: the compiler refused every layout of {args.world_size} ranks the screen kept "
+            f"(above: what it refused, and why); none could be estimated",
+            file=sys.stderr,
+        )
+        print("hint: let other axes or sizes in (--axes), or change what the refusal names", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     if best is None:
         closest = min(found.ranked, key=lambda c: c.estimated_peak or c.peak)
         need = closest.estimated_peak or closest.peak

@@ -100,7 +100,9 @@ def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool
     moved = (to_balanced(moved, 0, world) if balanced else moved).contiguous()
     out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
     reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    # a tensor of its own, not a view: the model may write into it in place (Falcon adds its
+    # attention output into the MLP's), which autograd forbids on a view a Function made
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def all_to_all(x: Tensor, src: int, dst: int, group: dist.ProcessGroup, balanced: bool = False) -> Tensor:
@@ -121,7 +123,9 @@ def local_chunk(x: Tensor, dim: int, group: dist.ProcessGroup, balanced: bool = 
     if balanced:  # chunks rank and 2 world - 1 - rank of 2 world
         chunks = x.chunk(2 * world, dim)
         return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim).contiguous()
-    return x.chunk(world, dim)[rank].contiguous()
+    chunk = x.chunk(world, dim)[rank]
+    # a tensor of its own, not a view of `x` (see `reduce_scatter`)
+    return chunk.contiguous() if not chunk.is_contiguous() else chunk.clone()
 
 
 # ---------------------------------------------------------------- issued early, waited late

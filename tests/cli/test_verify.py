@@ -215,6 +215,39 @@ def test_attention_written_with_matmuls_under_context_parallelism(tmp_path, fact
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/{factory}", steps=2))
 
 
+FALCON_BLOOM_RULES = """  # the two families name their modules alike
+    transformer.h.*.self_attention.query_key_value: column over tp
+    transformer.h.*.self_attention.dense:           row over tp
+    transformer.h.*.mlp.dense_h_to_4h:              column over tp
+    transformer.h.*.mlp.dense_4h_to_h:              row over tp
+"""
+FALCON_ENDS = """    transformer.word_embeddings: vocab over tp
+    lm_head:                     vocab over tp
+    transformer.h.*.{ln_attn,ln_mlp}: sequence over tp
+    transformer.ln_f:                 sequence over tp
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("factory", "rules"),
+    [("hf_falcon", FALCON_BLOOM_RULES + FALCON_ENDS), ("hf_bloom", FALCON_BLOOM_RULES)],
+    ids=["falcon", "bloom"],
+)
+def test_more_hf_families_under_tensor_parallelism(tmp_path, factory, rules):
+    """Families `meshplan suggest` wrote plans for that trained something else or crashed: Falcon
+    (tp=2 with SP and the tied vocab split) picks each key/value head out of its fused group by a
+    list index, which DTensor's strategy answers once told how the op reads its list of indices
+    (it was gathered, and attention refused), and adds attention into the MLP's row output in
+    place (the all-reduce went after the write; under SP the reduce-scatter returned a view that
+    autograd refuses to see written). BLOOM's ALiBi, (batch x heads, 1, T), is cut in the blocks
+    its flattened queries' heads are (it was cut as one dim: each rank added other heads' biases,
+    and verify failed)."""
+    pytest.importorskip("transformers")
+    text = plan(rules, mesh="tp=2")
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:{factory}", steps=2))
+
+
 @pytest.mark.slow
 def test_hf_mixtral_under_context_parallelism_with_sequence_parallel_norms(tmp_path):
     """cp=2 x tp=2, the norms' sequence shards cut inside each cp rank's slice: the router

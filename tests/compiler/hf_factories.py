@@ -237,3 +237,32 @@ def hf_t5(tie_word_embeddings: bool = False):
 def hf_t5_scaled():
     """`hf_t5` as the original T5: the decoder's output scaled by d_model ** -0.5 before the head."""
     return hf_t5(tie_word_embeddings=True)
+
+
+def hf_falcon():
+    """Falcon's new decoder architecture: one fused query_key_value laid out group by group (each
+    key/value head after its query heads, picked out by list indexing and broadcast), attention
+    and MLP in parallel (the attention output added into the MLP's in place), linears written
+    as matmuls, the embedding tied to the head."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+    )
+    torch.manual_seed(0)
+    return FalconForCausalLM(config)
+
+
+def hf_bloom():
+    """BLOOM: ALiBi, a bias per head built as (batch x heads, 1, T) and added by `baddbmm` to
+    scores whose batch and heads are flattened together."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    return BloomForCausalLM(config)

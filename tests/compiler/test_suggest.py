@@ -227,6 +227,21 @@ def test_the_cli_measures_the_best_of_two_meshes_writes_the_faster_and_trains_it
     assert all(torch.isfinite(torch.tensor(r[-1]["loss"])) for r in records)
 
 
+def test_every_layout_refused_says_so_not_that_it_does_not_fit(capsys):
+    """Falcon's 2 key/value groups cannot be split over tp=4: the only layout the axes allow is
+    refused by the compiler, and the error says that (it said no layout fit the memory, naming a
+    plan that needed a hundredth of it)."""
+    from meshplan.main import main
+
+    falcon = "tests/compiler/hf_factories.py:hf_falcon"
+    argv = ["suggest", "--model", falcon, "--world-size", "4", "--axes", "tp", "--batch", "4", "--seq", "32"]
+    assert main([*argv, "--hardware", "cpu", "--memory", "64MiB"]) == 3
+    captured = capsys.readouterr()
+    assert "the compiler refused tp+sp+vocab: <suggested>" in captured.err  # the report
+    assert "the compiler refused every layout of 4 ranks" in captured.err
+    assert "fits" not in captured.err
+
+
 def test_the_plan_alone_goes_to_stdout(capsys):
     from meshplan.main import main
 

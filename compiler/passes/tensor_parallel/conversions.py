@@ -321,8 +321,11 @@ class Conversions:
         """Where a conversion of `arg` goes: right after it, unless the graph fills it in place
         before the node being walked reads it (DeepSeek-V3's keys: `new_empty`, then its two
         halves copied in through slices), then after the last of those writes: a split taken
-        before them would read uninitialized memory."""
-        if not any(aliased_input(u) is arg or arg in written(u) for u in arg.users):
+        before them would read uninitialized memory. A node converting its own output (a row
+        split's all-reduce) precedes any such write: its conversion goes right after it, and
+        the writes, walked later, read the conversion (Falcon adds its attention output into
+        the MLP's row output in place)."""
+        if arg is self.walking or not any(aliased_input(u) is arg or arg in written(u) for u in arg.users):
             return arg  # nothing views or writes it: the common case, no scan
         aliases, last, node = {arg}, arg, arg.next
         while node is not self.walking and node.op != "root":

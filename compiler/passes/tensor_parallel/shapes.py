@@ -207,7 +207,7 @@ def _squeeze(w: Walk, node: fx.Node) -> None:
     _move_shard(w, node, x, lambda d: d - sum(r < d for r in dropped))
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, aten.broadcast_to.default)
 def _expand(w: Walk, node: fx.Node) -> None:
     x = arg_node(node, 0)
     p = w.placement(x)

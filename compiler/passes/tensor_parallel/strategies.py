@@ -99,19 +99,24 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
     # Equal blocks (a sequence shard flattened with the batch) are asked about as a plain shard
     # of that dim: an op that leaves the dim alone (row-wise) cannot tell them apart. So they
-    # are only accepted when every sharded input is placed the same and nothing moves.
+    # are only accepted when every sharded input is placed the same and nothing sharded moves
+    # (a whole input DTensor cuts on that dim is cut in the same blocks).
     given = [placements[a] for a in tensors if a in placements]
     blocked = {p for p in given if isinstance(p, Shard) and p.blocks}
     if blocked:
         sharded = {p for p in given if isinstance(p, (Shard, Partial))}
         if len(sharded) != 1 or len(set(next(iter(blocked)).blocks)) != 1:
             return None
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # how DTensor reads the op's arguments (a list of tensors, as `index` takes its indices, is
+    # flattened), as its dispatcher looks it up
+    info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(
+        op
+    )
     try:
-        schema = OpSchema(op, tree_map(spec, tuple(args)), tree_map(spec, dict(kwargs)))
+        schema = OpSchema(op, tree_map(spec, tuple(args)), tree_map(spec, dict(kwargs)), schema_info=info)
         # the propagator's cache returns what it wraps returns (DTensor casts it the same way)
-        sharding = cast(
-            OutputSharding, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
-        )
+        sharding = cast(OutputSharding, propagator.propagate_op_sharding(schema))
     except _Unsupported:
         return None
     except Exception as e:  # no strategy registered, or one that rejects these inputs
@@ -132,6 +137,13 @@ def ask(op, args: tuple, kwargs: dict, placements: dict[fx.Node, Placement], siz
             if converted != Shard(have.dim):
                 return None
             converted = have
+        elif blocked and isinstance(converted, Shard) and converted != have:
+            # a whole input cut to meet blocked ones (BLOOM's ALiBi, (batch x heads, 1, T), beside
+            # queries whose heads tp cuts inside each batch row): cut in the same blocks
+            (block,) = blocked
+            if converted != Shard(block.dim):
+                return None
+            converted = block
         inputs[node] = converted
     outs: object = sharding.output_spec  # a spec, a sequence of them (None for a non-tensor), or None
     specs = [s for s in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(s, DTensorSpec)]

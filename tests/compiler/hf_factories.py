@@ -266,3 +266,8 @@ def hf_bloom():
     config = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
     torch.manual_seed(0)
     return BloomForCausalLM(config)
+
+
+def hf_olmo2():
+    """OLMo 2: q and k normalized over the whole projection (every head at once), not per head."""
+    return _small("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2, eos_token_id=2, pad_token_id=1)

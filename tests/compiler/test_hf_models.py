@@ -65,3 +65,18 @@ def test_an_experts_loop_export_cannot_read_names_the_rule_that_makes_it_one_uni
     assert "(`for expert_idx in expert_hit:`)" in caught.value.message
     assert caught.value.hint is not None
     assert "a rule `model.layers.*.mlp.experts: experts over AXIS` captures that module" in caught.value.hint
+
+
+def test_a_norm_over_key_value_heads_several_ranks_share_is_refused_at_the_rule():
+    """OLMo 2 at tp=4: its 2 key/value heads are each kept by two ranks, and its k-norm weight
+    (one entry per feature of every head) would have to be cut to them: refused, said at the
+    op and the rule that split k_proj (it was said at the mesh line, about a weight)."""
+    from meshplan.dsl.errors import PlanError
+
+    text = llama_tp(4, "model.")
+    with pytest.raises(PlanError) as raised:
+        compile_plan(check_text(text, "olmo.plan"), load_model(f"{HERE}/hf_factories.py:hf_olmo2"))
+    (error,) = raised.value.diagnostics
+    assert "`model.layers.0.self_attn.k_norm`" in error.message and "replicated over `tp`" in error.message
+    k_proj = next(i for i, line in enumerate(text.splitlines(), 1) if "{q,k,v}_proj" in line)
+    assert error.span.line == k_proj

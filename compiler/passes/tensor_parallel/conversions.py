@@ -216,6 +216,16 @@ class Conversions:
                 hint="use the fused output only through its split into q, k and v",
             )
         if have != target and any(isinstance(p, Shard) and p.replicas > 1 for p in (have, target)):
+            if isinstance(target, Shard) and target.replicas > 1 and self.walking is not None:
+                # a whole tensor to meet key/value heads several ranks share (OLMo 2's k-norm
+                # weight, over every key/value head): said at the op, where the rule splits them
+                self.error(
+                    self.walking,
+                    f"{describe(self.walking)} reads {describe(arg)} whole beside key/value heads "
+                    f"replicated over `{self.axis}` ({target}): meshplan cuts a whole tensor to "
+                    "such heads only through attention's repeat of them",
+                    hint=f"a `{self.axis}` size that divides the key/value heads",
+                )
             self.error(
                 arg,
                 f"{describe(arg)} holds key/value heads replicated over `{self.axis}` ({have}); "
@@ -265,10 +275,13 @@ class Conversions:
             return self.use(node, arg, self.reduce_partial(arg))
         return arg
 
-    def reduce_partial(self, arg: fx.Node) -> fx.Node:
-        """Sum a partial result right where it is made (the rule behind it made it partial)."""
+    def reduce_partial(self, arg: fx.Node, *, whole: bool = False) -> fx.Node:
+        """Sum a partial result right where it is made (the rule behind it made it partial):
+        under sequence parallelism scattered by sequence, unless `whole`."""
         because = meta.rule(arg)
         rows = shape(arg)[:1]
+        if whole:
+            return self.collective("all_reduce", arg, None, REPLICATE, because)
         if (
             self.spec.sequence_parallel
             and self.flat_tokens

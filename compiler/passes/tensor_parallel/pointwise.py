@@ -154,7 +154,9 @@ def _summed_over_shards(w: Walk, node: fx.Node, p: Shard) -> None:
         meta.copy_facts(node, summand, meta.REQUIRES_GRAD)
         node.replace_all_uses_with(summand, delete_user_cb=lambda u: u is not summand)
         w.set(summand, PARTIAL, w.rule_near(node))
-    reduced = w.reduce_partial(summand)
+    # whole, not scattered by sequence: the reduced tensor (a norm's statistic of features tp
+    # cuts: OLMo 2's q-norm) meets the features it was reduced from, whose sequence is whole
+    reduced = w.reduce_partial(summand, whole=True)
     for user in list(summand.users):
         if user is not reduced:
             user.replace_input_with(summand, reduced)

@@ -276,6 +276,7 @@ class ExpertParallel(AxisCollective):
         shared: str = "",
         rows_cut: tuple[str, ...] = (),
         grouped: bool = False,
+        counted: bool = True,
     ):
         super().__init__(group, axis, label)
         self.path, self.num_experts, self.param_names = path, num_experts, param_names
@@ -297,8 +298,10 @@ class ExpertParallel(AxisCollective):
         # axes other than the unit's whose ranks route their own rows of the tokens (a sequence
         # shard, a split of whole tokens): the job's expert load sums over them too
         self.rows_cut = rows_cut
-        # the model's module takes rows grouped by expert and their counts (`takes_counts`)
+        # the model's module takes rows grouped by expert (`grouped_rows`), and their counts
+        # (`takes_counts`) unless `counted` is False (`takes_rows`: an equal share each)
         self.grouped = grouped
+        self.counted = counted
         # the model's module with this rank's expert count, its parameters left out (they
         # come from the graph): kept out of `_modules`, so it adds nothing to the program's state
         self.__dict__["_local"] = None
@@ -335,6 +338,7 @@ class ExpertParallel(AxisCollective):
             shared=self.shared_axis(),
             rows_cut=getattr(self, "rows_cut", ()),
             grouped=getattr(self, "grouped", False),
+            counted=getattr(self, "counted", True),
         )
         if share_group is not None and n > 1:
             bound.share_group = share_group
@@ -509,7 +513,10 @@ class ExpertParallel(AxisCollective):
             if getattr(self, "grouped", False):  # rows grouped by local expert, and their counts
                 order = local_index.argsort(stable=True)  # (M,) from (source rank, expert) to (expert, rank)
                 counts = torch.bincount(local_index, minlength=params[0].shape[0])  # (E/n,)
-                y = torch.func.functional_call(self.local, scaled, (tokens[order], counts))
+                if getattr(self, "counted", True):
+                    y = torch.func.functional_call(self.local, scaled, (tokens[order], counts))
+                else:  # an equal share each, which the module reads from the rows' count
+                    y = torch.func.functional_call(self.local, scaled, (tokens[order],))
                 inverse = torch.empty_like(order)
                 inverse[order] = torch.arange(order.numel(), device=order.device)
                 return y[inverse]  # (M, H) in arrival order
@@ -567,6 +574,23 @@ def takes_counts(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return _binds(signature, 2) and not _binds(signature, 3)
+
+
+def takes_rows(module: nn.Module) -> bool:
+    """Whether an experts module is called on rows grouped by expert alone, `experts(x)`, each
+    expert an equal share of them (Llama 4's: every token through every expert, scaled by its
+    score before; the module views x as (E, rows / E, H))."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return False
+    return _binds(signature, 1) and not _binds(signature, 2)
+
+
+def grouped_rows(module: nn.Module) -> bool:
+    """Whether an experts module takes rows the model grouped by expert (`takes_counts`,
+    `takes_rows`), not tokens and their routing."""
+    return takes_counts(module) or takes_rows(module)
 
 
 def _binds(signature: inspect.Signature, count: int) -> bool:

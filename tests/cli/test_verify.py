@@ -506,6 +506,26 @@ def test_tensor_parallelism_inside_experts(tmp_path, factory, mesh, axis, column
 
 
 @pytest.mark.slow
+def test_llama4_experts_over_ep_with_tensor_parallelism(tmp_path):
+    """Llama 4 calls its experts on every token, each scaled by its router score, grouped by
+    expert: `experts(x)` on (E x N, H) rows, an equal share each (it was refused: its forward
+    took neither of the two layouts). Over ep each rank runs its experts' shares, the expert
+    matrices split over tp inside them, attention and the shared expert over tp too."""
+    pytest.importorskip("transformers")
+    text = (
+        "mesh ep=2, tp=2\n\nmodules {\n"
+        "    model.layers.*.feed_forward.experts:              experts over ep (top_k=1)\n"
+        "    model.layers.*.feed_forward.experts.gate_up_proj: column over tp\n"
+        "    model.layers.*.feed_forward.experts.down_proj:    row over tp\n"
+        + "    model.layers.*.self_attn.{q,k,v}_proj: column over tp\n"
+        "    model.layers.*.self_attn.o_proj:       row over tp\n"
+        "    model.layers.*.feed_forward.shared_expert.{gate_proj,up_proj}: column over tp\n"
+        "    model.layers.*.feed_forward.shared_expert.down_proj:           row over tp\n}\n"
+    )
+    assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/hf_factories.py:hf_llama4", steps=2))
+
+
+@pytest.mark.slow
 def test_experts_over_ep_on_sequence_parallel_token_shards(tmp_path):
     """`mesh tp=2, ep=2` with sequence-parallel norms: each tp rank's experts unit dispatches
     its own shard of the tokens over ep (nothing gathered over tp), and the experts' weight

@@ -271,3 +271,28 @@ def hf_bloom():
 def hf_olmo2():
     """OLMo 2: q and k normalized over the whole projection (every head at once), not per head."""
     return _small("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2, eos_token_id=2, pad_token_id=1)
+
+
+def hf_llama4():
+    """Llama 4's text model: every token through every expert, scaled by its router score first
+    (the experts module called on (E x N, H) rows, an equal share each), a shared expert."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return Llama4ForCausalLM(config)

@@ -74,7 +74,7 @@ def test_what_the_grouped_layout_cannot_do_is_a_located_error():
     experts held in a dict of modules (Switch Transformers) are not stacked."""
     assert _errors(EP.replace("top_k=2", "top_k=2, capacity_factor=1.25")).splitlines()[0] == (
         "p.plan:4:53: error: expert capacity (`capacity_factor`) for `layers.0.moe.experts` and 1 more like "
-        "it is not lowered: it is called as experts(x, num_tokens_per_expert) on rows the model permuted itself, so which "
+        "it is not lowered: it is called on rows the model grouped by expert itself, so which "
         "(token, slot) pair each row is, and so which to drop, is the model's"
     )
     assert _errors(EP, "switch").splitlines()[0] == (

@@ -82,7 +82,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList
-from meshplan.runtime.experts import ExpertParallel, takes_counts
+from meshplan.runtime.experts import ExpertParallel, grouped_rows, takes_counts
 from meshplan.runtime.mesh import axes_of
 
 from ... import meta
@@ -126,7 +126,7 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     markers = {str(node.args[4]): node for node in gm.graph.nodes if node.target is MARKER}
     modules = dict(model.named_modules())
     for path, node in markers.items():  # rows the model grouped by expert: the routing they come from
-        if takes_counts(modules[path]) and (routing := find_routing([arg_node(node, 1)], True)) is not None:
+        if grouped_rows(modules[path]) and (routing := find_routing([arg_node(node, 1)], True)) is not None:
             meta.set_routing(node, routing)
     ctx.diagnostics += _sizes(plan, model, governed, markers)
     unjoined = {str(node.args[2]) for node in gm.graph.nodes if node.target is ROWS_MARKER}  # said why
@@ -141,21 +141,22 @@ def run(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
                 rule.pattern_span,
                 f"`{path}` cannot be split over `{rule.axis}`: {why}",
                 hint="expert parallelism splits a module called as experts(tokens, top_k_index, "
-                "top_k_weights) (Hugging Face's MoE layout) or experts(x, num_tokens_per_expert) on rows "
-                "grouped by expert (torchtitan's), whose parameters stack the experts on dim 0",
+                "top_k_weights) (Hugging Face's MoE layout), experts(x, num_tokens_per_expert) on rows "
+                "grouped by expert (torchtitan's) or experts(x) on equal shares of them (Llama 4's), whose "
+                "parameters stack the experts on dim 0",
             )
         )
     grouped_capacity: dict[int, tuple[PlanRule, list[str]]] = {}  # per rule: its grouped modules
     for path in markers:
-        if takes_counts(modules[path]) and capacity_factor(governed[path]) is not None:
+        if grouped_rows(modules[path]) and capacity_factor(governed[path]) is not None:
             grouped_capacity.setdefault(id(governed[path]), (governed[path], []))[1].append(path)
     ctx.diagnostics += [
         argument_error(
             rule,
             "capacity_factor",
             f"expert capacity (`capacity_factor`) for {_modules_phrase(paths)} is not lowered: it is called "
-            "as experts(x, num_tokens_per_expert) on rows the model permuted itself, so which (token, slot) "
-            "pair each row is, and so which to drop, is the model's",
+            "on rows the model grouped by expert itself, so which (token, slot) pair each row is, and so "
+            "which to drop, is the model's",
             hint="remove `capacity_factor` to train dropless, or drop tokens in the model's own routing",
         )
         for rule, paths in grouped_capacity.values()
@@ -230,7 +231,8 @@ def _lower(
         batch_ranks=math.prod(ctx.layout.size(a) for a in group if a in ctx.plan.batch_axes)
         if len(group) > 1
         else None,
-        grouped=takes_counts(module),
+        grouped=grouped_rows(module),
+        counted=takes_counts(module),
     )
     gm.add_submodule(target, unit)
     with gm.graph.inserting_before(node):
@@ -345,7 +347,7 @@ def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
     """The node of the top-k indices the model routed with: the unit's top_k_index, or for a
     list's joined calls (or rows the model grouped by expert) the top-k found in the graph (or
     why there is none)."""
-    if not isinstance(module, ExpertList) and not takes_counts(module):
+    if not isinstance(module, ExpertList) and not grouped_rows(module):
         return arg_node(marker, 1)
     routing = meta.routing(marker)
     if routing is None or routing.index is None:
@@ -356,7 +358,7 @@ def _routing_index(marker: fx.Node, module: nn.Module) -> fx.Node | str:
 def _routed_k(marker: fx.Node, module: nn.Module) -> int | torch.SymInt | None:
     """How many experts the model routes each token to: top_k_index's (N, k), or for a list's
     joined calls or rows grouped by expert (rows one per pair) its routing's k, if found."""
-    if isinstance(module, ExpertList) or takes_counts(module):
+    if isinstance(module, ExpertList) or grouped_rows(module):
         return routing.k if (routing := meta.routing(marker)) is not None else None
     return shape(arg_node(marker, 1))[-1]
 

@@ -9,7 +9,8 @@ expert's rows (`rows.py` joins those calls into one unit). An experts module cal
 model has permuted by expert itself, `experts(x, num_tokens_per_expert)` (torchtitan's
 `GroupedExperts`, Megatron's grouped MLP: `runtime.experts.takes_counts`), is the same operator
 with each row's expert as its (R, 1) index, read from the counts, and weight 1 (the model weighs
-and un-permutes the rows after):
+and un-permutes the rows after); one called on such rows alone, `experts(x)`, an equal share
+each (Llama 4's: every token through every expert, `takes_rows`), the same with index i // (R / E):
 
     index = searchsorted(cumsum(num_tokens_per_expert), arange(R), right=True)   # (R,)
     experts = meshplan.experts(x, index[:, None], ones((R, 1)), [w1, w2, w3], path)
@@ -34,7 +35,7 @@ from meshplan.dsl import ast
 from meshplan.dsl.check import Plan, PlanRule
 from meshplan.dsl.errors import Diagnostic
 from meshplan.runtime.expert_list import ExpertList, problem
-from meshplan.runtime.experts import EXPERT_COUNTS, takes_counts
+from meshplan.runtime.experts import EXPERT_COUNTS, takes_counts, takes_rows
 
 _OP = "meshplan::experts"
 
@@ -121,6 +122,8 @@ def experts_as_units(plan: Plan, model: nn.Module) -> Iterator[None]:
             module.__dict__["call_expert"] = _rows_call(module, path)
         elif takes_counts(module):  # rows the model grouped by expert, and their counts
             module.forward = _grouped_forward(module, path)
+        elif takes_rows(module):  # rows the model grouped by expert, an equal share each
+            module.forward = _shares_forward(module, path, num_experts(module, model))
         else:
             module.forward = _unit_forward(module, path)  # an instance attribute: shadows the class's
         patched.append(module)
@@ -160,6 +163,24 @@ def _grouped_forward(module: nn.Module, path: str):
         rows = x.shape[0]  # (R, H) grouped by expert, maybe padded past the counts' sum
         ends = counts.to(torch.int64).cumsum(0)  # (E,) where each expert's rows end
         index = torch.searchsorted(ends, torch.arange(rows, device=x.device), right=True)  # (R,)
+        params = [module.get_parameter(n) for n in names]  # at call time: export swaps them
+        return MARKER(x, index[:, None], x.new_ones((rows, 1)), params, path)
+
+    return forward
+
+
+def _shares_forward(module: nn.Module, path: str, count: int | None):
+    """`experts(x)` on rows grouped by expert, an equal share each (Llama 4's), as the operator:
+    row i through expert i // (R / E), weight 1 (the model scaled the rows by their scores)."""
+    names = [name for name, _ in module.named_parameters()]
+
+    def forward(x):
+        rows = x.shape[0]
+        if count is None or rows % count:
+            raise TypeError(
+                f"meshplan calls `{path}` as experts(x) on {count} equal shares of rows: got {rows}"
+            )
+        index = torch.arange(rows, device=x.device) // (rows // count)  # (R,) each row's expert
         params = [module.get_parameter(n) for n in names]  # at call time: export swaps them
         return MARKER(x, index[:, None], x.new_ones((rows, 1)), params, path)
 
@@ -208,13 +229,16 @@ def not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     for name, p in params:
         if p.dim() < 2 or p.shape[0] != count:
             return f"its parameter `{name}` {tuple(p.shape)} does not stack the {count} experts on dim 0"
-    if takes_counts(module):
+    if takes_counts(module) or takes_rows(module):
         return None
     try:
         signature = inspect.signature(module.forward)
         signature.bind(0, 0, 0)
     except (TypeError, ValueError):
-        return "its forward takes neither (tokens, top_k_index, top_k_weights) nor (x, num_tokens_per_expert)"
+        return (
+            "its forward takes neither (tokens, top_k_index, top_k_weights), (x, num_tokens_per_expert) "
+            "nor (x) on rows grouped by expert"
+        )
     return None
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from meshplan.dsl import ast
 from meshplan.dsl.check import PlanRule
 from meshplan.dsl.errors import Diagnostic, Span
-from meshplan.runtime.experts import local_experts, takes_counts
+from meshplan.runtime.experts import local_experts, takes_counts, takes_rows
 from meshplan.runtime.shards import Cut, shard_of
 
 from ...placement import REPLICATE, Placement, Shard
@@ -219,7 +219,13 @@ def _probe(
     index = torch.zeros((_PROBE_TOKENS, 1), dtype=torch.int64)
     weights = torch.ones((_PROBE_TOKENS, 1), dtype=torch.float64)
     # rows grouped by expert and their counts (torchtitan's layout), or tokens and their routing
-    args = (tokens, torch.tensor([_PROBE_TOKENS])) if takes_counts(one) else (tokens, index, weights)
+    args = (
+        (tokens, torch.tensor([_PROBE_TOKENS]))
+        if takes_counts(one)
+        else (tokens,)
+        if takes_rows(one)
+        else (tokens, index, weights)
+    )
     try:
         with torch.no_grad():
             full = torch.func.functional_call(one, whole, args)

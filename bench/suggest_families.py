@@ -177,7 +177,7 @@ def one(name: str, world: int, axes: str, folder: Path) -> str:
         "--seq", "32", "--hardware", "cpu", "--memory", "64MiB", "-o", str(plan),
     )  # fmt: skip
     if found.returncode != 0:
-        lines = found.stderr.splitlines()
+        lines = (found.stdout + found.stderr).splitlines()  # the report (stdout under -o), the error
         why = [line for line in lines if line.startswith("the compiler refused ")]
         why = why or [line for line in lines if line.startswith("meshplan: error:")] or lines[-1:]
         return f"{name:10s} suggest wrote nothing (exit {found.returncode}): {why[0]}"

@@ -39,7 +39,11 @@ def layout_cells(lay: Layout) -> tuple[str, str, str, str]:
     schedule = f"interleaved x{lay.virtual}" if lay.virtual > 1 else "1f1b"
     pipeline = f"{schedule}, {lay.microbatches} microbatches" if lay.pp > 1 else "-"
     checkpoint = {"full": "every block", "selective": "selective"}.get(lay.checkpoint, "-")
-    mesh = lay.mesh() + (" (ulysses)" if lay.cp > 1 and lay.context == "ulysses" else "")
+    mesh = (
+        lay.mesh()
+        + (" (ulysses)" if lay.cp > 1 and lay.context == "ulysses" else "")
+        + (" +sp" if lay.sp else "")
+    )
     return mesh, zero, checkpoint, pipeline
 
 

@@ -163,8 +163,13 @@ def layouts(
             ):
                 if copies > 1 and zero == 0:
                     continue
-                for offload, ckpt, context in itertools.product(
-                    (False, True) if zero == 3 else (False,), CHECKPOINTS if shape.blocks else ("",), contexts
+                # sequence parallelism where the norms allow it, and without: the screen ranks it
+                # first (less memory), the plain split is there for a model whose compile refuses it
+                for offload, ckpt, context, seq_parallel in itertools.product(
+                    (False, True) if zero == 3 else (False,),
+                    CHECKPOINTS if shape.blocks else ("",),
+                    contexts,
+                    (True, False) if sp else (False,),
                 ):
                     yield Layout(
                         dp=d,
@@ -178,7 +183,7 @@ def layouts(
                         checkpoint=ckpt,
                         microbatches=m,
                         virtual=v,
-                        sp=sp,
+                        sp=seq_parallel,
                         vocab=vocab,
                         copies=copies,
                     )

@@ -516,13 +516,28 @@ class ExpertParallel(AxisCollective):
                 if getattr(self, "counted", True):
                     y = torch.func.functional_call(self.local, scaled, (tokens[order], counts))
                 else:  # an equal share each, which the module reads from the rows' count
-                    y = torch.func.functional_call(self.local, scaled, (tokens[order],))
+                    y = self._in_equal_shares(tokens[order], counts, scaled)
                 inverse = torch.empty_like(order)
                 inverse[order] = torch.arange(order.numel(), device=order.device)
                 return y[inverse]  # (M, H) in arrival order
             return torch.func.functional_call(
                 self.local, scaled, (tokens, local_index[:, None], ones)
             )  # (M, H)
+
+    def _in_equal_shares(self, rows: Tensor, counts: Tensor, params: dict[str, Tensor]) -> Tensor:
+        """The model's module on `rows` grouped by local expert (`counts` each), which it reads
+        as equal shares (`takes_rows`): where the shares differ (a tensor axis's ranks each took a
+        chunk of the tokens), each expert's rows padded with zeros to the most any has, and the
+        padding's outputs dropped (their gradient is zero: nothing reads them)."""
+        most = int(counts.max()) if counts.numel() else 0
+        if bool((counts == most).all()):
+            return torch.func.functional_call(self.local, params, (rows,))
+        starts = counts.cumsum(0) - counts  # (E/n,) where each expert's rows start
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        slot = expert * most + torch.arange(rows.shape[0], device=counts.device) - starts[expert]
+        padded = rows.new_zeros((counts.numel() * most, *rows.shape[1:]))
+        padded = padded.index_copy(0, slot.to(rows.device), rows)
+        return torch.func.functional_call(self.local, params, (padded,))[slot.to(rows.device)]
 
     def _exchange(self, counts: Tensor) -> Tensor:
         """Every rank's pairs per expert for this rank's experts (an all-to-all of the counts)."""

@@ -505,18 +505,26 @@ def test_tensor_parallelism_inside_experts(tmp_path, factory, mesh, axis, column
     assert_ok(verify(write(tmp_path, text), f"{COMPILER_TESTS}/{factory}", steps=2))
 
 
+LLAMA4_EXPERT_TP = (
+    "    model.layers.*.feed_forward.experts.gate_up_proj: column over tp\n"
+    "    model.layers.*.feed_forward.experts.down_proj:    row over tp\n"
+)
+
+
 @pytest.mark.slow
-def test_llama4_experts_over_ep_with_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize(("mesh", "inside"), [("ep=2, tp=2", LLAMA4_EXPERT_TP), ("ep=1, tp=2", "")])
+def test_llama4_experts_over_ep_with_tensor_parallelism(tmp_path, mesh, inside):
     """Llama 4 calls its experts on every token, each scaled by its router score, grouped by
     expert: `experts(x)` on (E x N, H) rows, an equal share each (it was refused: its forward
-    took neither of the two layouts). Over ep each rank runs its experts' shares, the expert
-    matrices split over tp inside them, attention and the shared expert over tp too."""
+    took neither of the two layouts). Over ep=2 each rank runs its experts' shares, the expert
+    matrices split over tp inside them; over ep=1 beside tp (what `suggest` writes) each tp rank
+    takes a chunk of the rows, whose shares differ: padded to equal ones (they were read as
+    equal: the run trained another model). Attention and the shared expert over tp too."""
     pytest.importorskip("transformers")
     text = (
-        "mesh ep=2, tp=2\n\nmodules {\n"
-        "    model.layers.*.feed_forward.experts:              experts over ep (top_k=1)\n"
-        "    model.layers.*.feed_forward.experts.gate_up_proj: column over tp\n"
-        "    model.layers.*.feed_forward.experts.down_proj:    row over tp\n"
+        f"mesh {mesh}\n\nmodules {{\n"
+        "    model.layers.*.feed_forward.experts: experts over ep (top_k=1)\n"
+        + inside
         + "    model.layers.*.self_attn.{q,k,v}_proj: column over tp\n"
         "    model.layers.*.self_attn.o_proj:       row over tp\n"
         "    model.layers.*.feed_forward.shared_expert.{gate_proj,up_proj}: column over tp\n"

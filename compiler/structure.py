@@ -23,6 +23,7 @@ from torch import nn
 
 from .capture import Captured
 from .passes.experts.units import num_experts
+from .passes.tensor_parallel.attention import held_heads
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class ModelShape:
             return False
         if kv % (cp * tp) == 0:
             return True
-        held = kv // tp if kv % tp == 0 else 1 if tp % kv == 0 else 0
-        return held > 0 and cp % held == 0 and (heads // tp) % held == 0
+        held = held_heads(kv, tp)
+        return held is not None and cp % held == 0 and (heads // tp) % held == 0
 
     def block(self, inner: str = "") -> str:
         """The pattern naming `inner` in every block: `model.layers.*.self_attn`."""

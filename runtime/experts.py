@@ -584,22 +584,24 @@ def takes_counts(module: nn.Module) -> bool:
     """Whether an experts module is called on rows already grouped by expert, with each expert's
     row count, `experts(x, num_tokens_per_expert)` (torchtitan's `GroupedExperts`), rather than on
     tokens and their routing, `experts(tokens, top_k_index, top_k_weights)` (Hugging Face's)."""
-    try:
-        signature = inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return False
-    return _binds(signature, 2) and not _binds(signature, 3)
+    return _positional(module) == 2
 
 
 def takes_rows(module: nn.Module) -> bool:
     """Whether an experts module is called on rows grouped by expert alone, `experts(x)`, each
     expert an equal share of them (Llama 4's: every token through every expert, scaled by its
     score before; the module views x as (E, rows / E, H))."""
+    return _positional(module) == 1
+
+
+def _positional(module: nn.Module) -> int | None:
+    """The most of 1, 2 or 3 positional arguments the module's forward binds (0: none of them);
+    None if its signature cannot be read."""
     try:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
-        return False
-    return _binds(signature, 1) and not _binds(signature, 2)
+        return None
+    return max((n for n in (1, 2, 3) if _binds(signature, n)), default=0)
 
 
 def grouped_rows(module: nn.Module) -> bool:

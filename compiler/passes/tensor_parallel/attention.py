@@ -194,7 +194,7 @@ def _split_twice(node: fx.Node, kind: str, count: object, split: int, rule: Plan
     )
 
 
-def _held_heads(kv: object, split: int) -> int | None:
+def held_heads(kv: object, split: int) -> int | None:
     """The key/value heads one rank of the tensor axes keeps of `kv` split `split` ways: its
     share, or one where they keep fewer heads than their ranks; None where neither divides."""
     if not isinstance(kv, int):
@@ -248,7 +248,7 @@ def _ulysses_key_value(w: Walk, node: fx.Node, t: fx.Node, heads: int, rule) -> 
     if isinstance(kv, int) and kv % (w.n * split) == 0:
         w.use(node, t, _nested(w.convert(t, Shard(1), because=rule), split))
         return
-    held = _held_heads(kv, split)
+    held = held_heads(kv, split)
     if held is None or w.n % held or (heads // split) % held:
         w.error(
             node,

@@ -294,7 +294,7 @@ class Screen:
         if lay.ep > 1:
             ep_comm = 2 * self._collective("all_to_all", activation * self.top_k, lay.ep, t * lay.ep)
         ulysses = self._ulysses(lay, f) if lay.cp > 1 and lay.context == "ulysses" else 0.0
-        ring = self._ring(lay, f) if lay.cp > 1 and not ulysses else 0.0
+        ring = self._ring(lay, f) if lay.cp > 1 and lay.context == "ring" else 0.0
         overlap = self.hw.overlap
         forward_block = (
             block + tp_comm + ep_comm + ulysses + exposed(ring, ring / (lay.cp - 1 or 1), block, overlap)

@@ -13,8 +13,9 @@ Three steps, each cheaper than the next is sure:
    x tp, ZeRO 0-3 (with optimizer offload at 3), checkpointing every block (all of it, or
    selectively: its matmul and attention outputs kept) or none, a
    pipeline's microbatches and schedule (1F1B, interleaved over 2 chunks a rank); sequence
-   parallelism and vocab-parallel ends with tp; a context axis where sequences are long
-   (`CONTEXT_TOKENS` a rank), its attention a ring or Ulysses (where the heads divide). Each is priced from the parameter counts and the profile by
+   parallelism (or none) and vocab-parallel ends with tp; a context axis where sequences are
+   long (`CONTEXT_TOKENS` a rank), its attention a ring or Ulysses (where the heads divide).
+   Each is priced from the parameter counts and the profile by
    arithmetic (microseconds): the state each stage holds, the activations its microbatches
    in flight keep, the step from the parts' priced forward, the collectives' ring times and
    the pipeline's bubble. This ranks; it does not decide.
